@@ -1,0 +1,28 @@
+# The two commands a newcomer runs: `make demo` and `make test`. Each installs what it needs.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+STAMP := .make-install-stamp
+
+.PHONY: install demo test test-fast test-slow lint
+
+# CPU torch first (a local wheel here); on a GPU machine install your CUDA torch before this.
+# An unpinned torch would pull a multi-GB CUDA build, so torch is only installed when missing.
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c "import torch" 2>/dev/null || \
+	  (nvidia-smi >/dev/null 2>&1 && $(PIP) install -q torch) || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PYTHON) recipes/quickstart.py --config recipes/configs/tiny/quickstart.yaml
+
+test: $(STAMP)
+	$(PYTHON) -m pytest -q --timeout=1800 tests
+
+test-fast: $(STAMP)
+	$(PYTHON) -m pytest -q --timeout=600 -m "not slow" tests
+
+test-slow: $(STAMP)
+	$(PYTHON) -m pytest -q --timeout=1800 -m slow tests

@@ -1,0 +1,252 @@
+"""THE step format and step tokenization of mmprm.
+
+Two renderings live here and nowhere else:
+
+1. **Policy format** - what a policy writes and what annotation parses (`render_solution`,
+   `parse_solution`)::
+
+       <step>Read the bar: A is 7.</step>
+       <step>7 + 5 = 12.</step>
+       <answer>12</answer>
+
+2. **PRM input** - what training, scoring and export feed a PRM (`tokenize_steps`): the
+   chat-templated prompt with its images, then the assistant turn with the dedicated special
+   `STEP_TOKEN` after every step. The PRM head is read at those tokens and nowhere else.
+
+`prm_steps` joins the two: the steps of a parsed solution with its final answer attached to the
+last step, so a PRM sees the answer it is asked to judge.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+STEP_TOKEN = "<|prm_step|>"
+STEP_OPEN, STEP_CLOSE = "<step>", "</step>"
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+
+# `<image>` (LLaVA style) or MATH-V's numbered `<image1>`, `<image2>`, ...
+IMAGE_PLACEHOLDER = re.compile(r"<image(\d*)>")
+
+_STEP_RE = re.compile(re.escape(STEP_OPEN) + r"(.*?)" + re.escape(STEP_CLOSE), re.S)
+_ANSWER_RE = re.compile(re.escape(ANSWER_OPEN) + r"(.*?)" + re.escape(ANSWER_CLOSE), re.S)
+_BLANK_LINES = re.compile(r"\n\s*\n")
+
+
+@dataclass
+class ParsedSolution:
+    """Steps and final answer read from a policy's text.
+
+    `complete` is True when an answer was found; `steps` may be empty when nothing parsed.
+    """
+
+    steps: list[str]
+    answer: str | None
+    complete: bool
+
+
+def render_solution(steps: Sequence[str], answer: str | None = None) -> str:
+    """Policy format of a solution: one `<step>` per step, then `<answer>` when given.
+
+    >>> render_solution(["2 + 3 = 5."], "5")
+    '<step>2 + 3 = 5.</step>\\n<answer>5</answer>'
+    """
+    lines = [f"{STEP_OPEN}{s.strip()}{STEP_CLOSE}" for s in steps]
+    if answer is not None:
+        lines.append(f"{ANSWER_OPEN}{answer.strip()}{ANSWER_CLOSE}")
+    return "\n".join(lines)
+
+
+def render_prefix(steps: Sequence[str]) -> str:
+    """Policy-format text of a partial solution, ready for the policy to continue."""
+    return "".join(f"{STEP_OPEN}{s.strip()}{STEP_CLOSE}\n" for s in steps)
+
+
+def parse_solution(text: str, mode: Literal["tags", "blank_lines"] = "tags") -> ParsedSolution:
+    """Read steps and the final answer from a policy's text.
+
+    mode="tags" reads `<step>` blocks (an SFT'd policy); mode="blank_lines" splits on blank
+    lines (any policy) and takes the answer from the last step with `mmprm.answers`.
+    A trailing unclosed `<step>` (generation cut off) is not a step.
+    """
+    if mode == "tags":
+        steps = [m.group(1).strip() for m in _STEP_RE.finditer(text)]
+        steps = [s for s in steps if s]
+        m = _ANSWER_RE.search(text)
+        answer = m.group(1).strip() if m else None
+        return ParsedSolution(steps, answer or None, bool(answer))
+    if mode == "blank_lines":
+        from mmprm.answers import extract_answer
+
+        steps = [s.strip() for s in _BLANK_LINES.split(text) if s.strip()]
+        answer = extract_answer(text)
+        return ParsedSolution(steps, answer, answer is not None)
+    raise ValueError(f"unknown step segmentation mode {mode!r}: use 'tags' or 'blank_lines'")
+
+
+def prm_steps(steps: Sequence[str], answer: str | None = None) -> list[str]:
+    """Steps as a PRM sees them: the final answer (if any) is appended to the last step."""
+    out = [s.strip() for s in steps]
+    if answer is not None and out:
+        out[-1] = f"{out[-1]}\n{ANSWER_OPEN}{answer.strip()}{ANSWER_CLOSE}"
+    elif answer is not None:
+        out = [f"{ANSWER_OPEN}{answer.strip()}{ANSWER_CLOSE}"]
+    return out
+
+
+def count_image_placeholders(question: str) -> int:
+    return len(IMAGE_PLACEHOLDER.findall(question))
+
+
+def user_content(question: str, num_images: int) -> list[dict[str, Any]]:
+    """Chat content parts of the user turn: images before the question, or at its placeholders.
+
+    With placeholders (`<image>`, `<image1>`, ...) each one becomes an image part in place; their
+    count must equal `num_images` (the loader checks this with a clear error first).
+    """
+    if IMAGE_PLACEHOLDER.search(question) is None:
+        return [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": question}]
+    parts: list[dict[str, Any]] = []
+    pos = 0
+    for m in IMAGE_PLACEHOLDER.finditer(question):
+        if m.start() > pos:
+            parts.append({"type": "text", "text": question[pos : m.start()]})
+        parts.append({"type": "image"})
+        pos = m.end()
+    if pos < len(question):
+        parts.append({"type": "text", "text": question[pos:]})
+    if sum(p["type"] == "image" for p in parts) != num_images:
+        raise ValueError(
+            f"question has {count_image_placeholders(question)} image placeholders but {num_images} images"
+        )
+    return parts
+
+
+def build_messages(question: str, num_images: int, system: str | None = None,
+                   assistant: str | None = None) -> list[dict[str, Any]]:
+    """Chat messages for one problem; `assistant` adds a (partial) assistant turn."""
+    messages: list[dict[str, Any]] = []
+    if system:
+        messages.append({"role": "system", "content": [{"type": "text", "text": system}]})
+    messages.append({"role": "user", "content": user_content(question, num_images)})
+    if assistant is not None:
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": assistant}]})
+    return messages
+
+
+def prompt_text(processor: Any, question: str, num_images: int, system: str | None = None) -> str:
+    """Chat-templated prompt text up to the start of the assistant turn."""
+    return processor.apply_chat_template(
+        build_messages(question, num_images, system), add_generation_prompt=True, tokenize=False
+    )
+
+
+def continuation_prompt(processor: Any, question: str, num_images: int, prefix_steps: Sequence[str],
+                        system: str | None = None) -> str:
+    """Prompt text that continues a partial assistant message (for rollouts and generation).
+
+    The steps so far are the start of the assistant turn itself (`continue_final_message`), not
+    restated in the user turn, so the policy sees exactly what it would have written.
+    """
+    base = prompt_text(processor, question, num_images, system)
+    return base + render_prefix(prefix_steps)
+
+
+@dataclass
+class TokenizedSteps:
+    """One example as the PRM sees it.
+
+    input_ids: token ids of prompt + steps, each step followed by the step token.
+    step_positions: index in `input_ids` of every step token, one per kept step.
+    labels: the kept labels (same length as step_positions), or None when unlabelled.
+    dropped_steps: trailing steps removed to fit `max_length` (their labels went with them).
+    model_inputs: extra processor outputs (pixel_values, image_grid_thw, ...), batch dim 1.
+    """
+
+    input_ids: list[int]
+    step_positions: list[int]
+    labels: list[float] | None
+    dropped_steps: int = 0
+    model_inputs: dict[str, Any] = field(default_factory=dict)
+
+
+class StepTokenError(ValueError):
+    """Text that would confuse step positions (a literal step token) or cannot fit at all."""
+
+
+def assistant_body(steps: Sequence[str], step_token: str = STEP_TOKEN) -> str:
+    """Assistant text of a PRM input: each step followed by the step token, one step per line."""
+    return "\n".join(f"{s.strip()}{step_token}" for s in steps)
+
+
+def tokenize_steps(
+    processor: Any,
+    question: str,
+    steps: Sequence[str],
+    images: Sequence[Any] = (),
+    labels: Sequence[float] | None = None,
+    max_length: int | None = None,
+    step_token: str = STEP_TOKEN,
+    system: str | None = None,
+) -> TokenizedSteps | None:
+    """Tokenize one example for a PRM and return the position of every step token.
+
+    The prompt is the processor's chat template (images before the question or at its
+    placeholders); the assistant turn is `assistant_body(steps)`. Positions are read back from
+    the ids, so they are right whatever the image expansion did. Truncation to `max_length`
+    drops whole trailing steps together with their labels; if not even the first step fits,
+    returns None (the caller counts it). A literal step token in the question or a step raises
+    StepTokenError.
+
+    Example (text-only tiny Qwen2 tokenizer; ids are illustrative)::
+
+        question="1+1?", steps=["1+1=2.", "So 2."], labels=[1.0, 0.7]
+        text      = "<|im_start|>user\\n1+1?<|im_end|>\\n<|im_start|>assistant\\n"
+                    "1+1=2.<|prm_step|>\\nSo 2.<|prm_step|>"
+        input_ids = [..., 17, 22, 17, 30, 19, 13, 1504, 198, 50, 78, 19, 13, 1504]
+        step_positions = [k1, k2]  # input_ids[k] == id of <|prm_step|> at both
+        labels    = [1.0, 0.7]     # floats, never cast
+    """
+    if labels is not None and len(labels) != len(steps):
+        raise ValueError(f"{len(steps)} steps but {len(labels)} labels")
+    for where, text in [("question", question), *((f"steps[{i}]", s) for i, s in enumerate(steps))]:
+        if step_token in text:
+            raise StepTokenError(f"{where} contains the reserved step token {step_token!r}: remove it")
+    tokenizer = getattr(processor, "tokenizer", processor)
+    step_id = tokenizer.convert_tokens_to_ids(step_token)
+    if step_id is None or step_id == tokenizer.unk_token_id:
+        raise StepTokenError(
+            f"tokenizer has no {step_token!r} token: call mmprm.models.add_step_token(processor, model) first"
+        )
+    text = prompt_text(processor, question, len(images), system) + assistant_body(steps, step_token)
+    if images:
+        enc = processor(text=[text], images=list(images), return_tensors="pt")
+    else:
+        enc = tokenizer([text], return_tensors="pt", add_special_tokens=False)
+    ids = enc["input_ids"][0].tolist()
+    positions = [i for i, t in enumerate(ids) if t == step_id]
+    if len(positions) != len(steps):
+        raise StepTokenError(
+            f"found {len(positions)} step tokens for {len(steps)} steps: the chat template or a step "
+            "text changed the step token; report this with the model name"
+        )
+    kept = len(positions)
+    if max_length is not None:
+        kept = sum(1 for p in positions if p < max_length)
+        if kept == 0:
+            return None
+    end = positions[kept - 1] + 1 if kept else len(ids)
+    model_inputs = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+    if "mm_token_type_ids" in model_inputs:
+        model_inputs["mm_token_type_ids"] = model_inputs["mm_token_type_ids"][:, :end]
+    if "token_type_ids" in model_inputs:
+        model_inputs["token_type_ids"] = model_inputs["token_type_ids"][:, :end]
+    return TokenizedSteps(
+        input_ids=ids[:end],
+        step_positions=positions[:kept],
+        labels=[float(x) for x in labels[:kept]] if labels is not None else None,
+        dropped_steps=len(steps) - kept,
+        model_inputs=model_inputs,
+    )
