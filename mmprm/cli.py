@@ -1,0 +1,64 @@
+"""The `mmprm` command: small tools around the recipes (validate, tiny-model, convert, merge).
+
+Each subcommand imports its module only when run, so `mmprm validate` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, function, one-line help); functions take argv and return an exit code
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "validate": ("mmprm.cli", "cli_validate", "check step-labelled JSONL files before any work starts"),
+    "tiny-model": ("mmprm.models.tiny", "cli_tiny_model", "write a tiny random-init model directory"),
+    "convert": ("mmprm.data.convert", "cli_convert", "import PRM data (TRL, Math-Shepherd, PRM800K, openr, MM-PRM)"),
+    "convert-candidates": ("mmprm.rerank.candidates", "cli_convert_candidates",
+                           "build Best-of-N candidate files from MATH-V, GSM8K, Qwen-Math or text solutions"),
+    "merge-annotations": ("mmprm.annotate.engine", "cli_merge_annotations",
+                          "merge per-rank annotation trees into one file"),
+    "merge-bon": ("mmprm.rerank.shards", "cli_merge_bon", "merge sharded Best-of-N scores and write the report"),
+}
+
+
+def cli_validate(argv: list[str]) -> int:
+    from mmprm.data.schema import validate_file
+
+    parser = argparse.ArgumentParser(prog="mmprm validate", description="Validate step-labelled JSONL files.")
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--require-labels", action="store_true", help="every row must carry labels (training data)")
+    parser.add_argument("--no-image-check", action="store_true", help="skip opening image files")
+    args = parser.parse_args(argv)
+    bad = 0
+    for path in args.files:
+        examples, problems = validate_file(path, args.require_labels, not args.no_image_check)
+        for line in problems:
+            print(line)
+        if problems:
+            bad += 1
+            print(f"{path}: {len(problems)} problem(s)", file=sys.stderr)
+        else:
+            n_steps = sum(len(e.steps) for e in examples)
+            labelled = sum(e.labels is not None for e in examples)
+            print(f"{path}: OK ({len(examples)} examples, {n_steps} steps, {labelled} labelled)", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: mmprm COMMAND [ARGS]\n\ncommands:")
+        for name, (_, _, help_) in COMMANDS.items():
+            print(f"  {name:<20} {help_}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"mmprm: unknown command {name!r}; run `mmprm --help`", file=sys.stderr)
+        return 2
+    module, func, _ = COMMANDS[name]
+    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,279 @@
+"""Step-labelled examples: the JSONL schema every mmprm stage reads and writes.
+
+One JSON object per line::
+
+    {"id": "p17-s2",
+     "images": ["imgs/p17.png"],          # relative to the JSONL file, or absolute
+     "question": "<image1> What is the sum of the two bars?",
+     "steps": ["The red bar is 7.", "The blue bar is 5.", "7 + 5 = 12."],
+     "labels": [1.0, 1.0, 0.75],          # float in [0, 1] per step; omit for unlabelled data
+     "answer": "12",                      # optional
+     "meta": {"source": "omegaprm"}}      # optional, free-form
+
+Images go before the question unless it holds placeholders (`<image>` or `<image1>`, ...), whose
+count must equal the number of images. `load_examples` checks every row before any work starts and
+raises `DataError` listing every problem as `FILE:LINE: id=...: field: what is wrong (how to fix)`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from mmprm.steps import STEP_TOKEN, count_image_placeholders
+
+
+@dataclass
+class StepExample:
+    """One problem with its solution steps (and per-step labels when labelled)."""
+
+    id: str
+    question: str
+    steps: list[str]
+    images: list[str] = field(default_factory=list)
+    labels: list[float] | None = None
+    answer: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        row: dict[str, Any] = {"id": self.id, "images": list(self.images), "question": self.question,
+                               "steps": list(self.steps)}
+        if self.labels is not None:
+            row["labels"] = [float(x) for x in self.labels]
+        if self.answer is not None:
+            row["answer"] = self.answer
+        if self.meta:
+            row["meta"] = self.meta
+        return row
+
+
+class DataError(ValueError):
+    """Invalid input data. `problems` holds one actionable line per problem found."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        shown = "\n".join(problems[:50])
+        more = f"\n... and {len(problems) - 50} more" if len(problems) > 50 else ""
+        super().__init__(f"{len(problems)} problem(s) in input data:\n{shown}{more}")
+
+
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
+    """Yield (line number, parsed object or None, error or None) for each non-blank line.
+
+    Bytes are decoded per line so one bad line is reported by number, not as a crash.
+    """
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, None, f"not UTF-8: byte {e.start} is {raw[e.start:e.start + 1]!r} (re-save the file as UTF-8)"
+                continue
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield lineno, None, f"invalid JSON: {e.msg} at column {e.colno} (fix the line so it holds one JSON object)"
+                continue
+            if not isinstance(obj, dict):
+                yield lineno, None, "not a JSON object (each line must be one object like {\"id\": ..., \"question\": ...})"
+                continue
+            yield lineno, obj, None
+
+
+def _check_image(path: Path, cache: dict[Path, str | None]) -> str | None:
+    if path not in cache:
+        if not path.exists():
+            cache[path] = f"image not found: {path} (paths are relative to the JSONL file's folder)"
+        else:
+            try:
+                from PIL import Image
+
+                with Image.open(path) as im:
+                    im.size  # reads the header: enough to know it is an image
+                cache[path] = None
+            except Exception as e:  # PIL raises many types for broken files
+                cache[path] = f"image unreadable: {path}: {type(e).__name__} (replace or re-export the file)"
+    return cache[path]
+
+
+def check_row(obj: dict[str, Any], base_dir: Path, require_labels: bool = False,
+              check_images: bool = True, image_cache: dict[Path, str | None] | None = None,
+              steps_field: str = "steps") -> tuple[list[tuple[str, str]], StepExample | None]:
+    """Validate one row. Returns ([(field, message)], example-or-None)."""
+    errs: list[tuple[str, str]] = []
+    cache = image_cache if image_cache is not None else {}
+    rid = obj.get("id")
+    if rid is None or (isinstance(rid, str) and not rid.strip()):
+        errs.append(("id", "missing (add a unique string id to every row)"))
+    elif not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        errs.append(("id", f"must be a string, got {type(rid).__name__}"))
+    question = obj.get("question")
+    if not isinstance(question, str) or not question.strip():
+        errs.append(("question", "missing or empty (add the problem text)"))
+        question = None
+    elif STEP_TOKEN in question:
+        errs.append(("question", f"contains the reserved step token {STEP_TOKEN!r} (remove it from the text)"))
+
+    images = obj.get("images", [])
+    resolved: list[str] = []
+    if images is None:
+        images = []
+    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
+        errs.append(("images", "must be a list of image paths (use [] for text-only)"))
+        images = []
+    for i, p in enumerate(images):
+        full = Path(p) if os.path.isabs(p) else (base_dir / p)
+        resolved.append(str(full.resolve()))
+        if check_images:
+            msg = _check_image(full, cache)
+            if msg:
+                errs.append((f"images[{i}]", msg))
+    if question is not None:
+        n_ph = count_image_placeholders(question)
+        if n_ph and n_ph != len(images):
+            errs.append(("images", f"question has {n_ph} image placeholder(s) but {len(images)} image(s) are listed "
+                                   "(list one image per placeholder, or remove the placeholders)"))
+
+    steps = obj.get(steps_field)
+    if steps is None:
+        errs.append((steps_field, "missing (a list of step strings)"))
+        steps = None
+    elif not isinstance(steps, list) or not all(isinstance(s, str) for s in steps):
+        errs.append((steps_field, "must be a list of strings"))
+        steps = None
+    elif not steps:
+        errs.append((steps_field, "empty list (a solution needs at least one step; drop the row)"))
+    else:
+        for i, s in enumerate(steps):
+            if not s.strip():
+                errs.append((f"{steps_field}[{i}]", "empty step text (remove the step and its label)"))
+            elif STEP_TOKEN in s:
+                errs.append((f"{steps_field}[{i}]", f"contains the reserved step token {STEP_TOKEN!r} (remove it)"))
+
+    labels = obj.get("labels")
+    if labels is None:
+        if require_labels:
+            errs.append(("labels", "missing (training needs one float in [0,1] per step)"))
+    elif not isinstance(labels, list):
+        errs.append(("labels", "must be a list of floats in [0,1]"))
+        labels = None
+    else:
+        for i, x in enumerate(labels):
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                errs.append((f"labels[{i}]", f"{x!r} is not a number (use a float in [0,1])"))
+            elif math.isnan(x) or math.isinf(x):
+                errs.append((f"labels[{i}]", f"{x} is not a finite number (use a float in [0,1])"))
+            elif not 0.0 <= x <= 1.0:
+                errs.append((f"labels[{i}]", f"{x} is outside [0,1] (rescale, e.g. +1/-1 ratings -> 1/0)"))
+        if steps is not None and len(labels) != len(steps):
+            errs.append(("labels", f"{len(labels)} labels for {len(steps)} steps (give exactly one label per step)"))
+
+    answer = obj.get("answer")
+    if answer is not None and not isinstance(answer, (str, int, float)):
+        errs.append(("answer", "must be a string"))
+    meta = obj.get("meta", {}) or {}
+    if not isinstance(meta, dict):
+        errs.append(("meta", "must be a JSON object"))
+    if errs:
+        return errs, None
+    return [], StepExample(
+        id=str(rid), question=question, steps=list(steps), images=resolved,
+        labels=[float(x) for x in labels] if labels is not None else None,
+        answer=str(answer) if answer is not None else None, meta=meta,
+    )
+
+
+def validate_file(path: str | Path, require_labels: bool = False,
+                  check_images: bool = True) -> tuple[list[StepExample], list[str]]:
+    """Check every row of a step-labelled JSONL file; return (examples, problem lines)."""
+    path = Path(path)
+    if not path.exists():
+        return [], [f"{path}: file not found (check data.* paths in your config)"]
+    base = path.parent
+    problems: list[str] = []
+    examples: list[StepExample] = []
+    seen: dict[str, int] = {}
+    cache: dict[Path, str | None] = {}
+    n_rows = 0
+    for lineno, obj, err in iter_jsonl(path):
+        n_rows += 1
+        if err:
+            problems.append(f"{path}:{lineno}: id=?: line: {err}")
+            continue
+        rid = obj.get("id")
+        errs, ex = check_row(obj, base, require_labels, check_images, cache)
+        for fld, msg in errs:
+            problems.append(f"{path}:{lineno}: id={rid}: {fld}: {msg}")
+        if rid is not None and not errs:
+            key = str(rid)
+            if key in seen:
+                problems.append(f"{path}:{lineno}: id={rid}: id: duplicated (first on line {seen[key]}; make ids unique)")
+                continue
+            seen[key] = lineno
+        if ex is not None:
+            examples.append(ex)
+    if n_rows == 0:
+        problems.append(f"{path}:0: id=?: file: no rows (the file is empty)")
+    return examples, problems
+
+
+def load_examples(path: str | Path, require_labels: bool = False, check_images: bool = True) -> list[StepExample]:
+    """Load and validate a step-labelled JSONL file; raise DataError listing every problem."""
+    examples, problems = validate_file(path, require_labels, check_images)
+    if problems:
+        raise DataError(problems)
+    return examples
+
+
+def write_jsonl(path: str | Path, rows: Iterable[dict[str, Any] | StepExample]) -> int:
+    """Write rows atomically (temp file + rename), so a crash never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    n = 0
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for row in rows:
+                if isinstance(row, StepExample):
+                    row = row.to_json()
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                n += 1
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return n
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Plain JSONL reader for our own outputs; raises DataError naming the bad line."""
+    rows, problems = [], []
+    for lineno, obj, err in iter_jsonl(path):
+        if err:
+            problems.append(f"{path}:{lineno}: id=?: line: {err}")
+        else:
+            rows.append(obj)
+    if problems:
+        raise DataError(problems)
+    return rows
+
+
+def to_hf_dataset(examples: list[StepExample]):
+    """The examples as a `datasets.Dataset` (labels as float lists, null when unlabelled)."""
+    import datasets
+
+    return datasets.Dataset.from_list([
+        {"id": e.id, "images": e.images, "question": e.question, "steps": e.steps,
+         "labels": e.labels, "answer": e.answer, "meta": json.dumps(e.meta)}
+        for e in examples
+    ])
