@@ -1,0 +1,358 @@
+"""Process reward model: a backbone plus a head read at every step token, and its scorer.
+
+Two heads (`PRMSpec.head`):
+- "token_pair": the LM logits at a step token restricted to two reward tokens (default "+"/"-");
+  the step score is softmax over the pair, index 0 = positive. No new parameters.
+- "value": a linear layer on the last hidden state at the step token; score = sigmoid.
+
+`save_prm` writes a standard HF directory (backbone or merged LoRA, processor with the step token,
+`value_head.safetensors` for the value head) plus `mmprm_prm.json`; `load_prm` restores a
+`PRMScorer` whose `score()` uses the same `mmprm.steps.tokenize_steps` as training.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from mmprm.steps import STEP_TOKEN, TokenizedSteps, tokenize_steps
+
+SPEC_FILE = "mmprm_prm.json"
+VALUE_HEAD_FILE = "value_head.safetensors"
+# Processor outputs that run along the token axis (padded like input_ids, not concatenated).
+PER_TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
+
+
+@dataclass
+class PRMSpec:
+    """What a PRM directory needs besides the HF files to score exactly like training did."""
+
+    head: str = "token_pair"
+    step_token: str = STEP_TOKEN
+    reward_tokens: list[str] = field(default_factory=lambda: ["+", "-"])
+    system_prompt: str | None = None
+
+    def validate(self) -> None:
+        if self.head not in ("token_pair", "value"):
+            raise ValueError(f"head: {self.head!r} is not one of ['token_pair', 'value']")
+        if len(self.reward_tokens) != 2 or self.reward_tokens[0] == self.reward_tokens[1]:
+            raise ValueError("reward_tokens: give two different tokens, positive first (e.g. ['+', '-'])")
+
+
+def reward_token_ids(tokenizer: Any, tokens: Sequence[str]) -> list[int]:
+    """Ids of the reward tokens; each must be a single token of the vocabulary."""
+    ids = []
+    for tok in tokens:
+        enc = tokenizer.encode(tok, add_special_tokens=False)
+        if len(enc) != 1:
+            raise ValueError(f"reward token {tok!r} is {len(enc)} tokens for this tokenizer: pick single-token "
+                             "reward tokens (set prm.reward_tokens)")
+        ids.append(enc[0])
+    return ids
+
+
+def _decoder(backbone: nn.Module) -> nn.Module:
+    """The backbone without its LM head (vision encoder included); LoRA layers stay in place."""
+    base = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone
+    return base.model
+
+
+class ProcessRewardModel(nn.Module):
+    """Backbone + PRM head. `forward` returns head outputs at the step tokens only.
+
+    token_pair -> (N, 2) logits [positive, negative]; value -> (N,) logits; N = step tokens in batch.
+    """
+
+    def __init__(self, backbone: nn.Module, spec: PRMSpec, reward_ids: list[int] | None = None):
+        super().__init__()
+        spec.validate()
+        self.backbone = backbone
+        self.spec = spec
+        self.reward_ids = reward_ids
+        if spec.head == "token_pair" and not reward_ids:
+            raise ValueError("token_pair head needs reward token ids")
+        if spec.head == "value":
+            hidden = backbone.config.get_text_config().hidden_size
+            self.value_head = nn.Linear(hidden, 1)
+            nn.init.normal_(self.value_head.weight, std=1.0 / hidden**0.5)
+            nn.init.zeros_(self.value_head.bias)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Head outputs for hidden states (N, H) at step tokens."""
+        if self.spec.head == "value":
+            return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)  # (N,)
+        base = self.backbone.get_base_model() if hasattr(self.backbone, "get_base_model") else self.backbone
+        lm_head = base.get_output_embeddings()
+        # Only the two reward rows of the LM head: the same logits as the full vocab, a fraction of the cost.
+        weight = lm_head.weight[self.reward_ids]  # (2, H)
+        logits = hidden.to(weight.dtype) @ weight.T  # (N, 2)
+        if getattr(lm_head, "bias", None) is not None:
+            logits = logits + lm_head.bias[self.reward_ids]
+        return logits
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, step_mask: torch.Tensor,
+                **model_inputs: Any) -> torch.Tensor:
+        out = _decoder(self.backbone)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                      **model_inputs)
+        hidden = out.last_hidden_state  # (B, S, H)
+        return self.head_logits(hidden[step_mask])  # (N, 2) or (N,)
+
+    @staticmethod
+    def probabilities(head_logits: torch.Tensor) -> torch.Tensor:
+        """Step-correct probability from head logits: (N, 2) -> softmax[:, 0]; (N,) -> sigmoid."""
+        if head_logits.ndim == 2:
+            return torch.softmax(head_logits.float(), dim=-1)[:, 0]
+        return torch.sigmoid(head_logits.float())
+
+
+def collate_steps(items: Sequence[TokenizedSteps], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a batch of tokenized examples; step positions stay where tokenization put them.
+
+    Returns input_ids/attention_mask/step_mask (B, S), targets (N,) float when labelled, and the
+    processor's image tensors concatenated along dim 0 (the models index images in batch order).
+    """
+    width = max(len(t.input_ids) for t in items)
+    batch = len(items)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    step_mask = torch.zeros((batch, width), dtype=torch.bool)
+    for i, t in enumerate(items):
+        n = len(t.input_ids)
+        input_ids[i, :n] = torch.tensor(t.input_ids)
+        attention_mask[i, :n] = 1
+        step_mask[i, t.step_positions] = True
+    out: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention_mask, "step_mask": step_mask}
+    if all(t.labels is not None for t in items):
+        # float32 end to end: a 0.7 label reaches the loss as 0.7
+        out["targets"] = torch.tensor([x for t in items for x in t.labels], dtype=torch.float32)
+    keys = set().union(*(t.model_inputs.keys() for t in items))
+    for key in sorted(keys):
+        values = [t.model_inputs[key] for t in items if key in t.model_inputs]
+        if key in PER_TOKEN_KEYS:
+            padded = torch.zeros((batch, width), dtype=values[0].dtype)
+            for i, t in enumerate(items):
+                v = t.model_inputs[key][0]
+                padded[i, : min(len(v), width)] = v[:width]
+            out[key] = padded
+        elif len(values) == batch or key in ("pixel_values", "image_grid_thw", "image_sizes"):
+            out[key] = torch.cat(values, dim=0)
+    return out
+
+
+def model_input_keys(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The entries of a collated batch that go to the backbone (not targets)."""
+    return {k: v for k, v in batch.items() if k not in ("targets", "input_ids", "attention_mask", "step_mask")}
+
+
+class PRMScorer:
+    """Scores steps with a trained PRM, using the training step tokenization.
+
+    `score(examples)` returns one probability per step per example. Candidates that share a
+    question and images (Best-of-N) share one forward of the prompt: its KV cache is reused for
+    every candidate (`share_prefix=True`), which gives the same scores as the unshared path.
+    """
+
+    def __init__(self, model: ProcessRewardModel, processor: Any, device: str | torch.device = "cpu",
+                 batch_size: int = 8, max_length: int | None = None):
+        self.model = model.eval().to(device)
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.spec = model.spec
+        self.dropped_steps = 0
+
+    def tokenize(self, ex: Any) -> TokenizedSteps:
+        get = (lambda k, d=None: getattr(ex, k, d)) if not isinstance(ex, dict) else ex.get
+        images = [_open_image(p) for p in (get("images") or [])]
+        tok = tokenize_steps(self.processor, get("question"), list(get("steps")), images,
+                             max_length=self.max_length, step_token=self.spec.step_token,
+                             system=self.spec.system_prompt)
+        if tok is None:
+            raise ValueError(f"id={get('id', '?')}: the prompt alone exceeds max_length={self.max_length}; "
+                             "raise max_length or shorten the question")
+        return tok
+
+    @torch.no_grad()
+    def score(self, examples: Sequence[Any], share_prefix: bool = True, progress: bool = False) -> list[list[float]]:
+        """One probability per step per example (steps cut by max_length get NaN)."""
+        toks = [self.tokenize(ex) for ex in examples]
+        results: list[list[float] | None] = [None] * len(toks)
+        groups: dict[Any, list[int]] = {}
+        for i, ex in enumerate(examples):
+            get = (lambda k, d=None: getattr(ex, k, d)) if not isinstance(ex, dict) else ex.get
+            key = (get("question"), tuple(get("images") or ())) if share_prefix else i
+            groups.setdefault(key, []).append(i)
+        bar = _progress(len(toks), progress)
+        for idx in groups.values():
+            if share_prefix and len(idx) > 1:
+                scores = self._score_shared([toks[i] for i in idx])
+            else:
+                scores = self._score_plain([toks[i] for i in idx])
+            for i, s in zip(idx, scores):
+                n_missing = len(_steps_of(examples[i])) - len(s)
+                results[i] = s + [float("nan")] * n_missing
+            bar.update(len(idx))
+        bar.close()
+        return results  # type: ignore[return-value]
+
+    def _run(self, batch: dict[str, torch.Tensor]) -> list[list[float]]:
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        logits = self.model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))
+        probs = ProcessRewardModel.probabilities(logits).tolist()
+        counts = batch["step_mask"].sum(dim=1).tolist()
+        out, pos = [], 0
+        for c in counts:
+            out.append(probs[pos : pos + c])
+            pos += c
+        return out
+
+    def _score_plain(self, toks: list[TokenizedSteps]) -> list[list[float]]:
+        order = sorted(range(len(toks)), key=lambda i: len(toks[i].input_ids))  # length-bucketed batches
+        out: list[list[float]] = [[] for _ in toks]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            for i, s in zip(chunk, self._run(collate_steps([toks[i] for i in chunk], pad))):
+                out[i] = s
+        return out
+
+    def _score_shared(self, toks: list[TokenizedSteps]) -> list[list[float]]:
+        """Encode the shared prompt once; run only each candidate's own tokens against its cache."""
+        first = toks[0].input_ids
+        prefix_len = min(min(t.step_positions) for t in toks)  # never share a step token
+        for t in toks[1:]:
+            k = 0
+            while k < prefix_len and t.input_ids[k] == first[k]:
+                k += 1
+            prefix_len = k
+        if prefix_len < 2:
+            return self._score_plain(toks)
+        decoder = _decoder(self.model.backbone)
+        mm = {k: v.to(self.device) for k, v in toks[0].model_inputs.items()}
+        for key in PER_TOKEN_KEYS:
+            if key in mm:
+                mm[key] = mm[key][:, :prefix_len]
+        prefix_ids = torch.tensor([first[:prefix_len]], device=self.device)
+        pre = decoder(input_ids=prefix_ids, attention_mask=torch.ones_like(prefix_ids), use_cache=True, **mm)
+        cache = pre.past_key_values
+        # M-RoPE models (Qwen2-VL family) shift text positions after images by a per-sequence delta.
+        delta = getattr(decoder, "rope_deltas", None)
+        delta = int(delta.reshape(-1)[0]) if isinstance(delta, torch.Tensor) else 0
+        out: list[list[float]] = [[] for _ in toks]
+        order = sorted(range(len(toks)), key=lambda i: len(toks[i].input_ids))
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            width = max(len(toks[i].input_ids) for i in chunk) - prefix_len
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), prefix_len + width), dtype=torch.long)
+            mask[:, :prefix_len] = 1
+            step_mask = torch.zeros((len(chunk), width), dtype=torch.bool)
+            for row, i in enumerate(chunk):
+                suffix = toks[i].input_ids[prefix_len:]
+                ids[row, : len(suffix)] = torch.tensor(suffix)
+                mask[row, prefix_len : prefix_len + len(suffix)] = 1
+                step_mask[row, [p - prefix_len for p in toks[i].step_positions]] = True
+            positions = torch.arange(prefix_len, prefix_len + width).unsqueeze(0).expand(len(chunk), -1) + delta
+            batch_cache = copy.deepcopy(cache)
+            batch_cache.batch_repeat_interleave(len(chunk))
+            res = decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                          position_ids=positions.to(self.device), past_key_values=batch_cache, use_cache=True)
+            hidden = res.last_hidden_state  # (b, width, H)
+            probs = ProcessRewardModel.probabilities(self.model.head_logits(hidden[step_mask.to(self.device)])).tolist()
+            pos = 0
+            for row, i in enumerate(chunk):
+                c = int(step_mask[row].sum())
+                out[i] = probs[pos : pos + c]
+                pos += c
+        return out
+
+
+def _steps_of(ex: Any) -> list[str]:
+    return list(ex["steps"] if isinstance(ex, dict) else ex.steps)
+
+
+def _open_image(p: Any) -> Any:
+    if isinstance(p, (str, Path)):
+        from PIL import Image
+
+        with Image.open(p) as im:
+            return im.convert("RGB")
+    return p
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="scoring", unit="sol")
+
+
+def build_prm(backbone: nn.Module, processor: Any, spec: PRMSpec) -> ProcessRewardModel:
+    """Wrap a loaded backbone as a PRM: adds the step token and resolves reward token ids."""
+    from mmprm.models.loading import add_step_token
+
+    add_step_token(processor, backbone, spec.step_token)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    ids = reward_token_ids(tokenizer, spec.reward_tokens) if spec.head == "token_pair" else None
+    return ProcessRewardModel(backbone, spec, ids)
+
+
+def save_prm(model: ProcessRewardModel, processor: Any, out_dir: str | Path, merge_lora: bool = True) -> Path:
+    """Write a standard HF directory plus mmprm's spec (and value head) so `load_prm` restores it."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    backbone = model.backbone
+    if merge_lora and hasattr(backbone, "merge_and_unload"):
+        backbone = copy.deepcopy(backbone).merge_and_unload()
+    backbone.save_pretrained(out)
+    processor.save_pretrained(out)
+    if model.spec.head == "value":
+        save_file({k: v.detach().cpu().contiguous() for k, v in model.value_head.state_dict().items()},
+                  str(out / VALUE_HEAD_FILE))
+    (out / SPEC_FILE).write_text(json.dumps(asdict(model.spec), indent=2) + "\n")
+    return out
+
+
+def load_prm(path: str | Path, device: str | torch.device = "cpu", batch_size: int = 8,
+             max_length: int | None = None, dtype: torch.dtype | None = None) -> PRMScorer:
+    """Restore a PRM saved by `save_prm` (or `recipes/prm_train.py`) as a `PRMScorer`."""
+    from safetensors.torch import load_file
+
+    from mmprm.models.loading import load_backbone
+
+    path = Path(path)
+    spec_file = path / SPEC_FILE
+    if not spec_file.exists():
+        raise FileNotFoundError(f"{path}: no {SPEC_FILE}; this is not a PRM directory written by mmprm "
+                                "(train one with recipes/prm_train.py, or use PRMSpec with build_prm)")
+    spec = PRMSpec(**json.loads(spec_file.read_text()))
+    backbone, processor = load_backbone(path, dtype=dtype)
+    model = build_prm(backbone, processor, spec)
+    if spec.head == "value":
+        model.value_head.load_state_dict(load_file(str(path / VALUE_HEAD_FILE)))
+    return PRMScorer(model, processor, device=device, batch_size=batch_size, max_length=max_length)
+
+
+def iter_batches(items: Sequence[Any], batch_size: int) -> Iterable[Sequence[Any]]:
+    for start in range(0, len(items), batch_size):
+        yield items[start : start + batch_size]

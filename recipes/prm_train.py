@@ -1,0 +1,321 @@
+"""Train a (multimodal) process reward model with soft Monte-Carlo labels.
+
+    # one process (CPU or one GPU)
+    accelerate launch recipes/prm_train.py --config recipes/configs/tiny/prm_train.yaml
+    # 8 GPUs, DeepSpeed ZeRO-2
+    accelerate launch --config_file launch/accelerate/deepspeed_zero2.yaml \
+        recipes/prm_train.py --config recipes/configs/qwen2_5_vl_7b/prm_train.yaml
+    # any key can be overridden: train.lr=2e-6 data.label_mode=hard resume_from_checkpoint=latest
+
+The head is read at the step token after every step (`mmprm.steps.tokenize_steps`) and trained
+with cross-entropy against the float label; eval metrics go to OUTPUT_DIR/metrics.jsonl and the
+trackers; the final PRM is a standard HF directory in OUTPUT_DIR that `mmprm.load_prm` restores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from mmprm.config import ConfigError, load_config, parse_cli, to_dict
+from mmprm.data.schema import DataError, load_examples
+from mmprm.models.loading import load_backbone, vision_tower_parameters
+from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, collate_steps, model_input_keys, save_prm
+from mmprm.scoring.losses import soft_bce_value, soft_ce_token_pair
+from mmprm.scoring.metrics import step_metrics
+from mmprm.steps import StepTokenError, tokenize_steps
+from mmprm.training import BatchStream, TrainProgress, find_checkpoint, lr_factor, rank_share
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = ""
+    dtype: str = "float32"  # weights dtype at load; use train.bf16 for mixed precision
+    freeze_vision_tower: bool = True
+    gradient_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class PRMConfig:
+    head: str = "token_pair"  # token_pair | value
+    reward_tokens: list[str] = field(default_factory=lambda: ["+", "-"])
+    system_prompt: str | None = None
+
+
+@dataclass
+class DataConfig:
+    train_file: str = ""
+    eval_file: str | None = None
+    max_length: int = 2048
+    label_mode: str = "soft"  # soft | hard (MM-PRM's ablation: label >= hard_threshold -> 1 else 0)
+    hard_threshold: float = 0.5
+    balance: bool = False  # weight positive/negative steps (label >= 0.5 or not) to equal total weight
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 42
+    max_steps: int = 100
+    batch_size: int = 8  # per process, per micro-step
+    grad_accum: int = 1
+    lr: float = 2e-6
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: str = "cosine"  # cosine | linear | constant
+    max_grad_norm: float = 1.0
+    bf16: bool = False
+    group_by_length: bool = True
+    log_every: int = 10
+    eval_every: int = 100
+    save_every: int = 100
+    eval_batch_size: int = 8
+    report_to: str = "tensorboard"  # tensorboard | wandb | none
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    prm: PRMConfig = field(default_factory=PRMConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output_dir: str = "runs/prm"
+    resume_from_checkpoint: str | None = None
+
+    def validate(self) -> None:
+        if not self.model.name_or_path:
+            raise ValueError("model.name_or_path: required (a HF model directory or hub name)")
+        if not self.data.train_file:
+            raise ValueError("data.train_file: required (step-labelled JSONL, see README)")
+        if self.data.label_mode not in ("soft", "hard"):
+            raise ValueError(f"data.label_mode: {self.data.label_mode!r} is not one of ['soft', 'hard']")
+        if self.prm.head not in ("token_pair", "value"):
+            raise ValueError(f"prm.head: {self.prm.head!r} is not one of ['token_pair', 'value']")
+        if self.train.schedule not in ("cosine", "linear", "constant"):
+            raise ValueError(f"train.schedule: {self.train.schedule!r} is not one of ['cosine', 'linear', 'constant']")
+
+
+def tokenize_file(path, processor, cfg: Config, spec: PRMSpec, accelerator) -> tuple[list, dict]:
+    """Validate the whole file first, then tokenize; counts what truncation dropped."""
+    from PIL import Image
+
+    examples = load_examples(path, require_labels=True)
+    out, stats = [], {"examples": len(examples), "dropped_examples": 0, "dropped_steps": 0}
+    for ex in tqdm(examples, desc=f"tokenizing {Path(path).name}", disable=not accelerator.is_main_process):
+        labels = ex.labels
+        if cfg.data.label_mode == "hard":
+            labels = [1.0 if x >= cfg.data.hard_threshold else 0.0 for x in labels]
+        images = [Image.open(p).convert("RGB") for p in ex.images]
+        tok = tokenize_steps(processor, ex.question, ex.steps, images, labels, cfg.data.max_length,
+                             spec.step_token, spec.system_prompt)
+        if tok is None:
+            stats["dropped_examples"] += 1
+            continue
+        stats["dropped_steps"] += tok.dropped_steps
+        tok.id = ex.id
+        out.append(tok)
+    return out, stats
+
+
+def step_loss(head_logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Mean soft cross-entropy over the step tokens of a micro-batch (weighted when balancing)."""
+    if weights is None:
+        if head_logits.ndim == 2:
+            return soft_ce_token_pair(head_logits, targets)
+        return soft_bce_value(head_logits, targets)
+    logp_pos = torch.nn.functional.logsigmoid(head_logits[:, 0] - head_logits[:, 1]) if head_logits.ndim == 2 \
+        else torch.nn.functional.logsigmoid(head_logits)
+    logp_neg = torch.nn.functional.logsigmoid(-(head_logits[:, 0] - head_logits[:, 1])) if head_logits.ndim == 2 \
+        else torch.nn.functional.logsigmoid(-head_logits)
+    per_step = -(targets * logp_pos.float() + (1 - targets) * logp_neg.float())  # (N,)
+    return (weights * per_step).sum() / weights.sum().clamp_min(1e-12)
+
+
+@torch.no_grad()
+def evaluate(model, data, pad_id, batch_size, accelerator) -> dict[str, float]:
+    """Step-level metrics on the eval split (each process scores its share, gathered on all)."""
+    model.eval()
+    mine = data[accelerator.process_index :: accelerator.num_processes]
+    scores, labels = [], []
+    for start in range(0, len(mine), batch_size):
+        items = mine[start : start + batch_size]
+        batch = {k: v.to(accelerator.device) for k, v in collate_steps(items, pad_id).items()}
+        probs = ProcessRewardModel.probabilities(
+            model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))).tolist()
+        pos = 0
+        for t in items:
+            scores.append(probs[pos : pos + len(t.step_positions)])
+            labels.append(t.labels)
+            pos += len(t.step_positions)
+    from accelerate.utils import gather_object
+
+    scores, labels = gather_object(scores), gather_object(labels)
+    model.train()
+    return step_metrics(scores, labels, threshold=0.5)
+
+
+def main(argv: list[str]) -> None:
+    config_path, overrides = parse_cli(argv)
+    cfg = load_config(Config, config_path, overrides)
+    out_dir = Path(cfg.output_dir)
+    log_with = None if cfg.train.report_to == "none" else cfg.train.report_to
+    if log_with == "wandb":
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError("train.report_to=wandb but wandb is not installed: pip install 'mmprm[wandb]'") from None
+    use_bf16 = cfg.train.bf16 and (not torch.cuda.is_available() or torch.cuda.is_bf16_supported())
+    accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", log_with=log_with, project_dir=str(out_dir))
+    set_seed(cfg.train.seed)
+    log = accelerator.print
+
+    # ---- model and data -------------------------------------------------------------------
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
+    backbone, processor = load_backbone(cfg.model.name_or_path, dtype=dtype)
+    spec = PRMSpec(head=cfg.prm.head, reward_tokens=list(cfg.prm.reward_tokens), system_prompt=cfg.prm.system_prompt)
+    model = build_prm(backbone, processor, spec)
+    if cfg.model.freeze_vision_tower:
+        for p in vision_tower_parameters(model.backbone):
+            p.requires_grad_(False)
+    if cfg.model.lora.enabled:
+        from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+        lora = cfg.model.lora
+        model.backbone = get_peft_model(model.backbone, PeftLoraConfig(
+            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules))
+    if cfg.model.gradient_checkpointing:
+        model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tokenizer = getattr(processor, "tokenizer", processor)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    train_data, train_stats = tokenize_file(cfg.data.train_file, processor, cfg, spec, accelerator)
+    eval_data = tokenize_file(cfg.data.eval_file, processor, cfg, spec, accelerator)[0] if cfg.data.eval_file else []
+    log(f"train: {train_stats['examples']} examples, {len(train_data)} kept; truncation dropped "
+        f"{train_stats['dropped_examples']} examples and {train_stats['dropped_steps']} trailing steps "
+        f"(max_length={cfg.data.max_length})")
+    labels_all = torch.tensor([x for t in train_data for x in t.labels])
+    pos_weight = neg_weight = 1.0
+    if cfg.data.balance:
+        n_pos = int((labels_all >= 0.5).sum())
+        n_neg = len(labels_all) - n_pos
+        pos_weight = len(labels_all) / (2 * max(1, n_pos))
+        neg_weight = len(labels_all) / (2 * max(1, n_neg))
+        log(f"balancing: {n_pos} positive / {n_neg} negative steps -> weights {pos_weight:.3f} / {neg_weight:.3f}")
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.schedule))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    global_batch = cfg.train.batch_size * accelerator.num_processes
+    stream = BatchStream([len(t.input_ids) for t in train_data], global_batch, cfg.train.seed, cfg.train.group_by_length)
+    progress = TrainProgress()
+    accelerator.register_for_checkpointing(stream, progress)
+
+    ckpt = find_checkpoint(out_dir, cfg.resume_from_checkpoint)
+    if ckpt is not None:
+        accelerator.load_state(str(ckpt))
+        log(f"resumed from {ckpt} at step {progress.step}")
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.resolved.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    if log_with:
+        accelerator.init_trackers("prm_train", config={k: str(v) for k, v in to_dict(cfg).items()})
+    metrics_file = out_dir / "metrics.jsonl"
+
+    def write_metrics(row: dict) -> None:
+        if accelerator.is_main_process:
+            with open(metrics_file, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        accelerator.log({f"{row['split']}/{k}": v for k, v in row.items() if isinstance(v, (int, float))},
+                        step=row["step"])
+
+    # ---- training loop --------------------------------------------------------------------
+    model.train()
+    bar = tqdm(total=cfg.train.max_steps, initial=progress.step, desc="prm_train",
+               disable=not accelerator.is_main_process)
+    t0, tokens_seen, running = time.time(), 0, []
+    while progress.step < cfg.train.max_steps:
+        micro_batches = [rank_share(stream.next(), accelerator.process_index, accelerator.num_processes)
+                         for _ in range(cfg.train.grad_accum)]
+        # average per step token over the whole accumulation window, not per micro-batch
+        n_steps_total = sum(len(train_data[i].step_positions) for mb in micro_batches for i in mb)
+        step_loss_sum = 0.0
+        for k, idx in enumerate(micro_batches):
+            items = [train_data[i] for i in idx]
+            batch = {key: v.to(accelerator.device) for key, v in collate_steps(items, pad_id).items()}
+            sync = k == len(micro_batches) - 1
+            with nullcontext() if sync else accelerator.no_sync(model):
+                with accelerator.autocast():
+                    logits = model(batch["input_ids"], batch["attention_mask"], batch["step_mask"],
+                                   **model_input_keys(batch))
+                targets = batch["targets"]
+                weights = None
+                if cfg.data.balance:
+                    weights = torch.where(targets >= 0.5, pos_weight, neg_weight).to(targets.dtype)
+                loss = step_loss(logits, targets, weights)
+                if not torch.isfinite(loss):
+                    ids = [t.id for t in items]
+                    raise FloatingPointError(f"non-finite loss {loss.item()} at step {progress.step}, micro-batch {k}, "
+                                             f"example ids {ids}: lower train.lr or check these rows")
+                accelerator.backward(loss * len(targets) / max(1, n_steps_total))
+            step_loss_sum += loss.item() * len(targets) / max(1, n_steps_total)
+            tokens_seen += int(batch["attention_mask"].sum())
+        if cfg.train.max_grad_norm > 0:
+            accelerator.clip_grad_norm_(trainable, cfg.train.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        progress.step += 1
+        progress.examples_seen += global_batch * cfg.train.grad_accum
+        running.append(step_loss_sum)
+        bar.update(1)
+        bar.set_postfix(loss=f"{step_loss_sum:.4f}")
+
+        if progress.step % cfg.train.log_every == 0 or progress.step == cfg.train.max_steps:
+            elapsed = time.time() - t0
+            write_metrics({"split": "train", "step": progress.step, "loss": sum(running) / len(running),
+                           "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen / max(elapsed, 1e-9)})
+            running = []
+        if eval_data and (progress.step % cfg.train.eval_every == 0 or progress.step == cfg.train.max_steps):
+            metrics = evaluate(model, eval_data, pad_id, cfg.train.eval_batch_size, accelerator)
+            write_metrics({"split": "eval", "step": progress.step, **metrics})
+            log(f"step {progress.step} eval: " + " ".join(
+                f"{k}={metrics[k]:.4f}" for k in ("bce", "brier", "step_accuracy", "first_error_f1") if k in metrics))
+        if progress.step % cfg.train.save_every == 0 or progress.step == cfg.train.max_steps:
+            accelerator.save_state(str(out_dir / "checkpoints" / f"step_{progress.step}"))
+    bar.close()
+
+    # ---- save -----------------------------------------------------------------------------
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        save_prm(accelerator.unwrap_model(model), processor, out_dir)
+        log(f"saved PRM to {out_dir} (load with mmprm.load_prm('{out_dir}'))")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, DataError, StepTokenError, FileNotFoundError) as e:
+        print(f"prm_train: {e}", file=sys.stderr)
+        sys.exit(2)
