@@ -90,6 +90,7 @@ class TrainConfig:
     save_every: int = 100
     eval_batch_size: int = 8
     report_to: str = "tensorboard"  # tensorboard | wandb | none
+    stop_at_step: int | None = None  # leave early with a checkpoint (e.g. before a SLURM time limit)
 
 
 @dataclass
@@ -301,8 +302,14 @@ def main(argv: list[str]) -> None:
             write_metrics({"split": "eval", "step": progress.step, **metrics})
             log(f"step {progress.step} eval: " + " ".join(
                 f"{k}={metrics[k]:.4f}" for k in ("bce", "brier", "step_accuracy", "first_error_f1") if k in metrics))
-        if progress.step % cfg.train.save_every == 0 or progress.step == cfg.train.max_steps:
+        stopping = progress.step == cfg.train.stop_at_step
+        if progress.step % cfg.train.save_every == 0 or progress.step == cfg.train.max_steps or stopping:
             accelerator.save_state(str(out_dir / "checkpoints" / f"step_{progress.step}"))
+        if stopping:
+            log(f"stopping at step {progress.step} as asked (train.stop_at_step); resume with "
+                "resume_from_checkpoint=latest")
+            accelerator.end_training()
+            return
     bar.close()
 
     # ---- save -----------------------------------------------------------------------------

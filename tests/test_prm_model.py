@@ -1,0 +1,80 @@
+"""PRM heads, collation and scoring: float labels stay floats; shared-prefix scores equal unshared."""
+
+import math
+
+import pytest
+import torch
+from PIL import Image
+
+from mmprm.models.loading import load_backbone
+from mmprm.models.prm import PRMSpec, ProcessRewardModel, PRMScorer, build_prm, collate_steps, model_input_keys
+from mmprm.steps import tokenize_steps
+
+ARCHS = ["qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2"]
+
+
+def _prm(tiny_models, arch, head="token_pair"):
+    backbone, processor = load_backbone(tiny_models(arch))
+    torch.manual_seed(0)
+    return build_prm(backbone, processor, PRMSpec(head=head)), processor
+
+
+def _images(arch, n=1, size=(28, 28)):
+    return [] if arch == "qwen2" else [Image.new("RGB", size, (200, 30, 30)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("head", ["token_pair", "value"])
+def test_soft_label_reaches_loss_as_float(tiny_models, head):
+    from mmprm.scoring.losses import soft_bce_value, soft_ce_token_pair
+
+    model, processor = _prm(tiny_models, "qwen2_vl", head)
+    tok = tokenize_steps(processor, "Sum?", ["2 + 3 = 5.", "So 5."], _images("qwen2_vl"), labels=[1.0, 0.7])
+    pad = processor.tokenizer.pad_token_id
+    batch = collate_steps([tok], pad)
+    assert batch["targets"].dtype == torch.float32
+    assert batch["targets"].tolist() == [1.0, pytest.approx(0.7, abs=1e-7)]
+    assert batch["targets"][1].item() == torch.tensor(0.7, dtype=torch.float32).item()
+    logits = model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))
+    loss = (soft_ce_token_pair if head == "token_pair" else soft_bce_value)(logits, batch["targets"])
+    # hand formula with p = model probability of "good": -(t log p + (1-t) log(1-p)), t = 1.0 and 0.7
+    p = ProcessRewardModel.probabilities(logits).double()
+    t = torch.tensor([1.0, 0.7], dtype=torch.float64)
+    expected = -(t * p.log() + (1 - t) * (1 - p).log()).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-4)
+    # an int cast would make the second target 0: that loss is measurably different
+    wrong = -(torch.tensor([1.0, 0.0], dtype=torch.float64) * p.log() + torch.tensor([0.0, 1.0], dtype=torch.float64) * (1 - p).log()).mean()
+    assert abs(wrong.item() - loss.item()) > 1e-3
+
+
+def test_token_pair_head_equals_full_lm_logits(tiny_models):
+    model, processor = _prm(tiny_models, "qwen2", "token_pair")
+    tok = tokenize_steps(processor, "Sum?", ["2 + 3 = 5.", "So 5."], labels=[1.0, 0.0])
+    batch = collate_steps([tok], processor.pad_token_id or 0)
+    pair = model(batch["input_ids"], batch["attention_mask"], batch["step_mask"])
+    full = model.backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[batch["step_mask"]]
+    assert torch.allclose(pair, full[:, model.reward_ids], atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_shared_scores_equal_unshared(tiny_models, arch):
+    model, processor = _prm(tiny_models, arch, "value")
+    scorer = PRMScorer(model, processor, batch_size=3)
+    imgs = _images(arch, 1, (56, 42))
+    cands = [["Tile 1 is 3.", "3 + 4 = 7."], ["Tile 1 is 5.", "5 + 4 = 9.", "So 9."], ["7."],
+             ["Tile 1 is 3.", "3 + 4 = 8."], ["a", "b", "c", "d"]]
+    examples = [{"question": "Add the tiles.", "images": imgs, "steps": s} for s in cands]
+    shared = scorer.score(examples, share_prefix=True)
+    plain = scorer.score(examples, share_prefix=False)
+    assert [len(s) for s in shared] == [len(c) for c in cands]
+    worst = max(abs(a - b) for s, p in zip(shared, plain) for a, b in zip(s, p))
+    assert worst <= 1e-5, f"{arch}: shared-prefix scores differ by {worst}"
+
+
+def test_scorer_batches_mixed_problems_and_keeps_order(tiny_models):
+    model, processor = _prm(tiny_models, "qwen2_vl")
+    scorer = PRMScorer(model, processor, batch_size=2)
+    ex = [{"question": f"Q{i % 2}", "images": _images("qwen2_vl"), "steps": ["x"] * (1 + i % 3)} for i in range(6)]
+    single = [scorer.score([e])[0] for e in ex]
+    batched = scorer.score(ex)
+    for a, b in zip(single, batched):
+        assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in zip(a, b))
