@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                            "build Best-of-N candidate files from MATH-V, GSM8K, Qwen-Math or text solutions"),
     "merge-annotations": ("mmprm.annotate.engine", "cli_merge_annotations",
                           "merge per-rank annotation trees into one file"),
+    "synthetic": ("mmprm.data.synthetic", "cli_synthetic", "write the colour-tile demo task (train/test splits)"),
     "merge-bon": ("mmprm.rerank.shards", "cli_merge_bon", "merge sharded Best-of-N scores and write the report"),
 }
 

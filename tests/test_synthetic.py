@@ -1,0 +1,212 @@
+"""The colour-tile task: correct arithmetic, images that encode the digits, no text leak, reproducible files."""
+
+import hashlib
+import operator
+import re
+
+import pytest
+
+from mmprm.config import ConfigError, load_config
+from mmprm.data.schema import load_examples, read_jsonl
+from mmprm.data.synthetic import (
+    BACKGROUND_RGB,
+    DISTRACTOR_RGB,
+    PALETTE,
+    TEMPLATES,
+    SyntheticConfig,
+    cli_synthetic,
+    describe,
+    generate,
+    problem_key,
+    render_image,
+    text_only_accuracy,
+    write_split,
+)
+from mmprm.steps import parse_solution
+
+_ARITH = re.compile(r"^(-?\d+) ([-+*]) (-?\d+) = (-?\d+)\.$")
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+
+
+@pytest.mark.parametrize("name, digits, steps, answer", [
+    ("add", [3, 5, 2, 4], ["3 + 5 = 8.", "8 + 2 = 10.", "10 + 4 = 14."], 14),
+    ("add", [9, 0], ["9 + 0 = 9."], 9),
+    ("mul", [7, 6], ["7 * 6 = 42."], 42),
+    ("gap", [2, 9], ["9 - 2 = 7."], 7),
+    ("mul_sub", [0, 4, 9], ["0 * 4 = 0.", "0 - 9 = -9."], -9),
+    ("add_mul", [2, 3, 4], ["2 + 3 = 5.", "5 * 4 = 20."], 20),
+    ("compare", [3, 5, 2], ["3 + 5 = 8.", "8 > 2.", "8 - 2 = 6."], 6),
+    ("compare", [1, 2, 9], ["1 + 2 = 3.", "3 < 9.", "9 - 3 = 6."], 6),
+    ("compare", [4, 4, 8], ["4 + 4 = 8.", "8 = 8.", "8 - 8 = 0."], 0),
+    ("pair_diff", [1, 2, 8, 7], ["1 + 2 = 3.", "8 + 7 = 15.", "3 - 15 = -12."], -12),
+    ("range", [4, 9, 1, 6], ["The largest is 9.", "The smallest is 1.", "9 - 1 = 8."], 8),
+])
+def test_templates_compute_hand_checked_solutions(name, digits, steps, answer):
+    assert TEMPLATES[name].solve(digits) == (steps, answer)
+
+
+def _tile_pixel(image, k, cols, tile_px):
+    x, y = (k % cols) * tile_px, (k // cols) * tile_px
+    return image.getpixel((x + tile_px // 2, y + tile_px // 2))
+
+
+def test_problems_are_self_consistent_and_the_image_holds_the_digits():
+    problems = generate(SyntheticConfig(num_problems=300, seed=1))
+    assert {p.meta["template"] for p in problems} == set(TEMPLATES)
+    for p in problems:
+        tiles, cells = p.meta["tiles"], p.meta["cells"]
+        assert p.image.size == (56, 56) and 2 <= len(tiles) <= 4
+        for k, c in enumerate(cells):
+            assert _tile_pixel(p.image, k, 2, 28) == PALETTE[c]
+        for k in range(len(cells), 4):
+            assert _tile_pixel(p.image, k, 2, 28) == BACKGROUND_RGB
+        assert p.steps[: len(tiles)] == [f"Tile {i + 1} is {d}." for i, d in enumerate(tiles)]
+        for step in p.steps[len(tiles):]:
+            m = _ARITH.match(step)
+            if m:  # every equation in a gold step is true
+                a, op, b, c = m.groups()
+                assert _OPS[op](int(a), int(b)) == int(c), (p.id, step)
+        assert p.answer == str(TEMPLATES[p.meta["template"]].solve(tiles)[1])
+        assert re.findall(r"-?\d+", p.steps[-1])[-1] == p.answer
+        parsed = parse_solution(p.solution())
+        assert (parsed.steps, parsed.answer) == (p.steps, p.answer)
+
+
+def test_questions_name_tile_positions_but_never_values():
+    for p in generate(SyntheticConfig(num_problems=200, seed=2)):
+        assert not re.search(r"\d", re.sub(r"tiles? [1-4]( and [1-4])?", "", p.question)), p.question
+
+
+def test_text_only_predictor_is_near_chance_while_reading_the_image_solves_everything():
+    train = generate(SyntheticConfig(num_problems=2000, seed=0))
+    test = generate(SyntheticConfig(num_problems=500, seed=1, id_prefix="test"))
+    text_only = text_only_accuracy(train, test)
+    assert text_only < 0.2, text_only
+
+    def read(image, n_cells):  # nearest palette colour at each tile centre
+        colours = {rgb: d for d, rgb in PALETTE.items()}
+        return [colours[_tile_pixel(image, k, 2, 28)] for k in range(n_cells)]
+
+    solved = sum(str(TEMPLATES[p.meta["template"]].solve(read(p.image, len(p.meta["cells"])))[1]) == p.answer
+                 for p in test)
+    assert solved == len(test)
+
+
+def test_text_only_accuracy_on_a_hand_made_split():
+    train = generate(SyntheticConfig(num_problems=40, seed=0, templates=("mul",)))
+    # Make "3" the most common train answer by hand; the test gets it right exactly once.
+    for p in train[:30]:
+        p.answer = "3"
+    test = generate(SyntheticConfig(num_problems=4, seed=1, templates=("mul",)))
+    for p, a in zip(test, ["3", "4", "5", "3x"]):
+        p.answer = a
+    assert text_only_accuracy(train, test) == 0.25
+
+
+def test_tiles_cover_whole_patches_and_fit_the_tiny_qwen_processor_unresized():
+    from transformers import Qwen2VLImageProcessorPil
+
+    image = render_image([1, 2, 3], grid=(2, 2), tile_px=28)
+    for px in range(0, 56, 14):
+        for py in range(0, 56, 14):
+            patch = {image.getpixel((px + i, py + j)) for i in range(14) for j in range(14)}
+            assert len(patch) == 1, (px, py)
+    # Same settings as the tiny qwen2_vl preset: one merged image token per 28 px tile.
+    processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2,
+                                         temporal_patch_size=2)
+    assert processor(images=[image], return_tensors="pt")["image_grid_thw"].tolist() == [[1, 4, 4]]
+
+
+def test_human_style_draws_digits_only_on_top_of_the_same_tiles():
+    plain = render_image([0, 4, None], grid=(1, 3), tile_px=56)
+    human = render_image([0, 4, None], grid=(1, 3), tile_px=56, style="human")
+    assert plain.size == human.size == (168, 56)
+    assert plain.tobytes() != human.tobytes()
+    assert human.getpixel((4, 4)) == PALETTE[0] and human.getpixel((116, 4)) == DISTRACTOR_RGB
+
+
+def test_distractors_are_grey_skipped_by_the_steps_and_announced_in_every_question():
+    problems = generate(SyntheticConfig(num_problems=200, seed=3, distractors=2, grid=(2, 3)))
+    assert all(p.question.endswith("Ignore grey tiles.") for p in problems)
+    with_grey = [p for p in problems if None in p.meta["cells"]]
+    assert 0 < len(with_grey) < len(problems)
+    for p in with_grey:
+        cells = p.meta["cells"]
+        assert [c for c in cells if c is not None] == p.meta["tiles"]
+        for k, c in enumerate(cells):
+            assert _tile_pixel(p.image, k, 3, 28) == (DISTRACTOR_RGB if c is None else PALETTE[c])
+
+
+def test_knobs_restrict_templates_tiles_ops_and_digits():
+    only_add = generate(SyntheticConfig(num_problems=50, seed=0, ops=("+",)))
+    assert {p.meta["template"] for p in only_add} == {"add"}
+    two = generate(SyntheticConfig(num_problems=50, seed=0, max_tiles=2))
+    assert {len(p.meta["tiles"]) for p in two} == {2}
+    one_op = generate(SyntheticConfig(num_problems=50, seed=0, max_ops=1))
+    assert all(len(p.steps) - len(p.meta["tiles"]) == 1 for p in one_op)
+    ones = generate(SyntheticConfig(num_problems=20, seed=0, digits=(1, 1)))
+    assert {d for p in ones for d in p.meta["tiles"]} == {1}
+
+
+@pytest.mark.parametrize("override, field", [
+    ("tile_px=20", "tile_px"),
+    ("grid=[1,3]", "grid"),
+    ("ops=[+,/]", "ops"),
+    ("min_tiles=3", "min_tiles"),
+    ("digits=[5,12]", "digits"),
+    ("templates=[sum]", "templates"),
+])
+def test_bad_config_fails_early_naming_the_field(override, field):
+    # min_tiles=3 with max_tiles=2 is impossible; the rest are out of range.
+    overrides = [override] + (["max_tiles=2"] if field == "min_tiles" else [])
+    with pytest.raises(ConfigError, match=f"synthetic.{field}"):
+        load_config(SyntheticConfig, None, overrides)
+
+
+def test_config_with_no_fitting_template_says_so():
+    with pytest.raises(ValueError, match="no question template fits"):
+        generate(SyntheticConfig(ops=("*",), min_tiles=3))
+
+
+def _digests(folder):
+    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def test_same_seed_gives_byte_identical_files_and_gold_steps_load(tmp_path):
+    cfg = SyntheticConfig(num_problems=30, seed=7, distractors=1, grid=(2, 3))
+    write_split(generate(cfg), tmp_path / "a", "train")
+    write_split(generate(cfg), tmp_path / "b", "train")
+    write_split(generate(SyntheticConfig(num_problems=30, seed=8, distractors=1, grid=(2, 3))), tmp_path / "c", "train")
+    a, b, c = _digests(tmp_path / "a"), _digests(tmp_path / "b"), _digests(tmp_path / "c")
+    assert a == b and len(a) == 33
+    assert a != c
+
+    gold = load_examples(tmp_path / "a" / "train_gold_steps.jsonl", require_labels=True)
+    assert len(gold) == 30 and all(e.labels == [1.0] * len(e.steps) for e in gold)
+    assert gold[0].images == [str((tmp_path / "a" / "images" / "train_syn-00000.png").resolve())]
+    sft = load_examples(tmp_path / "a" / "train_sft.jsonl")
+    assert [(e.steps, e.answer) for e in sft] == [(e.steps, e.answer) for e in gold]
+    problems = read_jsonl(tmp_path / "a" / "train_problems.jsonl")
+    assert set(problems[0]) == {"id", "images", "question", "answer", "meta"}
+    assert [r["answer"] for r in problems] == [e.answer for e in gold]
+
+
+def test_cli_writes_disjoint_train_and_test_splits(tmp_path, capsys):
+    assert cli_synthetic(["--out", str(tmp_path), "--train", "150", "--test", "40", "--seed", "3",
+                          "--max-tiles", "2"]) == 0
+    assert "text-only ceiling" in capsys.readouterr().out
+    train = read_jsonl(tmp_path / "train_problems.jsonl")
+    test = read_jsonl(tmp_path / "test_problems.jsonl")
+    assert (len(train), len(test)) == (150, 40)
+    keys = lambda rows: {problem_key(r["meta"]["template"], r["meta"]["cells"]) for r in rows}  # noqa: E731
+    assert not keys(train) & keys(test)
+    assert len(load_examples(tmp_path / "test_gold_steps.jsonl", require_labels=True)) == 40
+    with pytest.raises(SystemExit):
+        cli_synthetic(["--out", str(tmp_path), "--grid", "2by2"])
+
+
+def test_describe_lists_every_digit_and_template():
+    text = describe()
+    assert all(f"| {d} |" in text for d in range(10))
+    assert all(f"| {name} |" in text for name in TEMPLATES)
