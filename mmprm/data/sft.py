@@ -1,0 +1,308 @@
+"""Policy SFT data: worked solutions split into steps, in the policy's step format.
+
+One JSON object per line (the step-example schema of `mmprm.data.schema`, without labels)::
+
+    {"id": "gsm8k-0",
+     "images": [],                          # relative to the JSONL file, or absolute
+     "question": "Janet's ducks lay 16 eggs per day. ...",
+     "steps": ["Janet sells 16 - 3 - 4 = 9 duck eggs a day.", "She makes 9 * 2 = $18 every day."],
+     "answer": "18",                        # required: the SFT target ends in <answer>18</answer>
+     "meta": {"source": "gsm8k"}}
+
+The SFT target of a row is `mmprm.steps.render_solution(steps, answer)`.
+
+`split_solution` is the rule-based splitter: our `<step>` tags when present; otherwise, after
+removing GSM8K `<<calc>>` annotations, markdown image links and `[asy]` figure code, and pulling
+the final answer from `#### N` / `A: N`, blank-line paragraphs, else lines, else sentences.
+A display-math block always stays with the text that introduces it. `rewrite_with_llm` is an
+optional second pass over an OpenAI-compatible chat endpoint (stdlib only, never used in tests
+against a real server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from mmprm.answers import extract_answer
+from mmprm.data.schema import DataError, StepExample, check_row, iter_jsonl, write_jsonl
+from mmprm.steps import STEP_CLOSE, STEP_OPEN, parse_solution, render_solution
+
+_CALC = re.compile(r"<<[^<>]*>>")
+# A calculator annotation cut off by the generation ("<<3/440=0.00681818..."): keep the result.
+_CALC_OPEN = re.compile(r"<<[^\n=]*=?")
+_MD_IMAGE = re.compile(r"!\[[^\]]*\]\([^)]*\)")
+_ASY = re.compile(r"\[asy\].*?(?:\[/asy\]|$)", re.S)
+# GSM8K's final line: "#### 18" in the data set, "A: 18" in its example model solutions.
+FINAL_ANSWER_LINE = re.compile(r"^\s*(?:####|A:)\s*(.+?)\s*$", re.M)
+_BLANK = re.compile(r"\n\s*\n")
+# Math spans protected from sentence splitting: $$..$$, $..$, \[..\], \(..\), \begin{x}..\end{x}.
+_MATH = re.compile(r"\$\$.*?\$\$|\$[^$]*\$|\\\[.*?\\\]|\\\(.*?\\\)|\\begin\{([a-z*]+)\}.*?\\end\{\1\}", re.S)
+_DISPLAY_START = re.compile(r"^\s*(?:\\\[|\$\$|\\begin\{)")
+
+
+def clean_solution(text: str) -> str:
+    """Remove GSM8K `<<calc>>` annotations, markdown image links and `[asy]` figure code."""
+    text = _CALC_OPEN.sub("", _CALC.sub("", text))
+    text = _MD_IMAGE.sub("", text)
+    return _ASY.sub("", text).strip()
+
+
+def _open_display(chunk: str) -> bool:
+    """Whether a chunk leaves a display-math block open (`\\[` without `\\]`, odd `$$`, ...)."""
+    return (chunk.count("\\[") > chunk.count("\\]") or chunk.count("$$") % 2 == 1
+            or len(re.findall(r"\\begin\{", chunk)) > len(re.findall(r"\\end\{", chunk)))
+
+
+def _merge_math(chunks: list[str]) -> list[str]:
+    """Attach display-math chunks to the text before them, and rejoin chunks split inside one."""
+    out: list[str] = []
+    for c in chunks:
+        if out and (_DISPLAY_START.match(c) or _open_display(out[-1])):
+            out[-1] = f"{out[-1]}\n{c}"
+        else:
+            out.append(c)
+    return out
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of one paragraph; never splits inside math (`$x=3.$ Then` splits after the `$`)."""
+    spans: list[str] = []
+
+    def _hide(m: re.Match) -> str:
+        spans.append(m.group(0))
+        # \x01 marks math that ends in a period ("$x=3.$"): that also ends the sentence.
+        return f"\x00{len(spans) - 1}\x00" + ("\x01" if re.search(r"\.\s*(?:\$|\\\]|\\\))*$", m.group(0)) else "")
+
+    hidden = _MATH.sub(_hide, text)
+    parts = re.split(r"(?<=[.!?\x01])\s+(?=[A-Z\x00(\[])", hidden)
+
+    def _show(part: str) -> str:
+        part = re.sub(r"\x00(\d+)\x00", lambda m: spans[int(m.group(1))], part)
+        return part.replace("\x01", "").strip()
+
+    return _merge_math([s for s in (_show(p) for p in parts) if s])
+
+
+def split_solution(text: str, by_lines: bool = False) -> tuple[list[str], str | None]:
+    """Steps and final answer of a worked solution (see the module docstring for the rules).
+
+    Args:
+        text: the solution.
+        by_lines: every non-empty line is a step, blank lines or `$$` or not (GSM8K's own format).
+
+    >>> split_solution("3 + 4 = <<3+4=7>>7 apples.\\nHe eats 2, so 7 - 2 = <<7-2=5>>5.\\n#### 5")
+    (['3 + 4 = 7 apples.', 'He eats 2, so 7 - 2 = 5.'], '5')
+    """
+    parsed = parse_solution(text, mode="tags")
+    if parsed.steps:
+        return [clean_solution(s) for s in parsed.steps], parsed.answer
+    finals = FINAL_ANSWER_LINE.findall(text)
+    answer = finals[-1].strip() if finals else None
+    body = clean_solution(FINAL_ANSWER_LINE.sub("", text))
+    if answer is None:
+        answer = extract_answer(body)
+    paragraphs = [p.strip() for p in _BLANK.split(body) if p.strip()]
+    if len(paragraphs) > 1 and not by_lines:
+        return _merge_math(paragraphs), answer
+    lines = [ln.strip() for ln in body.splitlines() if ln.strip()]
+    if len(lines) > 1:
+        # GSM8K has no LaTeX but does write "$$43.00" for money: no display-math merging there.
+        return (lines if by_lines else _merge_math(lines)), answer
+    return split_sentences(body), answer
+
+
+def sft_from_gsm8k(path: str | Path) -> list[StepExample]:
+    """GSM8K rows (`test.jsonl`/`train.jsonl`: question + answer with `#### N`; or the example
+    solutions file's `ground_truth` with `A: N`) as SFT examples with ids `gsm8k-<line index>`."""
+    path = Path(path)
+    out = []
+    for lineno, obj, err in iter_jsonl(path):
+        if err:
+            raise DataError([f"{path}:{lineno}: id=?: line: {err}"])
+        worked = obj.get("answer", obj.get("ground_truth"))
+        if not isinstance(worked, str) or not isinstance(obj.get("question"), str):
+            raise DataError([f"{path}:{lineno}: id=?: answer: need 'question' and a worked 'answer' "
+                             "(or 'ground_truth') string: is this a GSM8K file?"])
+        steps, answer = split_solution(worked, by_lines=True)
+        if not steps or answer is None:
+            raise DataError([f"{path}:{lineno}: id=gsm8k-{lineno - 1}: answer: no steps or no final "
+                             "'#### N' line (fix or drop the row)"])
+        out.append(StepExample(id=f"gsm8k-{lineno - 1}", question=obj["question"], steps=steps,
+                               answer=answer.replace(",", ""), meta={"source": "gsm8k"}))
+    return out
+
+
+def sft_from_mathv(mathv_dir: str | Path) -> list[StepExample]:
+    """The MATH-V problems that ship a worked `solution` (25 in testmini) as SFT examples.
+
+    The answer is MATH-V's gold answer (an option letter for multiple choice), since most
+    solutions do not restate it in a parseable form.
+    """
+    from mmprm.data.mathv import read_mathv
+
+    out = []
+    for p in read_mathv(mathv_dir):
+        if not p["solution"]:
+            continue
+        steps, _ = split_solution(p["solution"])
+        if not steps:
+            continue
+        out.append(StepExample(id=f"mathv-{p['id']}", question=p["question"], steps=steps,
+                               images=p["images"], answer=p["answer"], meta=p["meta"]))
+    return out
+
+
+def load_sft(path: str | Path, check_images: bool = True) -> list[StepExample]:
+    """Load and validate an SFT JSONL file; raise DataError listing every problem.
+
+    Rows follow the step-example schema; `answer` is required, `labels` are ignored.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError([f"{path}: file not found (check the SFT data path in your config)"])
+    problems: list[str] = []
+    examples: list[StepExample] = []
+    seen: dict[str, int] = {}
+    cache: dict[Path, str | None] = {}
+    for lineno, obj, err in iter_jsonl(path):
+        if err:
+            problems.append(f"{path}:{lineno}: id=?: line: {err}")
+            continue
+        rid = obj.get("id")
+        errs, ex = check_row(obj, path.parent, check_images=check_images, image_cache=cache)
+        answer = obj.get("answer")
+        if not isinstance(answer, (str, int, float)) or isinstance(answer, bool) or not str(answer).strip():
+            errs.append(("answer", "missing or empty (SFT targets end in <answer>...</answer>; add the final answer)"))
+        for s in obj.get("steps") or []:
+            if isinstance(s, str) and (STEP_OPEN in s or STEP_CLOSE in s):
+                errs.append(("steps", f"a step contains {STEP_OPEN!r}/{STEP_CLOSE!r} (give plain step texts)"))
+                break
+        problems += [f"{path}:{lineno}: id={rid}: {fld}: {msg}" for fld, msg in errs]
+        if ex is not None and not errs:
+            if ex.id in seen:
+                problems.append(f"{path}:{lineno}: id={rid}: id: duplicated "
+                                f"(first on line {seen[ex.id]}; make ids unique)")
+                continue
+            seen[ex.id] = lineno
+            ex.labels = None
+            examples.append(ex)
+    if not examples and not problems:
+        problems.append(f"{path}:0: id=?: file: no rows (the file is empty)")
+    if problems:
+        raise DataError(problems)
+    return examples
+
+
+def sft_target(example: StepExample) -> str:
+    """The assistant text an SFT'd policy learns to write for this example."""
+    return render_solution(example.steps, example.answer)
+
+
+# ---------------------------------------------------------------- optional LLM rewriter
+
+REWRITE_SYSTEM = (
+    "Rewrite the worked solution into short, self-contained reasoning steps. Output only "
+    f"{STEP_OPEN}...{STEP_CLOSE} blocks, one per step, then <answer>FINAL</answer>. Keep every "
+    "number and fact of the original; do not add new reasoning; keep LaTeX as LaTeX."
+)
+
+
+def build_rewrite_request(question: str, solution: str, model: str, temperature: float = 0.0) -> dict[str, Any]:
+    """JSON body of a `/chat/completions` request that rewrites one solution into our step format."""
+    return {
+        "model": model,
+        "temperature": temperature,
+        "messages": [
+            {"role": "system", "content": REWRITE_SYSTEM},
+            {"role": "user", "content": f"Problem:\n{question}\n\nWorked solution:\n{solution}"},
+        ],
+    }
+
+
+def parse_rewrite_response(payload: dict[str, Any]) -> tuple[list[str], str | None]:
+    """Steps and answer from a `/chat/completions` response; ValueError when it has none."""
+    try:
+        content = payload["choices"][0]["message"]["content"]
+    except (KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"not a chat completion response (no choices[0].message.content): {str(payload)[:200]}") from e
+    parsed = parse_solution(content or "", mode="tags")
+    if not parsed.steps:
+        raise ValueError(f"the model's reply has no {STEP_OPEN} blocks: {str(content)[:200]!r}")
+    return parsed.steps, parsed.answer
+
+
+def rewrite_with_llm(example: StepExample, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
+                     timeout_s: float = 120.0) -> StepExample:
+    """The example with its steps rewritten by a chat model at `base_url` (OpenAI-compatible).
+
+    Args:
+        example: an SFT example; its steps (joined) are the solution to rewrite.
+        base_url: e.g. `http://localhost:8000/v1`; `/chat/completions` is appended.
+        model: the served model name.
+        api_key_env: environment variable holding the key; unset means no Authorization header.
+        timeout_s: per-request timeout.
+
+    The rewritten answer replaces the old one only when the old one is missing; a rewrite whose
+    answer disagrees with the original raises ValueError (the model changed the solution).
+    """
+    body = build_rewrite_request(example.question, "\n".join(example.steps) + (
+        f"\nFinal answer: {example.answer}" if example.answer else ""), model)
+    headers = {"Content-Type": "application/json"}
+    key = os.environ.get(api_key_env)
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    url = base_url.rstrip("/") + "/chat/completions"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            payload = json.loads(resp.read().decode("utf-8"))
+    except urllib.error.HTTPError as e:
+        raise ValueError(f"{url}: HTTP {e.code} for id={example.id}: {e.read()[:200]!r} "
+                         f"(check the URL, the model name and ${api_key_env})") from e
+    steps, answer = parse_rewrite_response(payload)
+    if example.answer is not None and answer is not None:
+        from mmprm.answers import answers_match
+
+        if not answers_match(answer, example.answer):
+            raise ValueError(f"id={example.id}: rewrite changed the answer {example.answer!r} -> {answer!r}")
+    return StepExample(id=example.id, question=example.question, steps=steps, images=list(example.images),
+                       answer=example.answer or answer, meta={**example.meta, "rewritten_by": model})
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def cli_convert_sft(argv: list[str]) -> int:
+    """`mmprm convert-sft --from gsm8k|mathv --input P --out F [--rewrite-url U --rewrite-model M]`."""
+    ap = argparse.ArgumentParser(prog="mmprm convert-sft", description="Convert worked solutions to SFT JSONL.")
+    ap.add_argument("--from", dest="source", choices=("gsm8k", "mathv"), required=True)
+    ap.add_argument("--input", required=True, help="GSM8K jsonl file, or the MATH-V folder")
+    ap.add_argument("--out", required=True, help="output JSONL")
+    ap.add_argument("--rewrite-url", help="OpenAI-compatible base URL (e.g. http://localhost:8000/v1)")
+    ap.add_argument("--rewrite-model", help="model name served at --rewrite-url")
+    ap.add_argument("--api-key-env", default="OPENAI_API_KEY")
+    args = ap.parse_args(argv)
+    if bool(args.rewrite_url) != bool(args.rewrite_model):
+        ap.error("--rewrite-url and --rewrite-model go together")
+    examples = sft_from_gsm8k(args.input) if args.source == "gsm8k" else sft_from_mathv(args.input)
+    if args.rewrite_url:
+        rewritten, failed = [], 0
+        for i, e in enumerate(examples, start=1):
+            try:
+                rewritten.append(rewrite_with_llm(e, args.rewrite_url, args.rewrite_model, args.api_key_env))
+            except (ValueError, OSError) as err:  # keep the rule-based split; one bad reply must not end a long job
+                failed += 1
+                rewritten.append(e)
+                print(f"[{i}/{len(examples)}] kept the rule-based steps: {err}")
+        print(f"rewrote {len(examples) - failed}/{len(examples)} examples with {args.rewrite_model}")
+        examples = rewritten
+    n = write_jsonl(args.out, (e.to_json() for e in examples))
+    print(f"wrote {n} SFT examples to {args.out}")
+    return 0

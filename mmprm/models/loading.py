@@ -1,0 +1,230 @@
+"""Load a backbone and its processor from a directory, exactly as a real checkpoint loads.
+
+    model, processor = load_backbone("Qwen/Qwen2.5-VL-7B-Instruct")   # or a tiny preset dir
+    step_id = add_step_token(processor, model)                       # before PRM training
+
+The same functions serve real checkpoints and the tiny presets of `mmprm.models.tiny`, so a test
+exercises the very classes a user trains. Two environment facts shape this file:
+
+- Qwen2-VL, Qwen2.5-VL and InternVL processors carry a video processor, which needs torchvision;
+  a PRM never sees video, so those model types load through image-only subclasses below.
+- Without torchvision, transformers' `AutoImageProcessor` falls back to the PIL backend
+  (`*ImageProcessorPil`) on its own; nothing here forces a backend.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    InternVLProcessor,
+    PreTrainedConfig,
+    Qwen2_5_VLProcessor,
+    Qwen2VLProcessor,
+)
+from tokenizers import AddedToken
+
+from mmprm.steps import STEP_TOKEN
+
+__all__ = [
+    "IMAGE_ONLY_PROCESSORS",
+    "InternVLImageOnlyProcessor",
+    "Qwen2VLImageOnlyProcessor",
+    "Qwen2_5_VLImageOnlyProcessor",
+    "add_step_token",
+    "is_multimodal",
+    "load_backbone",
+    "load_processor",
+    "vision_tower_parameters",
+]
+
+
+def _upstream_name(cls: type) -> str:
+    """Name of the first transformers class `cls` derives from (e.g. "Qwen2VLProcessor")."""
+    return next(c.__name__ for c in cls.__mro__ if c.__module__.startswith("transformers."))
+
+
+class _ImageOnlyMixin:
+    """Saves under transformers' own class name, so plain `AutoProcessor` opens the directory
+    anywhere (the subclass exists only to skip the video processor)."""
+
+    def save_pretrained(self, save_directory: str | Path, *args: Any, **kwargs: Any) -> Any:
+        result = super().save_pretrained(save_directory, *args, **kwargs)  # type: ignore[misc]
+        upstream = _upstream_name(type(self))
+        for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+            file = Path(save_directory) / name
+            if not file.is_file():
+                continue
+            data = json.loads(file.read_text(encoding="utf-8"))
+            if data.get("processor_class") == type(self).__name__:
+                data["processor_class"] = upstream
+                file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return result
+
+
+class Qwen2VLImageOnlyProcessor(_ImageOnlyMixin, Qwen2VLProcessor):
+    """`Qwen2VLProcessor` without its video processor (which would need torchvision)."""
+
+    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+class Qwen2_5_VLImageOnlyProcessor(_ImageOnlyMixin, Qwen2_5_VLProcessor):
+    """`Qwen2_5_VLProcessor` without its video processor (which would need torchvision)."""
+
+    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+class InternVLImageOnlyProcessor(_ImageOnlyMixin, InternVLProcessor):
+    """`InternVLProcessor` (HF format, e.g. InternVL3-*-hf) without its video processor."""
+
+    def __init__(self, image_processor: Any = None, tokenizer: Any = None, image_seq_length: int = 256,
+                 chat_template: str | None = None, **kwargs: Any) -> None:
+        super().__init__(image_processor, tokenizer, None, image_seq_length=image_seq_length,
+                         chat_template=chat_template, **kwargs)
+
+
+# model_type (config.json) -> processor class used by `load_processor`.
+IMAGE_ONLY_PROCESSORS: dict[str, type] = {
+    "qwen2_vl": Qwen2VLImageOnlyProcessor,
+    "qwen2_5_vl": Qwen2_5_VLImageOnlyProcessor,
+    "internvl": InternVLImageOnlyProcessor,
+}
+
+# Top-level submodule names of vision encoders across HF VLMs (Qwen: `visual`; LLaVA, InternVL:
+# `vision_tower`; others: `vision_model`). Projectors (`merger`, `multi_modal_projector`) are not
+# part of the tower: they are usually trained together with the language model.
+_VISION_TOWER_NAMES = ("visual", "vision_tower", "vision_model")
+_PROJECTOR_NAMES = ("merger", "multi_modal_projector")
+
+
+def _config_of(model_or_config: Any) -> PreTrainedConfig:
+    if isinstance(model_or_config, (str, Path)):
+        return AutoConfig.from_pretrained(str(model_or_config))
+    if isinstance(model_or_config, PreTrainedConfig):
+        return model_or_config
+    config = getattr(model_or_config, "config", None)
+    if not isinstance(config, PreTrainedConfig):
+        raise TypeError(f"expected a model, a config or a checkpoint path, got {type(model_or_config).__name__}")
+    return config
+
+
+def is_multimodal(model_or_config: Any) -> bool:
+    """True when the model (or config, or checkpoint dir) has a vision encoder.
+
+    Args:
+        model_or_config: a `PreTrainedModel`, a `PreTrainedConfig`, or a checkpoint directory.
+    """
+    return getattr(_config_of(model_or_config), "vision_config", None) is not None
+
+
+def _read_json_field(file: Path, field: str) -> Any:
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text(encoding="utf-8")).get(field)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: not valid JSON ({e}); re-save the checkpoint") from e
+
+
+def _image_only_class(path: Path, model_type: str | None) -> type | None:
+    """The image-only processor for this checkpoint, by model_type or, in a processor-only
+    directory (no config.json), by the processor class its files name."""
+    if model_type is not None:
+        return IMAGE_ONLY_PROCESSORS.get(model_type)
+    by_name = {_upstream_name(cls): cls for cls in IMAGE_ONLY_PROCESSORS.values()}
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        if (cls := by_name.get(_read_json_field(path / name, "processor_class"))) is not None:
+            return cls
+    return None
+
+
+def load_processor(path: str | Path) -> Any:
+    """Load the processor of a checkpoint directory (or hub id): tokenizer for text-only models.
+
+    Qwen2-VL, Qwen2.5-VL and InternVL load through their image-only subclasses; other VLMs
+    through `AutoProcessor`; text-only models (config without `vision_config`) return the
+    tokenizer itself, which `mmprm.steps` accepts wherever it takes a processor.
+    """
+    local = Path(path)
+    if local.is_dir():
+        model_type = _read_json_field(local / "config.json", "model_type")
+    else:
+        model_type = AutoConfig.from_pretrained(str(path)).model_type
+    image_only = _image_only_class(local, model_type)
+    if image_only is not None:
+        return image_only.from_pretrained(str(path))
+    if model_type is not None and not is_multimodal(str(path)):
+        return AutoTokenizer.from_pretrained(str(path))
+    return AutoProcessor.from_pretrained(str(path))
+
+
+def load_backbone(path: str | Path, dtype: torch.dtype | str | None = None) -> tuple[nn.Module, Any]:
+    """Load model and processor from a checkpoint directory (or hub id) with `from_pretrained`.
+
+    Args:
+        path: checkpoint directory (real or a `mmprm.models.tiny` preset).
+        dtype: e.g. `torch.bfloat16` or "auto"; None keeps transformers' default.
+
+    Returns:
+        (model, processor): `AutoModelForImageTextToText` for VLMs, `AutoModelForCausalLM` for
+        text-only models; the processor as `load_processor` returns it.
+    """
+    kwargs: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
+    auto_cls = AutoModelForImageTextToText if is_multimodal(str(path)) else AutoModelForCausalLM
+    model = auto_cls.from_pretrained(str(path), **kwargs)
+    return model, load_processor(path)
+
+
+def add_step_token(processor: Any, model: nn.Module | None, token: str = STEP_TOKEN) -> int:
+    """Add `token` as a special token (never split, never normalized) and make room for it.
+
+    Idempotent: a second call returns the same id and changes nothing. The embedding matrix
+    grows only when the new id does not fit (real checkpoints often have spare rows).
+
+    Args:
+        processor: a processor with `.tokenizer`, or a tokenizer.
+        model: the backbone whose input (and output) embeddings must cover the id; None to only
+            update the tokenizer (e.g. a processor loaded beside an already-resized model).
+        token: the step token, `mmprm.steps.STEP_TOKEN` by default.
+
+    Returns:
+        The token's id.
+    """
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if token not in tokenizer.get_vocab():
+        added = AddedToken(token, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
+        tokenizer.add_special_tokens({"extra_special_tokens": [added]}, replace_extra_special_tokens=False)
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if model is not None:
+        rows = model.get_input_embeddings().weight.shape[0]
+        if token_id >= rows:
+            # mean_resizing: the new row starts at the mean embedding, not at random noise.
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    return token_id
+
+
+def vision_tower_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters of the vision encoder, for freezing; empty for text-only models.
+
+    The multimodal projector (Qwen's `visual.merger`, LLaVA/InternVL `multi_modal_projector`) is
+    excluded. Works through wrappers (PRM heads, PEFT) because it matches parameter names.
+    """
+    params = []
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        if any(p in _VISION_TOWER_NAMES for p in parts) and not any(p in _PROJECTOR_NAMES for p in parts):
+            params.append(param)
+    return params

@@ -1,0 +1,254 @@
+"""Tiny random-init presets of every supported backbone, for tests and CPU demos.
+
+    path = build_tiny_model("qwen2_5_vl", "runs/tiny/qwen2_5_vl", seed=0)
+    model, processor = mmprm.models.load_backbone(path)     # same call as for a real checkpoint
+
+Each preset is the REAL architecture class built from a small config (hidden 64, 2 layers, a
+2-layer vision tower on 28-56 px images), saved with `save_pretrained` beside a byte-level BPE
+tokenizer trained here on a built-in corpus, the arch's special tokens, a ChatML chat template and
+the processor. Nothing is downloaded. mmprm's own STEP_TOKEN is deliberately absent: adding it is
+`add_step_token`'s job at train time, and tests must see that step happen.
+
+| arch       | model class                        | image tokens per image                        |
+| ---------- | ---------------------------------- | --------------------------------------------- |
+| qwen2_vl   | Qwen2VLForConditionalGeneration    | 1-4 (resized to 28*28..56*56 px, aspect kept) |
+| qwen2_5_vl | Qwen2_5_VLForConditionalGeneration | 1-4 (same image processor)                    |
+| internvl   | InternVLForConditionalGeneration   | 4 per 56 px tile; 1-4 tiles (+ thumbnail)     |
+| llava      | LlavaForConditionalGeneration      | 16 (CLIP at 56 px, CLS dropped)               |
+| qwen2      | Qwen2ForCausalLM (text only)       | -                                             |
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_ARCHS = ("qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2")
+
+VOCAB_SIZE = 1024
+# Language model: 4 heads of 16 dims; Qwen's M-RoPE sections must sum to head_dim / 2 = 8.
+_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=4096)
+_MROPE_SECTION = [2, 3, 3]
+
+_CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Named multimodal tokens each arch's processor reads from its tokenizer (tokenizer.<name>).
+_ARCH_TOKENS: dict[str, dict[str, str]] = {
+    "qwen2": {},
+    "qwen2_vl": {"vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>",
+                 "image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+    "internvl": {"start_image_token": "<img>", "end_image_token": "</img>",
+                 "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
+    "llava": {"image_token": "<image>"},
+}
+_ARCH_TOKENS["qwen2_5_vl"] = _ARCH_TOKENS["qwen2_vl"]
+# What the chat template writes for one image part; the processor expands it to N tokens.
+_IMAGE_MARKUP = {
+    "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "internvl": "<IMG_CONTEXT>",
+    "llava": "<image>",
+}
+
+
+def chat_template(arch: str) -> str:
+    """ChatML Jinja template for `arch`: string or part-list content, images in place.
+
+    No default system prompt (what you pass is what the model sees). `add_generation_prompt`
+    opens the assistant turn; transformers' `continue_final_message` works because assistant text
+    is written verbatim. Text-only archs reject image parts instead of dropping them silently.
+    """
+    image = _IMAGE_MARKUP.get(arch)
+    on_image = image if image else "{{ raise_exception('this model is text-only: remove the image parts') }}"
+    return (
+        "{%- for message in messages -%}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- if message['content'] is string -%}{{ message['content'] }}"
+        "{%- else -%}{%- for part in message['content'] -%}"
+        "{%- if part['type'] == 'image' -%}" + on_image +
+        "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
+        "{%- endif -%}{%- endfor -%}{%- endif -%}"
+        "{{ '<|im_end|>\\n' }}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+    )
+
+
+def _corpus(n: int = 4000) -> list[str]:
+    """Deterministic training text: arithmetic, math English, LaTeX bits, our tags, chat roles."""
+    rng = random.Random(1234)
+    words = (
+        "the a an of to and is in that it for on with as by this be are from or at which so we then "
+        "find total number each step answer first second third next last finally therefore because "
+        "since thus hence given let suppose assume consider note notice recall know need want must "
+        "can cannot will would should could may might does do did has have had was were been being "
+        "triangle angle area circle square rectangle polygon side sides length width height point "
+        "points line lines segment radius diameter degrees sum product difference quotient equal "
+        "equals gives value values figure image picture diagram shows shown count how many much what "
+        "where when why which who user assistant system question solution correct wrong error check "
+        "left right top bottom middle center above below inside outside between parallel perpendicular "
+        "vertex vertices edge edges face faces cube sphere cylinder cone volume surface perimeter "
+        "fraction decimal percent ratio proportion probability chance random even odd prime divisor "
+        "multiple factor integer integers digit digits positive negative zero one two three four five "
+        "six seven eight nine ten hundred thousand half quarter twice double triple more less greater "
+        "smaller larger largest smallest minimum maximum average mean median mode total remaining "
+        "apples oranges coins cars students books pages hours minutes seconds days weeks years money "
+        "dollars cents price cost buy sell pay spend save earn speed distance time rate work "
+        "function graph slope intercept equation solve variable expression substitute simplify "
+        "expand factor compute calculate evaluate determine express write read look color colors "
+        "red blue green yellow black white shaded region grid row rows column columns table chart"
+    ).split()
+    latex = ["\\frac{1}{2}", "\\sqrt{2}", "x^2", "\\pi", "\\angle ABC", "\\boxed{7}", "\\cdot", "\\times"]
+    ops = ["+", "-", "*", "/"]
+    lines = []
+    for _ in range(n):
+        a, b = rng.randint(0, 999), rng.randint(1, 99)
+        op = rng.choice(ops)
+        value = {"+": a + b, "-": a - b, "*": a * b, "/": round(a / b, 2)}[op]
+        prose = " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
+        lines.append(f"<step>{prose.capitalize()}: {a} {op} {b} = {value}, {rng.choice(latex)}.</step>\n")
+        if rng.random() < 0.3:
+            lines.append(f"<answer>{value}</answer>\n")
+    return lines
+
+
+def _train_tokenizer(arch: str) -> Any:
+    """Byte-level BPE trained here: every byte is in the base alphabet, so any text tokenizes.
+
+    Normalizer and pre-tokenizer are Qwen2's (NFC, Qwen's split regex, byte-level): transformers
+    rebuilds a `qwen2` checkpoint's tokenizer as `Qwen2Tokenizer` from vocab + merges, and this
+    keeps that rebuild token-for-token identical to the tokenizer trained here.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    named = _ARCH_TOKENS[arch]
+    specials = _CHATML + list(named.values())
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(_corpus(), trainer)
+    # Qwen-style: no BOS is prepended; <|endoftext|> pads; <|im_end|> ends a chat turn.
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        extra_special_tokens=dict(named), chat_template=chat_template(arch), model_max_length=4096,
+    )
+
+
+def _text_config(tok: Any, **extra: Any) -> dict[str, Any]:
+    ids = dict(vocab_size=len(tok), bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id)
+    return {**_TEXT, **ids, **extra}
+
+
+def _build(arch: str, tok: Any) -> tuple[Any, Any]:
+    """(model, processor) of `arch` with every special-token id taken from `tok`."""
+    import transformers as tf
+
+    from mmprm.models.loading import IMAGE_ONLY_PROCESSORS
+
+    tid = tok.convert_tokens_to_ids
+    template = chat_template(arch)
+    if arch == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**_text_config(tok))), tok
+    if arch in ("qwen2_vl", "qwen2_5_vl"):
+        rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": _MROPE_SECTION}
+        text = _text_config(tok, rope_parameters=rope)
+        ids = dict(image_token_id=tid("<|image_pad|>"), video_token_id=tid("<|video_pad|>"),
+                   vision_start_token_id=tid("<|vision_start|>"), vision_end_token_id=tid("<|vision_end|>"))
+        vision = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+        if arch == "qwen2_vl":
+            vision.update(embed_dim=32, mlp_ratio=2, hidden_size=_TEXT["hidden_size"])
+            model = tf.Qwen2VLForConditionalGeneration(tf.Qwen2VLConfig(text_config=text, vision_config=vision, **ids))
+        else:
+            # window_size is in pixels (2 merged patches = 56 px); block 1 attends to the full image.
+            vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=_TEXT["hidden_size"],
+                          window_size=56, fullatt_block_indexes=[1], tokens_per_second=2)
+            model = tf.Qwen2_5_VLForConditionalGeneration(
+                tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
+        # Images are resized to 28*28..56*56 px (multiples of 28): 1-4 merged 28 px patches, 1-4 tokens.
+        image_processor = tf.Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14,
+                                                      merge_size=2, temporal_patch_size=2)
+        processor = IMAGE_ONLY_PROCESSORS[arch](image_processor=image_processor, tokenizer=tok,
+                                                chat_template=template)
+        return model, processor
+    if arch == "internvl":
+        # 56 px tile = 4x4 patches of 14 px; pixel shuffle (0.5) leaves 2x2 = 4 tokens per tile.
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      image_size=[56, 56], patch_size=[14, 14])
+        config = tf.InternVLConfig(text_config={"model_type": "qwen2", **_text_config(tok)}, vision_config=vision,
+                                   image_token_id=tid("<IMG_CONTEXT>"), image_seq_length=4, downsample_ratio=0.5)
+        model = tf.InternVLForConditionalGeneration(config)
+        image_processor = tf.GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}, crop_to_patches=True,
+                                                      min_patches=1, max_patches=4)
+        processor = IMAGE_ONLY_PROCESSORS[arch](image_processor=image_processor, tokenizer=tok,
+                                                image_seq_length=4, chat_template=template)
+        return model, processor
+    if arch == "llava":
+        # CLIP at 56 px: 4x4 patches + CLS; the "default" strategy drops CLS -> 16 image tokens.
+        vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, image_size=56, patch_size=14, projection_dim=32)
+        config = tf.LlavaConfig(text_config={"model_type": "llama", "head_dim": 16, **_text_config(tok)},
+                                vision_config=vision, image_token_index=tid("<image>"), image_seq_length=16,
+                                vision_feature_layer=-2, vision_feature_select_strategy="default")
+        model = tf.LlavaForConditionalGeneration(config)
+        image_processor = tf.LlavaImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+        processor = tf.LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=14,
+                                      vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                      image_token="<image>", chat_template=template)
+        return model, processor
+    raise AssertionError(arch)  # unreachable: build_tiny_model validated arch
+
+
+def build_tiny_model(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Build, save and return the directory of a tiny random-init model of `arch`.
+
+    Args:
+        arch: one of `TINY_ARCHS`.
+        out_dir: created if missing; existing files of the same names are overwritten.
+        seed: weight init seed; the same seed gives identical weights (the caller's RNG state is
+            left untouched).
+
+    Returns:
+        `out_dir` as a Path, loadable with `load_backbone` / `from_pretrained`.
+    """
+    from transformers import GenerationConfig
+
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}: choose one of {', '.join(TINY_ARCHS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _train_tokenizer(arch)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model, processor = _build(arch, tok)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.pad_token_id, pad_token_id=tok.pad_token_id,
+        eos_token_id=[tok.eos_token_id, tok.pad_token_id],
+    )
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+def cli_tiny_model(argv: list[str]) -> int:
+    """`mmprm tiny-model --arch ARCH --out DIR [--seed N]`: build one tiny preset."""
+    parser = argparse.ArgumentParser(prog="mmprm tiny-model", description=cli_tiny_model.__doc__)
+    parser.add_argument("--arch", required=True, choices=TINY_ARCHS)
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--seed", type=int, default=0, help="weight init seed (default 0)")
+    args = parser.parse_args(argv)
+    path = build_tiny_model(args.arch, args.out, seed=args.seed)
+    print(f"tiny {args.arch} model written to {path}")
+    return 0

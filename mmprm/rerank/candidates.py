@@ -1,0 +1,398 @@
+"""Best-of-N candidates: N solutions per problem, ready for PRM scoring and selection.
+
+JSONL, one problem per line::
+
+    {"id": "mathv-1546",
+     "images": ["images/1546.jpg"],       # relative to the JSONL file, or absolute
+     "question": "... What is the size of angle $V W Y$ ? <image1>\\nChoices: (A) ...",
+     "answer": "D",                       # gold answer; null when unknown (no accuracy then)
+     "choices": ["$25^{\\circ}$", ...],   # optional: option texts in letter order
+     "meta": {"source": "mathv"},         # optional, free-form
+     "candidates": [
+        {"text": "full solution ...",     # "text" or "steps" (or both)
+         "steps": ["step 1", "step 2"],   # what the PRM scores; derived from "text" when absent
+         "answer": "40^\\circ",           # optional: extracted from the text when absent
+         "correct": true,                 # optional: verified against the gold answer when absent
+         "meta": {"model": "qwen-vl-max"}}]}
+
+Steps come from our `<step>` tags when present (answer attached to the last step, as
+`mmprm.steps.prm_steps` does), else from `mmprm.data.sft.split_solution` (blank lines, else lines,
+else sentences). `steps: []` is allowed for an empty generation: it has nothing to score.
+
+Converters turn public BoN data into this format: MATH-V (3 models' CoTs per problem),
+GSM8K's example model solutions (4), Qwen2.5-Math's rm@8 example (8), and a generic
+`{id, question, answer, solutions: [str]}` file. Where the source ships a correctness flag, the
+candidate records both the flag and our verifier's verdict (`meta.flag_correct`,
+`meta.verifier_correct`); `label` picks which one becomes `correct`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from mmprm.answers import answers_match, extract_answer
+from mmprm.data.schema import DataError, iter_jsonl, write_jsonl
+from mmprm.data.sft import FINAL_ANSWER_LINE, split_solution
+from mmprm.steps import STEP_TOKEN, count_image_placeholders, parse_solution, prm_steps
+
+Label = Literal["file", "verifier"]
+GSM8K_MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
+_CANDIDATE_KEYS = {"text", "steps", "answer", "correct", "meta"}
+
+
+@dataclass
+class Candidate:
+    """One solution of a problem. `extra` keeps unknown keys (e.g. `step_probs`) for round trips."""
+
+    text: str | None
+    steps: list[str]
+    answer: str | None = None
+    correct: bool | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        row: dict[str, Any] = {}
+        if self.text is not None:
+            row["text"] = self.text
+        row.update(steps=list(self.steps), answer=self.answer, correct=self.correct)
+        if self.meta:
+            row["meta"] = self.meta
+        row.update(self.extra)
+        return row
+
+
+@dataclass
+class Problem:
+    """A problem with its gold answer and N candidate solutions. `images` are absolute paths."""
+
+    id: str
+    question: str
+    answer: str | None
+    candidates: list[Candidate]
+    images: list[str] = field(default_factory=list)
+    choices: list[str] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        row: dict[str, Any] = {"id": self.id, "images": list(self.images), "question": self.question,
+                               "answer": self.answer}
+        if self.choices is not None:
+            row["choices"] = list(self.choices)
+        if self.meta:
+            row["meta"] = self.meta
+        row["candidates"] = [c.to_json() for c in self.candidates]
+        return row
+
+    def prm_inputs(self) -> list[dict[str, Any]]:
+        """One `{question, steps, images}` dict per candidate, as `PRMScorer.score` takes them."""
+        return [{"question": self.question, "steps": c.steps, "images": self.images} for c in self.candidates]
+
+
+def candidate_steps(text: str) -> list[str]:
+    """The steps a PRM scores for a solution text (see the module docstring)."""
+    parsed = parse_solution(text, mode="tags")
+    if parsed.steps:
+        return prm_steps(parsed.steps, parsed.answer)
+    steps, answer = split_solution(text)
+    # split_solution cuts a GSM8K-style final line ("#### 18", "A: 18"); give it back as <answer>.
+    if answer is not None and FINAL_ANSWER_LINE.search(text):
+        return prm_steps(steps, answer)
+    return steps
+
+
+def make_candidate(text: str, gold: str | None, choices: list[str] | None = None,
+                   flag: bool | None = None, label: Label = "file", **meta: Any) -> Candidate:
+    """A candidate from a solution text: steps, extracted answer, and correctness.
+
+    With a source `flag`, both the flag and our verifier's verdict go to `meta`; `label` says which
+    is `correct`. Without one, `correct` is the verifier's (None when there is no gold answer).
+    """
+    answer = extract_answer(text)
+    ours = answers_match(answer, gold, choices) if gold is not None else None
+    if flag is not None:
+        meta.update(flag_correct=flag, verifier_correct=ours)
+    correct = flag if flag is not None and label == "file" else ours
+    return Candidate(text=text, steps=candidate_steps(text), answer=answer, correct=correct, meta=meta)
+
+
+def count_label_disagreements(problems: list[Problem]) -> int:
+    """Candidates whose source flag and our verifier disagree."""
+    return sum(
+        c.meta["flag_correct"] != c.meta["verifier_correct"]
+        for p in problems for c in p.candidates if "flag_correct" in c.meta
+    )
+
+
+# ---------------------------------------------------------------- converters
+
+
+def from_mathv(mathv_dir: str | Path, label: Label = "file") -> list[Problem]:
+    """MATH-V testmini with the CoTs of its 3 models (`cot_testmini/*.jsonl`) as N=3 candidates.
+
+    Args:
+        mathv_dir: the folder holding testmini.jsonl, images/ and cot_testmini/.
+        label: "file" (MATH-V's `correct`) or "verifier" (ours) becomes `correct`.
+    """
+    from mmprm.data.mathv import read_mathv
+
+    root = Path(mathv_dir)
+    cot_files = sorted((root / "cot_testmini").glob("*.jsonl"))
+    if not cot_files:
+        raise FileNotFoundError(f"{root / 'cot_testmini'}: no *.jsonl CoT files (copy MATH-V's outputs there)")
+    cots: dict[str, list[tuple[str, dict]]] = {}
+    for path in cot_files:
+        for lineno, obj, err in iter_jsonl(path):
+            if err:
+                raise DataError([f"{path}:{lineno}: id=?: line: {err}"])
+            cots.setdefault(str(obj["id"]), []).append((path.stem, obj))
+    problems = []
+    for p in read_mathv(root):
+        records = cots.get(p["id"], [])
+        if len(records) != len(cot_files):
+            raise DataError([f"{root}: id={p['id']}: candidates: {len(records)} CoT records for "
+                             f"{len(cot_files)} model files (each file needs one record per problem)"])
+        candidates = [
+            make_candidate(r["response"], p["answer"], p["choices"], flag=bool(r["correct"]), label=label,
+                           model=r.get("model", stem), source_answer=r.get("model_answer"))
+            for stem, r in records
+        ]
+        problems.append(Problem(id=f"mathv-{p['id']}", question=p["question"], answer=p["answer"],
+                                candidates=candidates, images=p["images"], choices=p["choices"], meta=p["meta"]))
+    return problems
+
+
+def from_gsm8k_solutions(path: str | Path, label: Label = "file") -> list[Problem]:
+    """GSM8K's `example_model_solutions.jsonl`: 4 GPT-3 solutions per problem (N=4).
+
+    Gold is the `A: N` of `ground_truth`; flags are each solution's `is_correct`.
+    """
+    path = Path(path)
+    problems = []
+    for lineno, obj, err in iter_jsonl(path):
+        if err:
+            raise DataError([f"{path}:{lineno}: id=?: line: {err}"])
+        gold = extract_answer(obj.get("ground_truth", ""))
+        missing = [m for m in GSM8K_MODELS if not isinstance(obj.get(m), dict)]
+        if gold is None or missing:
+            raise DataError([f"{path}:{lineno}: id=gsm8k-{lineno - 1}: ground_truth/{','.join(missing) or 'A:'}: "
+                             "not GSM8K example_model_solutions format (need ground_truth ending in "
+                             f"'A: N' and the fields {', '.join(GSM8K_MODELS)})"])
+        candidates = [make_candidate(obj[m]["solution"], gold, flag=bool(obj[m]["is_correct"]), label=label, model=m)
+                      for m in GSM8K_MODELS]
+        problems.append(Problem(id=f"gsm8k-{lineno - 1}", question=obj["question"], answer=gold,
+                                candidates=candidates, meta={"source": "gsm8k"}))
+    return problems
+
+
+def from_qwen_math_bon(path: str | Path, label: Label = "file") -> list[Problem]:
+    """Qwen2.5-Math's `math_cot_100.jsonl`: 8 responses per MATH problem (N=8).
+
+    Gold is `gt`; flags are `score`; the upstream reward-model score goes to `meta.rm_score`.
+    """
+    path = Path(path)
+    problems = []
+    for lineno, obj, err in iter_jsonl(path):
+        if err:
+            raise DataError([f"{path}:{lineno}: id=?: line: {err}"])
+        responses, scores = obj.get("response"), obj.get("score")
+        if not isinstance(responses, list) or not isinstance(scores, list) or len(responses) != len(scores):
+            raise DataError([f"{path}:{lineno}: id={obj.get('idx')}: response/score: need two lists of equal "
+                             "length (is this Qwen2.5-Math's eval_rm_maj_example format?)"])
+        rm = obj.get("pred_score") or [None] * len(responses)
+        candidates = [
+            make_candidate(text, str(obj["gt"]), flag=bool(flag), label=label,
+                           source_answer=(obj.get("pred") or [None] * len(responses))[k],
+                           rm_score=rm[k][0] if isinstance(rm[k], list) else rm[k])
+            for k, (text, flag) in enumerate(zip(responses, scores))
+        ]
+        problems.append(Problem(id=f"qwen-math-{obj['idx']}", question=obj["question"], answer=str(obj["gt"]),
+                                candidates=candidates, meta={"source": "qwen_math_bon", "level": obj.get("level")}))
+    return problems
+
+
+def from_text_solutions(path: str | Path) -> list[Problem]:
+    """A generic JSONL of `{id, question, answer, solutions: [str], images?, choices?}`.
+
+    Correctness is our verifier's; steps are split from each solution text.
+    """
+    path = Path(path)
+    problems, bad = [], []
+    for lineno, obj, err in iter_jsonl(path):
+        if err:
+            bad.append(f"{path}:{lineno}: id=?: line: {err}")
+            continue
+        rid = obj.get("id")
+        sols = obj.get("solutions")
+        if not isinstance(sols, list) or not sols or not all(isinstance(s, str) for s in sols):
+            bad.append(f"{path}:{lineno}: id={rid}: solutions: must be a non-empty list of solution strings")
+            continue
+        gold = obj.get("answer")
+        choices = obj.get("choices")
+        row = {k: obj[k] for k in ("id", "question", "images", "answer", "choices", "meta") if k in obj}
+        row["candidates"] = [make_candidate(s, str(gold) if gold is not None else None, choices).to_json()
+                             for s in sols]
+        errs, problem = _check_problem(row, path.parent, check_images=True)
+        bad += [f"{path}:{lineno}: id={rid}: {fld}: {msg}" for fld, msg in errs]
+        if problem is not None:
+            problems.append(problem)
+    if bad:
+        raise DataError(bad)
+    return problems
+
+
+# ---------------------------------------------------------------- load / write
+
+
+def _check_candidate(c: Any, where: str) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    errs: list[tuple[str, str]] = []
+    if not isinstance(c, dict):
+        return [(where, "must be an object like {\"text\": ...} or {\"steps\": [...]}")], {}
+    text, steps = c.get("text"), c.get("steps")
+    if text is None and steps is None:
+        errs.append((where, "has neither 'text' nor 'steps' (give the solution text, its steps, or both)"))
+    if text is not None and not isinstance(text, str):
+        errs.append((f"{where}.text", "must be a string"))
+    if steps is not None:
+        if not isinstance(steps, list) or not all(isinstance(s, str) and s.strip() for s in steps):
+            errs.append((f"{where}.steps", "must be a list of non-empty strings"))
+        elif any(STEP_TOKEN in s for s in steps):
+            errs.append((f"{where}.steps", f"contains the reserved step token {STEP_TOKEN!r} (remove it)"))
+    ans = c.get("answer")
+    if ans is not None and not isinstance(ans, (str, int, float)):
+        errs.append((f"{where}.answer", "must be a string or null"))
+    if c.get("correct") is not None and not isinstance(c.get("correct"), bool):
+        errs.append((f"{where}.correct", f"{c.get('correct')!r} is not true/false/null"))
+    if not isinstance(c.get("meta", {}) or {}, dict):
+        errs.append((f"{where}.meta", "must be a JSON object"))
+    return errs, c
+
+
+def _check_problem(obj: dict[str, Any], base_dir: Path,
+                   check_images: bool) -> tuple[list[tuple[str, str]], Problem | None]:
+    """Validate one problem row; returns ([(field, message)], Problem-or-None) with answers filled in."""
+    errs: list[tuple[str, str]] = []
+    rid = obj.get("id")
+    if rid is None or isinstance(rid, bool) or not isinstance(rid, (str, int)) or not str(rid).strip():
+        errs.append(("id", "missing or not a string (add a unique id to every problem)"))
+    question = obj.get("question")
+    if not isinstance(question, str) or not question.strip():
+        errs.append(("question", "missing or empty (add the problem text)"))
+    images = obj.get("images") or []
+    resolved: list[str] = []
+    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
+        errs.append(("images", "must be a list of image paths (use [] for text-only)"))
+        images = []
+    for i, p in enumerate(images):
+        full = Path(p) if os.path.isabs(p) else base_dir / p
+        resolved.append(str(full.resolve()))
+        if check_images and not full.exists():
+            errs.append((f"images[{i}]", f"image not found: {full} (paths are relative to the JSONL file's folder)"))
+    if isinstance(question, str):
+        n_ph = count_image_placeholders(question)
+        if n_ph and n_ph != len(images):
+            errs.append(("images", f"question has {n_ph} image placeholder(s) but {len(images)} image(s) "
+                                   "(list one image per placeholder, or remove the placeholders)"))
+    gold = obj.get("answer")
+    bad_gold = isinstance(gold, bool) or not isinstance(gold, (str, int, float)) or not str(gold).strip()
+    if gold is not None and bad_gold:
+        errs.append(("answer", "must be the gold answer as a non-empty string, or null when unknown"))
+    choices = obj.get("choices")
+    if choices is not None and (not isinstance(choices, list) or not all(isinstance(x, str) for x in choices)):
+        errs.append(("choices", "must be a list of option texts in letter order, or omitted"))
+    if not isinstance(obj.get("meta", {}) or {}, dict):
+        errs.append(("meta", "must be a JSON object"))
+    cands = obj.get("candidates")
+    if not isinstance(cands, list) or not cands:
+        errs.append(("candidates", "missing or empty (a list of {\"text\"|\"steps\", ...} objects)"))
+        cands = []
+    for j, c in enumerate(cands):
+        errs += _check_candidate(c, f"candidates[{j}]")[0]
+    if errs:
+        return errs, None
+    gold_s = str(gold) if gold is not None else None
+    candidates = []
+    for c in cands:
+        text = c.get("text")
+        steps = c["steps"] if c.get("steps") is not None else candidate_steps(text)
+        answer = c.get("answer")
+        if answer is None and "answer" not in c:  # an explicit null means "no answer found"
+            answer = extract_answer(text if text is not None else "\n".join(steps))
+        correct = c.get("correct")
+        if correct is None and gold_s is not None:
+            correct = answers_match(str(answer) if answer is not None else None, gold_s, choices)
+        candidates.append(Candidate(text=text, steps=list(steps), answer=str(answer) if answer is not None else None,
+                                    correct=correct, meta=c.get("meta") or {},
+                                    extra={k: v for k, v in c.items() if k not in _CANDIDATE_KEYS}))
+    return [], Problem(id=str(rid), question=question, answer=gold_s, candidates=candidates, images=resolved,
+                       choices=choices, meta=obj.get("meta") or {})
+
+
+def load_candidates(path: str | Path, check_images: bool = True) -> list[Problem]:
+    """Load and validate a candidates JSONL; raise DataError listing every problem found.
+
+    Missing steps, answers and correctness are filled in (see the module docstring).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError([f"{path}: file not found (write it with `mmprm convert-candidates`)"])
+    problems, bad = [], []
+    seen: dict[str, int] = {}
+    for lineno, obj, err in iter_jsonl(path):
+        if err:
+            bad.append(f"{path}:{lineno}: id=?: line: {err}")
+            continue
+        rid = obj.get("id")
+        errs, problem = _check_problem(obj, path.parent, check_images)
+        bad += [f"{path}:{lineno}: id={rid}: {fld}: {msg}" for fld, msg in errs]
+        if problem is None:
+            continue
+        if problem.id in seen:
+            bad.append(f"{path}:{lineno}: id={rid}: id: duplicated (first on line {seen[problem.id]}; make ids unique)")
+            continue
+        seen[problem.id] = lineno
+        problems.append(problem)
+    if not problems and not bad:
+        bad.append(f"{path}:0: id=?: file: no rows (the file is empty)")
+    if bad:
+        raise DataError(bad)
+    return problems
+
+
+def write_candidates(path: str | Path, problems: list[Problem]) -> int:
+    """Write problems as candidates JSONL (atomically); image paths stay absolute."""
+    return write_jsonl(path, (p.to_json() for p in problems))
+
+
+def cli_convert_candidates(argv: list[str]) -> int:
+    """`mmprm convert-candidates --from mathv|gsm8k|qwen_math|text --input P --out F [--label file|verifier]`."""
+    ap = argparse.ArgumentParser(prog="mmprm convert-candidates",
+                                 description="Convert public Best-of-N data to mmprm candidates JSONL.")
+    ap.add_argument("--from", dest="source", choices=("mathv", "gsm8k", "qwen_math", "text"), required=True)
+    ap.add_argument("--input", required=True,
+                    help="mathv: the MATH-V folder; gsm8k: example_model_solutions.jsonl; "
+                         "qwen_math: math_cot_100.jsonl; text: JSONL of {id, question, answer, solutions}")
+    ap.add_argument("--out", required=True, help="output candidates JSONL")
+    ap.add_argument("--label", choices=("file", "verifier"), default="file",
+                    help="which verdict becomes `correct` where the source ships a flag (default: file)")
+    args = ap.parse_args(argv)
+    try:
+        if args.source == "text":
+            problems = from_text_solutions(args.input)
+        else:
+            convert = {"mathv": from_mathv, "gsm8k": from_gsm8k_solutions, "qwen_math": from_qwen_math_bon}[args.source]
+            problems = convert(args.input, label=args.label)
+    except (DataError, FileNotFoundError) as e:
+        print(f"error: {e}")
+        return 2
+    write_candidates(args.out, problems)
+    n = sum(len(p.candidates) for p in problems)
+    correct = sum(bool(c.correct) for p in problems for c in p.candidates)
+    print(json.dumps({"out": str(args.out), "problems": len(problems), "candidates": n, "correct": correct,
+                      "label": args.label, "label_disagreements": count_label_disagreements(problems)}))
+    return 0

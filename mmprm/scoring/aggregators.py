@@ -1,0 +1,106 @@
+"""Step scores -> one solution score.
+
+A PRM gives one probability per step; Best-of-N needs one number per candidate. Every aggregator
+here is a pure function `list[float] -> float` where a higher value means "more likely correct".
+
+Numerical rules, the same for every aggregator:
+
+* Probabilities are clamped to `[EPS, 1 - EPS]` with `EPS = 1e-6` before any log or odds, so
+  p = 0 and p = 1 give finite values (log(1e-6) ~ -13.8 per step) and no sentinel numbers.
+* An empty candidate (no steps parsed) is scored as a solution whose probability of being
+  correct is exactly 0, unclamped: 0.0 for the probability-scale aggregators (min, average, max,
+  last, product, mean_odds) and -inf for the log-scale ones (sum_logpr, sum_logodds). Any
+  candidate with at least one step scores strictly higher (product can underflow to 0.0 after
+  ~50 steps at EPS and then ties with an empty candidate).
+* Picking: the highest score wins, ties go to the lowest candidate index
+  (`mmprm.scoring.selection.pick_best`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+EPS = 1e-6
+"""Clamp for step probabilities: every p is read as min(max(p, EPS), 1 - EPS)."""
+
+Aggregator = Callable[[Sequence[float]], float]
+
+
+def _clamped(probs: Sequence[float]) -> list[float]:
+    out = []
+    for i, p in enumerate(probs):
+        p = float(p)
+        # NaN fails both comparisons, so it is caught here too.
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"step {i}: probability {p!r} is outside [0, 1]; pass sigmoid/softmax outputs")
+        out.append(min(max(p, EPS), 1.0 - EPS))
+    return out
+
+
+def agg_min(probs: Sequence[float]) -> float:
+    """Weakest step: a chain is as good as its worst link. Empty -> 0.0."""
+    ps = _clamped(probs)
+    return min(ps) if ps else 0.0
+
+
+def agg_average(probs: Sequence[float]) -> float:
+    """Mean step probability. Empty -> 0.0."""
+    ps = _clamped(probs)
+    return sum(ps) / len(ps) if ps else 0.0
+
+
+def agg_max(probs: Sequence[float]) -> float:
+    """Best step (a weak baseline: one good step hides the rest). Empty -> 0.0."""
+    ps = _clamped(probs)
+    return max(ps) if ps else 0.0
+
+
+def agg_last(probs: Sequence[float]) -> float:
+    """Last step, which in mmprm carries the final answer. Empty -> 0.0."""
+    ps = _clamped(probs)
+    return ps[-1] if ps else 0.0
+
+
+def agg_product(probs: Sequence[float]) -> float:
+    """Product of step probabilities (all steps right, if independent). Empty -> 0.0."""
+    ps = _clamped(probs)
+    return math.prod(ps) if ps else 0.0
+
+
+def agg_sum_logpr(probs: Sequence[float]) -> float:
+    """Sum of log p: the log of `product`, without its underflow. Empty -> -inf."""
+    ps = _clamped(probs)
+    return sum(math.log(p) for p in ps) if ps else -math.inf
+
+
+def agg_sum_logodds(probs: Sequence[float]) -> float:
+    """Sum of log(p / (1 - p)): confident-good steps add, doubtful steps subtract. Empty -> -inf."""
+    ps = _clamped(probs)
+    return sum(math.log(p) - math.log1p(-p) for p in ps) if ps else -math.inf
+
+
+def agg_mean_odds(probs: Sequence[float]) -> float:
+    """Mean of p / (1 - p); at most (1 - EPS) / EPS ~ 1e6 per step. Empty -> 0.0."""
+    ps = _clamped(probs)
+    return sum(p / (1.0 - p) for p in ps) / len(ps) if ps else 0.0
+
+
+AGGREGATORS: dict[str, Aggregator] = {
+    "min": agg_min,
+    "average": agg_average,
+    "max": agg_max,
+    "last": agg_last,
+    "product": agg_product,
+    "sum_logpr": agg_sum_logpr,
+    "sum_logodds": agg_sum_logodds,
+    "mean_odds": agg_mean_odds,
+}
+"""Aggregator name -> fn(step probabilities) -> solution score (higher is better)."""
+
+
+def aggregate(name: str, probs: Sequence[float]) -> float:
+    """Score one candidate with the aggregator called `name` (raises on an unknown name)."""
+    if name not in AGGREGATORS:
+        raise ValueError(f"unknown aggregator {name!r}: choose one of {', '.join(AGGREGATORS)}")
+    return AGGREGATORS[name](probs)

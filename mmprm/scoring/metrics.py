@@ -1,0 +1,219 @@
+"""Step-level PRM metrics: calibration, classification, ranking and first-error detection.
+
+Every function takes per-solution lists, the shape `PRMScorer.score` returns and
+`StepExample.labels` holds::
+
+    scores = [[0.9, 0.8, 0.2], [0.95, 0.9]]   # predicted P(step correct)
+    labels = [[1.0, 1.0, 0.0], [1.0, 0.7]]    # soft or hard labels in [0, 1]
+
+Conventions: a step is *predicted correct* when its score is >= threshold (an error when
+< threshold); a soft label counts as *correct* when it is >= 0.5. First-error indices are
+0-based, None for a solution with no error. Ratios with an empty denominator are NaN
+(documented per function), never a silent 0 or 1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+EPS = 1e-6
+"""Probabilities are clamped to [EPS, 1 - EPS] inside `bce` so a confident miss stays finite."""
+
+LABEL_THRESHOLD = 0.5
+"""A soft label >= this is a correct step."""
+
+
+def _flat(scores: Sequence[Sequence[float]], labels: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:
+    """Flatten per-solution lists to (S,) arrays after checking they line up."""
+    if len(scores) != len(labels):
+        raise ValueError(f"{len(scores)} scored solutions but {len(labels)} labelled solutions")
+    for i, (s, y) in enumerate(zip(scores, labels)):
+        if len(s) != len(y):
+            raise ValueError(f"solution {i}: {len(s)} step scores but {len(y)} step labels")
+    for name, rows in (("score", scores), ("label", labels)):
+        for i, row in enumerate(rows):
+            for k, v in enumerate(row):
+                # NaN fails both comparisons, so it is caught too.
+                if not 0.0 <= float(v) <= 1.0:
+                    raise ValueError(f"solution {i} step {k}: {name} {float(v)} is outside [0, 1]")
+    p = np.asarray([float(v) for s in scores for v in s], dtype=float)
+    t = np.asarray([float(v) for y in labels for v in y], dtype=float)
+    return p, t
+
+
+def bce(scores: Sequence[Sequence[float]], labels: Sequence[Sequence[float]]) -> float:
+    """Mean binary cross-entropy against soft targets, -[t log p + (1-t) log(1-p)]; NaN if no steps."""
+    p, t = _flat(scores, labels)
+    if p.size == 0:
+        return math.nan
+    p = np.clip(p, EPS, 1 - EPS)
+    return float(-(t * np.log(p) + (1 - t) * np.log1p(-p)).mean())
+
+
+def brier(scores: Sequence[Sequence[float]], labels: Sequence[Sequence[float]]) -> float:
+    """Mean squared error (p - t)^2 over steps; NaN if no steps."""
+    p, t = _flat(scores, labels)
+    return float(((p - t) ** 2).mean()) if p.size else math.nan
+
+
+def step_accuracy(
+    scores: Sequence[Sequence[float]], labels: Sequence[Sequence[float]], threshold: float = 0.5
+) -> float:
+    """Share of steps where (score >= threshold) equals (label >= 0.5); NaN if no steps."""
+    p, t = _flat(scores, labels)
+    if p.size == 0:
+        return math.nan
+    return float(((p >= threshold) == (t >= LABEL_THRESHOLD)).mean())
+
+
+def step_f1(
+    scores: Sequence[Sequence[float]], labels: Sequence[Sequence[float]], threshold: float = 0.5
+) -> dict[str, float]:
+    """F1 of the correct-step class, of the error-step class, and their mean (VisualProcessBench).
+
+    F1 = 2TP / (2TP + FP + FN) per class; NaN when a class is absent from both truth and
+    prediction (and then macro_f1 is NaN too).
+
+    Returns:
+        {"f1_correct", "f1_error", "macro_f1"}
+    """
+    p, t = _flat(scores, labels)
+    pred, true = p >= threshold, t >= LABEL_THRESHOLD
+    out = {}
+    for name, pc, tc in (("f1_correct", pred, true), ("f1_error", ~pred, ~true)):
+        tp, fp, fn = int((pc & tc).sum()), int((pc & ~tc).sum()), int((~pc & tc).sum())
+        out[name] = 2 * tp / (2 * tp + fp + fn) if (2 * tp + fp + fn) else math.nan
+    out["macro_f1"] = (out["f1_correct"] + out["f1_error"]) / 2
+    return out
+
+
+def auroc(scores: Sequence[Sequence[float]], labels: Sequence[Sequence[float]]) -> float:
+    """Area under the ROC curve for telling correct steps (label >= 0.5) from errors.
+
+    Exact Mann-Whitney statistic with average ranks for tied scores, so a tie between a correct
+    and an erroneous step counts one half. NaN when only one class is present.
+    """
+    p, t = _flat(scores, labels)
+    pos = t >= LABEL_THRESHOLD
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    if n_pos == 0 or n_neg == 0:
+        return math.nan
+    order = np.argsort(p, kind="stable")
+    sorted_p = p[order]
+    ranks = np.empty(p.size)
+    # Each run of equal scores gets the mean of the 1-based ranks it spans.
+    starts = np.flatnonzero(np.r_[True, sorted_p[1:] != sorted_p[:-1]])
+    ends = np.r_[starts[1:], p.size]
+    for s, e in zip(starts, ends):
+        ranks[order[s:e]] = (s + 1 + e) / 2
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def first_error(labels: Sequence[float]) -> int | None:
+    """0-based index of the first step labelled an error (< 0.5), or None if all are correct."""
+    return next((i for i, y in enumerate(labels) if float(y) < LABEL_THRESHOLD), None)
+
+
+def predicted_first_error(scores: Sequence[float], threshold: float = 0.5) -> int | None:
+    """0-based index of the first step scored below `threshold`, or None."""
+    return next((i for i, s in enumerate(scores) if float(s) < threshold), None)
+
+
+def _first_error_windows(
+    scores: Sequence[Sequence[float]], first_errors: Sequence[int | None]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per solution, the thresholds t that predict its first error right: lo < t <= hi.
+
+    With m = min of the scores before the true first error e (+inf when e = 0), the prediction
+    is e exactly when p_e < t <= m; a correct solution is right when t <= min of all its scores.
+    Returns (lo, hi, is_error), each (M,).
+    """
+    if len(scores) != len(first_errors):
+        raise ValueError(f"{len(scores)} scored solutions but {len(first_errors)} first-error indices")
+    lo, hi, err = [], [], []
+    for i, (s, e) in enumerate(zip(scores, first_errors)):
+        s = [float(v) for v in s]
+        if e is None:
+            lo.append(-math.inf)
+            hi.append(min(s, default=math.inf))
+            err.append(False)
+            continue
+        if not 0 <= e < len(s):
+            raise ValueError(f"solution {i}: first error index {e} is outside its {len(s)} steps")
+        lo.append(s[e])
+        hi.append(min(s[:e], default=math.inf))
+        err.append(True)
+    return np.asarray(lo, dtype=float), np.asarray(hi, dtype=float), np.asarray(err, dtype=bool)
+
+
+def _first_error_scores(hit: np.ndarray, err: np.ndarray) -> dict[str, np.ndarray]:
+    """hit: (..., M) bool per solution; err: (M,) bool. ProcessBench accuracies and F1, shape (...)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        error_acc = (hit & err).sum(-1) / err.sum()
+        correct_acc = (hit & ~err).sum(-1) / (~err).sum()
+        f1 = np.where(error_acc + correct_acc > 0, 2 * error_acc * correct_acc / (error_acc + correct_acc), 0.0)
+    # A missing class makes its accuracy NaN and F1 undefined.
+    f1 = np.where(np.isnan(error_acc) | np.isnan(correct_acc), np.nan, f1)
+    return {"error_acc": error_acc, "correct_acc": correct_acc, "f1": f1}
+
+
+def first_error_f1(
+    scores: Sequence[Sequence[float]], first_errors: Sequence[int | None], threshold: float = 0.5
+) -> dict[str, float]:
+    """ProcessBench-style first-error identification.
+
+    The predicted first error is the first step with score < threshold. On erroneous solutions
+    a hit is predicted index == true index; on fully correct ones a hit is no predicted error.
+
+    Args:
+        scores: per solution, the step scores.
+        first_errors: per solution, the true 0-based first error index or None
+            (see `first_error` to derive it from step labels).
+        threshold: error threshold.
+
+    Returns:
+        {"error_acc", "correct_acc", "f1"}: f1 is their harmonic mean (0 if both are 0);
+        a class with no solutions gives NaN accuracy and NaN f1.
+    """
+    lo, hi, err = _first_error_windows(scores, first_errors)
+    hit = (lo < threshold) & (threshold <= hi)
+    return {k: float(v) for k, v in _first_error_scores(hit, err).items()}
+
+
+def best_threshold(scores: Sequence[Sequence[float]], first_errors: Sequence[int | None]) -> float:
+    """Threshold that maximises first-error F1 on a dev split (pick it on dev, report on test).
+
+    Every distinct outcome is covered exactly: the candidates are 0, the midpoints between
+    consecutive distinct scores, and just above 1. Ties go to the candidate closest to 0.5.
+    Needs both erroneous and correct solutions in the split.
+    """
+    lo, hi, err = _first_error_windows(scores, first_errors)
+    if err.all() or not err.any():
+        raise ValueError("best_threshold needs both erroneous and fully correct solutions in the dev split")
+    u = np.unique([float(v) for s in scores for v in s])
+    cand = np.r_[0.0, (u[1:] + u[:-1]) / 2, np.nextafter(1.0, 2.0)]  # (T,)
+    hit = (lo[None, :] < cand[:, None]) & (cand[:, None] <= hi[None, :])  # (T, M)
+    f1 = _first_error_scores(hit, err)["f1"]
+    best = np.flatnonzero(f1 == f1.max())
+    return float(cand[best[np.argmin(np.abs(cand[best] - 0.5))]])
+
+
+def step_metrics(
+    scores: Sequence[Sequence[float]], labels: Sequence[Sequence[float]], threshold: float = 0.5
+) -> dict[str, float]:
+    """All step-level metrics of one split in one flat dict (for eval reports)."""
+    firsts = [first_error(y) for y in labels]
+    out = {
+        "bce": bce(scores, labels),
+        "brier": brier(scores, labels),
+        "step_accuracy": step_accuracy(scores, labels, threshold),
+        "auroc": auroc(scores, labels),
+        **step_f1(scores, labels, threshold),
+    }
+    fe = first_error_f1(scores, firsts, threshold)
+    out.update({f"first_error_{k}": v for k, v in fe.items()})
+    out["threshold"] = float(threshold)
+    return out

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny models built once per session, the real data folder, small real images.
+
+    def test_x(tiny_models):
+        path = tiny_models("qwen2_vl")          # built on first use, then reused
+        model, processor = load_backbone(path)  # fresh objects each time: mutate freely
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Factory arch -> directory of that tiny model (seed 0), built at most once per session.
+
+    The directory is shared by every test: load it, never write into it.
+    """
+    from mmprm.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = build_tiny_model(arch, root / arch, seed=0)
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_models: Callable[[str], Path]) -> Callable[[str], Path]:
+    """Alias of `tiny_models` (same factory, same directories)."""
+    return tiny_models
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """`../shared/data` beside the repo (see its README); skips the test when absent."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real data folder {SHARED_DATA} is absent")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def mathv_images(shared_data: Path) -> Callable[..., list]:
+    """Factory (ids, size=56) -> real MATH-V images as small RGB PIL images, aspect kept.
+
+    Small so the tiny processors stay fast; skips when the images folder is absent.
+    """
+    from PIL import Image
+
+    folder = shared_data / "mathv" / "images"
+    if not folder.is_dir():
+        pytest.skip(f"MATH-V images folder {folder} is absent")
+
+    def load(ids: list[str], size: int = 56) -> list:
+        images = []
+        for image_id in ids:
+            with Image.open(folder / f"{image_id}.jpg") as im:
+                im = im.convert("RGB")
+                im.thumbnail((size, size))
+                images.append(im)
+        return images
+
+    return load

@@ -1,0 +1,209 @@
+"""Best-of-N report: hand-computed curve, agreement with the scalar rules, files and real data."""
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mmprm.data.schema import DataError
+from mmprm.rerank.report import (
+    METHODS,
+    bon_curve,
+    cli_bon_report,
+    n_values,
+    paired_bootstrap,
+    read_candidates,
+    summarize,
+    write_report,
+)
+from mmprm.scoring import AGGREGATORS, majority_vote, pick_best, weighted_vote
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def cand(probs, answer, correct):
+    return {"step_probs": probs, "answer": answer, "correct": correct}
+
+
+# P0: the wrong candidate has one p=1 step, which fools max / sum_logodds / mean_odds.
+# P1: every aggregator prefers the right candidate.
+TOY = [
+    [cand([0.9, 0.9], "5", True), cand([1.0, 0.2], "6", False)],
+    [cand([0.3], "1", False), cand([0.8], "2", True)],
+]
+
+
+def test_n_values():
+    assert n_values(1) == [1]
+    assert n_values(8) == [1, 2, 4, 8]
+    assert n_values(6) == [1, 2, 4, 6]
+    assert n_values(3) == [1, 2, 3]
+
+
+def test_toy_curve_hand_computed():
+    curve = bon_curve(TOY)
+    assert curve.n_max == 2 and curve.ns == [1, 2] and curve.num_problems == 2
+    acc = {m: curve.per_problem[m][2].tolist() for m in METHODS}
+    for m in ("min", "average", "last", "product", "sum_logpr"):
+        assert acc[m] == [1.0, 1.0], m
+    for m in ("max", "sum_logodds", "mean_odds"):
+        assert acc[m] == [0.0, 1.0], m
+    assert acc["random"] == [0.5, 0.5]
+    assert acc["oracle"] == [1.0, 1.0]
+    assert acc["majority"] == [0.5, 0.5]  # one vote each: expected accuracy of a tie
+    assert acc["weighted_vote"] == [1.0, 1.0]  # min scores: 0.9 vs 0.2, 0.3 vs 0.8
+    # N = 1 enumerates both single candidates: every method is the random baseline.
+    for m in METHODS:
+        assert curve.per_problem[m][1].tolist() == [0.5, 0.5], m
+
+
+def test_summary_json_shape_and_cis():
+    rep = summarize(bon_curve(TOY), n_resamples=200, seed=0)
+    assert rep["num_problems"] == 2 and rep["n_max"] == 2
+    assert set(rep["methods"]) == set(METHODS) and len(METHODS) == 12
+    for name, by_n in rep["methods"].items():
+        assert list(by_n) == ["1", "2"]
+        for cell in by_n.values():
+            assert isinstance(cell["mean"], float) and len(cell["ci95"]) == 2
+            assert cell["ci95"][0] <= cell["mean"] <= cell["ci95"][1]
+    assert rep["methods"]["min"]["2"] == {"mean": 1.0, "ci95": [1.0, 1.0]}
+    assert rep["methods"]["max"]["2"]["mean"] == 0.5
+    assert rep["best_vs_random"]["method"] == "min"  # first of the tied best aggregators
+    assert rep["best_vs_random"]["diff"] == 0.5
+    json.dumps(rep)  # plain JSON types only
+
+
+def _brute_force(problems, n):
+    """Scalar rules over every subset of size n, averaged per problem."""
+    out = {m: [] for m in METHODS}
+    for cands in problems:
+        accs = {m: [] for m in METHODS}
+        for sub in itertools.combinations(cands, n):
+            correct = [c["correct"] for c in sub]
+            answers = [c["answer"] for c in sub]
+            for name, fn in AGGREGATORS.items():
+                accs[name].append(float(correct[pick_best([fn(c["step_probs"]) for c in sub])]))
+            accs["random"].append(np.mean(correct))
+            accs["oracle"].append(float(any(correct)))
+            accs["majority"].append(majority_vote(answers, correct))
+            accs["weighted_vote"].append(
+                weighted_vote(answers, [AGGREGATORS["min"](c["step_probs"]) for c in sub], correct))
+        for m in METHODS:
+            out[m].append(np.mean(accs[m]))
+    return out
+
+
+def _random_problems(rng, p, n):
+    problems = []
+    for _ in range(p):
+        cands = []
+        for _ in range(n):
+            k = int(rng.integers(0, 4))  # 0 steps happens: an empty candidate
+            probs = rng.choice([0.0, 0.25, 0.5, 0.75, 1.0], size=k).tolist()  # ties happen
+            answer = None if rng.random() < 0.15 else str(int(rng.integers(0, 3)))
+            cands.append(cand(probs, answer, answer == "0"))
+        problems.append(cands)
+    return problems
+
+
+def test_vectorised_curve_matches_scalar_rules():
+    problems = _random_problems(np.random.default_rng(0), 40, 4)
+    curve = bon_curve(problems)  # C(4, 1) = 4 and C(4, 2) = 6 subsets: all enumerated
+    for n in (1, 2, 4):
+        want = _brute_force(problems, n)
+        for m in METHODS:
+            np.testing.assert_allclose(curve.per_problem[m][n], want[m], err_msg=f"{m} N={n}")
+
+
+def test_random_subsets_are_seeded():
+    problems = _random_problems(np.random.default_rng(1), 30, 8)  # C(8, 4) = 70 > 32: random
+    a, b = bon_curve(problems, seed=3), bon_curve(problems, seed=3)
+    c = bon_curve(problems, seed=4)
+    for m in METHODS:
+        np.testing.assert_array_equal(a.per_problem[m][4], b.per_problem[m][4])
+    assert any(not np.array_equal(a.per_problem[m][4], c.per_problem[m][4]) for m in METHODS)
+    # More subsets -> the random baseline tends to its exact value, the share correct.
+    exact = np.mean([[x["correct"] for x in p] for p in problems], axis=1)
+    many = bon_curve(problems, n_subsets=2000, seed=0).per_problem["random"][4]
+    assert np.abs(many - exact).max() < 0.05
+    assert summarize(a, seed=0) == summarize(b, seed=0)
+
+
+def test_paired_bootstrap():
+    out = paired_bootstrap(np.array([1, 1, 0, 1.0]), np.array([0, 1, 0, 0.0]), n_resamples=500, seed=0)
+    assert out["diff"] == 0.75 - 0.25
+    assert 0.0 <= out["ci95"][0] <= 0.5 <= out["ci95"][1] <= 1.0
+    assert paired_bootstrap(np.ones(5), np.ones(5))["ci95"] == [0.0, 0.0]
+    with pytest.raises(ValueError, match="equal-length"):
+        paired_bootstrap(np.ones(3), np.ones(4))
+
+
+def test_input_errors():
+    with pytest.raises(ValueError, match="problem 1 has 1 candidates, need at least n_max=2"):
+        bon_curve([TOY[0], TOY[1][:1]], n_max=2)
+    with pytest.raises(ValueError, match=r"problem 0 candidate 1: step_probs\[0\]: 3.5 is not a probability"):
+        bon_curve([[cand([0.5], "1", True), cand([3.5], "1", True)]])
+    with pytest.raises(ValueError, match="problem 0 candidate 0: correct: must be true or false"):
+        bon_curve([[cand([0.5], "1", 1)]])
+    with pytest.raises(ValueError, match="weighted_by='sum_logpr' gives negative scores"):
+        bon_curve(TOY, weighted_by="sum_logpr")
+    # Extra candidates beyond n_max are left out, and the report says how many problems.
+    curve = bon_curve([TOY[0] + [cand([0.1], "9", False)], TOY[1]])
+    assert curve.n_max == 2 and curve.settings["truncated_problems"] == 1
+
+
+def test_write_report_files(tmp_path):
+    problems = _random_problems(np.random.default_rng(2), 25, 8)
+    rep = write_report(bon_curve(problems), tmp_path, title="Toy Best-of-N", n_resamples=200)
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk == rep and list(on_disk["methods"]["oracle"]) == ["1", "2", "4", "8"]
+    md = (tmp_path / "report.md").read_text()
+    assert "| method | N=1 | N=2 | N=4 | N=8 |" in md
+    assert all(f"| {m}" in md for m in METHODS)
+    png = (tmp_path / "bon_curve.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def _write_candidates(path, problems):
+    path.write_text("".join(json.dumps({"id": f"p{i}", "candidates": c}) + "\n" for i, c in enumerate(problems)))
+
+
+def test_cli_and_reader(tmp_path, capsys):
+    good = tmp_path / "cands.jsonl"
+    _write_candidates(good, TOY)
+    assert read_candidates(good) == TOY
+    assert cli_bon_report(["--candidates", str(good), "--out", str(tmp_path / "rep"), "--resamples", "100"]) == 0
+    assert (tmp_path / "rep" / "report.json").exists() and (tmp_path / "rep" / "bon_curve.png").exists()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "p0", "candidates": TOY[0]}) + "\n"
+                   + json.dumps({"id": "p1", "candidates": [{"step_probs": [2], "answer": 3, "correct": True}]}) + "\n")
+    with pytest.raises(DataError) as e:
+        read_candidates(bad)
+    assert f"{bad}:2: id=p1: candidates[0].step_probs[0]: 2 is not a probability" in e.value.problems[0]
+    assert f"{bad}:2: id=p1: candidates[0].answer:" in e.value.problems[1]
+    assert cli_bon_report(["--candidates", str(bad), "--out", str(tmp_path / "x")]) == 2
+    assert "bad.jsonl:2: id=p1" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (DATA / "qwen_math_bon").exists(), reason="../shared/data not present")
+def test_qwen_math_reference_numbers():
+    """The README's reference numbers: RM best-of-8 94/100, pass@8 96, 728/800 responses correct."""
+    rows = [json.loads(line) for line in (DATA / "qwen_math_bon" / "math_cot_100.jsonl").open()]
+    sigmoid = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731  # RM logits -> probabilities, order kept
+    problems = [[cand([sigmoid(s[0])], p, c) for s, p, c in zip(r["pred_score"], r["pred"], r["score"])]
+                for r in rows]
+    curve = bon_curve(problems)
+    rep = summarize(curve)
+    assert rep["num_problems"] == 100 and rep["n_max"] == 8
+    for m in AGGREGATORS:  # one step each: every aggregator ranks by the RM score
+        assert rep["methods"][m]["8"]["mean"] == pytest.approx(0.94)
+    assert rep["methods"]["oracle"]["8"]["mean"] == pytest.approx(0.96)
+    assert rep["methods"]["random"]["8"]["mean"] == pytest.approx(0.91)
+    # Majority over exact strings: 93 with first-seen ties; our tie rule takes the expectation.
+    want = np.mean([majority_vote(r["pred"], r["score"]) for r in rows])
+    assert rep["methods"]["majority"]["8"]["mean"] == pytest.approx(want)
+    assert 0.92 <= want <= 0.93
+    assert rep["best_vs_random"]["diff"] == pytest.approx(0.03) and rep["best_vs_random"]["ci95"][0] > 0
