@@ -1,0 +1,277 @@
+"""Reasoning-tree evaluation: Think360 width/depth, RPTS and RPTS-filtered accuracy of responses.
+
+Reads responses, turns each into a reasoning tree, scores every reasoning node (a constant, a PRM,
+the MC values of annotation trees, or an LLM judge), then writes:
+
+    <output.dir>/report.json    per-item and mean width, depth (hard and soft), RPTS, accuracy
+    <output.dir>/trees.jsonl    every scored tree (mmprm.treeval.Tree.to_json), for later plots
+    <output.dir>/tree_<id>.png  the chosen item's tree, nodes coloured by score
+
+Launch (CPU is enough; a PRM scorer uses the GPU when there is one):
+
+    python recipes/tree_eval.py --config recipes/configs/tiny/tree_eval.yaml
+    python recipes/tree_eval.py --config recipes/configs/tiny/tree_eval.yaml scorer.kind=prm scorer.prm_path=runs/prm
+
+Input formats (`data.format`):
+    rpts      RPTS-Eval JSON array or JSONL rows {id, reasoning: ["Text0 + Image0 -> ...", ...],
+              textual_clue, visual_clue, context, statement, answer (gold), [prediction | correct]}.
+              A row without `prediction` is gold reasoning: it reaches the gold answer.
+    think360  JSONL {id, question, [images], response: "[NODE:1.1] [PARENT:None] ...", [correct]}
+    steps     our step JSONL (mmprm.data.schema), each solution a chain; correctness from meta.correct
+    mc_tree   annotation trees JSONL (OpenR math-aps nested trees, or mmprm.annotate flat nodes)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from mmprm.config import ConfigError, load_config, parse_cli, to_dict
+from mmprm.data.schema import load_examples, read_jsonl, write_jsonl
+from mmprm.treeval import (JudgeScorer, Tree, constant_scores, filtered_accuracy, from_annotation_tree,
+                           from_rpts_record, from_steps, from_think360_blocks, mc_scores, path_scores,
+                           prm_scores, render_tree, rpts, set_scores, think360_depth, think360_width)
+
+
+@dataclass
+class DataConfig:
+    path: str = "../shared/data/rpts_eval/texts_en.json"
+    format: Literal["rpts", "think360", "steps", "mc_tree"] = "rpts"
+    image_dir: str | None = None  # rpts: folder of visual_clue files; default <path folder>/images
+    response_field: str = "response"  # think360: the field holding the node blocks
+    limit: int | None = None  # first N items only
+
+
+@dataclass
+class JudgeConfig:
+    url: str = "http://127.0.0.1:8000/v1"
+    model: str = ""
+    api_key_env: str = "OPENAI_API_KEY"
+    mode: Literal["binary", "graded"] = "binary"
+    send_images: bool = False
+    timeout: float = 60.0
+
+
+@dataclass
+class ScorerConfig:
+    kind: Literal["constant", "prm", "mc", "judge"] = "constant"
+    constant: float = 1.0
+    prm_path: str | None = None
+    batch_size: int = 8
+    max_length: int | None = None
+    device: str = "auto"
+    use_images: bool = True  # show the PRM/judge the item's images (missing files are dropped)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+
+
+@dataclass
+class MetricConfig:
+    threshold: float = 0.5  # a node is correct when its score >= threshold
+    rpts_lambda: float = 0.9
+    rpts_h_f: int = 1
+    filter_threshold: float = 0.5  # filtered accuracy: correct answer and RPTS >= this
+    path_aggregator: str | None = None  # e.g. "min": also report the final path's aggregated score
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs/tree_eval"
+    plot_item: str | None = None  # id of the item to draw; None draws the first item
+
+
+@dataclass
+class TreeEvalConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    scorer: ScorerConfig = field(default_factory=ScorerConfig)
+    metrics: MetricConfig = field(default_factory=MetricConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def validate(self) -> None:
+        if self.scorer.kind == "prm" and not self.scorer.prm_path:
+            raise ValueError("scorer.prm_path: set it to a PRM directory when scorer.kind=prm")
+        if self.scorer.kind == "judge" and not self.scorer.judge.model:
+            raise ValueError("scorer.judge.model: set the judge's model name when scorer.kind=judge")
+        if self.scorer.kind == "mc" and self.data.format != "mc_tree":
+            raise ValueError("scorer.kind=mc needs data.format=mc_tree (MC values come from annotation trees)")
+        if not 0.0 <= self.scorer.constant <= 1.0:
+            raise ValueError(f"scorer.constant: {self.scorer.constant} is outside [0, 1]")
+        if not 0.0 < self.metrics.rpts_lambda <= 1.0:
+            raise ValueError(f"metrics.rpts_lambda: {self.metrics.rpts_lambda} must be in (0, 1]")
+
+
+def load_items(cfg: DataConfig) -> list[dict[str, Any]]:
+    """Each item: {"id", "tree", "correct": bool | None, "reference": gold answer or None}."""
+    path = Path(cfg.path)
+    if not path.exists():
+        raise SystemExit(f"{path}: input not found (set data.path)")
+    items = []
+    if cfg.format == "rpts":
+        rows = json.loads(path.read_text(encoding="utf-8")) if path.suffix == ".json" else read_jsonl(path)
+        image_dir = cfg.image_dir or str((path.parent / "images").resolve())
+        for i, r in enumerate(rows):
+            if not isinstance(r.get("reasoning"), list):
+                raise SystemExit(f"{path}: item {i} id={r.get('id')}: reasoning: missing or not a list of step lines")
+            tree = from_rpts_record(r, image_dir=image_dir, source=f"{path.name}: id={r.get('id')}")
+            gold = str(r.get("answer", "")).strip().lower()
+            if "correct" in r:
+                correct = bool(r["correct"])
+            elif "prediction" in r:
+                correct = bool(gold) and str(r["prediction"]).strip().lower() == gold
+            else:
+                correct = True if gold else None  # gold reasoning reaches the gold answer
+            items.append({"id": str(r.get("id", i)), "tree": tree, "correct": correct, "reference": gold or None})
+    elif cfg.format == "think360":
+        for i, r in enumerate(read_jsonl(path)):
+            if not isinstance(r.get(cfg.response_field), str):
+                raise SystemExit(f"{path}:{i + 1}: id={r.get('id')}: {cfg.response_field}: missing; it must hold "
+                                 "the [NODE:...] blocks (or set data.response_field)")
+            images = [str((path.parent / p).resolve()) for p in r.get("images", [])]
+            tree = from_think360_blocks(r[cfg.response_field], question=r.get("question", ""), images=images,
+                                        source=f"{path.name}:{i + 1}")
+            items.append({"id": str(r.get("id", i)), "tree": tree, "correct": r.get("correct"),
+                          "reference": r.get("answer")})
+    elif cfg.format == "steps":
+        for ex in load_examples(path, check_images=False):
+            tree = from_steps(ex.steps, question=ex.question, images=ex.images)
+            items.append({"id": ex.id, "tree": tree, "correct": ex.meta.get("correct"), "reference": ex.answer})
+    else:
+        for i, r in enumerate(read_jsonl(path)):
+            tree = from_annotation_tree(r, source=f"{path.name}:{i + 1}")
+            rid = r.get("id", r.get("question_id", i))
+            items.append({"id": f"{rid}#{i}", "tree": tree, "correct": r.get("correct"),
+                          "reference": r.get("final_answer", r.get("answer"))})
+    return items[: cfg.limit] if cfg.limit is not None else items
+
+
+def mean(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def main(argv: list[str]) -> int:
+    # ---- config
+    try:
+        config_path, overrides = parse_cli(argv)
+        cfg = load_config(TreeEvalConfig, config_path, overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    out_dir = Path(cfg.output.dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    # ---- data
+    items = load_items(cfg.data)
+    if not items:
+        raise SystemExit(f"{cfg.data.path}: no items to evaluate")
+    ids = [it["id"] for it in items]
+    pick = ids.index(cfg.output.plot_item) if cfg.output.plot_item in ids else (None if cfg.output.plot_item else 0)
+    if pick is None:  # checked before any scoring work
+        raise SystemExit(f"output.plot_item: no item with id {cfg.output.plot_item!r} in {cfg.data.path}")
+    n_warn = sum(len(it["tree"].warnings) for it in items)
+    print(f"{len(items)} items from {cfg.data.path} ({cfg.data.format}); {n_warn} tolerated data quirks")
+    missing_images = 0
+    for it in items:
+        tree: Tree = it["tree"]
+        if not cfg.scorer.use_images:
+            tree.images = []
+        else:  # RPTS-Eval ships only some of its images: score those items text-only
+            kept = [p for p in tree.images if Path(p).exists()]
+            missing_images += len(tree.images) - len(kept)
+            tree.images = kept
+
+    # ---- scorer
+    sc = cfg.scorer
+    prm = judge = None
+    if sc.kind == "prm":
+        import torch
+
+        from mmprm import load_prm
+
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if sc.device == "auto" else sc.device
+        prm = load_prm(sc.prm_path, device=device, batch_size=sc.batch_size, max_length=sc.max_length)
+    elif sc.kind == "judge":
+        j = sc.judge
+        judge = JudgeScorer(url=j.url, model=j.model, api_key_env=j.api_key_env, mode=j.mode,
+                            send_images=j.send_images, timeout=j.timeout)
+    aggregate = None
+    if cfg.metrics.path_aggregator:
+        from mmprm.scoring.aggregators import AGGREGATORS
+
+        if cfg.metrics.path_aggregator not in AGGREGATORS:
+            raise SystemExit(f"metrics.path_aggregator: {cfg.metrics.path_aggregator!r} is not one of "
+                             f"{', '.join(AGGREGATORS)}")
+        aggregate = AGGREGATORS[cfg.metrics.path_aggregator]
+
+    # ---- score every tree and compute its metrics
+    m = cfg.metrics
+    rows = []
+    start = time.time()
+    for k, it in enumerate(items):
+        tree = it["tree"]
+        if sc.kind == "constant":
+            scores = constant_scores(tree, sc.constant)
+        elif sc.kind == "mc":
+            scores = mc_scores(tree)
+        elif sc.kind == "prm":
+            scores = prm_scores(tree, prm)
+        else:
+            scores = judge.scores(tree, reference=it["reference"])
+        set_scores(tree, scores)
+        score_rpts = rpts(tree, lam=m.rpts_lambda, h_f=m.rpts_h_f)
+        passed = None if it["correct"] is None else bool(it["correct"]) and score_rpts >= m.filter_threshold
+        row = {
+            "id": it["id"], "nodes": len(tree.conclusions()),
+            "width": think360_width(tree, m.threshold), "depth": think360_depth(tree, m.threshold),
+            "width_soft": think360_width(tree, soft=True), "depth_soft": think360_depth(tree, soft=True),
+            "rpts": score_rpts, "correct": it["correct"],
+            "filtered_correct": passed,
+            "warnings": tree.warnings,
+        }
+        if aggregate is not None:
+            row["path_score"] = mean(list(path_scores(tree, aggregate).values()))
+        rows.append(row)
+        done = k + 1
+        if done % 50 == 0 or done == len(items):
+            eta = (time.time() - start) / done * (len(items) - done)
+            print(f"  {done}/{len(items)} scored, mean RPTS {mean([r['rpts'] for r in rows]):.4f}, ETA {eta:.0f}s")
+
+    # ---- report
+    judged = [r for r in rows if r["correct"] is not None]
+    summary = {
+        "items": len(rows),
+        "width": mean([r["width"] for r in rows]), "depth": mean([r["depth"] for r in rows]),
+        "width_soft": mean([r["width_soft"] for r in rows]), "depth_soft": mean([r["depth_soft"] for r in rows]),
+        "rpts": mean([r["rpts"] for r in rows]),
+        "accuracy": mean([float(bool(r["correct"])) for r in judged]),
+        "filtered_accuracy": filtered_accuracy([bool(r["correct"]) for r in judged], [r["rpts"] for r in judged],
+                                               m.filter_threshold) if judged else None,
+        "items_with_answer_check": len(judged),
+        "data_warnings": n_warn, "images_missing": missing_images,
+    }
+    if aggregate is not None:
+        summary["path_score"] = mean([r["path_score"] for r in rows])
+    report = {"config": to_dict(cfg), "summary": summary, "items": rows}
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_jsonl(out_dir / "trees.jsonl", ({"id": it["id"], **it["tree"].to_json()} for it in items))
+
+    # ---- picture of one tree
+    prow = rows[pick]
+    fmt = lambda v: "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"  # noqa: E731
+    title = (f"item {prow['id']} - scorer {sc.kind} - RPTS {fmt(prow['rpts'])}, width {fmt(prow['width'])}, "
+             f"depth {fmt(prow['depth'])}")
+    name = re.sub(r"[^\w.-]", "_", prow["id"])  # ids like "a/b#3" make no good file names
+    png = render_tree(items[pick]["tree"], out_dir / f"tree_{name}.png", title=title, threshold=m.threshold)
+
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {out_dir / 'report.json'}, {out_dir / 'trees.jsonl'} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

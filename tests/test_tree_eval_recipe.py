@@ -1,0 +1,127 @@
+"""recipes/tree_eval.py end to end: RPTS-Eval gold reasoning, Think360 blocks, steps, MC trees."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "tree_eval.py"
+CONFIG = REPO / "recipes" / "configs" / "tiny" / "tree_eval.yaml"
+DATA = REPO / ".." / "shared" / "data"
+RPTS_EN = DATA / "rpts_eval" / "texts_en.json"
+OPENR_TREES = DATA / "openr_samples" / "samples_math-aps-tree.jsonl"
+needs_rpts = pytest.mark.skipif(not RPTS_EN.exists(), reason="../shared/data/rpts_eval absent")
+
+
+def recipe():
+    spec = importlib.util.spec_from_file_location("tree_eval_recipe", RECIPE)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(out: Path, *overrides: str) -> dict:
+    rc = recipe().main(["--config", str(CONFIG), f"output.dir={out}", f"data.path={RPTS_EN}", *overrides])
+    assert rc == 0
+    return json.loads((out / "report.json").read_text())
+
+
+def test_shipped_config_parses():
+    mod = recipe()
+    from mmprm.config import load_config
+
+    cfg = load_config(mod.TreeEvalConfig, CONFIG)
+    assert cfg.data.format == "rpts" and cfg.scorer.kind == "constant"
+
+
+@needs_rpts
+def test_cli_on_rpts_eval_gold_with_constant_scores(tmp_path):
+    # the real entry point, as a user launches it
+    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(CONFIG), f"output.dir={tmp_path}",
+                           f"data.path={RPTS_EN}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "416 items" in proc.stdout and "5 tolerated data quirks" in proc.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    s = report["summary"]
+    assert s["items"] == 416 and s["data_warnings"] == 5
+    assert s["rpts"] == 1.0 and s["width"] == 1.0 and s["depth"] == 1.0
+    assert s["accuracy"] == 1.0 and s["filtered_accuracy"] == 1.0  # gold reasoning reaches the gold answer
+    item = next(r for r in report["items"] if r["id"] == "155")
+    assert "not an earlier step" in item["warnings"][0]
+    png = tmp_path / "tree_2.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    trees = [json.loads(line) for line in (tmp_path / "trees.jsonl").read_text().splitlines()]
+    assert len(trees) == 416 and all(n["score"] == 1.0 for n in trees[0]["nodes"] if n["kind"] == "conclusion")
+
+
+@needs_rpts
+def test_low_constant_fails_nodes_and_filter(tmp_path):
+    s = run(tmp_path, "scorer.constant=0.4", "data.limit=20", "output.plot_item=null")["summary"]
+    assert s["items"] == 20
+    assert s["rpts"] == pytest.approx(0.4) and s["width"] == 0.0 and s["depth"] == 0.0
+    assert s["width_soft"] == pytest.approx(0.4) and s["depth_soft"] == pytest.approx(0.4)
+    assert s["accuracy"] == 1.0 and s["filtered_accuracy"] == 0.0  # right answers, RPTS below 0.5
+    assert (tmp_path / "tree_0.png").exists()
+
+
+def test_think360_and_steps_inputs(tmp_path):
+    rows = [
+        {"id": "a", "question": "Q1", "correct": True,
+         "response": "[NODE:1.1] [PARENT:None] [ORIGINAL:x] [TYPE:observation]\n"
+                     "[NODE:2.1] [PARENT:1.1] [ORIGINAL:y]\n[NODE:2.2] [PARENT:1.1] [ORIGINAL:z]"},
+        {"id": "b", "question": "Q2", "correct": False, "response": "[NODE:1.1]\n[PARENT:None]\n[ORIGINAL:w]"},
+    ]
+    path = tmp_path / "t360.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = run(tmp_path / "out", f"data.path={path}", "data.format=think360", "scorer.constant=0.8",
+                 "output.plot_item=a")
+    items = {r["id"]: r for r in report["items"]}
+    assert items["a"]["width"] == 1.0 and items["b"]["width"] is None and items["b"]["depth"] == 1.0
+    assert report["summary"]["accuracy"] == 0.5 and report["summary"]["filtered_accuracy"] == 0.5
+    assert (tmp_path / "out" / "tree_a.png").exists()
+
+    steps = tmp_path / "steps.jsonl"
+    steps.write_text(json.dumps({"id": "s1", "question": "1+1?", "steps": ["1+1=2.", "So 2."],
+                                 "meta": {"correct": True}}) + "\n")
+    report = run(tmp_path / "out2", f"data.path={steps}", "data.format=steps", "output.plot_item=s1")
+    assert report["items"][0]["nodes"] == 2 and report["summary"]["rpts"] == 1.0
+    with pytest.raises(SystemExit, match="no item with id 'zz'"):
+        run(tmp_path / "out3", f"data.path={steps}", "data.format=steps", "output.plot_item=zz")
+
+
+@pytest.mark.skipif(not OPENR_TREES.exists(), reason="../shared/data/openr_samples absent")
+def test_mc_trees_with_mc_scorer(tmp_path):
+    report = run(tmp_path, f"data.path={OPENR_TREES}", "data.format=mc_tree", "scorer.kind=mc",
+                 "output.plot_item=null")
+    assert [r["nodes"] for r in report["items"]] == [142, 89, 23]
+    assert all(0.0 < r["rpts"] < 1.0 for r in report["items"])
+    assert report["summary"]["items_with_answer_check"] == 0 and report["summary"]["filtered_accuracy"] is None
+
+
+def test_bad_config_is_reported(tmp_path, capsys):
+    assert recipe().main(["--config", str(CONFIG), "scorer.kind=prm", f"output.dir={tmp_path}"]) == 2
+    assert "scorer.prm_path" in capsys.readouterr().err
+    assert recipe().main(["--config", str(CONFIG), "scorer.kind=mc", f"output.dir={tmp_path}"]) == 2
+
+
+@pytest.mark.slow
+@needs_rpts
+def test_recipe_with_tiny_prm(tmp_path):
+    pytest.importorskip("mmprm.models.prm")
+    from mmprm.models.loading import load_backbone
+    from mmprm.models.prm import PRMSpec, build_prm, save_prm
+    from mmprm.models.tiny import build_tiny_model
+
+    backbone, processor = load_backbone(build_tiny_model("qwen2", tmp_path / "backbone"))
+    save_prm(build_prm(backbone, processor, PRMSpec()), processor, tmp_path / "prm")
+    report = run(tmp_path / "out", "scorer.kind=prm", f"scorer.prm_path={tmp_path / 'prm'}", "data.limit=6")
+    s = report["summary"]
+    assert s["items"] == 6 and 0.0 < s["rpts"] < 1.0 and 0.0 <= s["width_soft"] <= 1.0
+    assert (tmp_path / "out" / "tree_2.png").exists()
