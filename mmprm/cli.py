@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                            "build Best-of-N candidate files from MATH-V, GSM8K, Qwen-Math or text solutions"),
     "merge-annotations": ("mmprm.annotate.engine", "cli_merge_annotations",
                           "merge per-rank annotation trees into one file"),
+    "convert-sft": ("mmprm.data.sft", "cli_convert_sft", "build SFT data (tagged steps) from GSM8K or MATH-V worked solutions"),
+    "bon-report": ("mmprm.rerank.report", "cli_bon_report", "Best-of-N report from a scored candidates file"),
     "synthetic": ("mmprm.data.synthetic", "cli_synthetic", "write the colour-tile demo task (train/test splits)"),
     "merge-bon": ("mmprm.rerank.shards", "cli_merge_bon", "merge sharded Best-of-N scores and write the report"),
 }

@@ -215,6 +215,15 @@ def tokenize_steps(
         if step_token in text:
             raise StepTokenError(f"{where} contains the reserved step token {step_token!r}: remove it")
     tokenizer = getattr(processor, "tokenizer", processor)
+    # Other special tokens in user text would be read as structure (an image slot, an end of turn).
+    reserved = set(tokenizer.all_special_tokens) | {
+        t for t in (getattr(processor, "image_token", None), getattr(processor, "video_token", None)) if t}
+    reserved.discard(step_token)
+    for where, text in [("question", IMAGE_PLACEHOLDER.sub("", question)),
+                        *((f"steps[{i}]", s) for i, s in enumerate(steps))]:
+        for t in reserved:
+            if t and t in text:
+                raise StepTokenError(f"{where} contains the special token {t!r} of this model: remove it")
     step_id = tokenizer.convert_tokens_to_ids(step_token)
     if step_id is None or step_id == tokenizer.unk_token_id:
         raise StepTokenError(

@@ -140,7 +140,7 @@ def collate_steps(items: Sequence[TokenizedSteps], pad_id: int) -> dict[str, tor
                 v = t.model_inputs[key][0]
                 padded[i, : min(len(v), width)] = v[:width]
             out[key] = padded
-        elif len(values) == batch or key in ("pixel_values", "image_grid_thw", "image_sizes"):
+        else:  # image tensors: the models consume images in batch order
             out[key] = torch.cat(values, dim=0)
     return out
 
@@ -188,7 +188,9 @@ class PRMScorer:
         groups: dict[Any, list[int]] = {}
         for i, ex in enumerate(examples):
             get = (lambda k, d=None: getattr(ex, k, d)) if not isinstance(ex, dict) else ex.get
-            key = (get("question"), tuple(get("images") or ())) if share_prefix else i
+            # PIL images are unhashable: group those by object identity, paths by value
+            imgs = tuple(x if isinstance(x, (str, Path)) else id(x) for x in (get("images") or ()))
+            key = (get("question"), imgs) if share_prefix else i
             groups.setdefault(key, []).append(i)
         bar = _progress(len(toks), progress)
         for idx in groups.values():
