@@ -210,3 +210,23 @@ def test_describe_lists_every_digit_and_template():
     text = describe()
     assert all(f"| {d} |" in text for d in range(10))
     assert all(f"| {name} |" in text for name in TEMPLATES)
+
+
+def test_check_steps_hand_cases():
+    from mmprm.data.synthetic import check_steps
+
+    assert check_steps([3, 5], ["Tile 1 is 3.", "Tile 2 is 5.", "3 + 5 = 8."], "8") == [True, True, True]
+    # misread tile 2: that step and all after it are off track, even though 3 + 6 = 9 is true
+    assert check_steps([3, 5], ["Tile 1 is 3.", "Tile 2 is 6.", "3 + 6 = 9."], "9") == [True, False, False]
+    assert check_steps([3, 5], ["Tile 1 is 3.", "Tile 2 is 5.", "3 + 5 = 9."], "9") == [True, True, False]
+    assert check_steps([3, 5], ["Tile 1 is 3.", "Tile 2 is 5.", "3 + 5 = 8."], "7") == [True, True, False]
+    assert check_steps([3, 5], ["Tile 1 is 3.", "garbled"]) == [True, False]
+    assert check_steps([2, 9, 4], ["Tile 1 is 2.", "Tile 2 is 9.", "Tile 3 is 4.", "The largest is 9.",
+                                   "The smallest is 2.", "9 - 2 = 7."], "7") == [True] * 6
+
+
+def test_gold_solutions_check_as_all_correct():
+    from mmprm.data.synthetic import SyntheticConfig, check_steps, generate
+
+    for p in generate(SyntheticConfig(num_problems=200, seed=3)):
+        assert all(check_steps(p.meta["tiles"], p.steps, p.answer)), (p.question, p.steps)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -448,3 +449,58 @@ def cli_synthetic(argv: list[str]) -> int:
     print(f"wrote {len(train)} train and {len(test)} test problems to {out} "
           f"(text-only ceiling on test: {text_only_accuracy(train, test):.1%})")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Ground-truth step labels (for evaluating a PRM on the demo task)
+
+_READ_RE = re.compile(r"^Tile (\d+) is (-?\d+)\.$")
+_ARITH_RE = re.compile(r"^(-?\d+) ([-+*]) (-?\d+) = (-?\d+)\.$")
+_EXTREME_RE = re.compile(r"^The (largest|smallest) is (-?\d+)\.$")
+_CMP_RE = re.compile(r"^(-?\d+) ([<>=]) (-?\d+)\.$")
+
+
+def check_steps(tiles: Sequence[int], steps: Sequence[str], answer: str | None = None) -> list[bool]:
+    """True per-step correctness of a solution to a synthetic problem whose digits are `tiles`.
+
+    A step is right when its claim is true and it only uses values already established (the
+    tiles it read correctly and earlier results); once a step is wrong every later step is wrong
+    too ("still on track" labels, the quantity a PRM estimates). An unparsable step is wrong.
+    When `answer` is given, the last step is also wrong unless the answer equals its result.
+    """
+    known: set[int] = set()
+    ok, out = True, []
+    last_value: int | None = None
+    for step in steps:
+        text = step.strip().split("\n")[0].strip()
+        good = False
+        if m := _READ_RE.match(text):
+            i, d = int(m.group(1)), int(m.group(2))
+            good = 1 <= i <= len(tiles) and tiles[i - 1] == d
+            value = d
+        elif m := _ARITH_RE.match(text):
+            a, op, b, c = int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))
+            true = a + b if op == "+" else a - b if op == "-" else a * b
+            good = true == c and a in known and b in known
+            value = c
+        elif m := _EXTREME_RE.match(text):
+            d = int(m.group(2))
+            good = d == (max(tiles) if m.group(1) == "largest" else min(tiles)) and d in known
+            value = d
+        elif m := _CMP_RE.match(text):
+            a, sign, b = int(m.group(1)), m.group(2), int(m.group(3))
+            good = a in known and b in known and sign == (">" if a > b else "<" if a < b else "=")
+            value = None
+        else:
+            value = None
+        ok = ok and good
+        out.append(ok)
+        if value is not None:
+            known.add(value)
+            last_value = value
+    if answer is not None and out:
+        try:
+            out[-1] = out[-1] and last_value is not None and int(answer.strip()) == last_value
+        except ValueError:
+            out[-1] = False
+    return out
