@@ -120,6 +120,11 @@ def tokenize_file(path, processor, cfg: Config, spec: PRMSpec, accelerator) -> t
     from PIL import Image
 
     examples = load_examples(path, require_labels=True)
+    if not hasattr(processor, "image_processor"):
+        with_images = [e.id for e in examples if e.images]
+        if with_images:
+            raise DataError([f"{path}: id={with_images[0]}: images: this model is text-only but "
+                             f"{len(with_images)} rows have images (use a VLM, or drop the images)"])
     out, stats = [], {"examples": len(examples), "dropped_examples": 0, "dropped_steps": 0}
     for ex in tqdm(examples, desc=f"tokenizing {Path(path).name}", disable=not accelerator.is_main_process):
         labels = ex.labels

@@ -44,6 +44,9 @@ def common(model, train, ev, out, steps=12):
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2"])
 def test_every_arch_trains_and_loss_goes_down(tiny_models, toy, tmp_path, arch):
     train, ev = toy
+    if arch == "qwen2":  # text-only: the same toy signal without images
+        train = write_toy_prm_data(tmp_path / "text", 32, 0, images=False)
+        ev = write_toy_prm_data(tmp_path / "text", 16, 1, images=False, name="eval.jsonl")
     out = tmp_path / arch
     run_recipe(*common(tiny_models(arch), train, ev, out, steps=16), "train.warmup_steps=0")
     rows = [r for r in metrics(out) if r["split"] == "train"]
@@ -109,6 +112,14 @@ def test_bad_data_fails_before_training_with_row_named(tiny_models, tmp_path):
     assert res.returncode == 2
     assert f"{bad}:1: id=x1: labels: 1 labels for 2 steps" in res.stderr
     assert not (tmp_path / "o" / "checkpoints").exists()
+
+
+def test_images_for_a_text_only_model_fail_before_training(tiny_models, toy, tmp_path):
+    train, _ = toy
+    cmd = [sys.executable, str(RECIPE), f"model.name_or_path={tiny_models('qwen2')}", f"data.train_file={train}",
+           f"output_dir={tmp_path / 'o'}"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 2 and "this model is text-only but 32 rows have images" in res.stderr
 
 
 def test_unknown_config_key_is_a_clear_error(tmp_path):
