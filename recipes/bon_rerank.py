@@ -2,24 +2,28 @@
 
     # score pre-generated candidates (our candidates format; see `mmprm convert-candidates`)
     python recipes/bon_rerank.py --config recipes/configs/tiny/bon_rerank.yaml
-    # generate N samples per problem from a policy first (HF here, vLLM on GPUs)
-    python recipes/bon_rerank.py --config recipes/configs/tiny/bon_rerank.yaml \
-        generate.enabled=true generate.policy=runs/tiny/policy generate.problems_file=runs/tiny/data/test_problems.jsonl
-    # sharded (one process per GPU or SLURM task), then merge:
+    # generate N samples per problem from a policy first (generate.backend=hf, or vllm on GPUs)
+    python recipes/bon_rerank.py --config recipes/configs/tiny/bon_rerank.yaml generate.enabled=true \
+        generate.policy=runs/tiny/toy_policy generate.problems_file=runs/tiny/toy_problems/problems.jsonl
+    # sharded (one process per GPU or SLURM task; launch/slurm/bon_rerank.sbatch), then merge:
     python recipes/bon_rerank.py --config C.yaml shard.index=0 shard.count=4   # ... 1, 2, 3
     mmprm merge-bon OUTPUT_DIR
 
-Writes OUTPUT_DIR/candidates.jsonl (when generating), scored.shard*.jsonl, and - once all shards are
-in - scored.jsonl, report.json, report.md and bon_curve.png.
+Writes to OUTPUT_DIR: candidates[.shardI-of-C].jsonl (when generating), scored.shardI-of-C.jsonl,
+report_settings.json, and - once all shards are in - scored.jsonl, report.json, report.md and
+bon_curve.png. A shard is a contiguous block of the problems, so the merged scores equal an
+unsharded run's (generation is not: each shard samples its own seed).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from mmprm.config import ConfigError, load_config, parse_cli
 from mmprm.data.schema import DataError, write_jsonl
@@ -38,11 +42,11 @@ class SamplingConfig:
 class GenerateConfig:
     enabled: bool = False
     policy: str = ""
-    problems_file: str = ""  # JSONL of {id, images, question, answer}
+    problems_file: str = ""  # JSONL of {id, images, question, answer, choices?}
     n: int = 8
-    backend: str = "hf"  # hf | vllm
-    batch_size: int = 64
-    step_mode: str = "tags"  # tags | blank_lines
+    backend: Literal["hf", "vllm"] = "hf"
+    batch_size: int = 64  # HF: sequences per generate call
+    step_mode: Literal["tags", "blank_lines"] = "tags"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
@@ -72,7 +76,7 @@ class ShardConfig:
 @dataclass
 class Config:
     prm: str = ""  # a directory written by recipes/prm_train.py
-    candidates_file: str | None = None
+    candidates_file: str | None = None  # our candidates JSONL (`mmprm convert-candidates`); unused when generating
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
@@ -86,61 +90,70 @@ class Config:
             raise ValueError("candidates_file: required unless generate.enabled=true")
         if self.generate.enabled and not (self.generate.policy and self.generate.problems_file):
             raise ValueError("generate.policy and generate.problems_file: required when generate.enabled=true")
+        if self.generate.n < 1 or self.generate.batch_size < 1:
+            raise ValueError("generate.n and generate.batch_size: must be >= 1")
         if not 0 <= self.shard.index < self.shard.count:
             raise ValueError(f"shard.index={self.shard.index} must be in [0, shard.count={self.shard.count})")
+        from mmprm.scoring.aggregators import AGGREGATORS
+
+        vote_weights = [m for m in AGGREGATORS if m not in ("sum_logpr", "sum_logodds")]  # must be >= 0
+        if self.report.weighted_by not in vote_weights:
+            raise ValueError(f"report.weighted_by: {self.report.weighted_by!r} is not one of {vote_weights}")
 
 
 def generate_candidates(cfg: Config, out_dir: Path) -> Path:
-    """Sample N solutions per problem with the policy, verify them, write our candidates file."""
+    """Sample N solutions per problem of this shard, verify them, write our candidates file.
+
+    Each candidate's `steps` are `prm_steps(parsed steps, parsed answer)`: the PRM sees the answer
+    it judges, exactly as in training. Nothing parsed -> `steps: []` (scored on the whole text).
+    """
     from mmprm.annotate.backends.base import RolloutRequest
     from mmprm.answers import answers_match
-    from mmprm.rerank.candidates import load_problems
-    from mmprm.steps import parse_solution
+    from mmprm.rerank.candidates import Candidate, load_problems, write_candidates
+    from mmprm.rerank.shards import take_shard
+    from mmprm.steps import parse_solution, prm_steps
 
     g = cfg.generate
-    problems = load_problems(g.problems_file)
-    problems = problems[cfg.shard.index :: cfg.shard.count]
+    problems = take_shard(load_problems(g.problems_file), cfg.shard.index, cfg.shard.count)
     backend = make_backend(cfg)
-    requests = [RolloutRequest(p["id"], p["question"], p["images"], [], g.n) for p in problems]
+    per_call = max(1, g.batch_size // g.n)  # problems per backend call: about batch_size sequences
     t0 = time.time()
-    texts = backend.generate(requests)
-    print(f"generated {len(problems) * g.n} candidates in {time.time() - t0:.1f}s")
-    rows = []
-    for p, outs in zip(problems, texts):
-        cands = []
-        for text in outs:
-            parsed = parse_solution(text, g.step_mode)
-            cands.append({"text": text, "steps": parsed.steps, "answer": parsed.answer,
-                          "correct": parsed.answer is not None and answers_match(parsed.answer, p["answer"],
-                                                                                  p.get("choices"))})
-        rows.append({"id": p["id"], "images": p["images"], "question": p["question"], "answer": p["answer"],
-                     "candidates": cands})
-    path = out_dir / (f"candidates.shard{cfg.shard.index}-of-{cfg.shard.count}.jsonl" if cfg.shard.count > 1
-                      else "candidates.jsonl")
-    write_jsonl(path, rows)
-    return path
+    for lo in range(0, len(problems), per_call):
+        chunk = problems[lo : lo + per_call]
+        texts = backend.generate([RolloutRequest(p.id, p.question, p.images, [], g.n) for p in chunk])
+        for p, outs in zip(chunk, texts):
+            for text in outs:
+                parsed = parse_solution(text, g.step_mode)
+                correct = answers_match(parsed.answer, p.answer, p.choices)  # None answer -> False
+                p.candidates.append(Candidate(text=text, steps=prm_steps(parsed.steps, parsed.answer),
+                                              answer=parsed.answer, correct=correct,
+                                              meta={"complete": parsed.complete}))
+        done, elapsed = lo + len(chunk), time.time() - t0
+        print(f"generated {done}/{len(problems)} problems x {g.n} in {elapsed:.0f}s "
+              f"(ETA {elapsed / done * (len(problems) - done):.0f}s)", flush=True)
+    n_parsed = sum(bool(c.steps) for p in problems for c in p.candidates)
+    n_correct = sum(bool(c.correct) for p in problems for c in p.candidates)
+    print(f"{len(problems) * g.n} candidates: {n_parsed} with parsable steps, {n_correct} correct")
+    name = f"candidates.shard{cfg.shard.index}-of-{cfg.shard.count}.jsonl" if cfg.shard.count > 1 else "candidates.jsonl"
+    write_candidates(out_dir / name, problems)
+    return out_dir / name
 
 
 def make_backend(cfg: Config):
     from mmprm.annotate.backends.base import SamplingConfig as BackendSampling
 
     s = cfg.generate.sampling
+    # Each shard samples its own stream; a rerun of the same shard samples the same candidates.
     sampling = BackendSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                max_new_tokens=s.max_new_tokens, seed=s.seed + cfg.shard.index)
     if cfg.generate.backend == "vllm":
         from mmprm.annotate.backends.vllm import VLLMBackend
 
         return VLLMBackend(cfg.generate.policy, sampling, step_mode=cfg.generate.step_mode)
-    if cfg.generate.backend != "hf":
-        raise ConfigError(f"generate.backend: {cfg.generate.backend!r} is not one of ['hf', 'vllm']")
-    import torch
-
     from mmprm.annotate.backends.hf import HFBackend
-    from mmprm.models.loading import load_backbone
 
-    model, processor = load_backbone(cfg.generate.policy)
-    model.to("cuda" if torch.cuda.is_available() else "cpu")
-    return HFBackend(model, processor, sampling, step_mode=cfg.generate.step_mode, batch_size=cfg.generate.batch_size)
+    return HFBackend.from_pretrained(cfg.generate.policy, sampling, step_mode=cfg.generate.step_mode,
+                                     batch_size=cfg.generate.batch_size)
 
 
 def main(argv: list[str]) -> None:
@@ -151,12 +164,20 @@ def main(argv: list[str]) -> None:
 
     # ---- candidates ------------------------------------------------------------------------
     from mmprm.rerank.candidates import load_candidates
+    from mmprm.rerank.shards import SETTINGS_FILE, take_shard
 
     if cfg.generate.enabled:
         cand_file = generate_candidates(cfg, out_dir)
-        problems = load_candidates(cand_file)  # already this shard's problems
+        problems = load_candidates(cand_file)  # already this shard's problems; validated on the way back
     else:
-        problems = load_candidates(cfg.candidates_file)[cfg.shard.index :: cfg.shard.count]
+        cand_file = Path(cfg.candidates_file)
+        problems = take_shard(load_candidates(cand_file), cfg.shard.index, cfg.shard.count)
+    # Every report number needs each candidate's verdict: refuse before any scoring.
+    unknown = [f"{cand_file}: id={p.id}: candidates[{j}].correct: unknown (give the problem's gold `answer` "
+               "or each candidate's `correct`)" for p in problems for j, c in enumerate(p.candidates)
+               if c.correct is None]
+    if unknown:
+        raise DataError(unknown)
     n_cands = sum(len(p.candidates) for p in problems)
     print(f"shard {cfg.shard.index}/{cfg.shard.count}: {len(problems)} problems, {n_cands} candidates")
 
@@ -164,36 +185,51 @@ def main(argv: list[str]) -> None:
     import torch
 
     from mmprm.models.prm import load_prm
-    from mmprm.steps import prm_steps
+    from mmprm.steps import StepTokenError
 
     device = cfg.scoring.device if cfg.scoring.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     scorer = load_prm(cfg.prm, device=device, batch_size=cfg.scoring.batch_size, max_length=cfg.scoring.max_length)
-    examples = []
-    for p in problems:
-        for c in p.candidates:
-            steps = c.steps if c.steps else [c.text]
-            examples.append({"id": p.id, "question": p.question, "images": p.images,
-                             "steps": prm_steps(steps, c.answer if c.steps else None)})
+    # Steps are what the PRM scores (answer attached); a candidate with no steps is scored on its
+    # whole text as one step, and one with no text either is left out (its score is 0).
+    inputs = [[{**x, "id": f"{p.id}/candidates[{j}]"} for j, x in enumerate(p.prm_inputs())] for p in problems]
+    examples = [x for xs in inputs for x in xs if x["steps"]]
     t0 = time.time()
-    probs = scorer.score(examples, share_prefix=cfg.scoring.share_prefix, progress=True)
+    try:
+        probs = iter(scorer.score(examples, share_prefix=cfg.scoring.share_prefix, progress=True))
+    except StepTokenError:
+        for p, xs in zip(problems, inputs):  # name the candidate whose text the PRM's tokenizer cannot take
+            for j, x in enumerate(xs):
+                try:
+                    scorer.tokenize(x)
+                except StepTokenError as e:
+                    raise DataError([f"{cand_file}: id={p.id}: candidates[{j}]: {e}"]) from None
+        raise
+    except ValueError as e:  # the scorer names the candidate, e.g. a prompt longer than max_length
+        raise ConfigError(f"scoring: {e}") from e
     elapsed = time.time() - t0
-    n_steps = sum(len(x) for x in probs)
+    n_steps = sum(len(x["steps"]) for x in examples)
     print(f"scored {len(examples)} candidates ({n_steps} steps) in {elapsed:.1f}s "
           f"({n_steps / max(elapsed, 1e-9):.1f} steps/s)")
 
     # ---- write this shard; report when the run is complete --------------------------------
     from mmprm.rerank.shards import merge_scored, report_from_scored, shard_path
 
-    rows, k = [], 0
-    for p in problems:
+    rows, dropped = [], 0
+    for p, xs in zip(problems, inputs):
         cands = []
-        for c in p.candidates:
-            cands.append({"step_probs": probs[k], "answer": c.answer, "correct": bool(c.correct)})
-            k += 1
+        for c, x in zip(p.candidates, xs):
+            step_probs = next(probs) if x["steps"] else []
+            # Steps past scoring.max_length come back NaN: the aggregators see the scored prefix.
+            kept = [q for q in step_probs if not math.isnan(q)]
+            dropped += len(step_probs) - len(kept)
+            cands.append({"step_probs": kept, "answer": c.answer, "correct": bool(c.correct)})
         rows.append({"id": p.id, "candidates": cands})
+    if dropped:
+        print(f"warning: {dropped} steps past scoring.max_length={cfg.scoring.max_length} were not scored")
     write_jsonl(shard_path(out_dir, cfg.shard.index, cfg.shard.count), rows)
+    (out_dir / SETTINGS_FILE).write_text(json.dumps(asdict(cfg.report), indent=2) + "\n")
     if cfg.shard.count == 1:
-        merged = merge_scored(out_dir)
+        merged = merge_scored(out_dir, count=1)
         r = cfg.report
         report = report_from_scored(merged, out_dir, r.n_subsets, r.resamples, r.seed, r.weighted_by, r.title)
         n = str(report["n_max"])

@@ -18,7 +18,6 @@ import json
 import math
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -190,7 +189,10 @@ def main(argv: list[str]) -> None:
         except ImportError:
             raise ConfigError("train.report_to=wandb but wandb is not installed: pip install 'mmprm[wandb]'") from None
     use_bf16 = cfg.train.bf16 and (not torch.cuda.is_available() or torch.cuda.is_bf16_supported())
-    accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", log_with=log_with, project_dir=str(out_dir))
+    # Our LR schedule counts optimizer steps; gradient_accumulation_steps tells DeepSpeed which
+    # micro-batch closes a step (see the loop).
+    accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", log_with=log_with, project_dir=str(out_dir),
+                              gradient_accumulation_steps=cfg.train.grad_accum, step_scheduler_with_optimizer=False)
     set_seed(cfg.train.seed)
     log = accelerator.print
 
@@ -231,6 +233,11 @@ def main(argv: list[str]) -> None:
     optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.schedule))
+    ds = accelerator.state.deepspeed_plugin
+    if ds is not None:
+        # No dataloader goes through prepare(), so DeepSpeed cannot infer these "auto" values itself.
+        ds.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
+        ds.deepspeed_config["gradient_clipping"] = cfg.train.max_grad_norm
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     global_batch = cfg.train.batch_size * accelerator.num_processes
     stream = BatchStream([len(t.input_ids) for t in train_data], global_batch, cfg.train.seed, cfg.train.group_by_length)
@@ -243,7 +250,8 @@ def main(argv: list[str]) -> None:
         log(f"resumed from {ckpt} at step {progress.step}")
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.resolved.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        (out_dir / "config.resolved.json").write_text(json.dumps(
+            {**to_dict(cfg), "num_processes": accelerator.num_processes}, indent=2))
     if log_with:
         accelerator.init_trackers("prm_train", config={k: str(v) for k, v in to_dict(cfg).items()})
     metrics_file = out_dir / "metrics.jsonl"
@@ -269,8 +277,8 @@ def main(argv: list[str]) -> None:
         for k, idx in enumerate(micro_batches):
             items = [train_data[i] for i in idx]
             batch = {key: v.to(accelerator.device) for key, v in collate_steps(items, pad_id).items()}
-            sync = k == len(micro_batches) - 1
-            with nullcontext() if sync else accelerator.no_sync(model):
+            # accumulate() syncs (DDP all-reduce, DeepSpeed step) on the last of grad_accum micro-batches only
+            with accelerator.accumulate(model):
                 with accelerator.autocast():
                     logits = model(batch["input_ids"], batch["attention_mask"], batch["step_mask"],
                                    **model_input_keys(batch))
@@ -283,7 +291,8 @@ def main(argv: list[str]) -> None:
                     ids = [t.id for t in items]
                     raise FloatingPointError(f"non-finite loss {loss.item()} at step {progress.step}, micro-batch {k}, "
                                              f"example ids {ids}: lower train.lr or check these rows")
-                accelerator.backward(loss * len(targets) / max(1, n_steps_total))
+                # backward() divides by grad_accum; this makes the window a mean over its step tokens
+                accelerator.backward(loss * len(targets) * cfg.train.grad_accum / max(1, n_steps_total))
             step_loss_sum += loss.item() * len(targets) / max(1, n_steps_total)
             tokens_seen += int(batch["attention_mask"].sum())
         if cfg.train.max_grad_norm > 0:
@@ -319,8 +328,10 @@ def main(argv: list[str]) -> None:
 
     # ---- save -----------------------------------------------------------------------------
     accelerator.wait_for_everyone()
+    # ZeRO-3 shards every weight: all ranks gather the full state dict, then rank 0 writes it.
+    state = None if cfg.model.lora.enabled else accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        save_prm(accelerator.unwrap_model(model), processor, out_dir)
+        save_prm(accelerator.unwrap_model(model), processor, out_dir, state_dict=state)
         log(f"saved PRM to {out_dir} (load with mmprm.load_prm('{out_dir}'))")
     accelerator.end_training()
 

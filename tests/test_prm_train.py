@@ -17,9 +17,10 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "prm_train.py"
 
 
-def run_recipe(*overrides, launcher=None, timeout=600):
+def run_recipe(*overrides, launcher=None, timeout=600, extra_env=None):
     cmd = (launcher or [sys.executable]) + [str(RECIPE)] + [str(o) for o in overrides]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           **(extra_env or {})}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return res
@@ -97,8 +98,12 @@ def test_two_process_ddp(tiny_models, toy, tmp_path):
     out = tmp_path / "ddp"
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517"]
-    res = run_recipe(*common(tiny_models("qwen2_vl"), train, ev, out, steps=6), launcher=launcher)
+    # without ACCELERATE_USE_CPU each process would see no GPU and run alone (world size 1)
+    res = run_recipe(*common(tiny_models("qwen2_vl"), train, ev, out, steps=6), launcher=launcher,
+                     extra_env={"ACCELERATE_USE_CPU": "true"})
     assert (out / "mmprm_prm.json").exists()
+    # two real processes in one group, not two independent single-process runs
+    assert json.loads((out / "config.resolved.json").read_text())["num_processes"] == 2
     ev_rows = [r for r in metrics(out) if r["split"] == "eval"]
     assert ev_rows and math.isfinite(ev_rows[-1]["bce"])
 

@@ -317,20 +317,30 @@ def build_prm(backbone: nn.Module, processor: Any, spec: PRMSpec) -> ProcessRewa
     return ProcessRewardModel(backbone, spec, ids)
 
 
-def save_prm(model: ProcessRewardModel, processor: Any, out_dir: str | Path, merge_lora: bool = True) -> Path:
-    """Write a standard HF directory plus mmprm's spec (and value head) so `load_prm` restores it."""
+def save_prm(model: ProcessRewardModel, processor: Any, out_dir: str | Path, merge_lora: bool = True,
+             state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a standard HF directory plus mmprm's spec (and value head) so `load_prm` restores it.
+
+    `state_dict` is the full wrapper state gathered across ranks (ZeRO-3 shards every weight, so
+    the local module alone holds empty parameters); without it the module's own weights are saved.
+    """
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     backbone = model.backbone
+    backbone_sd = head_sd = None
+    if state_dict is not None:
+        backbone_sd = {k[len("backbone."):]: v for k, v in state_dict.items() if k.startswith("backbone.")}
+        head_sd = {k[len("value_head."):]: v for k, v in state_dict.items() if k.startswith("value_head.")}
     if merge_lora and hasattr(backbone, "merge_and_unload"):
         backbone = copy.deepcopy(backbone).merge_and_unload()
-    backbone.save_pretrained(out)
+        backbone_sd = None  # merged weights come from the module itself (LoRA keeps the base unsharded)
+    backbone.save_pretrained(out, state_dict=backbone_sd)
     processor.save_pretrained(out)
     if model.spec.head == "value":
-        save_file({k: v.detach().cpu().contiguous() for k, v in model.value_head.state_dict().items()},
-                  str(out / VALUE_HEAD_FILE))
+        head = head_sd or model.value_head.state_dict()
+        save_file({k: v.detach().cpu().contiguous() for k, v in head.items()}, str(out / VALUE_HEAD_FILE))
     (out / SPEC_FILE).write_text(json.dumps(asdict(model.spec), indent=2) + "\n")
     return out
 

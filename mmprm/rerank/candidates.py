@@ -17,7 +17,10 @@ JSONL, one problem per line::
 
 Steps come from our `<step>` tags when present (answer attached to the last step, as
 `mmprm.steps.prm_steps` does), else from `mmprm.data.sft.split_solution` (blank lines, else lines,
-else sentences). `steps: []` is allowed for an empty generation: it has nothing to score.
+else sentences). `steps: []` is allowed (a generation nothing could be parsed from): the PRM then
+scores the whole text as one step (`Problem.prm_inputs`); a candidate with no text either scores 0.
+
+`load_problems` reads the input of generation: the same rows without candidates.
 
 Converters turn public BoN data into this format: MATH-V (3 models' CoTs per problem),
 GSM8K's example model solutions (4), Qwen2.5-Math's rm@8 example (8), and a generic
@@ -90,8 +93,15 @@ class Problem:
         return row
 
     def prm_inputs(self) -> list[dict[str, Any]]:
-        """One `{question, steps, images}` dict per candidate, as `PRMScorer.score` takes them."""
-        return [{"question": self.question, "steps": c.steps, "images": self.images} for c in self.candidates]
+        """One `{question, steps, images}` dict per candidate, as `PRMScorer.score` takes them.
+
+        A candidate with no steps but some text (a generation nothing could be parsed from) is
+        scored on its whole text as one step, so the PRM still judges it; one with neither gets
+        `steps: []` and must not be sent to the scorer (the aggregators score it 0).
+        """
+        return [{"question": self.question, "images": self.images,
+                 "steps": c.steps or ([c.text.strip()] if c.text and c.text.strip() else [])}
+                for c in self.candidates]
 
 
 def candidate_steps(text: str) -> list[str]:
@@ -132,12 +142,13 @@ def count_label_disagreements(problems: list[Problem]) -> int:
 # ---------------------------------------------------------------- converters
 
 
-def from_mathv(mathv_dir: str | Path, label: Label = "file") -> list[Problem]:
+def from_mathv(mathv_dir: str | Path, label: Label = "file", limit: int | None = None) -> list[Problem]:
     """MATH-V testmini with the CoTs of its 3 models (`cot_testmini/*.jsonl`) as N=3 candidates.
 
     Args:
         mathv_dir: the folder holding testmini.jsonl, images/ and cot_testmini/.
         label: "file" (MATH-V's `correct`) or "verifier" (ours) becomes `correct`.
+        limit: keep the first `limit` problems (verifying all 912 candidates takes seconds).
     """
     from mmprm.data.mathv import read_mathv
 
@@ -152,7 +163,7 @@ def from_mathv(mathv_dir: str | Path, label: Label = "file") -> list[Problem]:
                 raise DataError([f"{path}:{lineno}: id=?: line: {err}"])
             cots.setdefault(str(obj["id"]), []).append((path.stem, obj))
     problems = []
-    for p in read_mathv(root):
+    for p in read_mathv(root)[:limit]:
         records = cots.get(p["id"], [])
         if len(records) != len(cot_files):
             raise DataError([f"{root}: id={p['id']}: candidates: {len(records)} CoT records for "
@@ -273,9 +284,9 @@ def _check_candidate(c: Any, where: str) -> tuple[list[tuple[str, str]], dict[st
     return errs, c
 
 
-def _check_problem(obj: dict[str, Any], base_dir: Path,
-                   check_images: bool) -> tuple[list[tuple[str, str]], Problem | None]:
-    """Validate one problem row; returns ([(field, message)], Problem-or-None) with answers filled in."""
+def _check_fields(obj: dict[str, Any], base_dir: Path, check_images: bool,
+                  need_answer: bool) -> tuple[list[tuple[str, str]], list[str]]:
+    """Validate the problem fields of a row (all but candidates): ([(field, message)], absolute images)."""
     errs: list[tuple[str, str]] = []
     rid = obj.get("id")
     if rid is None or isinstance(rid, bool) or not isinstance(rid, (str, int)) or not str(rid).strip():
@@ -283,6 +294,8 @@ def _check_problem(obj: dict[str, Any], base_dir: Path,
     question = obj.get("question")
     if not isinstance(question, str) or not question.strip():
         errs.append(("question", "missing or empty (add the problem text)"))
+    elif STEP_TOKEN in question:
+        errs.append(("question", f"contains the reserved step token {STEP_TOKEN!r} (remove it)"))
     images = obj.get("images") or []
     resolved: list[str] = []
     if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
@@ -291,7 +304,7 @@ def _check_problem(obj: dict[str, Any], base_dir: Path,
     for i, p in enumerate(images):
         full = Path(p) if os.path.isabs(p) else base_dir / p
         resolved.append(str(full.resolve()))
-        if check_images and not full.exists():
+        if check_images and not full.is_file():
             errs.append((f"images[{i}]", f"image not found: {full} (paths are relative to the JSONL file's folder)"))
     if isinstance(question, str):
         n_ph = count_image_placeholders(question)
@@ -300,13 +313,23 @@ def _check_problem(obj: dict[str, Any], base_dir: Path,
                                    "(list one image per placeholder, or remove the placeholders)"))
     gold = obj.get("answer")
     bad_gold = isinstance(gold, bool) or not isinstance(gold, (str, int, float)) or not str(gold).strip()
-    if gold is not None and bad_gold:
+    if gold is None and need_answer:
+        errs.append(("answer", "missing (the gold answer is needed to verify generated solutions)"))
+    elif gold is not None and bad_gold:
         errs.append(("answer", "must be the gold answer as a non-empty string, or null when unknown"))
     choices = obj.get("choices")
     if choices is not None and (not isinstance(choices, list) or not all(isinstance(x, str) for x in choices)):
         errs.append(("choices", "must be a list of option texts in letter order, or omitted"))
     if not isinstance(obj.get("meta", {}) or {}, dict):
         errs.append(("meta", "must be a JSON object"))
+    return errs, resolved
+
+
+def _check_problem(obj: dict[str, Any], base_dir: Path,
+                   check_images: bool) -> tuple[list[tuple[str, str]], Problem | None]:
+    """Validate one problem row; returns ([(field, message)], Problem-or-None) with answers filled in."""
+    errs, resolved = _check_fields(obj, base_dir, check_images, need_answer=False)
+    rid, question, gold, choices = obj.get("id"), obj.get("question"), obj.get("answer"), obj.get("choices")
     cands = obj.get("candidates")
     if not isinstance(cands, list) or not cands:
         errs.append(("candidates", "missing or empty (a list of {\"text\"|\"steps\", ...} objects)"))
@@ -364,13 +387,48 @@ def load_candidates(path: str | Path, check_images: bool = True) -> list[Problem
     return problems
 
 
+def load_problems(path: str | Path, check_images: bool = True) -> list[Problem]:
+    """Load and validate a problems JSONL (the input of generation); raise DataError listing every bad row.
+
+    Row: `{"id", "images": [paths relative to the file, or absolute], "question", "answer",
+    optional "choices": [option texts], optional "meta": {}}`, e.g. `mmprm synthetic`'s
+    `test_problems.jsonl`. Returns problems with no candidates yet; images are absolute paths.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError([f"{path}: file not found (a JSONL of {{id, images, question, answer}} rows; "
+                         "`mmprm synthetic` writes one)"])
+    problems, bad = [], []
+    seen: dict[str, int] = {}
+    for lineno, obj, err in iter_jsonl(path):
+        if err:
+            bad.append(f"{path}:{lineno}: id=?: line: {err}")
+            continue
+        rid = obj.get("id")
+        errs, images = _check_fields(obj, path.parent, check_images, need_answer=True)
+        bad += [f"{path}:{lineno}: id={rid}: {fld}: {msg}" for fld, msg in errs]
+        if errs:
+            continue
+        if str(rid) in seen:
+            bad.append(f"{path}:{lineno}: id={rid}: id: duplicated (first on line {seen[str(rid)]}; make ids unique)")
+            continue
+        seen[str(rid)] = lineno
+        problems.append(Problem(id=str(rid), question=obj["question"], answer=str(obj["answer"]), candidates=[],
+                                images=images, choices=obj.get("choices"), meta=obj.get("meta") or {}))
+    if not problems and not bad:
+        bad.append(f"{path}:0: id=?: file: no rows (the file is empty)")
+    if bad:
+        raise DataError(bad)
+    return problems
+
+
 def write_candidates(path: str | Path, problems: list[Problem]) -> int:
     """Write problems as candidates JSONL (atomically); image paths stay absolute."""
     return write_jsonl(path, (p.to_json() for p in problems))
 
 
 def cli_convert_candidates(argv: list[str]) -> int:
-    """`mmprm convert-candidates --from mathv|gsm8k|qwen_math|text --input P --out F [--label file|verifier]`."""
+    """`mmprm convert-candidates --from mathv|gsm8k|qwen_math|text --input P --out F [--label L] [--limit N]`."""
     ap = argparse.ArgumentParser(prog="mmprm convert-candidates",
                                  description="Convert public Best-of-N data to mmprm candidates JSONL.")
     ap.add_argument("--from", dest="source", choices=("mathv", "gsm8k", "qwen_math", "text"), required=True)
@@ -380,16 +438,19 @@ def cli_convert_candidates(argv: list[str]) -> int:
     ap.add_argument("--out", required=True, help="output candidates JSONL")
     ap.add_argument("--label", choices=("file", "verifier"), default="file",
                     help="which verdict becomes `correct` where the source ships a flag (default: file)")
+    ap.add_argument("--limit", type=int, default=None, help="keep the first N problems (small demo files)")
     args = ap.parse_args(argv)
     try:
         if args.source == "text":
             problems = from_text_solutions(args.input)
         else:
             convert = {"mathv": from_mathv, "gsm8k": from_gsm8k_solutions, "qwen_math": from_qwen_math_bon}[args.source]
-            problems = convert(args.input, label=args.label)
+            problems = (from_mathv(args.input, args.label, args.limit) if args.source == "mathv"
+                        else convert(args.input, label=args.label))
     except (DataError, FileNotFoundError) as e:
         print(f"error: {e}")
         return 2
+    problems = problems[: args.limit] if args.limit is not None else problems
     write_candidates(args.out, problems)
     n = sum(len(p.candidates) for p in problems)
     correct = sum(bool(c.correct) for p in problems for c in p.candidates)

@@ -4,8 +4,11 @@ A shard file `scored.shard{i}-of-{c}.jsonl` holds one line per problem::
 
     {"id": "17", "candidates": [{"step_probs": [...], "answer": "12", "correct": true}, ...]}
 
-`merge_scored` checks that every shard of the run is present before it merges, so a report is
-never written from a partial run.
+Shards are contiguous blocks of the problem list (`take_shard`), so merging them in shard order
+gives the same file, in the same order, as one unsharded run. `merge_scored` checks that every
+shard of the run is present before it merges, so a report is never written from a partial run.
+The recipe also leaves `report_settings.json` (its `report` section) beside the shards, which
+`mmprm merge-bon` uses so a sharded run reports exactly as an unsharded one would.
 """
 
 from __future__ import annotations
@@ -15,41 +18,67 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence, TypeVar
 
 from mmprm.data.schema import read_jsonl, write_jsonl
 
 _SHARD_RE = re.compile(r"scored\.shard(\d+)-of-(\d+)\.jsonl$")
+SETTINGS_FILE = "report_settings.json"
+T = TypeVar("T")
+
+
+def take_shard(items: Sequence[T], index: int, count: int) -> list[T]:
+    """Shard `index` of `count`: a contiguous block, sizes differing by at most one.
+
+    Blocks (not every count-th item) keep the merged file in input order:
+    `take_shard(range(5), 0, 2) == [0, 1]` and `take_shard(range(5), 1, 2) == [2, 3, 4]`.
+    """
+    if not 0 <= index < count:
+        raise ValueError(f"shard index {index} is not in [0, count={count})")
+    return list(items[index * len(items) // count : (index + 1) * len(items) // count])
 
 
 def shard_path(out_dir: str | Path, index: int, count: int) -> Path:
     return Path(out_dir) / f"scored.shard{index}-of-{count}.jsonl"
 
 
-def merge_scored(out_dir: str | Path) -> Path:
-    """Merge all shard files of `out_dir` into `scored.jsonl` (problem order: by shard, then file order)."""
+def merge_scored(out_dir: str | Path, count: int | None = None) -> Path:
+    """Merge the shard files of `out_dir` into `scored.jsonl`, in shard order.
+
+    Args:
+        out_dir: the run's output folder.
+        count: merge the shards of a `count`-shard run and ignore other files; None (merge-bon)
+            requires all shard files there to come from one run.
+
+    Raises:
+        FileNotFoundError: no shard files. ValueError: a shard is missing, runs are mixed, or an
+        id appears in two shards.
+    """
     out = Path(out_dir)
     shards = {}
     for p in out.glob("scored.shard*-of-*.jsonl"):
         m = _SHARD_RE.search(p.name)
-        if m:
+        if m and (count is None or int(m.group(2)) == count):
             shards[(int(m.group(1)), int(m.group(2)))] = p
     if not shards:
-        raise FileNotFoundError(f"{out}: no scored.shard*-of-*.jsonl files (run recipes/bon_rerank.py with "
-                                "shard.index=I shard.count=C first)")
+        raise FileNotFoundError(f"{out}: no scored.shard*-of-{count or '*'}.jsonl files (run recipes/bon_rerank.py "
+                                "with shard.index=I shard.count=C first)")
     counts = {c for _, c in shards}
     if len(counts) != 1:
-        raise ValueError(f"{out}: shard files from runs with different shard counts {sorted(counts)}; remove stale ones")
+        raise ValueError(f"{out}: shard files from runs with different shard counts {sorted(counts)}; "
+                         "delete the stale ones")
     count = counts.pop()
     missing = [i for i in range(count) if (i, count) not in shards]
     if missing:
-        raise ValueError(f"{out}: shards {missing} of {count} are missing; rerun those shards before merging")
+        raise ValueError(f"{out}: shard(s) {missing} of {count} missing: run them (shard.index=I "
+                         f"shard.count={count}) before merging")
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
     for i in range(count):
         for row in read_jsonl(shards[(i, count)]):
             if row["id"] in seen:
-                raise ValueError(f"{shards[(i, count)]}: id={row['id']} appears in more than one shard")
+                raise ValueError(f"{shards[(i, count)]}: id={row['id']} appears in more than one shard "
+                                 "(shards of different runs? rerun them into an empty folder)")
             seen.add(row["id"])
             rows.append(row)
     merged = out / "scored.jsonl"
@@ -59,33 +88,42 @@ def merge_scored(out_dir: str | Path) -> Path:
 
 def report_from_scored(scored: str | Path, out_dir: str | Path, n_subsets: int = 32, resamples: int = 1000,
                        seed: int = 0, weighted_by: str = "min", title: str = "Best-of-N accuracy") -> dict[str, Any]:
-    """Best-of-N report (report.json/md, bon_curve.png) from a scored file."""
-    from mmprm.answers import answers_match
-    from mmprm.rerank.report import bon_curve, write_report
+    """Best-of-N report (report.json/md, bon_curve.png) from a scored file.
 
-    rows = read_jsonl(scored)
-    problems = [row["candidates"] for row in rows]
+    Votes group answers with `mmprm.answers.answers_match` (so "1/2" and "0.5" agree).
+    """
+    from mmprm.answers import answers_match
+    from mmprm.rerank.report import bon_curve, read_candidates, write_report
+
+    problems = read_candidates(scored)  # every row checked first; DataError names the line
     curve = bon_curve(problems, n_subsets=n_subsets, seed=seed, weighted_by=weighted_by,
                       same=lambda a, b: answers_match(a, b))
     return write_report(curve, out_dir, title=title, n_resamples=resamples, seed=seed)
 
 
 def cli_merge_bon(argv: list[str]) -> int:
-    """`mmprm merge-bon OUTPUT_DIR`: merge scored shards and write the Best-of-N report there."""
+    """`mmprm merge-bon OUTPUT_DIR`: merge scored shards and write the Best-of-N report there.
+
+    Report settings come from the run's report_settings.json; flags given here override them.
+    """
     ap = argparse.ArgumentParser(prog="mmprm merge-bon", description=cli_merge_bon.__doc__)
     ap.add_argument("output_dir")
-    ap.add_argument("--n-subsets", type=int, default=32)
-    ap.add_argument("--resamples", type=int, default=1000)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--weighted-by", default="min")
-    ap.add_argument("--title", default="Best-of-N accuracy")
+    ap.add_argument("--n-subsets", type=int)
+    ap.add_argument("--resamples", type=int)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--weighted-by")
+    ap.add_argument("--title")
     args = ap.parse_args(argv)
+    settings = {"n_subsets": 32, "resamples": 1000, "seed": 0, "weighted_by": "min", "title": "Best-of-N accuracy"}
+    saved = Path(args.output_dir) / SETTINGS_FILE
+    if saved.exists():
+        settings.update({k: v for k, v in json.loads(saved.read_text()).items() if k in settings})
+    settings.update({k: v for k, v in vars(args).items() if k in settings and v is not None})
     try:
         merged = merge_scored(args.output_dir)
+        report = report_from_scored(merged, args.output_dir, **settings)
     except (FileNotFoundError, ValueError) as e:
         print(f"mmprm merge-bon: {e}", file=sys.stderr)
         return 2
-    report = report_from_scored(merged, args.output_dir, args.n_subsets, args.resamples, args.seed,
-                                args.weighted_by, args.title)
     print(json.dumps({"merged": str(merged), "num_problems": report["num_problems"], "n_max": report["n_max"]}))
     return 0

