@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -219,7 +218,10 @@ def main(argv: list[str]) -> None:
     out_dir = Path(cfg.output_dir)
     log_with = None if cfg.train.report_to == "none" else cfg.train.report_to
     use_bf16 = cfg.train.bf16 and (not torch.cuda.is_available() or torch.cuda.is_bf16_supported())
-    accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", log_with=log_with, project_dir=str(out_dir))
+    # Our LR schedule counts optimizer steps: accelerate's default steps it once per process.
+    # gradient_accumulation_steps tells DeepSpeed which micro-batch closes a step (see the loop).
+    accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", log_with=log_with, project_dir=str(out_dir),
+                              gradient_accumulation_steps=cfg.train.grad_accum, step_scheduler_with_optimizer=False)
     set_seed(cfg.train.seed)
     log = accelerator.print
 
@@ -261,6 +263,11 @@ def main(argv: list[str]) -> None:
     optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.schedule))
+    ds = accelerator.state.deepspeed_plugin
+    if ds is not None:
+        # No dataloader goes through prepare(), so DeepSpeed cannot infer these "auto" values itself.
+        ds.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
+        ds.deepspeed_config["gradient_clipping"] = cfg.train.max_grad_norm
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     global_batch = cfg.train.batch_size * accelerator.num_processes
     stream = BatchStream([len(t["input_ids"]) for t in train_data], global_batch, cfg.train.seed,
@@ -308,13 +315,15 @@ def main(argv: list[str]) -> None:
         step_loss = 0.0
         for k, idx in enumerate(micro_batches):
             batch = {key: v.to(accelerator.device) for key, v in collate([train_data[i] for i in idx], pad_id).items()}
-            with nullcontext() if k == len(micro_batches) - 1 else accelerator.no_sync(model):
+            # accumulate() syncs (DDP all-reduce, DeepSpeed step) on the last of grad_accum micro-batches only
+            with accelerator.accumulate(model):
                 with accelerator.autocast():
                     loss_sum, _ = token_loss_sum(model, batch)
                 if not torch.isfinite(loss_sum):
                     raise FloatingPointError(f"non-finite loss at step {progress.step}, micro-batch {k}, example ids "
                                              f"{[train_data[i]['id'] for i in idx]}: lower train.lr or check these rows")
-                accelerator.backward(loss_sum / max(1, n_tokens))
+                # backward() divides by grad_accum; the loss is already a mean over the window's tokens
+                accelerator.backward(loss_sum * cfg.train.grad_accum / max(1, n_tokens))
             step_loss += loss_sum.item() / max(1, n_tokens)
         if cfg.train.max_grad_norm > 0:
             accelerator.clip_grad_norm_(trainable, cfg.train.max_grad_norm)
@@ -343,11 +352,13 @@ def main(argv: list[str]) -> None:
 
     # ---- save -----------------------------------------------------------------------------
     accelerator.wait_for_everyone()
+    # ZeRO-3 shards every weight: all ranks gather the full state dict, then rank 0 writes it.
+    state = None if cfg.model.lora.enabled else accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         final = accelerator.unwrap_model(model)
         if hasattr(final, "merge_and_unload"):
             final = final.merge_and_unload()
-        final.save_pretrained(out_dir)
+        final.save_pretrained(out_dir, state_dict=state)
         processor.save_pretrained(out_dir)
         log(f"saved policy to {out_dir}")
     accelerator.end_training()

@@ -230,3 +230,21 @@ def test_gold_solutions_check_as_all_correct():
 
     for p in generate(SyntheticConfig(num_problems=200, seed=3)):
         assert all(check_steps(p.meta["tiles"], p.steps, p.answer)), (p.question, p.steps)
+
+
+def test_labelled_examples_plant_exactly_the_first_error(tmp_path):
+    from mmprm.data.schema import load_examples, write_jsonl
+    from mmprm.data.synthetic import SyntheticConfig, check_steps, generate, labelled_examples, write_split
+
+    probs = generate(SyntheticConfig(num_problems=60, seed=5))
+    write_split(probs, tmp_path, "train")
+    rows = labelled_examples(probs, "train", seed=5)
+    write_jsonl(tmp_path / "train_labelled.jsonl", rows)
+    ex = load_examples(tmp_path / "train_labelled.jsonl", require_labels=True)
+    assert len(ex) == 60
+    n_err = 0
+    for p, r in zip(probs, rows):
+        truth = [1.0 if ok else 0.0 for ok in check_steps(p.meta["tiles"], r["steps"])]
+        assert truth == r["labels"], (r["steps"], r["labels"])
+        n_err += 0.0 in r["labels"]
+    assert 15 < n_err < 45

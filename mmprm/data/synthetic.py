@@ -428,6 +428,8 @@ def cli_synthetic(argv: list[str]) -> int:
     parser.add_argument("--grid", default="2x2", help="ROWSxCOLS of cells (default 2x2)")
     parser.add_argument("--tile-px", type=int, default=28)
     parser.add_argument("--style", choices=["tiles", "human"], default="tiles")
+    parser.add_argument("--labelled", action="store_true",
+                        help="also write {split}_labelled.jsonl: half the solutions with one planted error")
     args = parser.parse_args(argv)
     try:
         rows, cols = (int(x) for x in args.grid.lower().split("x"))
@@ -446,6 +448,11 @@ def cli_synthetic(argv: list[str]) -> int:
     out = Path(args.out)
     write_split(train, out, "train")
     write_split(test, out, "test")
+    if args.labelled:
+        from mmprm.data.schema import write_jsonl
+
+        for name, split in (("train", train), ("test", test)):
+            write_jsonl(out / f"{name}_labelled.jsonl", labelled_examples(split, name, seed=args.seed))
     print(f"wrote {len(train)} train and {len(test)} test problems to {out} "
           f"(text-only ceiling on test: {text_only_accuracy(train, test):.1%})")
     return 0
@@ -504,3 +511,33 @@ def check_steps(tiles: Sequence[int], steps: Sequence[str], answer: str | None =
         except ValueError:
             out[-1] = False
     return out
+
+
+def corrupt_step(step: str, rng: random.Random) -> str:
+    """The same step with one number changed (a misread tile or an arithmetic slip)."""
+    numbers = list(re.finditer(r"-?\d+", step))
+    m = numbers[-1]
+    wrong = int(m.group()) + rng.choice([-2, -1, 1, 2])
+    return step[: m.start()] + str(wrong) + step[m.end():]
+
+
+def labelled_examples(problems: Sequence[SyntheticProblem], name: str, seed: int = 0,
+                      error_rate: float = 0.5) -> list[dict]:
+    """Step-labelled rows with planted first errors: a toy PRM training set with exact labels.
+
+    With probability `error_rate` one step gets a wrong number; it and every later step are
+    labelled 0.0 (later steps are kept as written, so the error is the only tell), earlier ones 1.0.
+    Images are referenced as `write_split(problems, out_dir, name)` writes them.
+    """
+    rng = random.Random(seed * 7919 + 17)
+    rows = []
+    for p in problems:
+        steps, labels = list(p.steps), [1.0] * len(p.steps)
+        if rng.random() < error_rate:
+            # a comparison ("8 > 2.") can stay true with another number: corrupt a stated value instead
+            k = rng.choice([i for i, st in enumerate(steps) if not _CMP_RE.match(st)])
+            steps[k] = corrupt_step(steps[k], rng)
+            labels = [1.0] * k + [0.0] * (len(steps) - k)
+        rows.append({"id": p.id, "images": [f"images/{name}_{p.id}.png"], "question": p.question,
+                     "steps": steps, "labels": labels, "answer": p.answer, "meta": p.meta})
+    return rows

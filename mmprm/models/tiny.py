@@ -3,8 +3,9 @@
     path = build_tiny_model("qwen2_5_vl", "runs/tiny/qwen2_5_vl", seed=0)
     model, processor = mmprm.models.load_backbone(path)     # same call as for a real checkpoint
 
-Each preset is the REAL architecture class built from a small config (hidden 64, 2 layers, a
-2-layer vision tower on 28-56 px images), saved with `save_pretrained` beside a byte-level BPE
+Each preset is the REAL architecture class built from a small config (by default hidden 64,
+2 layers; `hidden_size` / `num_layers` scale the language model for demos; a 2-layer vision tower
+on 28-56 px images), saved with `save_pretrained` beside a byte-level BPE
 tokenizer trained here on a built-in corpus, the arch's special tokens, a ChatML chat template and
 the processor. Nothing is downloaded. mmprm's own STEP_TOKEN is deliberately absent: adding it is
 `add_step_token`'s job at train time, and tests must see that step happen.
@@ -30,9 +31,9 @@ import torch
 TINY_ARCHS = ("qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2")
 
 VOCAB_SIZE = 1024
-# Language model: 4 heads of 16 dims; Qwen's M-RoPE sections must sum to head_dim / 2 = 8.
-_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=4096)
+# Language model heads are always 16 dims (hidden 64 -> 4 heads, 128 -> 8), so Qwen's M-RoPE
+# sections keep summing to head_dim / 2 = 8 at every size.
+HEAD_DIM = 16
 _MROPE_SECTION = [2, 3, 3]
 
 _CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -146,13 +147,16 @@ def _train_tokenizer(arch: str) -> Any:
     )
 
 
-def _text_config(tok: Any, **extra: Any) -> dict[str, Any]:
+def _text_config(tok: Any, hidden_size: int, num_layers: int, **extra: Any) -> dict[str, Any]:
+    heads = hidden_size // HEAD_DIM
+    size = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+                num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=4096)
     ids = dict(vocab_size=len(tok), bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                pad_token_id=tok.pad_token_id)
-    return {**_TEXT, **ids, **extra}
+    return {**size, **ids, **extra}
 
 
-def _build(arch: str, tok: Any) -> tuple[Any, Any]:
+def _build(arch: str, tok: Any, hidden_size: int = 64, num_layers: int = 2) -> tuple[Any, Any]:
     """(model, processor) of `arch` with every special-token id taken from `tok`."""
     import transformers as tf
 
@@ -161,19 +165,19 @@ def _build(arch: str, tok: Any) -> tuple[Any, Any]:
     tid = tok.convert_tokens_to_ids
     template = chat_template(arch)
     if arch == "qwen2":
-        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**_text_config(tok))), tok
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**_text_config(tok, hidden_size, num_layers))), tok
     if arch in ("qwen2_vl", "qwen2_5_vl"):
         rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": _MROPE_SECTION}
-        text = _text_config(tok, rope_parameters=rope)
+        text = _text_config(tok, hidden_size, num_layers, rope_parameters=rope)
         ids = dict(image_token_id=tid("<|image_pad|>"), video_token_id=tid("<|video_pad|>"),
                    vision_start_token_id=tid("<|vision_start|>"), vision_end_token_id=tid("<|vision_end|>"))
         vision = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
         if arch == "qwen2_vl":
-            vision.update(embed_dim=32, mlp_ratio=2, hidden_size=_TEXT["hidden_size"])
+            vision.update(embed_dim=32, mlp_ratio=2, hidden_size=hidden_size)
             model = tf.Qwen2VLForConditionalGeneration(tf.Qwen2VLConfig(text_config=text, vision_config=vision, **ids))
         else:
             # window_size is in pixels (2 merged patches = 56 px); block 1 attends to the full image.
-            vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=_TEXT["hidden_size"],
+            vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=hidden_size,
                           window_size=56, fullatt_block_indexes=[1], tokens_per_second=2)
             model = tf.Qwen2_5_VLForConditionalGeneration(
                 tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
@@ -187,7 +191,7 @@ def _build(arch: str, tok: Any) -> tuple[Any, Any]:
         # 56 px tile = 4x4 patches of 14 px; pixel shuffle (0.5) leaves 2x2 = 4 tokens per tile.
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       image_size=[56, 56], patch_size=[14, 14])
-        config = tf.InternVLConfig(text_config={"model_type": "qwen2", **_text_config(tok)}, vision_config=vision,
+        config = tf.InternVLConfig(text_config={"model_type": "qwen2", **_text_config(tok, hidden_size, num_layers)}, vision_config=vision,
                                    image_token_id=tid("<IMG_CONTEXT>"), image_seq_length=4, downsample_ratio=0.5)
         model = tf.InternVLForConditionalGeneration(config)
         image_processor = tf.GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}, crop_to_patches=True,
@@ -199,7 +203,8 @@ def _build(arch: str, tok: Any) -> tuple[Any, Any]:
         # CLIP at 56 px: 4x4 patches + CLS; the "default" strategy drops CLS -> 16 image tokens.
         vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, image_size=56, patch_size=14, projection_dim=32)
-        config = tf.LlavaConfig(text_config={"model_type": "llama", "head_dim": 16, **_text_config(tok)},
+        config = tf.LlavaConfig(text_config={"model_type": "llama", "head_dim": HEAD_DIM,
+                                             **_text_config(tok, hidden_size, num_layers)},
                                 vision_config=vision, image_token_index=tid("<image>"), image_seq_length=16,
                                 vision_feature_layer=-2, vision_feature_select_strategy="default")
         model = tf.LlavaForConditionalGeneration(config)
@@ -211,7 +216,8 @@ def _build(arch: str, tok: Any) -> tuple[Any, Any]:
     raise AssertionError(arch)  # unreachable: build_tiny_model validated arch
 
 
-def build_tiny_model(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
+def build_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, hidden_size: int = 64,
+                     num_layers: int = 2) -> Path:
     """Build, save and return the directory of a tiny random-init model of `arch`.
 
     Args:
@@ -219,6 +225,9 @@ def build_tiny_model(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
         out_dir: created if missing; existing files of the same names are overwritten.
         seed: weight init seed; the same seed gives identical weights (the caller's RNG state is
             left untouched).
+        hidden_size: language-model width, a multiple of 16 (heads of 16 dims); 64 for tests,
+            128-256 learns the synthetic demo task faster.
+        num_layers: language-model decoder layers.
 
     Returns:
         `out_dir` as a Path, loadable with `load_backbone` / `from_pretrained`.
@@ -227,12 +236,16 @@ def build_tiny_model(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
 
     if arch not in TINY_ARCHS:
         raise ValueError(f"unknown tiny arch {arch!r}: choose one of {', '.join(TINY_ARCHS)}")
+    if hidden_size < HEAD_DIM or hidden_size % HEAD_DIM:
+        raise ValueError(f"tiny hidden_size={hidden_size}: use a positive multiple of {HEAD_DIM} (e.g. 64, 128, 256)")
+    if num_layers < 1:
+        raise ValueError(f"tiny num_layers={num_layers}: use 1 or more")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = _train_tokenizer(arch)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model, processor = _build(arch, tok)
+        model, processor = _build(arch, tok, hidden_size, num_layers)
     model.generation_config = GenerationConfig(
         bos_token_id=tok.pad_token_id, pad_token_id=tok.pad_token_id,
         eos_token_id=[tok.eos_token_id, tok.pad_token_id],
@@ -243,12 +256,19 @@ def build_tiny_model(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
 
 
 def cli_tiny_model(argv: list[str]) -> int:
-    """`mmprm tiny-model --arch ARCH --out DIR [--seed N]`: build one tiny preset."""
+    """`mmprm tiny-model --arch ARCH --out DIR [--seed N] [--hidden-size H] [--layers L]`: build one tiny preset."""
     parser = argparse.ArgumentParser(prog="mmprm tiny-model", description=cli_tiny_model.__doc__)
     parser.add_argument("--arch", required=True, choices=TINY_ARCHS)
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="weight init seed (default 0)")
+    parser.add_argument("--hidden-size", type=int, default=64,
+                        help="language-model width, a multiple of 16 (default 64; 128-256 for the demo)")
+    parser.add_argument("--layers", type=int, default=2, help="language-model layers (default 2)")
     args = parser.parse_args(argv)
-    path = build_tiny_model(args.arch, args.out, seed=args.seed)
+    try:
+        path = build_tiny_model(args.arch, args.out, seed=args.seed, hidden_size=args.hidden_size,
+                                num_layers=args.layers)
+    except ValueError as e:
+        parser.error(str(e))
     print(f"tiny {args.arch} model written to {path}")
     return 0

@@ -1,0 +1,280 @@
+"""Step-level evaluation of a trained PRM: first-error F1, step F1, AUROC, calibration.
+
+Scores every step of a labelled set with `mmprm.load_prm`, then writes:
+
+    <output.dir>/report.json   metrics overall and per category, the threshold and where it came from
+    <output.dir>/report.md     the same as tables a person reads
+    <output.dir>/scores.jsonl  per example: id, split, category, scores, labels, true/predicted first error
+
+Launch (CPU is enough for tiny models; the scorer uses the GPU when there is one):
+
+    python recipes/prm_eval.py --config recipes/configs/tiny/prm_eval.yaml
+    python recipes/prm_eval.py --config recipes/configs/tiny/prm_eval.yaml data.format=reasoneval \
+        data.path=../shared/data/reasoneval/mr-math_invalid_errors.json scorer.prm_path=runs/tiny/prm
+
+Input formats (`data.format`):
+    steps       our step-labelled JSONL (mmprm.data.schema), images included
+    prmbench    PRMBench rows (prmbench/target_data.jsonl); per-category breakdown by `classification`
+    reasoneval  ReasonEval MR-MATH (invalid or redundant errors file)
+
+Threshold: with `data.dev_file` or `data.dev_fraction > 0`, the first-error threshold is the one that
+maximises first-error F1 on the dev split (`best_threshold`), and metrics are reported on the rest;
+otherwise `metrics.threshold` is used. Dev/test are split by source problem, so PRMBench's repeated
+`idx` never lands on both sides.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from mmprm.config import ConfigError, load_config, parse_cli, to_dict
+from mmprm.data.schema import DataError, StepExample, load_examples, write_jsonl
+from mmprm.scoring.metrics import (auroc, bce, best_threshold, brier, first_error, first_error_f1,
+                                   predicted_first_error, step_accuracy, step_f1)
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    format: Literal["steps", "prmbench", "reasoneval"] = "steps"
+    limit: int | None = None  # first N examples only (after reading, before the dev split)
+    per_category: int | None = None  # first N examples of each meta.category (PRMBench is sorted by it)
+    dev_file: str | None = None  # a separate dev set (same format) to choose the threshold on
+    dev_fraction: float = 0.0  # else: this share of source problems becomes the dev split
+    seed: int = 0  # dev split seed
+
+
+@dataclass
+class ScorerConfig:
+    prm_path: str = ""
+    batch_size: int = 8
+    max_length: int | None = None  # steps cut by truncation are not scored; their examples are excluded
+    device: str = "auto"
+    use_images: bool = True
+
+
+@dataclass
+class MetricConfig:
+    threshold: float = 0.5  # a step is predicted correct when its score >= threshold (no dev split)
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs/prm_eval"
+
+
+@dataclass
+class PRMEvalConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    scorer: ScorerConfig = field(default_factory=ScorerConfig)
+    metrics: MetricConfig = field(default_factory=MetricConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def validate(self) -> None:
+        if not self.data.path:
+            raise ValueError("data.path: required (step-labelled JSONL, or a PRMBench / ReasonEval file)")
+        if not self.scorer.prm_path:
+            raise ValueError("scorer.prm_path: required (a PRM directory from recipes/prm_train.py)")
+        if not 0.0 <= self.data.dev_fraction < 1.0:
+            raise ValueError(f"data.dev_fraction: {self.data.dev_fraction} must be in [0, 1)")
+        if self.data.dev_file and self.data.dev_fraction > 0:
+            raise ValueError("data.dev_file and data.dev_fraction: set one of them, not both")
+        if not 0.0 <= self.metrics.threshold <= 1.0:
+            raise ValueError(f"metrics.threshold: {self.metrics.threshold} is outside [0, 1]")
+
+
+def read_examples(path: str, fmt: str) -> list[StepExample]:
+    """Labelled examples of one file; benchmark rows keep their category and first error in `meta`."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path}: input not found (set data.path / data.dev_file)")
+    if fmt == "steps":
+        return load_examples(path, require_labels=True)
+    from mmprm.data.benchmarks import read_prmbench, read_reasoneval
+
+    rows = read_prmbench(path) if fmt == "prmbench" else read_reasoneval(path)
+    return [StepExample(**r) for r in rows]
+
+
+def true_first_error(ex: StepExample) -> int | None:
+    # Benchmark readers know the first error even where the labels alone are ambiguous (PRMBench
+    # keeps later steps at 1); our own files derive it from the labels.
+    return ex.meta["first_error"] if "first_error" in ex.meta else first_error(ex.labels)
+
+
+def split_dev(examples: list[StepExample], fraction: float, seed: int) -> tuple[list[StepExample], list[StepExample]]:
+    """(dev, test): `fraction` of the source problems (meta.source_id, else id) go to dev.
+
+    Problems with an error-free solution and those without are split separately, so the dev split
+    holds both kinds whenever the data does (`best_threshold` needs both).
+    """
+    groups: dict[str, list[StepExample]] = {}
+    for ex in examples:
+        groups.setdefault(str(ex.meta.get("source_id", ex.id)), []).append(ex)
+    rng = random.Random(seed)
+    dev_keys: set[str] = set()
+    for has_clean in (False, True):
+        keys = sorted(k for k, g in groups.items() if any(true_first_error(ex) is None for ex in g) == has_clean)
+        rng.shuffle(keys)
+        dev_keys.update(keys[: max(1, round(fraction * len(keys)))] if keys else [])
+    dev = [ex for ex in examples if str(ex.meta.get("source_id", ex.id)) in dev_keys]
+    test = [ex for ex in examples if str(ex.meta.get("source_id", ex.id)) not in dev_keys]
+    return dev, test
+
+
+def metrics_of(rows: list[dict[str, Any]], threshold: float, soft: bool) -> dict[str, float | int]:
+    """Step metrics of scored rows; BCE/Brier only when the labels are soft (they need a target)."""
+    scores, labels = [r["scores"] for r in rows], [r["labels"] for r in rows]
+    out: dict[str, float | int] = {"examples": len(rows), "steps": sum(len(s) for s in scores)}
+    # The reader's first error is the truth: PRMBench labels alone do not mark steps after an error.
+    fe = first_error_f1(scores, [r["first_error"] for r in rows], threshold)
+    out.update({f"first_error_{k}": v for k, v in fe.items()})
+    out.update(step_f1(scores, labels, threshold))
+    out["auroc"] = auroc(scores, labels)
+    out["step_accuracy"] = step_accuracy(scores, labels, threshold)
+    if soft:
+        out["bce"], out["brier"] = bce(scores, labels), brier(scores, labels)
+    return out
+
+
+def fmt(v: Any) -> str:
+    """A metric as table text: 4 decimals, n/a for NaN."""
+    if isinstance(v, float):
+        return "n/a" if math.isnan(v) else f"{v:.4f}"
+    return str(v)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """report.md: the overall metrics, then one row per category."""
+    keys = ["examples", "steps", "first_error_f1", "first_error_error_acc", "first_error_correct_acc", "macro_f1",
+            "f1_correct", "f1_error", "auroc", "step_accuracy", "bce", "brier"]
+    m = report["metrics"]
+    lines = [f"# PRM step-level evaluation: {report['data']}", "",
+             f"PRM `{report['prm']}`, threshold {report['threshold']:.4f} ({report['threshold_source']}); "
+             f"{report['excluded_truncated']} examples excluded for truncation.", "",
+             "| metric | value |", "| --- | --- |"]
+    lines += [f"| {k} | {fmt(m[k])} |" for k in keys if k in m]
+    if report["by_category"]:
+        cols = [k for k in keys if k in m]
+        lines += ["", "## Per category", "", "| category | " + " | ".join(cols) + " |",
+                  "| --- |" + " --- |" * len(cols)]
+        for cat, cm in report["by_category"].items():
+            lines.append(f"| {cat} | " + " | ".join(fmt(cm[k]) for k in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    # ---- config
+    config_path, overrides = parse_cli(argv)
+    cfg = load_config(PRMEvalConfig, config_path, overrides)
+    out_dir = Path(cfg.output.dir)
+
+    # ---- data (every file is read and validated before the model loads)
+    examples = read_examples(cfg.data.path, cfg.data.format)
+    if cfg.data.per_category is not None:
+        taken: dict[Any, list[StepExample]] = {}
+        for ex in examples:
+            taken.setdefault(ex.meta.get("category"), []).append(ex)
+        examples = [ex for group in taken.values() for ex in group[: cfg.data.per_category]]
+    if cfg.data.limit is not None:
+        examples = examples[: cfg.data.limit]
+    dev: list[StepExample] = []
+    if cfg.data.dev_file:
+        dev = read_examples(cfg.data.dev_file, cfg.data.format)
+    elif cfg.data.dev_fraction > 0:
+        dev, examples = split_dev(examples, cfg.data.dev_fraction, cfg.data.seed)
+    if dev and len({true_first_error(ex) is None for ex in dev}) < 2:
+        raise SystemExit(f"dev split ({len(dev)} examples): needs both fully correct and erroneous solutions to "
+                         "choose a threshold; raise data.dev_fraction or data.per_category, or set dev_fraction=0")
+    if not examples:
+        raise SystemExit(f"{cfg.data.path}: no examples left to evaluate (check data.limit / data.dev_fraction)")
+    if not cfg.scorer.use_images:
+        for ex in dev + examples:
+            ex.images = []
+    kinds = {ex.meta.get("label_kind", "validity") for ex in examples}
+    if len(kinds) > 1:
+        raise SystemExit(f"{cfg.data.path}: mixes label kinds {sorted(kinds)}; a 0 means different things in "
+                         "each, evaluate them separately")
+    print(f"{len(examples)} examples from {cfg.data.path} ({cfg.data.format})"
+          + (f", {len(dev)} dev examples for the threshold" if dev else ""))
+
+    # ---- scorer
+    import torch
+
+    from mmprm import load_prm
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.scorer.device == "auto" else cfg.scorer.device
+    scorer = load_prm(cfg.scorer.prm_path, device=device, batch_size=cfg.scorer.batch_size,
+                      max_length=cfg.scorer.max_length)
+
+    # ---- score; truncated steps come back NaN and their examples leave the metrics (counted)
+    def score(split: str, exs: list[StepExample]) -> list[dict[str, Any]]:
+        start = time.time()
+        scores = scorer.score(exs, progress=True)
+        n_steps = sum(len(s) for s in scores)
+        print(f"{split}: scored {len(exs)} examples / {n_steps} steps in {time.time() - start:.1f}s")
+        return [{"id": ex.id, "split": split, "category": ex.meta.get("category"), "scores": s,
+                 "labels": [float(x) for x in ex.labels], "first_error": true_first_error(ex)}
+                for ex, s in zip(exs, scores)]
+
+    dev_rows = score("dev", dev) if dev else []
+    test_rows = score("test", examples)
+    complete = lambda rows: [r for r in rows if not any(math.isnan(s) for s in r["scores"])]  # noqa: E731
+    excluded = len(dev_rows) + len(test_rows) - len(complete(dev_rows)) - len(complete(test_rows))
+
+    # ---- threshold: chosen on dev, or given
+    threshold, source = cfg.metrics.threshold, "metrics.threshold"
+    if dev_rows:
+        usable = complete(dev_rows)
+        try:
+            threshold = best_threshold([r["scores"] for r in usable], [r["first_error"] for r in usable])
+        except ValueError as e:  # truncation can remove the last example of one kind
+            raise SystemExit(f"dev split ({len(usable)} scored examples): {e}; raise scorer.max_length") from None
+        source = "best first-error F1 on dev"
+    print(f"threshold {threshold:.4f} ({source})")
+
+    # ---- metrics overall and per category
+    rows = complete(test_rows)
+    if not rows:
+        raise SystemExit("every example was truncated: raise scorer.max_length")
+    soft = any(0.0 < y < 1.0 for r in rows for y in r["labels"])
+    by_category: dict[str, Any] = {}
+    cats = sorted({r["category"] for r in rows if r["category"] is not None})
+    if len(cats) > 1:
+        by_category = {c: metrics_of([r for r in rows if r["category"] == c], threshold, soft) for c in cats}
+    report = {
+        "data": cfg.data.path, "format": cfg.data.format, "prm": cfg.scorer.prm_path,
+        "threshold": threshold, "threshold_source": source, "labels_soft": soft,
+        "label_kind": kinds.pop(), "excluded_truncated": excluded,
+        "metrics": metrics_of(rows, threshold, soft), "by_category": by_category,
+        "dev": metrics_of(complete(dev_rows), threshold, soft) if dev_rows else None,
+        "config": to_dict(cfg),
+    }
+
+    # ---- write
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for r in dev_rows + test_rows:
+        r["predicted_first_error"] = predicted_first_error(r["scores"], threshold)
+    write_jsonl(out_dir / "scores.jsonl", dev_rows + test_rows)
+    # NaN is not JSON: write null so any JSON reader opens the report
+    clean = json.loads(json.dumps(report), parse_constant=lambda c: None)
+    (out_dir / "report.json").write_text(json.dumps(clean, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out_dir / "report.md").write_text(markdown(report), encoding="utf-8")
+    m = report["metrics"]
+    print(" ".join(f"{k}={fmt(m[k])}" for k in ("first_error_f1", "macro_f1", "auroc", "step_accuracy")))
+    print(f"wrote {out_dir / 'report.json'}, {out_dir / 'report.md'} and {out_dir / 'scores.jsonl'}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except (ConfigError, DataError, FileNotFoundError) as e:
+        print(f"prm_eval: {e}", file=sys.stderr)
+        sys.exit(2)

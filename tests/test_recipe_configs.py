@@ -1,0 +1,113 @@
+"""Every shipped recipe YAML parses against its recipe's typed Config and opens with its launch line;
+every accelerate config a YAML or a recipe docstring points at exists."""
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmprm.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "recipes" / "configs"
+RECIPES = ("prm_train", "policy_sft", "bon_rerank", "mcts_annotate", "tree_eval", "prm_eval", "quickstart")
+YAMLS = sorted(CONFIGS.rglob("*.yaml"))
+CONFIG_FILE = re.compile(r"--config_file[ =]+(\S+)")
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(REPO).as_posix()
+
+
+def recipe_module(name: str):
+    """recipes/<name>.py loaded by path (the `recipes` package raises on import by design)."""
+    path = REPO / "recipes" / f"{name}.py"
+    if not path.exists():
+        pytest.skip(f"recipe {rel(path)} does not exist yet")
+    key = f"_recipe_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module  # dataclasses resolve string annotations through sys.modules
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+def header(path: Path) -> list[str]:
+    """The leading comment block of a YAML file."""
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line)
+    return lines
+
+
+def test_configs_are_shipped():
+    assert YAMLS, f"no YAML under {rel(CONFIGS)}"
+    assert {p.stem for p in YAMLS} <= set(RECIPES), (
+        f"a config is named after no recipe: {sorted({p.stem for p in YAMLS} - set(RECIPES))} "
+        f"(name it recipes/configs/<backbone>/<recipe>.yaml with <recipe> one of {RECIPES})")
+
+
+def config_class(name: str) -> type:
+    """The recipe's top-level config dataclass: `Config`, else the class its main() loads."""
+    module = recipe_module(name)
+    if hasattr(module, "Config"):
+        return module.Config
+    found = re.findall(r"load_config\((\w+),", Path(module.__file__).read_text(encoding="utf-8"))
+    assert len(set(found)) == 1, f"recipes/{name}.py: no `Config` and no single load_config(CLASS, ...) call"
+    return getattr(module, found[0])
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=[rel(p) for p in YAMLS])
+def test_yaml_parses_against_its_recipe_config(path):
+    cls = config_class(path.stem)
+    cfg = load_config(cls, path)  # unknown keys, wrong types and validate() fail here
+    assert isinstance(cfg, cls)
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=[rel(p) for p in YAMLS])
+def test_yaml_opens_with_its_launch_command(path):
+    first = path.read_text(encoding="utf-8").splitlines()[0]
+    launcher = r"(accelerate launch|python|torchrun)\b"
+    assert re.match(rf"# {launcher}.* recipes/{path.stem}\.py\b", first), (
+        f"{rel(path)}:1: first line must be the launch command as a comment, e.g. "
+        f"'# accelerate launch recipes/{path.stem}.py --config {rel(path)}'; got {first!r}")
+    assert re.search(rf"--config[ =]+{re.escape(rel(path))}(\s|$)", first), (
+        f"{rel(path)}:1: the launch line must pass this very file: --config {rel(path)}")
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=[rel(p) for p in YAMLS])
+def test_yaml_header_config_files_exist(path):
+    for number, line in enumerate(header(path), start=1):
+        for ref in CONFIG_FILE.findall(line):
+            assert (REPO / ref).is_file(), f"{rel(path)}:{number}: --config_file {ref} does not exist"
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_docstring_config_files_exist(name):
+    module = recipe_module(name)
+    doc = module.__doc__ or ""
+    for ref in CONFIG_FILE.findall(doc):
+        assert (REPO / ref).is_file(), f"recipes/{name}.py docstring: --config_file {ref} does not exist"
+    # The --config files a docstring names are shipped too (placeholders like C.yaml aside).
+    for ref in re.findall(r"--config[ =]+(recipes/configs/\S+\.yaml)", doc):
+        assert (REPO / ref).is_file(), f"recipes/{name}.py docstring: --config {ref} does not exist"
+
+
+def test_real_backbone_batch_arithmetic():
+    """The 7B/8B configs keep MM-PRM's global batches on one 8-GPU node (their header comments)."""
+    for backbone in ("qwen2_5_vl_7b", "internvl3_8b"):
+        for name, global_batch in (("prm_train", 512), ("policy_sft", 128)):
+            path = CONFIGS / backbone / f"{name}.yaml"
+            cfg = load_config(config_class(name), path)
+            assert cfg.train.batch_size * cfg.train.grad_accum * 8 == global_batch, rel(path)
+            assert cfg.train.bf16 and cfg.model.freeze_vision_tower and cfg.train.schedule == "cosine"
+            assert 0 < cfg.train.warmup_steps < cfg.train.max_steps and cfg.data.max_length == 4096
+            if name == "prm_train":
+                assert 2e-6 <= cfg.train.lr <= 4e-6 and cfg.data.label_mode == "soft"
+            else:
+                assert cfg.train.lr == 4e-5
