@@ -170,6 +170,8 @@ class TokenizedSteps:
     labels: list[float] | None
     dropped_steps: int = 0
     model_inputs: dict[str, Any] = field(default_factory=dict)
+    # tokens before the assistant body, when the body tokenizes the same alone (see extend_steps)
+    prompt_length: int | None = None
 
 
 class StepTokenError(ValueError):
@@ -211,19 +213,8 @@ def tokenize_steps(
     """
     if labels is not None and len(labels) != len(steps):
         raise ValueError(f"{len(steps)} steps but {len(labels)} labels")
-    for where, text in [("question", question), *((f"steps[{i}]", s) for i, s in enumerate(steps))]:
-        if step_token in text:
-            raise StepTokenError(f"{where} contains the reserved step token {step_token!r}: remove it")
     tokenizer = getattr(processor, "tokenizer", processor)
-    # Other special tokens in user text would be read as structure (an image slot, an end of turn).
-    reserved = set(tokenizer.all_special_tokens) | {
-        t for t in (getattr(processor, "image_token", None), getattr(processor, "video_token", None)) if t}
-    reserved.discard(step_token)
-    for where, text in [("question", IMAGE_PLACEHOLDER.sub("", question)),
-                        *((f"steps[{i}]", s) for i, s in enumerate(steps))]:
-        for t in reserved:
-            if t and t in text:
-                raise StepTokenError(f"{where} contains the special token {t!r} of this model: remove it")
+    _check_special_tokens(processor, question, steps, step_token)
     step_id = tokenizer.convert_tokens_to_ids(step_token)
     if step_id is None or step_id == tokenizer.unk_token_id:
         raise StepTokenError(
@@ -235,6 +226,8 @@ def tokenize_steps(
     else:
         enc = tokenizer([text], return_tensors="pt", add_special_tokens=False)
     ids = enc["input_ids"][0].tolist()
+    body_ids = tokenizer(assistant_body(steps, step_token), add_special_tokens=False)["input_ids"]
+    prompt_length = len(ids) - len(body_ids) if ids[len(ids) - len(body_ids):] == body_ids else None
     positions = [i for i, t in enumerate(ids) if t == step_id]
     if len(positions) != len(steps):
         raise StepTokenError(
@@ -258,4 +251,67 @@ def tokenize_steps(
         labels=[float(x) for x in labels[:kept]] if labels is not None else None,
         dropped_steps=len(steps) - kept,
         model_inputs=model_inputs,
+        prompt_length=prompt_length,
     )
+
+
+def _check_special_tokens(processor: Any, question: str, steps: Sequence[str], step_token: str) -> None:
+    """Reject any special token of the model inside user text (it would be read as structure)."""
+    for where, text in [("question", question), *((f"steps[{i}]", s) for i, s in enumerate(steps))]:
+        if step_token in text:
+            raise StepTokenError(f"{where} contains the reserved step token {step_token!r}: remove it")
+    tokenizer = getattr(processor, "tokenizer", processor)
+    reserved = set(tokenizer.all_special_tokens) | {
+        t for t in (getattr(processor, "image_token", None), getattr(processor, "video_token", None)) if t}
+    reserved.discard(step_token)
+    for where, text in [("question", IMAGE_PLACEHOLDER.sub("", question)),
+                        *((f"steps[{i}]", s) for i, s in enumerate(steps))]:
+        for t in reserved:
+            if t and t in text:
+                raise StepTokenError(f"{where} contains the special token {t!r} of this model: remove it")
+
+
+def extend_steps(processor: Any, base: TokenizedSteps, steps: Sequence[str],
+                 labels: Sequence[float] | None = None, max_length: int | None = None,
+                 step_token: str = STEP_TOKEN) -> TokenizedSteps | None:
+    """Tokenize other steps for the same prompt and images as `base`, reusing its prompt tokens.
+
+    Equal to `tokenize_steps` on the same question and images (a test checks every
+    architecture); it only runs the tokenizer on the new assistant body, so Best-of-N candidates
+    do not repeat the chat template and image preprocessing. Returns None when `base` has no
+    reusable prompt (its body did not tokenize the same alone): call `tokenize_steps` then.
+    """
+    if base.prompt_length is None:
+        return None
+    if labels is not None and len(labels) != len(steps):
+        raise ValueError(f"{len(steps)} steps but {len(labels)} labels")
+    _check_special_tokens(processor, "", steps, step_token)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    step_id = tokenizer.convert_tokens_to_ids(step_token)
+    body = tokenizer(assistant_body(steps, step_token), add_special_tokens=False)["input_ids"]
+    n = base.prompt_length
+    ids = base.input_ids[:n] + body
+    positions = [n + i for i, t in enumerate(body) if t == step_id]
+    if len(positions) != len(steps):
+        raise StepTokenError(f"found {len(positions)} step tokens for {len(steps)} steps")
+    kept = len(positions) if max_length is None else sum(1 for p in positions if p < max_length)
+    if kept == 0:
+        return None
+    end = positions[kept - 1] + 1
+    model_inputs = dict(base.model_inputs)
+    for key in ("mm_token_type_ids", "token_type_ids"):
+        if key in model_inputs:  # body tokens are text (type 0)
+            prompt_part = model_inputs[key][:, :n]
+            model_inputs[key] = torch_cat_zeros(prompt_part, end - n)
+    return TokenizedSteps(
+        input_ids=ids[:end], step_positions=positions[:kept],
+        labels=[float(x) for x in labels[:kept]] if labels is not None else None,
+        dropped_steps=len(steps) - kept, model_inputs=model_inputs, prompt_length=n,
+    )
+
+
+def torch_cat_zeros(prefix: Any, extra: int) -> Any:
+    """`prefix` (1, n) followed by `extra` zeros, same dtype."""
+    import torch
+
+    return torch.cat([prefix, torch.zeros((prefix.shape[0], extra), dtype=prefix.dtype)], dim=1)

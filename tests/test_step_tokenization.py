@@ -179,3 +179,29 @@ def test_placeholder_count_must_match_images(loaded, mathv_images):
     _, processor, _ = loaded("qwen2_vl")
     with pytest.raises(ValueError, match="2 image placeholders but 1 images"):
         tokenize_steps(processor, "Compare <image1> with <image2>.", ["Same."], images=mathv_images(["4"]))
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2"])
+def test_extend_steps_equals_full_tokenization(tiny_models, arch):
+    """Best-of-N candidates reuse the first candidate's prompt tokens: identical ids and inputs."""
+    import torch
+    from PIL import Image
+
+    from mmprm.models.loading import add_step_token, load_backbone
+    from mmprm.steps import extend_steps, tokenize_steps
+
+    model, processor = load_backbone(tiny_models(arch))
+    add_step_token(processor, model)
+    images = [] if arch == "qwen2" else [Image.new("RGB", (56, 42), (10, 200, 30))]
+    base = tokenize_steps(processor, "Add the tiles.", ["Tile 1 is 3."], images)
+    assert base.prompt_length is not None
+    for steps, max_length in [(["3 + 4 = 7.", "So 7."], None), (["x"] * 5, None), (["a b c", "d e f", "g"], 0)]:
+        if max_length == 0:
+            max_length = base.prompt_length + 6
+        full = tokenize_steps(processor, "Add the tiles.", steps, images, max_length=max_length)
+        ext = extend_steps(processor, base, steps, max_length=max_length)
+        assert ext.input_ids == full.input_ids and ext.step_positions == full.step_positions
+        assert ext.dropped_steps == full.dropped_steps
+        assert ext.model_inputs.keys() == full.model_inputs.keys()
+        for k in full.model_inputs:
+            assert torch.equal(ext.model_inputs[k], full.model_inputs[k]), k

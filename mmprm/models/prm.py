@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-from mmprm.steps import STEP_TOKEN, TokenizedSteps, tokenize_steps
+from mmprm.steps import STEP_TOKEN, TokenizedSteps, extend_steps, tokenize_steps
 
 SPEC_FILE = "mmprm_prm.json"
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -176,23 +176,32 @@ class PRMScorer:
                              max_length=self.max_length, step_token=self.spec.step_token,
                              system=self.spec.system_prompt)
         if tok is None:
-            raise ValueError(f"id={get('id', '?')}: the prompt alone exceeds max_length={self.max_length}; "
-                             "raise max_length or shorten the question")
+            raise ValueError(f"id={get('id', '?')}: the prompt and the first step do not fit in "
+                             f"max_length={self.max_length}; raise max_length or shorten the question")
         return tok
 
     @torch.no_grad()
     def score(self, examples: Sequence[Any], share_prefix: bool = True, progress: bool = False) -> list[list[float]]:
         """One probability per step per example (steps cut by max_length get NaN)."""
-        toks = [self.tokenize(ex) for ex in examples]
-        results: list[list[float] | None] = [None] * len(toks)
+        results: list[list[float] | None] = [None] * len(examples)
+        toks: list[TokenizedSteps | None] = [None] * len(examples)
         groups: dict[Any, list[int]] = {}
         for i, ex in enumerate(examples):
+            if not _steps_of(ex):
+                results[i] = []  # nothing to score; aggregators rank an empty candidate last
+                continue
             get = (lambda k, d=None: getattr(ex, k, d)) if not isinstance(ex, dict) else ex.get
             # PIL images are unhashable: group those by object identity, paths by value
             imgs = tuple(x if isinstance(x, (str, Path)) else id(x) for x in (get("images") or ()))
             key = (get("question"), imgs) if share_prefix else i
-            groups.setdefault(key, []).append(i)
-        bar = _progress(len(toks), progress)
+            group = groups.setdefault(key, [])
+            # same prompt and images as the group's first: tokenize only the new steps
+            toks[i] = extend_steps(self.processor, toks[group[0]], _steps_of(ex), max_length=self.max_length,
+                                   step_token=self.spec.step_token) if group else None
+            if toks[i] is None:
+                toks[i] = self.tokenize(ex)
+            group.append(i)
+        bar = _progress(sum(t is not None for t in toks), progress)
         for idx in groups.values():
             if share_prefix and len(idx) > 1:
                 scores = self._score_shared([toks[i] for i in idx])

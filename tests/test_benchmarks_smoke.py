@@ -1,0 +1,47 @@
+"""Both throughput benchmarks run end to end (--quick) and print one JSON line with their numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_benchmark(name: str) -> dict:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / name), "--quick"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout[-2000:]  # ONE JSON line
+    return json.loads(lines[0])
+
+
+@pytest.mark.slow
+def test_prm_scoring_throughput_quick():
+    res = run_benchmark("prm_scoring_throughput.py")
+    rates = res["steps_per_s"]
+    assert set(rates) == {"shared_prefix", "per_candidate", "per_step_prefix"}
+    assert all(v > 0 for v in rates.values())
+    assert res["ratio_ours_vs_per_candidate"] > 0 and res["ratio_ours_vs_per_step_prefix"] > 0
+    assert res["steps_scored"] == res["n"] * res["problems"] * res["steps_per_candidate"]
+    # the three ways score the same steps: equal up to float error, or the comparison means nothing
+    assert max(res["max_abs_score_diff"].values()) < 1e-4
+    assert res["prefix_tokens"] > 0 and res["candidate_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_prm_train_throughput_quick():
+    res = run_benchmark("prm_train_throughput.py")
+    for side in ("ours", "trl"):
+        assert res[side]["tokens_per_s"] > 0 and res[side]["peak_rss_mib"] > 0
+        assert res[side]["final_loss"] == res[side]["final_loss"]  # not NaN
+    # --quick is exactly one epoch (32 rows, 4 steps of 8) on both sides: the same non-pad tokens
+    assert res["ours"]["non_pad_tokens"] == res["trl"]["non_pad_tokens"]
+    assert res["ratio_tokens_per_s"] > 0 and res["ratio_peak_rss"] > 0

@@ -1,0 +1,180 @@
+"""recipes/prm_eval.py end to end on tiny PRMs: PRMBench, ReasonEval and a multimodal step file.
+
+Every reported number is recomputed here from the written scores.jsonl with mmprm.scoring.metrics.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmprm.scoring import metrics as M
+from toy_data import write_toy_prm_data
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "prm_eval.py"
+CONFIG = REPO / "recipes" / "configs" / "tiny" / "prm_eval.yaml"
+DATA = REPO.parent / "shared" / "data"
+PRMBENCH = DATA / "prmbench" / "target_data.jsonl"
+REASONEVAL = DATA / "reasoneval" / "mr-math_invalid_errors.json"
+needs_data = pytest.mark.skipif(not PRMBENCH.exists() or not REASONEVAL.exists(),
+                                reason="../shared/data prmbench/reasoneval absent")
+
+
+def recipe():
+    spec = importlib.util.spec_from_file_location("prm_eval_recipe", RECIPE)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def prm_dirs(tiny_models, tmp_path_factory):
+    """arch -> a saved random-init PRM (build_prm + save_prm; scores near 0.5 but all distinct)."""
+    from mmprm.models.loading import load_backbone
+    from mmprm.models.prm import PRMSpec, build_prm, save_prm
+
+    root = tmp_path_factory.mktemp("prms")
+    made = {}
+
+    def get(arch: str, head: str = "token_pair") -> Path:
+        if (arch, head) not in made:
+            backbone, processor = load_backbone(tiny_models(arch))
+            made[arch, head] = save_prm(build_prm(backbone, processor, PRMSpec(head=head)), processor,
+                                        root / f"{arch}_{head}")
+        return made[arch, head]
+
+    return get
+
+
+def check_against_scores(out: Path) -> tuple[dict, list[dict]]:
+    """Recompute report.json's numbers from scores.jsonl; return (report, rows)."""
+    report = json.loads((out / "report.json").read_text())
+    rows = [json.loads(line) for line in (out / "scores.jsonl").read_text().splitlines()]
+    test = [r for r in rows if r["split"] == "test"]
+    dev = [r for r in rows if r["split"] == "dev"]
+    t = report["threshold"]
+    if dev:
+        assert report["threshold_source"] == "best first-error F1 on dev"
+        assert t == M.best_threshold([r["scores"] for r in dev], [r["first_error"] for r in dev])
+    else:
+        assert report["threshold_source"] == "metrics.threshold"
+
+    def expected(rs: list[dict]) -> dict:
+        s, y = [r["scores"] for r in rs], [r["labels"] for r in rs]
+        out = {"examples": len(rs), "steps": sum(map(len, s)), "auroc": M.auroc(s, y),
+               "step_accuracy": M.step_accuracy(s, y, t), **M.step_f1(s, y, t)}
+        out.update({f"first_error_{k}": v for k, v in M.first_error_f1(s, [r["first_error"] for r in rs], t).items()})
+        if report["labels_soft"]:
+            out.update(bce=M.bce(s, y), brier=M.brier(s, y))
+        return out
+
+    def same(got: dict, want: dict) -> None:
+        assert set(got) == set(want)
+        for k, v in want.items():
+            if isinstance(v, float) and math.isnan(v):
+                assert got[k] is None, k  # NaN is written as null
+            else:
+                assert got[k] == pytest.approx(v, abs=1e-12), k
+
+    same(report["metrics"], expected(test))
+    cats = sorted({r["category"] for r in test})
+    if len(cats) > 1:
+        assert sorted(report["by_category"]) == cats
+        for c in cats:
+            same(report["by_category"][c], expected([r for r in test if r["category"] == c]))
+    for r in rows:
+        assert len(r["scores"]) == len(r["labels"])
+        assert r["predicted_first_error"] == M.predicted_first_error(r["scores"], t)
+    md = (out / "report.md").read_text()
+    assert "first_error_f1" in md and f"{t:.4f}" in md
+    return report, rows
+
+
+def test_shipped_config_parses():
+    from mmprm.config import load_config
+
+    cfg = load_config(recipe().PRMEvalConfig, CONFIG)
+    assert cfg.data.format == "prmbench" and cfg.data.dev_fraction > 0 and cfg.data.per_category == 3
+
+
+@needs_data
+def test_cli_on_prmbench_slice_with_dev_threshold(prm_dirs, tmp_path):
+    # the real entry point as a user runs it, over 2 rows of each of PRMBench's 9 categories
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(CONFIG), f"data.path={PRMBENCH}",
+                           "data.per_category=2", "data.dev_fraction=0.3", f"scorer.prm_path={prm_dirs('qwen2')}",
+                           f"output.dir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report, rows = check_against_scores(tmp_path)
+    assert len(rows) == 18 and {r["split"] for r in rows} == {"dev", "test"}
+    # dev/test split by source problem: one PRMBench idx never lands on both sides
+    src = lambda r: r["id"].split("/")[0]  # noqa: E731
+    assert not {src(r) for r in rows if r["split"] == "dev"} & {src(r) for r in rows if r["split"] == "test"}
+    assert {r["first_error"] is None for r in rows if r["split"] == "dev"} == {True, False}
+    assert report["label_kind"] == "validity" and report["labels_soft"] is False
+    assert "bce" not in report["metrics"]  # hard labels: no calibration numbers
+    assert {"first_error_f1", "first_error_error_acc", "first_error_correct_acc", "macro_f1", "auroc"} \
+        <= set(report["metrics"])
+    test_cats = {r["category"] for r in rows if r["split"] == "test"}
+    assert set(report["by_category"]) == test_cats and len(test_cats) >= 5
+
+
+@needs_data
+def test_reasoneval_with_given_threshold(prm_dirs, tmp_path):
+    rc = recipe().main(["--config", str(CONFIG), "data.format=reasoneval", f"data.path={REASONEVAL}",
+                        "data.per_category=null", "data.limit=10", "data.dev_fraction=0", "metrics.threshold=0.5",
+                        f"scorer.prm_path={prm_dirs('qwen2')}", f"output.dir={tmp_path}"])
+    assert rc == 0
+    report, rows = check_against_scores(tmp_path)
+    assert report["threshold"] == 0.5 and len(rows) == 10 and report["by_category"] == {}
+    # ids 3 and 4 of the invalid-errors file have their first error at step 2 (1-based)
+    by_id = {r["id"]: r for r in rows}
+    assert by_id["reasoneval-invalid-3"]["first_error"] == 1 and by_id["reasoneval-invalid-0"]["first_error"] is None
+    assert by_id["reasoneval-invalid-3"]["labels"][1:] == [0.0] * (len(by_id["reasoneval-invalid-3"]["labels"]) - 1)
+
+
+def test_multimodal_step_file_with_dev_file_and_soft_labels(prm_dirs, tmp_path):
+    test_file = write_toy_prm_data(tmp_path / "data", 10, seed=2, name="test.jsonl")
+    dev_file = write_toy_prm_data(tmp_path / "data", 10, seed=3, name="dev.jsonl")
+    out = tmp_path / "out"
+    rc = recipe().main(["--config", str(CONFIG), "data.format=steps", f"data.path={test_file}",
+                        f"data.dev_file={dev_file}", "data.dev_fraction=0", "data.per_category=null",
+                        f"scorer.prm_path={prm_dirs('qwen2_vl', 'value')}", f"output.dir={out}"])
+    assert rc == 0
+    report, rows = check_against_scores(out)
+    assert report["labels_soft"] is True and {"bce", "brier"} <= set(report["metrics"])
+    assert len(rows) == 20 and sum(r["split"] == "dev" for r in rows) == 10
+    # images reach the scorer: the same steps without the image score differently
+    from mmprm import load_prm
+    from mmprm.data.schema import load_examples
+
+    ex = load_examples(test_file)[0]
+    with_img = next(r for r in rows if r["id"] == ex.id)["scores"]
+    ex.images = []
+    assert load_prm(prm_dirs("qwen2_vl", "value")).score([ex])[0] != pytest.approx(with_img, abs=1e-7)
+
+
+def test_bad_inputs_fail_early_with_clear_errors(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(CONFIG), f"data.path={missing}",
+                           "data.format=steps", f"scorer.prm_path={tmp_path}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and f"{missing}: input not found" in proc.stderr
+    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(CONFIG), f"data.dev_file={missing}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "set one of them, not both" in proc.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "r1", "question": "q", "steps": ["a", "b"]}) + "\n")
+    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(CONFIG), f"data.path={bad}",
+                           "data.format=steps", f"scorer.prm_path={tmp_path}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and f"{bad}:1: id=r1: labels" in proc.stderr
