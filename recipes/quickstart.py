@@ -54,6 +54,7 @@ class Config:
     num_layers: int = 2
     task: TaskConfig = field(default_factory=TaskConfig)
     n: int = 8  # candidates per test problem
+    threads: int = 1  # intra-op threads per stage: tiny models gain nothing from more, and lose to contention
     sft: list[str] = field(default_factory=list)  # extra overrides per stage
     annotate: list[str] = field(default_factory=list)
     prm: list[str] = field(default_factory=list)
@@ -77,6 +78,7 @@ def stage(name: str, done: Path, cfg: Config, timings: list, fn) -> None:
 def run(*args: str) -> None:
     """A recipe or CLI as a subprocess: its own progress bars show; failure stops the demo."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.setdefault("OMP_NUM_THREADS", os.environ.get("MMPRM_THREADS", "1"))
     res = subprocess.run([sys.executable, *args], cwd=REPO, env=env)
     if res.returncode != 0:
         raise SystemExit(f"quickstart: stage command failed (exit {res.returncode}): python {' '.join(args)}")
@@ -85,6 +87,10 @@ def run(*args: str) -> None:
 def main(argv: list[str]) -> None:
     config_path, overrides = parse_cli(argv)
     cfg = load_config(Config, config_path, overrides)
+    os.environ.setdefault("MMPRM_THREADS", str(cfg.threads))
+    import torch
+
+    torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
     if not out.is_absolute():
         out = REPO / out

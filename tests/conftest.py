@@ -7,10 +7,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
 import pytest
+
+# Tiny models gain nothing from intra-op threads, and two OpenMP pools fighting over 2 cores
+# (pytest plus a recipe subprocess) made matmuls ~15x slower here: one thread per process.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
