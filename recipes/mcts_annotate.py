@@ -11,8 +11,9 @@
 Output in OUTPUT_DIR: `trees.rank{r}-of-{w}.jsonl` (one record per problem with its status,
 appended and fsynced problem by problem), and once every rank is done, `trees.jsonl` (merged),
 `prm_data.jsonl` (step-labelled rows for recipes/prm_train.py), `export_report.json` + `.png`;
-each rank also leaves `summary.rank{r}-of-{w}.json` (throughput, statuses). After a crash (even kill -9) rerun the same command: finished problems are
-skipped and nothing is lost. `mmprm merge-annotations OUTPUT_DIR` merges by hand.
+each rank also leaves `summary.rank{r}-of-{w}.json` (throughput, statuses). After a crash (even
+kill -9) rerun the same command: finished problems are skipped and nothing is lost.
+`mmprm merge-annotations OUTPUT_DIR` merges by hand.
 """
 
 from __future__ import annotations

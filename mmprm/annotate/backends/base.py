@@ -1,0 +1,106 @@
+"""The rollout backend interface: prompt pieces in, `n` sampled continuations out.
+
+    texts = backend.generate([RolloutRequest("p1", question, images, prefix_steps=["..."], n=16)])
+    # texts[0] is a list of 16 strings, each the policy's continuation of the partial answer
+
+A backend only generates text. Parsing steps, checking answers and the search live elsewhere, so
+HF, vLLM and the simulated policy are interchangeable (and the engine can batch many problems'
+requests into one call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, Sequence
+
+from mmprm.steps import ANSWER_CLOSE, continuation_prompt, prompt_text
+
+StepMode = Literal["tags", "blank_lines"]
+
+
+@dataclass
+class RolloutRequest:
+    """Sample `n` continuations of a partial solution.
+
+    images are absolute paths; prefix_steps are the steps so far (the start of the assistant turn).
+    """
+
+    problem_id: str
+    question: str
+    images: list[str]
+    prefix_steps: list[str]
+    n: int
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling of rollouts; defaults are MM-PRM's.
+
+    Attributes:
+        temperature: 1.0 - sample the policy as it is, so MC values estimate its real success rate.
+        top_k: 50 and top_p: 0.9 - cut the long tail that only produces garbage steps.
+        max_new_tokens: cap per rollout; a rollout cut off before its answer counts as wrong.
+        seed: base seed; each backend call derives its own, so reruns are reproducible.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 0.9
+    max_new_tokens: int = 1024
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError("sampling.temperature must be > 0 (rollouts are sampled, not greedy)")
+        if not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_new_tokens < 1:
+            raise ValueError("sampling: need 0 < top_p <= 1, top_k >= 0 (0 = off), max_new_tokens >= 1")
+
+
+@dataclass
+class GenerationStats:
+    """Running totals a backend keeps, for progress bars and the throughput benchmark."""
+
+    calls: int = 0
+    sequences: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class RolloutInputError(ValueError):
+    """One request cannot be turned into a prompt (unreadable image, placeholder mismatch).
+
+    The engine marks that problem as an error and retries the rest of the batch.
+    """
+
+    def __init__(self, index: int, message: str):
+        self.index = index
+        super().__init__(message)
+
+
+class RolloutBackend(Protocol):
+    """What the engine needs from a generation backend."""
+
+    stats: GenerationStats
+
+    def generate(self, requests: list[RolloutRequest]) -> list[list[str]]:
+        """Return, per request, its `n` sampled continuations (text after the prefix)."""
+        ...
+
+
+def rollout_prompt(processor: Any, question: str, num_images: int, prefix_steps: Sequence[str],
+                   step_mode: StepMode = "tags", system: str | None = None) -> str:
+    """Chat prompt whose assistant turn already holds the prefix, for the policy to continue.
+
+    tags: `<step>...</step>` per step (`mmprm.steps.continuation_prompt`); blank_lines: steps
+    separated by blank lines, the format such a policy writes itself.
+    """
+    if step_mode == "tags":
+        return continuation_prompt(processor, question, num_images, prefix_steps, system)
+    base = prompt_text(processor, question, num_images, system)
+    return base + "".join(f"{s.strip()}\n\n" for s in prefix_steps)
+
+
+def stop_strings(step_mode: StepMode) -> list[str]:
+    """Text that ends a rollout early: the closing answer tag (tags mode); EOS otherwise."""
+    return [ANSWER_CLOSE] if step_mode == "tags" else []

@@ -1,0 +1,131 @@
+"""Rollouts with transformers `generate` (CPU or one GPU), left-padded batches.
+
+    backend = HFBackend.from_pretrained("runs/policy", SamplingConfig(), batch_size=64)
+    texts = backend.generate(requests)
+
+The prompt continues the partial assistant message (`rollout_prompt`), never a user turn that
+restates the steps. All requests of a call are flattened into `n` rows each and generated in
+chunks of `batch_size` rows, so the engine's large batches keep the device busy.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from mmprm.annotate.backends.base import (
+    GenerationStats,
+    RolloutInputError,
+    RolloutRequest,
+    SamplingConfig,
+    StepMode,
+    rollout_prompt,
+    stop_strings,
+)
+
+
+def load_image(path: str) -> Any:
+    """Open an image as RGB (the processors expect 3 channels)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.convert("RGB")
+
+
+class HFBackend:
+    """`RolloutBackend` over a transformers model and its processor.
+
+    Args:
+        model: a causal LM or image-text-to-text model (eval mode is set here).
+        processor: its processor, or tokenizer for text-only models.
+        sampling: temperature / top_k / top_p / max_new_tokens / seed.
+        step_mode: prompt and stop format ("tags" stops at `</answer>`).
+        batch_size: rows (sequences) per `generate` call.
+        system: optional system prompt for every rollout.
+    """
+
+    def __init__(self, model: Any, processor: Any, sampling: SamplingConfig, step_mode: StepMode = "tags",
+                 batch_size: int = 64, system: str | None = None):
+        sampling.validate()
+        self.model = model.eval()
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        # Decoder-only generation appends after the last column: pad on the left.
+        self.tokenizer.padding_side = "left"
+        self.sampling = sampling
+        self.step_mode = step_mode
+        self.batch_size = batch_size
+        self.system = system
+        self.multimodal = processor is not self.tokenizer
+        self.stats = GenerationStats()
+        eos = model.generation_config.eos_token_id
+        self._stop_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self._stop_ids.add(self.tokenizer.eos_token_id)
+        self._images: dict[str, Any] = {}
+
+    @classmethod
+    def from_pretrained(cls, path: str, sampling: SamplingConfig, dtype: str | None = None,
+                        device: str | None = None, **kwargs: Any) -> "HFBackend":
+        """Load with `mmprm.models.loading.load_backbone`; device defaults to cuda when present."""
+        from mmprm.models.loading import load_backbone
+
+        torch_dtype = None if dtype in (None, "auto") else getattr(torch, dtype)
+        model, processor = load_backbone(path, dtype=torch_dtype)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return cls(model.to(device), processor, sampling, **kwargs)
+
+    def _image(self, path: str) -> Any:
+        if path not in self._images:
+            if len(self._images) > 256:
+                self._images.clear()  # problems finish; keep memory bounded
+            self._images[path] = load_image(path)
+        return self._images[path]
+
+    def _prompt(self, index: int, req: RolloutRequest) -> tuple[str, list[Any]]:
+        try:
+            if req.images and not self.multimodal:
+                raise ValueError(f"{len(req.images)} image(s) given but the model is text-only")
+            images = [self._image(p) for p in req.images]
+            text = rollout_prompt(self.processor, req.question, len(images), req.prefix_steps, self.step_mode,
+                                  self.system)
+        except (OSError, ValueError) as e:
+            raise RolloutInputError(index, f"problem {req.problem_id}: {e}") from e
+        return text, images
+
+    @torch.no_grad()
+    def generate(self, requests: list[RolloutRequest]) -> list[list[str]]:
+        start = time.perf_counter()
+        prompts = [self._prompt(i, r) for i, r in enumerate(requests)]
+        rows = [(i, *prompts[i]) for i, r in enumerate(requests) for _ in range(r.n)]
+        # A static batch runs as long as its longest row: group rows of similar depth (a deep
+        # prefix leaves a short continuation) so short rollouts do not wait on long ones.
+        rows.sort(key=lambda row: -len(requests[row[0]].prefix_steps))
+        out: list[list[str]] = [[] for _ in requests]
+        for lo in range(0, len(rows), self.batch_size):
+            chunk = rows[lo: lo + self.batch_size]
+            texts = [t for _, t, _ in chunk]
+            if self.multimodal and any(imgs for _, _, imgs in chunk):
+                enc = self.processor(text=texts, images=[imgs for _, _, imgs in chunk], padding=True,
+                                     return_tensors="pt")
+            else:
+                enc = self.tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
+            enc = enc.to(self.model.device)
+            # One seed per chunk: reruns of the same work sample the same rollouts.
+            torch.manual_seed(self.sampling.seed + 1_000_003 * self.stats.calls + lo)
+            gen = self.model.generate(
+                **enc, do_sample=True, temperature=self.sampling.temperature, top_k=self.sampling.top_k,  # 0 = off
+                top_p=self.sampling.top_p, max_new_tokens=self.sampling.max_new_tokens,
+                pad_token_id=self.tokenizer.pad_token_id, stop_strings=stop_strings(self.step_mode) or None,
+                tokenizer=self.tokenizer,
+            )
+            new = gen[:, enc["input_ids"].shape[1]:].tolist()  # (rows, new tokens)
+            for (i, _, _), ids in zip(chunk, new):
+                self.stats.generated_tokens += next(
+                    (k + 1 for k, t in enumerate(ids) if t in self._stop_ids), len(ids))
+                out[i].append(self.tokenizer.decode(ids, skip_special_tokens=True))
+        self.stats.calls += 1
+        self.stats.sequences += len(rows)
+        self.stats.seconds += time.perf_counter() - start
+        return out

@@ -1,0 +1,194 @@
+"""Annotation trees -> step-labelled PRM training rows (`mmprm.data.schema`) + a stats report.
+
+    rows, stats = export_examples(read_jsonl("out/trees.jsonl"), ExportConfig())
+    write_jsonl("out/prm_train.jsonl", rows); write_report(stats, "out/export_report.json")
+
+Paths follow MM-PRM's traverse: walk down from the root; a node whose MC value is at or below
+`negative_threshold` ends a negative path (its last step is the first error the search found);
+a leaf with MC above it ends a positive path. Every step is labelled with the soft MC value of
+the node it reaches. Example, a tree root -> A (mc 0.75) -> B (mc 0.0), A -> C (terminal, mc 1)::
+
+    negative: steps [A, B]       labels [0.75, 0.0]
+    positive: steps [A, C + answer] labels [0.75, 1.0]
+
+`edges="node"` makes each tree edge one PRM step (its policy steps joined by newlines, as MM-PRM
+does); `edges="step"` keeps every policy step and gives the steps inside an edge the edge's value
+- exact for the one-step edges where a binary search ended, an approximation elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+from mmprm.steps import STEP_TOKEN, prm_steps
+
+
+@dataclass
+class ExportConfig:
+    """How trees become training rows.
+
+    Attributes:
+        edges: "node" (one PRM step per tree edge, MM-PRM) or "step" (one per policy step).
+        negative_threshold: a node with MC <= this ends a negative path (MM-PRM: 0.0).
+        balance: keep at most `balance` positive paths per negative path of the same problem
+            (MM-PRM: 1.0); None keeps all.
+        dedup: drop paths whose step texts repeat an earlier path of the same problem.
+        min_steps: drop paths with fewer PRM steps.
+        min_words: drop paths with this many words or fewer (MM-PRM: 10); 0 keeps all.
+        seed: for the positive subsampling.
+    """
+
+    edges: Literal["node", "step"] = "node"
+    negative_threshold: float = 0.0
+    balance: float | None = 1.0
+    dedup: bool = True
+    min_steps: int = 1
+    min_words: int = 0
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.balance is not None and self.balance < 0:
+            raise ValueError("export.balance must be >= 0 or null")
+        if self.min_steps < 1:
+            raise ValueError("export.min_steps must be >= 1")
+
+
+@dataclass
+class TreePath:
+    """One root-to-leaf path: PRM steps (answer attached when the leaf is a complete solution)."""
+
+    steps: list[str]
+    labels: list[float]
+    negative: bool
+    node: int
+
+
+def tree_paths(nodes: list[dict[str, Any]], edges: Literal["node", "step"] = "node",
+               negative_threshold: float = 0.0) -> list[TreePath]:
+    """Root-to-leaf paths of one tree record's `nodes` (see module doc)."""
+    children: dict[int | None, list[dict[str, Any]]] = {}
+    for n in nodes:
+        children.setdefault(n["parent"], []).append(n)
+    out: list[TreePath] = []
+    roots = children.get(None, [])
+    if not roots:
+        return out
+    # Iterative DFS: (node, steps so far, labels so far)
+    stack: list[tuple[dict[str, Any], list[str], list[float]]] = [
+        (c, [], []) for c in reversed(children.get(roots[0]["id"], []))]
+    while stack:
+        node, steps, labels = stack.pop()
+        new = [s.strip() for s in node["steps"]]
+        mc = float(node["mc"])
+        if edges == "node" and new:
+            new = ["\n".join(new)]
+        answer = node.get("answer")
+        if new:
+            steps, labels = steps + new, labels + [mc] * len(new)
+        elif steps and answer is not None:
+            labels = labels[:-1] + [mc]  # answer-only edge: the answer joins the last step below
+        else:
+            continue  # nothing to label: no new step and no answer
+        if answer is not None:
+            steps = prm_steps(steps, answer)
+        if mc <= negative_threshold:
+            out.append(TreePath(steps, labels, True, node["id"]))
+        elif children.get(node["id"]):
+            stack.extend((c, steps, labels) for c in reversed(children[node["id"]]))
+        else:
+            out.append(TreePath(steps, labels, False, node["id"]))
+    return out
+
+
+def export_examples(records: Iterable[dict[str, Any]],
+                    cfg: ExportConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Training rows (schema dicts) from tree records, and the statistics of the export."""
+    cfg.validate()
+    rng = random.Random(cfg.seed)
+    rows: list[dict[str, Any]] = []
+    stats: dict[str, Any] = {"problems": 0, "by_status": {}, "paths": 0, "negative_paths": 0, "positive_paths": 0,
+                             "dropped": {"duplicate": 0, "too_short": 0, "step_token": 0, "balance": 0}}
+    for rec in records:
+        stats["problems"] += 1
+        stats["by_status"][rec["status"]] = stats["by_status"].get(rec["status"], 0) + 1
+        if rec["status"] != "annotated":
+            continue
+        kept: list[TreePath] = []
+        seen: set[tuple[str, ...]] = set()
+        for p in tree_paths(rec["nodes"], cfg.edges, cfg.negative_threshold):
+            key = tuple(p.steps)
+            if cfg.dedup and key in seen:
+                stats["dropped"]["duplicate"] += 1
+                continue
+            seen.add(key)
+            if len(p.steps) < cfg.min_steps or sum(len(s.split()) for s in p.steps) <= cfg.min_words:
+                stats["dropped"]["too_short"] += 1
+                continue
+            if any(STEP_TOKEN in s for s in p.steps):
+                stats["dropped"]["step_token"] += 1  # the schema rejects it; the policy wrote our reserved token
+                continue
+            kept.append(p)
+        negatives = [p for p in kept if p.negative]
+        positives = [p for p in kept if not p.negative]
+        if cfg.balance is not None and len(positives) > cfg.balance * len(negatives):
+            keep = int(cfg.balance * len(negatives))
+            stats["dropped"]["balance"] += len(positives) - keep
+            positives = rng.sample(positives, keep)
+        for k, p in enumerate(negatives + positives):
+            rows.append({"id": f"{rec['id']}/path{k}", "images": rec.get("images", []), "question": rec["question"],
+                         "steps": p.steps, "labels": p.labels,
+                         "meta": {"source": "omegaprm", "problem_id": rec["id"], "gold": rec.get("answer"),
+                                  "kind": "negative" if p.negative else "positive", "node": p.node}})
+        stats["negative_paths"] += len(negatives)
+        stats["positive_paths"] += len(positives)
+    stats["paths"] = len(rows)
+    stats.update(_histograms(rows))
+    return rows, stats
+
+
+def _histograms(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Label histogram (exact 0 and 1 apart, 10 bins in between) and steps per path."""
+    labels = [x for r in rows for x in r["labels"]]
+    bins = [0] * 10
+    for x in labels:
+        if 0.0 < x < 1.0:
+            bins[min(int(x * 10), 9)] += 1
+    lengths: dict[int, int] = {}
+    for r in rows:
+        lengths[len(r["steps"])] = lengths.get(len(r["steps"]), 0) + 1
+    return {
+        "labels": {"count": len(labels), "zero": sum(x == 0.0 for x in labels), "one": sum(x == 1.0 for x in labels),
+                   "between": {f"{i / 10:.1f}-{(i + 1) / 10:.1f}": b for i, b in enumerate(bins)},
+                   "mean": sum(labels) / len(labels) if labels else None},
+        "steps_per_path": {"histogram": {str(k): v for k, v in sorted(lengths.items())},
+                           "mean": sum(len(r["steps"]) for r in rows) / len(rows) if rows else None},
+    }
+
+
+def write_report(stats: dict[str, Any], json_path: str | Path, png_path: str | Path | None = None) -> None:
+    """Write the export statistics as JSON, and as a two-panel PNG when `png_path` is given."""
+    Path(json_path).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
+    if png_path is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lab = stats["labels"]
+    names = ["0"] + list(lab["between"]) + ["1"]
+    values = [lab["zero"]] + list(lab["between"].values()) + [lab["one"]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.5))
+    ax1.bar(range(len(values)), values)
+    ax1.set_xticks(range(len(values)), names, rotation=60, fontsize=7)
+    ax1.set_title(f"step labels (MC values), n={lab['count']}")
+    hist = stats["steps_per_path"]["histogram"]
+    ax2.bar([int(k) for k in hist], list(hist.values()))
+    ax2.set_title(f"PRM steps per path, {stats['paths']} paths")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,381 @@
+"""Annotation engine: batching across problems, statuses, problem files, resume after kill -9,
+merge, and the HF backend on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from mmprm.annotate.backends.base import RolloutInputError, RolloutRequest, SamplingConfig
+from mmprm.annotate.engine import (
+    AnnotationEngine,
+    Problem,
+    TreeFile,
+    cli_merge_annotations,
+    load_problems,
+    merge_annotations,
+    resolve_rank_world,
+    shard,
+    tree_file_name,
+)
+from mmprm.annotate.search import SearchConfig
+from mmprm.annotate.simulated import GOLD, SimProblem, SimulatedPolicy, random_problems
+from mmprm.data.schema import DataError
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data"
+
+
+def exact(pred, gold, choices=None):
+    return pred == gold
+
+
+def run_engine(problems: dict, concurrency: int = 8, **kw):
+    step_mode = kw.pop("step_mode", "tags")
+    policy = SimulatedPolicy(problems, seed=0, step_mode=step_mode, unparsable=kw.pop("unparsable", ()))
+    engine = AnnotationEngine(policy, SearchConfig(max_rollouts=kw.pop("max_rollouts", 200)), kw.pop("verify", exact),
+                              step_mode=step_mode, concurrency=concurrency)
+    records: list[dict] = []
+    stats = engine.run([Problem(pid, "q", GOLD) for pid in problems], records.append)
+    return records, stats, policy
+
+
+def test_many_problems_in_flight_share_each_backend_call():
+    problems = random_problems(16, seed=1)
+    records, stats, policy = run_engine(problems, concurrency=16)
+    assert sorted(r["id"] for r in records) == sorted(problems)
+    assert all(r["status"] == "annotated" for r in records)
+    # 16 problems x k=16: the first call alone carries 256 sequences, and batches stay large.
+    assert stats.sequences_per_call[0] == 256
+    assert stats.summary()["mean_sequences_per_call"] > 80
+    _, stats1, _ = run_engine(problems, concurrency=1)
+    assert max(stats1.sequences_per_call) == 16 and stats1.backend_calls > 5 * stats.backend_calls
+    assert stats.rollouts == sum(r["stats"]["rollouts"] for r in records) == policy.stats.sequences
+
+
+@pytest.mark.parametrize("step_mode", ["tags", "blank_lines"])
+def test_statuses_in_both_step_modes_and_no_steps_count(step_mode):
+    problems = {"easy": SimProblem([0.0] * 4), "hard": SimProblem([1.0] * 4), "mid": SimProblem([0.2] * 8),
+                "prose": SimProblem([0.2] * 8)}
+    records, stats, _ = run_engine(problems, step_mode=step_mode, unparsable=["prose"])
+    status = {r["id"]: r["status"] for r in records}
+    # Tag mode finds no step in prose; blank-line mode reads the paragraph as one step (no answer).
+    prose = "no_steps" if step_mode == "tags" else "screened_all_wrong"
+    assert status == {"easy": "screened_all_correct", "hard": "screened_all_wrong", "mid": "annotated",
+                      "prose": prose}
+    assert sum(stats.by_status.values()) == 4 and stats.by_status.get("no_steps", 0) == (step_mode == "tags")
+    mid = next(r for r in records if r["id"] == "mid")
+    # blank-line steps carry the \\boxed answer in the last paragraph; the verifier read it
+    assert mid["first_errors"] and mid["stats"]["unparsed_rollouts"] == 0
+
+
+def test_rule_verifier_is_the_default():
+    records, _, _ = run_engine({"mid": SimProblem([0.2] * 6)}, verify=None)
+    assert records[0]["status"] == "annotated" and records[0]["nodes"][0]["mc"] not in (0.0, 1.0)
+
+
+class _BadImageBackend(SimulatedPolicy):
+    def generate(self, requests):
+        for i, r in enumerate(requests):
+            if r.problem_id == "broken":
+                raise RolloutInputError(i, f"problem {r.problem_id}: image unreadable")
+        return super().generate(requests)
+
+
+def test_a_bad_problem_gets_an_error_record_and_the_rest_go_on():
+    problems = {**random_problems(3, seed=2), "broken": SimProblem([0.2] * 5), "boom": SimProblem([0.2] * 5)}
+    policy = _BadImageBackend(problems)
+
+    def verify(pred, gold, choices=None):
+        if pred == GOLD and verify.calls_for_boom:
+            raise RuntimeError("verifier crashed")
+        return pred == gold
+
+    verify.calls_for_boom = False
+    records = []
+    engine = AnnotationEngine(policy, SearchConfig(max_rollouts=100), verify, concurrency=8)
+    engine.run([Problem(pid, "q", GOLD) for pid in problems], records.append)
+    by_id = {r["id"]: r for r in records}
+    assert set(by_id) == set(problems) and len(records) == len(problems)
+    assert by_id["broken"]["status"] == "error" and "image unreadable" in by_id["broken"]["message"]
+    assert all(by_id[p]["status"] == "annotated" for p in problems if p != "broken")
+
+    verify.calls_for_boom = True
+    records = []
+    AnnotationEngine(SimulatedPolicy({"boom": problems["boom"]}), SearchConfig(), verify).run(
+        [Problem("boom", "q", GOLD)], records.append)
+    assert records[0]["status"] == "error" and records[0]["message"] == "RuntimeError: verifier crashed"
+
+
+# -- problems files ----------------------------------------------------------------------------
+
+def test_load_problems_names_file_line_id_and_field(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"")
+    rows = [
+        {"id": "ok", "images": ["a.png"], "question": "<image1> Sum?", "answer": "3", "choices": ["1", "3"]},
+        {"id": "noans", "images": [], "question": "Sum?"},
+        {"id": "noimg", "images": ["missing.png"], "question": "Q", "answer": "1"},
+        {"id": "ph", "images": [], "question": "<image1> and <image2>?", "answer": "1"},
+        {"id": "ok", "images": [], "question": "dup", "answer": "1"},
+    ]
+    path = tmp_path / "problems.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{not json\n")
+    with pytest.raises(DataError) as err:
+        load_problems(path)
+    text = "\n".join(err.value.problems)
+    assert f"{path}:2: id=noans: answer: missing" in text
+    assert f"{path}:3: id=noimg: images[0]: image not found" in text
+    assert f"{path}:4: id=ph: images: question has 2 image placeholder(s) but 0 image(s)" in text
+    assert f"{path}:5: id=ok: id: duplicated (first on line 1" in text
+    assert f"{path}:6: id=?: line: invalid JSON" in text
+    path.write_text(json.dumps(rows[0]) + "\n")
+    (p,) = load_problems(path)
+    assert p.images == [str((tmp_path / "a.png").resolve())] and p.choices == ["1", "3"] and p.answer == "3"
+
+
+@pytest.mark.skipif(not (DATA / "mathv" / "testmini.jsonl").exists(), reason="../shared/data absent")
+def test_mathv_problems_load_with_their_images(tmp_path):
+    from mmprm.data.mathv import read_mathv
+
+    rows = read_mathv(DATA / "mathv")
+    # MATH-V as it comes: several placeholders for one composite image are caught row by row
+    raw = [json.loads(line) for line in (DATA / "mathv" / "testmini.jsonl").read_text().splitlines()]
+    path = tmp_path / "raw.jsonl"
+    path.write_text("".join(json.dumps({"id": r["id"], "images": [str(DATA / "mathv" / r["image"])],
+                                        "question": r["question"], "answer": r["answer"]}) + "\n" for r in raw))
+    with pytest.raises(DataError) as err:
+        load_problems(path)
+    assert err.value.problems and all("image placeholder" in line for line in err.value.problems)
+    # ... and the MATH-V reader's rows are a valid problems file as they are
+    path = tmp_path / "mathv_problems.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    problems = load_problems(path)
+    assert len(problems) == 304 and all(Path(p.images[0]).is_file() for p in problems)
+    assert sum(p.choices is not None for p in problems) > 0
+
+
+# -- ranks, tree files, merge, kill -9 ------------------------------------------------------------
+
+def test_rank_world_from_launchers_and_deterministic_shards(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert resolve_rank_world() == (0, 1)
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert resolve_rank_world() == (3, 4)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resolve_rank_world() == (1, 2)  # torchrun's variables win over SLURM's
+    assert resolve_rank_world(0, 1) == (0, 1)  # explicit config wins over both
+    with pytest.raises(ValueError, match="rank 4 is not in"):
+        resolve_rank_world(4, 4)
+    problems = [Problem(str(i), "q", "1") for i in range(10)]
+    shares = [shard(problems, r, 3) for r in range(3)]
+    assert sorted(p.id for s in shares for p in s) == sorted(p.id for p in problems)
+    assert [p.id for p in shares[1]] == ["1", "4", "7"]
+
+
+def test_torn_last_line_is_cut_and_finished_ids_are_skipped(tmp_path):
+    path = tmp_path / tree_file_name(0, 1)
+    trees = TreeFile(path)
+    trees.append({"id": "a", "status": "annotated"})
+    trees.append({"id": "b", "status": "no_steps"})
+    trees.close()
+    with open(path, "a") as f:
+        f.write('{"id": "c", "status": "annot')  # what a kill -9 mid-write leaves
+    other = tmp_path / tree_file_name(1, 2)
+    other.write_text('{"id": "z", "status": "error", "message": "x"}\n{"id": "y", "sta')
+    trees = TreeFile(path, scan_dir=tmp_path)
+    assert trees.done == {"a", "b", "z"}
+    assert path.read_text().endswith('"no_steps"}\n')  # own torn tail cut off
+    assert other.read_text().endswith('"y", "sta')  # another rank's file is never touched
+    with pytest.raises(ValueError, match="already has a record"):
+        trees.append({"id": "a", "status": "annotated"})
+    trees.append({"id": "c", "status": "annotated"})
+    trees.close()
+    summary = merge_annotations(tmp_path)
+    merged = [json.loads(line) for line in (tmp_path / "trees.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in merged] == ["a", "b", "c", "z"] and summary["by_status"]["annotated"] == 2
+
+
+def test_merge_cli_reports_missing_ids(tmp_path, capsys):
+    (tmp_path / tree_file_name(0, 2)).write_text('{"id": "1", "status": "annotated"}\n')
+    (tmp_path / tree_file_name(1, 2)).write_text('{"id": "2", "status": "no_steps"}\n{"id": "1", "status": "x"}\n')
+    problems = tmp_path / "p.jsonl"
+    problems.write_text("".join(json.dumps({"id": i, "question": "q", "answer": "1"}) + "\n" for i in "123"))
+    assert cli_merge_annotations([str(tmp_path), "--problems", str(problems)]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["records"] == 2 and out["duplicates_dropped"] == 1 and out["missing"] == 1
+    assert cli_merge_annotations([str(tmp_path / "nowhere")]) == 1
+
+
+WORKER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from mmprm.annotate.engine import AnnotationEngine, TreeFile, load_problems, shard, tree_file_name
+    from mmprm.annotate.search import SearchConfig
+    from mmprm.annotate.simulated import SimulatedPolicy, random_problems
+    out, delay, rank, world = Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    problems = load_problems(sys.argv[5])
+    trees = TreeFile(out / tree_file_name(rank, world), scan_dir=out)
+    todo = [p for p in shard(problems, rank, world) if p.id not in trees.done]
+    policy = SimulatedPolicy(random_problems(len(problems), seed=0), delay_s=delay)
+    engine = AnnotationEngine(policy, SearchConfig(max_rollouts=320), lambda p, g, c: p == g, concurrency=3)
+    engine.run(todo, trees.append)
+""")
+
+
+def _problems_file(tmp_path: Path, n: int) -> Path:
+    path = tmp_path / "problems.jsonl"
+    path.write_text("".join(json.dumps({"id": f"sim-{i}", "question": "q", "answer": GOLD}) + "\n" for i in range(n)))
+    return path
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for f in sorted(out.glob("trees.rank*.jsonl")) for line in f.read_text().splitlines()]
+
+
+def test_kill_9_then_rerun_gives_every_id_exactly_once(tmp_path):
+    n = 24
+    problems = _problems_file(tmp_path, n)
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    straight = tmp_path / "straight"
+    subprocess.run([sys.executable, str(worker), str(straight), "0", "0", "1", str(problems)], check=True, env=env)
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    # two ranks, killed at different moments mid-run
+    procs = [subprocess.Popen([sys.executable, str(worker), str(killed), "0.02", str(r), "2", str(problems)], env=env)
+             for r in range(2)]
+    deadline = time.time() + 60
+    for r, proc in enumerate(procs):
+        path = killed / tree_file_name(r, 2)
+        while time.time() < deadline and (not path.exists() or path.read_text().count("\n") < 2 + 2 * r):
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    partial = _records(killed)
+    assert 0 < len(partial) < n, "the kill must land mid-run"
+    # the same commands again, to completion
+    for r in range(2):
+        subprocess.run([sys.executable, str(worker), str(killed), "0", str(r), "2", str(problems)], check=True, env=env)
+    ids = [r["id"] for r in _records(killed)]
+    assert len(ids) == len(set(ids)) == n
+    assert set(ids) == {r["id"] for r in _records(straight)}
+    assert merge_annotations(killed)["records"] == n
+
+
+# -- HF backend on tiny models --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    from mmprm.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: build_tiny_model(arch, root / arch) for arch in ("qwen2", "qwen2_vl")}
+
+
+def test_hf_backend_samples_n_continuations_reproducibly(tiny_dirs, tmp_path):
+    from PIL import Image
+
+    from mmprm.annotate.backends.hf import HFBackend
+
+    Image.new("RGB", (40, 28), (200, 30, 30)).save(tmp_path / "img.png")
+    img = str(tmp_path / "img.png")
+    sampling = SamplingConfig(max_new_tokens=6, seed=3)
+    backend = HFBackend.from_pretrained(str(tiny_dirs["qwen2_vl"]), sampling, batch_size=5)
+    reqs = [RolloutRequest("a", "<image1> What is 2 + 3?", [img], ["The bar is 2."], 3),
+            RolloutRequest("b", "No image here?", [], [], 4)]
+    out = backend.generate(reqs)
+    assert [len(o) for o in out] == [3, 4] and all(isinstance(t, str) for o in out for t in o)
+    assert backend.stats.sequences == 7 and 7 <= backend.stats.generated_tokens <= 42
+    again = HFBackend.from_pretrained(str(tiny_dirs["qwen2_vl"]), sampling, batch_size=5).generate(reqs)
+    assert again == out
+    with pytest.raises(RolloutInputError) as err:
+        backend.generate([reqs[1], RolloutRequest("c", "<image1> <image2>", [img], [], 1)])
+    assert err.value.index == 1 and "problem c" in str(err.value)
+    with pytest.raises(RolloutInputError, match="not found|No such file"):
+        backend.generate([RolloutRequest("d", "Q", [str(tmp_path / "gone.png")], [], 1)])
+    text_only = HFBackend.from_pretrained(str(tiny_dirs["qwen2"]), sampling)
+    with pytest.raises(RolloutInputError, match="text-only"):
+        text_only.generate([RolloutRequest("e", "Q", [img], [], 1)])
+
+
+def test_hf_backend_continues_the_assistant_message(tiny_dirs):
+    from mmprm.annotate.backends.base import rollout_prompt
+    from mmprm.models.loading import load_processor
+
+    proc = load_processor(tiny_dirs["qwen2"])
+    text = rollout_prompt(proc, "What is 2 + 3?", 0, ["Two plus three.", "It is 5."])
+    # the steps are the start of the assistant turn, not restated in a user turn
+    assert text.endswith("<|im_start|>assistant\n<step>Two plus three.</step>\n<step>It is 5.</step>\n")
+    assert text.count("<|im_start|>user") == 1 and "Two plus" not in text.split("<|im_start|>assistant")[0]
+    blank = rollout_prompt(proc, "What is 2 + 3?", 0, ["Two plus three."], step_mode="blank_lines")
+    assert blank.endswith("<|im_start|>assistant\nTwo plus three.\n\n")
+
+
+def test_engine_over_hf_backend_with_a_random_model_reports_no_steps(tiny_dirs):
+    """A random-init model writes no step tags: every problem says so instead of vanishing."""
+    from mmprm.annotate.backends.hf import HFBackend
+
+    backend = HFBackend.from_pretrained(str(tiny_dirs["qwen2"]), SamplingConfig(max_new_tokens=8), batch_size=32)
+    records = []
+    stats = AnnotationEngine(backend, SearchConfig(rollouts_per_estimate=4, max_rollouts=16), concurrency=4).run(
+        [Problem(f"p{i}", "What is 2 + 3?", "5") for i in range(5)], records.append)
+    assert sorted(r["id"] for r in records) == [f"p{i}" for i in range(5)]
+    assert stats.by_status == {"no_steps": 5} and stats.sequences_per_call[0] == 16
+    assert all(r["stats"]["unparsed_rollouts"] == 4 for r in records)
+
+
+# -- LLM judge over an OpenAI-compatible endpoint (a real local HTTP server) -----------------------
+
+def test_llm_judge_is_asked_only_when_rules_say_no(monkeypatch):
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from mmprm.annotate.judge import JudgeError, LLMJudge, judged_verifier
+
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            prompt = body["messages"][0]["content"]
+            seen.append((self.path, self.headers.get("Authorization"), body["model"]))
+            reply = "Yes" if "Model's answer: two thirds" in prompt and "Reference answer: 2/3" in prompt else "No."
+            data = json.dumps({"choices": [{"message": {"content": reply}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("MY_JUDGE_KEY", "sekrit")
+        judge = LLMJudge(f"http://127.0.0.1:{server.server_port}/v1", "judge-model", api_key_env="MY_JUDGE_KEY")
+        verify = judged_verifier(judge)
+        assert verify("2/3", "2/3") and judge.calls == 0  # the rules decide: no HTTP call
+        assert verify("two thirds", "2/3") and judge.calls == 1
+        assert not verify("0.7", "2/3") and judge.calls == 2
+        assert not verify(None, "2/3") and judge.calls == 2
+        assert seen[0] == ("/v1/chat/completions", "Bearer sekrit", "judge-model")
+    finally:
+        server.shutdown()
+        server.server_close()
+    dead = LLMJudge(f"http://127.0.0.1:{server.server_port}/v1", "m", retries=2, timeout_s=2)
+    with pytest.raises(JudgeError, match="failed 2 times"):
+        dead("x", "y")

@@ -1,0 +1,156 @@
+"""Export of annotation trees to step-labelled PRM rows: paths, labels, options, stats."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mmprm.annotate.engine import AnnotationEngine, Problem
+from mmprm.annotate.export import ExportConfig, export_examples, tree_paths, write_report
+from mmprm.annotate.search import SearchConfig
+from mmprm.annotate.simulated import GOLD, SimulatedPolicy, random_problems
+from mmprm.data.schema import load_examples, write_jsonl
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+# root(0.5) -> A "a1","a2" (0.75) -> B "b" (0.0)              negative
+#                                  -> C "c" + answer 5 (1.0)   positive (complete solution)
+#           -> D "d" (0.25) -> E: answer 7 only (0.0)          negative (answer-only edge)
+#                           -> F "e" (0.5)                     positive (probe leaf)
+NODES = [
+    {"id": 0, "parent": None, "steps": [], "mc": 0.5, "n": 16, "visits": 2},
+    {"id": 1, "parent": 0, "steps": ["a1", "a2"], "mc": 0.75, "n": 16, "visits": 1},
+    {"id": 2, "parent": 1, "steps": ["b"], "mc": 0.0, "n": 16, "visits": 0},
+    {"id": 3, "parent": 1, "steps": ["c"], "mc": 1.0, "n": 0, "visits": 0, "answer": "5"},
+    {"id": 4, "parent": 0, "steps": ["d"], "mc": 0.25, "n": 16, "visits": 0},
+    {"id": 5, "parent": 4, "steps": [], "mc": 0.0, "n": 0, "visits": 0, "answer": "7"},
+    {"id": 6, "parent": 4, "steps": ["e"], "mc": 0.5, "n": 16, "visits": 0},
+]
+
+
+def record(nodes=NODES, pid="p1", status="annotated"):
+    return {"id": pid, "status": status, "question": "What is 2 + 3?", "images": [], "answer": "5", "nodes": nodes}
+
+
+def as_tuples(paths):
+    return sorted((tuple(p.steps), tuple(p.labels), p.negative) for p in paths)
+
+
+def test_node_edges_follow_mm_prm_traverse():
+    assert as_tuples(tree_paths(NODES, "node")) == sorted([
+        (("a1\na2", "b"), (0.75, 0.0), True),
+        (("a1\na2", "c\n<answer>5</answer>"), (0.75, 1.0), False),
+        (("d\n<answer>7</answer>",), (0.0,), True),
+        (("d", "e"), (0.25, 0.5), False),
+    ])
+
+
+def test_step_edges_give_inner_steps_the_edge_value():
+    assert as_tuples(tree_paths(NODES, "step")) == sorted([
+        (("a1", "a2", "b"), (0.75, 0.75, 0.0), True),
+        (("a1", "a2", "c\n<answer>5</answer>"), (0.75, 0.75, 1.0), False),
+        (("d\n<answer>7</answer>",), (0.0,), True),
+        (("d", "e"), (0.25, 0.5), False),
+    ])
+
+
+def test_threshold_cuts_paths_at_low_values():
+    # with threshold 0.3, D (0.25) itself ends a negative path
+    paths = as_tuples(tree_paths(NODES, "node", negative_threshold=0.3))
+    assert (("d",), (0.25,), True) in paths and len(paths) == 3
+
+
+def test_balance_dedup_min_length_and_stats():
+    extra = NODES + [{"id": 7, "parent": 0, "steps": ["g"], "mc": 0.5, "n": 16, "visits": 0},
+                     {"id": 8, "parent": 0, "steps": ["h", "i"], "mc": 0.5, "n": 16, "visits": 0},
+                     {"id": 9, "parent": 0, "steps": ["d", "e"], "mc": 0.5, "n": 16, "visits": 0}]
+    recs = [record(extra), record(pid="p2", status="screened_all_correct")]
+    rows, stats = export_examples(recs, ExportConfig(balance=None))
+    assert stats["negative_paths"] == 2 and stats["positive_paths"] == 5 and stats["by_status"] == {
+        "annotated": 1, "screened_all_correct": 1}
+    rows, stats = export_examples(recs, ExportConfig(balance=1.0))
+    assert stats["negative_paths"] == 2 and stats["positive_paths"] == 2 and stats["dropped"]["balance"] == 3
+    assert {r["meta"]["kind"] for r in rows} == {"negative", "positive"}
+    # step edges: node 9 "d","e" repeats the path D -> F exactly, so dedup drops it
+    rows, stats = export_examples(recs, ExportConfig(edges="step", balance=None))
+    assert stats["dropped"]["duplicate"] == 1 and stats["positive_paths"] == 4
+    rows, stats = export_examples(recs, ExportConfig(balance=None, dedup=False, edges="step"))
+    assert stats["dropped"]["duplicate"] == 0 and stats["positive_paths"] == 5
+    rows, stats = export_examples(recs, ExportConfig(balance=None, min_steps=2))
+    assert stats["dropped"]["too_short"] == 4  # one PRM step each: "d+answer", "g", "h\ni", "d\ne"
+    # hand-counted histogram of the node-edge export without balancing:
+    # labels 0.75,0.0 | 0.75,1.0 | 0.0 | 0.25,0.5 | 0.5 | 0.5 | 0.5
+    rows, stats = export_examples([record(extra)], ExportConfig(balance=None))
+    assert stats["labels"]["count"] == 10 and stats["labels"]["zero"] == 2 and stats["labels"]["one"] == 1
+    assert stats["labels"]["between"]["0.5-0.6"] == 4 and stats["labels"]["between"]["0.7-0.8"] == 2
+    assert stats["labels"]["between"]["0.2-0.3"] == 1
+    assert stats["steps_per_path"]["histogram"] == {"1": 4, "2": 3}
+    assert stats["labels"]["mean"] == pytest.approx((0.75 * 2 + 1.0 + 0.25 + 0.5 * 4) / 10)
+
+
+def test_min_words_drops_short_paths():
+    rows, stats = export_examples([record()], ExportConfig(balance=None, min_words=2))
+    # "a1\na2 b" has 3 words, "d <answer>7</answer>" 2, "d e" 2
+    assert stats["dropped"]["too_short"] == 2 and stats["paths"] == 2
+
+
+def test_export_of_a_real_search_is_valid_training_data(tmp_path):
+    problems = random_problems(4, seed=3)
+    records = []
+    AnnotationEngine(SimulatedPolicy(problems), SearchConfig(max_rollouts=160), lambda p, g, c: p == g).run(
+        [Problem(pid, "What is the answer?", GOLD) for pid in problems], records.append)
+    rows, stats = export_examples(records, ExportConfig())
+    assert stats["paths"] == len(rows) > 0 and stats["negative_paths"] >= stats["positive_paths"] > 0
+    write_jsonl(tmp_path / "prm.jsonl", rows)
+    examples = load_examples(tmp_path / "prm.jsonl", require_labels=True)
+    assert len(examples) == len(rows)
+    for ex in examples:
+        # a negative path ends in the 0-valued first error; its earlier steps had MC > 0
+        if ex.meta["kind"] == "negative":
+            assert ex.labels[-1] == 0.0 and all(x > 0 for x in ex.labels[:-1])
+        else:
+            assert all(x > 0 for x in ex.labels)
+    write_report(stats, tmp_path / "r.json", tmp_path / "r.png")
+    assert json.loads((tmp_path / "r.json").read_text())["paths"] == len(rows)
+    assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def _flatten(tree: dict) -> list[dict]:
+    """openr/MM-PRM nested tree -> our flat node records (each child's text is one step)."""
+    nodes: list[dict] = []
+
+    def visit(node, parent):
+        nid = len(nodes)
+        nodes.append({"id": nid, "parent": parent, "steps": [node["text"]] if parent is not None else [],
+                      "mc": node["mc_value"], "n": 0, "visits": 0})
+        for child in node["children"]:
+            visit(child, nid)
+
+    visit(tree, None)
+    return nodes
+
+
+def _reference_paths(node, labels=()):
+    """MM-PRM's traverse written out: stop at mc <= 0, else recurse, leaves are positive."""
+    out = []
+    for child in node["children"]:
+        lab = labels + (child["mc_value"],)
+        if child["mc_value"] <= 0:
+            out.append((lab, True))
+        elif child["children"]:
+            out.extend(_reference_paths(child, lab))
+        else:
+            out.append((lab, False))
+    return out
+
+
+@pytest.mark.skipif(not (DATA / "openr_samples").exists(), reason="../shared/data absent")
+def test_paths_of_real_openr_mcts_trees_match_mm_prm_traverse():
+    lines = (DATA / "openr_samples" / "samples_math-aps-tree.jsonl").read_text().splitlines()
+    for line in lines:
+        tree = json.loads(line)["reasoning_steps"]
+        got = sorted((tuple(p.labels), p.negative) for p in tree_paths(_flatten(tree), "node"))
+        want = sorted(_reference_paths(tree))
+        assert got == want and len(got) > 5

@@ -1,0 +1,137 @@
+"""recipes/mcts_annotate.py: config, fail-fast errors, and the real entry point end to end
+(tiny VLM policy through the HF backend, kill -9 + rerun, output accepted by prm_train)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mmprm.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "mcts_annotate.py"
+YAML = REPO / "recipes" / "configs" / "tiny" / "mcts_annotate.yaml"
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+
+
+def recipe_module():
+    spec = importlib.util.spec_from_file_location("mcts_annotate_recipe", RECIPE)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_shipped_tiny_yaml_parses_with_overrides():
+    mod = recipe_module()
+    cfg = load_config(mod.AnnotateConfig, YAML, ["search.max_rollouts=64", "engine.concurrency=3", "rank=1",
+                                                  "world_size=2"])
+    assert cfg.model.name_or_path and cfg.data.problems_file and cfg.output_dir
+    assert cfg.search.max_rollouts == 64 and cfg.engine.concurrency == 3 and (cfg.rank, cfg.world_size) == (1, 2)
+    defaults = mod.AnnotateConfig().search
+    assert (defaults.c_puct, defaults.alpha, defaults.beta, defaults.length_scale) == (0.125, 0.5, 0.9, 2000.0)
+    assert (defaults.rollouts_per_estimate, defaults.max_searches, defaults.max_rollouts) == (16, 200, 1000)
+    sampling = mod.AnnotateConfig().sampling
+    assert (sampling.temperature, sampling.top_k, sampling.top_p) == (1.0, 50, 0.9)
+    with pytest.raises(ConfigError, match="search.max_rollouts .* must be >= search.rollouts_per_estimate"):
+        load_config(mod.AnnotateConfig, YAML, ["search.max_rollouts=4"])
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(mod.AnnotateConfig, YAML, ["search.cpuct=1"])
+
+
+def test_bad_inputs_fail_before_any_model_loads(tmp_path, capsys):
+    mod = recipe_module()
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"id": "1", "question": "Q"}\n')
+    assert mod.main(["--config", str(YAML), f"data.problems_file={bad}", f"output_dir={tmp_path}/o"]) == 2
+    assert f"{bad}:1: id=1: answer: missing" in capsys.readouterr().err
+    assert mod.main(["--config", str(YAML), "model.name_or_path="]) == 2
+    assert "model.name_or_path is required" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def _run(args, **kw):
+    return subprocess.run([sys.executable, str(RECIPE), *args], capture_output=True, text=True, cwd=REPO, env=ENV,
+                          timeout=600, **kw)
+
+
+@pytest.mark.slow
+def test_tiny_vlm_end_to_end_kill_resume_and_prm_train_accepts_the_output(tmp_path):
+    from mmprm.annotate.simulated import train_toy_policy, write_toy_problems
+    from mmprm.models.tiny import build_tiny_model
+
+    base = build_tiny_model("qwen2_vl", tmp_path / "tiny")
+    policy = train_toy_policy(str(base), str(tmp_path / "policy"), steps=150)
+    problems = write_toy_problems(str(tmp_path / "problems"), n=6)
+    out = tmp_path / "out"
+    args = ["--config", str(YAML), f"model.name_or_path={policy}", f"data.problems_file={problems}",
+            f"output_dir={out}", "engine.concurrency=2"]
+    trees = out / "trees.rank0-of-1.jsonl"
+
+    # kill -9 once the first problem is committed, then rerun the very same command
+    proc = subprocess.Popen([sys.executable, str(RECIPE), *args], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and (not trees.exists() or not trees.read_text().strip()):
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = [json.loads(line)["id"] for line in trees.read_text().splitlines()]
+    assert 1 <= len(done_before) < 6
+    res = _run(args)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert f"{len(done_before)} already done" in res.stderr
+    records = [json.loads(line) for line in trees.read_text().splitlines()]
+    ids = [r["id"] for r in records]
+    assert len(ids) == len(set(ids)) == 6 and ids[: len(done_before)] == done_before
+    assert {r["status"] for r in records} <= {"annotated", "screened_all_correct", "screened_all_wrong"}
+    annotated = [r for r in records if r["status"] == "annotated"]
+    assert annotated and all(r["first_errors"] for r in annotated)
+
+    # merged trees, PRM data and the report
+    assert len((out / "trees.jsonl").read_text().splitlines()) == 6
+    report = json.loads((out / "export_report.json").read_text())
+    assert report["paths"] > 0 and report["negative_paths"] > 0 and (out / "export_report.png").exists()
+    summary = json.loads((out / "summary.rank0-of-1.json").read_text())
+    assert summary["engine"]["rollouts_per_s"] > 0 and summary["generated_tokens"] > 0
+
+    # a rerun after completion does nothing and duplicates nothing
+    res = _run(args)
+    assert res.returncode == 0 and "6 already done, 0 to annotate" in res.stderr
+    assert len(trees.read_text().splitlines()) == 6
+
+    # the acceptance check: prm_train trains on the exported rows
+    prm = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "prm_train.py"), f"model.name_or_path={base}",
+         f"data.train_file={out / 'prm_data.jsonl'}", f"data.eval_file={out / 'prm_data.jsonl'}",
+         f"output_dir={tmp_path / 'prm'}", "train.max_steps=2", "train.batch_size=4", "train.eval_every=2",
+         "train.save_every=2", "data.max_length=256", "train.report_to=none"],
+        capture_output=True, text=True, cwd=REPO, env=ENV, timeout=600)
+    assert prm.returncode == 0, prm.stderr[-4000:]
+    assert (tmp_path / "prm" / "model.safetensors").exists()
+
+
+@pytest.mark.vllm
+def test_vllm_backend_samples_n_continuations(tmp_path):
+    pytest.importorskip("vllm")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("the vLLM backend is exercised on a GPU")
+    from mmprm.annotate.backends.base import RolloutRequest, SamplingConfig
+    from mmprm.annotate.backends.vllm import VLLMBackend
+    from mmprm.models.tiny import build_tiny_model
+
+    path = build_tiny_model("qwen2", tmp_path / "qwen2")
+    backend = VLLMBackend(str(path), SamplingConfig(max_new_tokens=8, seed=1), gpu_memory_utilization=0.3,
+                          max_model_len=512, enforce_eager=True)
+    out = backend.generate([RolloutRequest("a", "What is 2 + 3?", [], ["Two plus three."], 4),
+                            RolloutRequest("b", "What is 1 + 1?", [], [], 2)])
+    assert [len(o) for o in out] == [4, 2] and backend.stats.generated_tokens > 0
