@@ -78,3 +78,11 @@ def test_scorer_batches_mixed_problems_and_keeps_order(tiny_models):
     batched = scorer.score(ex)
     for a, b in zip(single, batched):
         assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in zip(a, b))
+
+
+def test_empty_candidate_scores_as_empty_list(tiny_models):
+    model, processor = _prm(tiny_models, "qwen2", "value")
+    scorer = PRMScorer(model, processor)
+    out = scorer.score([{"question": "Q", "steps": []}, {"question": "Q", "steps": ["a"]},
+                        {"question": "Q", "steps": ["b", "c"]}])
+    assert [len(s) for s in out] == [0, 1, 2]
