@@ -122,8 +122,9 @@ def part_b(arch: str, n_problems: int, k: int, max_rollouts: int, batch_size: in
 
     from mmprm.annotate.backends.base import SamplingConfig
     from mmprm.annotate.backends.hf import HFBackend
-    from mmprm.annotate.engine import load_problems, rule_verifier
+    from mmprm.annotate.engine import rule_verifier
     from mmprm.annotate.simulated import train_toy_policy, write_toy_problems
+    from mmprm.data.problems import load_problems
     from mmprm.models.loading import is_multimodal
     from mmprm.models.tiny import build_tiny_model
 

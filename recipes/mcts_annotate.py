@@ -33,7 +33,6 @@ from mmprm.annotate.engine import (
     AnnotationEngine,
     TreeFile,
     finished_ids,
-    load_problems,
     merge_annotations,
     resolve_rank_world,
     rule_verifier,
@@ -43,6 +42,7 @@ from mmprm.annotate.engine import (
 from mmprm.annotate.export import ExportConfig, export_examples, write_report
 from mmprm.annotate.search import SearchConfig
 from mmprm.config import ConfigError, load_config, parse_cli, to_dict
+from mmprm.data.problems import load_problems
 from mmprm.data.schema import DataError, read_jsonl, write_jsonl
 
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from mmprm.answers import answers_match
 from mmprm.data.schema import DataError, read_jsonl
@@ -299,7 +300,7 @@ def test_tiny_yaml_header_commands_then_the_launch_line(tmp_path):
 
 
 def test_load_problems_names_file_line_id_and_field(tmp_path):
-    (tmp_path / "a.png").write_bytes(b"")  # existence is what the loader checks
+    Image.new("RGB", (2, 2)).save(tmp_path / "a.png")  # the loader opens every image
     rows = [
         {"id": "p1", "images": ["a.png"], "question": "<image1> How many?", "answer": 3, "choices": None},
         {"id": "p2", "images": ["missing.png"], "question": "Q?", "answer": "1"},

@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from mmprm.data.schema import DataError
 from mmprm.rerank.candidates import (
@@ -148,7 +149,7 @@ def test_from_text_solutions(tmp_path):
 
 
 def test_load_candidates_fills_in_and_keeps_extra_keys(tmp_path):
-    (tmp_path / "img.png").write_bytes(b"\x89PNG")  # existence is what the loader checks
+    Image.new("RGB", (2, 2)).save(tmp_path / "img.png")  # the loader opens every image
     path = _write(tmp_path / "c.jsonl", [{
         "id": 7, "images": ["img.png"], "question": "<image> How many?", "answer": "3",
         "candidates": [
@@ -189,7 +190,7 @@ def test_load_candidates_reports_every_problem(tmp_path):
         f"{p}5: id=d: candidates[0]: has neither 'text' nor 'steps' (give the solution text, its steps, or both)",
         f"{p}5: id=d: candidates[1].correct: 'yes' is not true/false/null",
         f"{p}5: id=d: candidates[2]: must be an object like {{\"text\": ...}} or {{\"steps\": [...]}}",
-        f"{p}6: id=e: images: question has 2 image placeholder(s) but 0 image(s) (list one image per placeholder, or remove the placeholders)",
+        f"{p}6: id=e: images: question has 2 image placeholder(s) but 0 image(s) are listed (list one image per placeholder, or remove the placeholders)",
         f"{p}6: id=e: choices: must be a list of option texts in letter order, or omitted",
         f"{p}6: id=e: candidates[0].steps: must be a list of non-empty strings",
     ]

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from mmprm.annotate.backends.base import RolloutInputError, RolloutRequest, SamplingConfig
 from mmprm.annotate.engine import (
@@ -20,7 +21,6 @@ from mmprm.annotate.engine import (
     Problem,
     TreeFile,
     cli_merge_annotations,
-    load_problems,
     merge_annotations,
     resolve_rank_world,
     shard,
@@ -28,6 +28,7 @@ from mmprm.annotate.engine import (
 )
 from mmprm.annotate.search import SearchConfig
 from mmprm.annotate.simulated import GOLD, SimProblem, SimulatedPolicy, random_problems
+from mmprm.data.problems import load_problems
 from mmprm.data.schema import DataError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,7 +119,7 @@ def test_a_bad_problem_gets_an_error_record_and_the_rest_go_on():
 # -- problems files ----------------------------------------------------------------------------
 
 def test_load_problems_names_file_line_id_and_field(tmp_path):
-    (tmp_path / "a.png").write_bytes(b"")
+    Image.new("RGB", (2, 2)).save(tmp_path / "a.png")  # the loader opens every image
     rows = [
         {"id": "ok", "images": ["a.png"], "question": "<image1> Sum?", "answer": "3", "choices": ["1", "3"]},
         {"id": "noans", "images": [], "question": "Sum?"},
@@ -220,7 +221,8 @@ def test_merge_cli_reports_missing_ids(tmp_path, capsys):
 WORKER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from mmprm.annotate.engine import AnnotationEngine, TreeFile, load_problems, shard, tree_file_name
+    from mmprm.annotate.engine import AnnotationEngine, TreeFile, shard, tree_file_name
+    from mmprm.data.problems import load_problems
     from mmprm.annotate.search import SearchConfig
     from mmprm.annotate.simulated import SimulatedPolicy, random_problems
     out, delay, rank, world = Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -286,8 +288,6 @@ def tiny_dirs(tmp_path_factory):
 
 
 def test_hf_backend_samples_n_continuations_reproducibly(tiny_dirs, tmp_path):
-    from PIL import Image
-
     from mmprm.annotate.backends.hf import HFBackend
 
     Image.new("RGB", (40, 28), (200, 30, 30)).save(tmp_path / "img.png")

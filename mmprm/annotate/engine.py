@@ -1,6 +1,6 @@
 """The annotation engine: many OmegaPRM searches in flight, their probes batched into one backend.
 
-    problems = load_problems("problems.jsonl")                  # {"id", "images", "question", "answer"}
+    problems = load_problems("problems.jsonl")                  # mmprm.data.problems
     rank, world = resolve_rank_world()                          # torchrun / accelerate / srun / single
     trees = TreeFile(out_dir / tree_file_name(rank, world), scan_dir=out_dir)
     engine = AnnotationEngine(backend, SearchConfig(), concurrency=64)
@@ -27,95 +27,14 @@ from typing import Any, Callable, Iterable
 
 from mmprm.annotate.backends.base import RolloutBackend, RolloutInputError, RolloutRequest, StepMode
 from mmprm.annotate.search import OmegaSearch, Probe, Rollout, SearchConfig
+from mmprm.data.problems import Problem
 from mmprm.data.schema import DataError, iter_jsonl, write_jsonl
-from mmprm.steps import STEP_TOKEN, count_image_placeholders, parse_solution
+from mmprm.steps import parse_solution
 
 # pred answer (None when the rollout gave none), gold answer, choices -> correct?
 Verifier = Callable[[str | None, str, list[str] | None], bool]
 
 STATUSES = ("annotated", "screened_all_correct", "screened_all_wrong", "no_steps", "error")
-
-
-@dataclass
-class Problem:
-    """One row of a problems file: images are absolute paths after loading."""
-
-    id: str
-    question: str
-    answer: str
-    images: list[str] = field(default_factory=list)
-    choices: list[str] | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-
-
-def load_problems(path: str | Path, check_images: bool = True) -> list[Problem]:
-    """Load and validate a problems JSONL file; raise DataError listing every bad row.
-
-    Row: `{"id", "images": [paths relative to the file or absolute], "question", "answer",
-    optional "choices": [str], optional "meta": {}}`.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise DataError([f"{path}: file not found (set data.problems_file to a JSONL of problems)"])
-    problems: list[Problem] = []
-    errors: list[str] = []
-    seen: dict[str, int] = {}
-    for lineno, row, err in iter_jsonl(path):
-        where = f"{path}:{lineno}: id={row.get('id') if row else '?'}"
-        if err:
-            errors.append(f"{where}: line: {err}")
-            continue
-        bad = _check_problem(row, path.parent, check_images)
-        errors.extend(f"{where}: {fld}: {msg}" for fld, msg in bad)
-        if bad:
-            continue
-        pid = str(row["id"])
-        if pid in seen:
-            errors.append(f"{where}: id: duplicated (first on line {seen[pid]}; make ids unique)")
-            continue
-        seen[pid] = lineno
-        problems.append(Problem(
-            id=pid, question=row["question"], answer=str(row["answer"]),
-            images=[str((path.parent / p).resolve()) if not os.path.isabs(p) else p for p in row.get("images") or []],
-            choices=row.get("choices"), meta=row.get("meta") or {}))
-    if not problems and not errors:
-        errors.append(f"{path}:0: id=?: file: no rows (the problems file is empty)")
-    if errors:
-        raise DataError(errors)
-    return problems
-
-
-def _check_problem(row: dict[str, Any], base: Path, check_images: bool) -> list[tuple[str, str]]:
-    bad: list[tuple[str, str]] = []
-    if row.get("id") is None or isinstance(row.get("id"), (bool, list, dict)) or str(row.get("id")).strip() == "":
-        bad.append(("id", "missing or not a string (add a unique id to every row)"))
-    question = row.get("question")
-    if not isinstance(question, str) or not question.strip():
-        bad.append(("question", "missing or empty (add the problem text)"))
-    elif STEP_TOKEN in question:
-        bad.append(("question", f"contains the reserved step token {STEP_TOKEN!r} (remove it)"))
-    answer = row.get("answer")
-    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool) or str(answer).strip() == "":
-        bad.append(("answer", "missing or empty (annotation needs the gold answer to verify rollouts)"))
-    images = row.get("images") or []
-    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
-        bad.append(("images", "must be a list of image paths (use [] for text-only)"))
-        images = []
-    for i, p in enumerate(images):
-        full = Path(p) if os.path.isabs(p) else base / p
-        if check_images and not full.is_file():
-            bad.append((f"images[{i}]", f"image not found: {full} (paths are relative to the problems file)"))
-    if isinstance(question, str):
-        n_ph = count_image_placeholders(question)
-        if n_ph and n_ph != len(images):
-            bad.append(("images", f"question has {n_ph} image placeholder(s) but {len(images)} image(s) "
-                                  "(list one image per placeholder, or remove the placeholders)"))
-    choices = row.get("choices")
-    if choices is not None and (not isinstance(choices, list) or not all(isinstance(c, str) for c in choices)):
-        bad.append(("choices", "must be a list of strings (the options of a multiple-choice problem)"))
-    if not isinstance(row.get("meta") or {}, dict):
-        bad.append(("meta", "must be a JSON object"))
-    return bad
 
 
 # -- ranks, shards and the per-rank tree file ---------------------------------------------------

@@ -103,10 +103,12 @@ def _check_image(path: Path, cache: dict[Path, str | None]) -> str | None:
     return cache[path]
 
 
-def check_row(obj: dict[str, Any], base_dir: Path, require_labels: bool = False,
-              check_images: bool = True, image_cache: dict[Path, str | None] | None = None,
-              steps_field: str = "steps") -> tuple[list[tuple[str, str]], StepExample | None]:
-    """Validate one row. Returns ([(field, message)], example-or-None)."""
+def check_base_fields(obj: dict[str, Any], base_dir: Path, check_images: bool = True,
+                      image_cache: dict[Path, str | None] | None = None) -> tuple[list[tuple[str, str]], list[str]]:
+    """Validate the fields every row type shares (id, question, images): ([(field, message)], absolute images).
+
+    With `check_images`, every image must exist and open as an image (its header is read).
+    """
     errs: list[tuple[str, str]] = []
     cache = image_cache if image_cache is not None else {}
     rid = obj.get("id")
@@ -140,6 +142,14 @@ def check_row(obj: dict[str, Any], base_dir: Path, require_labels: bool = False,
         if n_ph and n_ph != len(images):
             errs.append(("images", f"question has {n_ph} image placeholder(s) but {len(images)} image(s) are listed "
                                    "(list one image per placeholder, or remove the placeholders)"))
+    return errs, resolved
+
+
+def check_row(obj: dict[str, Any], base_dir: Path, require_labels: bool = False,
+              check_images: bool = True, image_cache: dict[Path, str | None] | None = None,
+              steps_field: str = "steps") -> tuple[list[tuple[str, str]], StepExample | None]:
+    """Validate one row. Returns ([(field, message)], example-or-None)."""
+    errs, resolved = check_base_fields(obj, base_dir, check_images, image_cache)
 
     steps = obj.get(steps_field)
     if steps is None:
@@ -184,7 +194,7 @@ def check_row(obj: dict[str, Any], base_dir: Path, require_labels: bool = False,
     if errs:
         return errs, None
     return [], StepExample(
-        id=str(rid), question=question, steps=list(steps), images=resolved,
+        id=str(obj["id"]), question=obj["question"], steps=list(steps), images=resolved,
         labels=[float(x) for x in labels] if labels is not None else None,
         answer=str(answer) if answer is not None else None, meta=meta,
     )

@@ -20,7 +20,7 @@ Steps come from our `<step>` tags when present (answer attached to the last step
 else sentences). `steps: []` is allowed (a generation nothing could be parsed from): the PRM then
 scores the whole text as one step (`Problem.prm_inputs`); a candidate with no text either scores 0.
 
-`load_problems` reads the input of generation: the same rows without candidates.
+`load_problems` reads the input of generation (`mmprm.data.problems`) as problems without candidates.
 
 Converters turn public BoN data into this format: MATH-V (3 models' CoTs per problem),
 GSM8K's example model solutions (4), Qwen2.5-Math's rm@8 example (8), and a generic
@@ -33,15 +33,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from mmprm.answers import answers_match, extract_answer
+from mmprm.data.problems import check_problem_fields, load_problems as load_problem_rows
 from mmprm.data.schema import DataError, iter_jsonl, write_jsonl
 from mmprm.data.sft import FINAL_ANSWER_LINE, split_solution
-from mmprm.steps import STEP_TOKEN, count_image_placeholders, parse_solution, prm_steps
+from mmprm.steps import STEP_TOKEN, parse_solution, prm_steps
 
 Label = Literal["file", "verifier"]
 GSM8K_MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
@@ -284,51 +284,10 @@ def _check_candidate(c: Any, where: str) -> tuple[list[tuple[str, str]], dict[st
     return errs, c
 
 
-def _check_fields(obj: dict[str, Any], base_dir: Path, check_images: bool,
-                  need_answer: bool) -> tuple[list[tuple[str, str]], list[str]]:
-    """Validate the problem fields of a row (all but candidates): ([(field, message)], absolute images)."""
-    errs: list[tuple[str, str]] = []
-    rid = obj.get("id")
-    if rid is None or isinstance(rid, bool) or not isinstance(rid, (str, int)) or not str(rid).strip():
-        errs.append(("id", "missing or not a string (add a unique id to every problem)"))
-    question = obj.get("question")
-    if not isinstance(question, str) or not question.strip():
-        errs.append(("question", "missing or empty (add the problem text)"))
-    elif STEP_TOKEN in question:
-        errs.append(("question", f"contains the reserved step token {STEP_TOKEN!r} (remove it)"))
-    images = obj.get("images") or []
-    resolved: list[str] = []
-    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
-        errs.append(("images", "must be a list of image paths (use [] for text-only)"))
-        images = []
-    for i, p in enumerate(images):
-        full = Path(p) if os.path.isabs(p) else base_dir / p
-        resolved.append(str(full.resolve()))
-        if check_images and not full.is_file():
-            errs.append((f"images[{i}]", f"image not found: {full} (paths are relative to the JSONL file's folder)"))
-    if isinstance(question, str):
-        n_ph = count_image_placeholders(question)
-        if n_ph and n_ph != len(images):
-            errs.append(("images", f"question has {n_ph} image placeholder(s) but {len(images)} image(s) "
-                                   "(list one image per placeholder, or remove the placeholders)"))
-    gold = obj.get("answer")
-    bad_gold = isinstance(gold, bool) or not isinstance(gold, (str, int, float)) or not str(gold).strip()
-    if gold is None and need_answer:
-        errs.append(("answer", "missing (the gold answer is needed to verify generated solutions)"))
-    elif gold is not None and bad_gold:
-        errs.append(("answer", "must be the gold answer as a non-empty string, or null when unknown"))
-    choices = obj.get("choices")
-    if choices is not None and (not isinstance(choices, list) or not all(isinstance(x, str) for x in choices)):
-        errs.append(("choices", "must be a list of option texts in letter order, or omitted"))
-    if not isinstance(obj.get("meta", {}) or {}, dict):
-        errs.append(("meta", "must be a JSON object"))
-    return errs, resolved
-
-
 def _check_problem(obj: dict[str, Any], base_dir: Path,
                    check_images: bool) -> tuple[list[tuple[str, str]], Problem | None]:
     """Validate one problem row; returns ([(field, message)], Problem-or-None) with answers filled in."""
-    errs, resolved = _check_fields(obj, base_dir, check_images, need_answer=False)
+    errs, resolved = check_problem_fields(obj, base_dir, check_images, need_answer=False)
     rid, question, gold, choices = obj.get("id"), obj.get("question"), obj.get("answer"), obj.get("choices")
     cands = obj.get("candidates")
     if not isinstance(cands, list) or not cands:
@@ -388,38 +347,9 @@ def load_candidates(path: str | Path, check_images: bool = True) -> list[Problem
 
 
 def load_problems(path: str | Path, check_images: bool = True) -> list[Problem]:
-    """Load and validate a problems JSONL (the input of generation); raise DataError listing every bad row.
-
-    Row: `{"id", "images": [paths relative to the file, or absolute], "question", "answer",
-    optional "choices": [option texts], optional "meta": {}}`, e.g. `mmprm synthetic`'s
-    `test_problems.jsonl`. Returns problems with no candidates yet; images are absolute paths.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise DataError([f"{path}: file not found (a JSONL of {{id, images, question, answer}} rows; "
-                         "`mmprm synthetic` writes one)"])
-    problems, bad = [], []
-    seen: dict[str, int] = {}
-    for lineno, obj, err in iter_jsonl(path):
-        if err:
-            bad.append(f"{path}:{lineno}: id=?: line: {err}")
-            continue
-        rid = obj.get("id")
-        errs, images = _check_fields(obj, path.parent, check_images, need_answer=True)
-        bad += [f"{path}:{lineno}: id={rid}: {fld}: {msg}" for fld, msg in errs]
-        if errs:
-            continue
-        if str(rid) in seen:
-            bad.append(f"{path}:{lineno}: id={rid}: id: duplicated (first on line {seen[str(rid)]}; make ids unique)")
-            continue
-        seen[str(rid)] = lineno
-        problems.append(Problem(id=str(rid), question=obj["question"], answer=str(obj["answer"]), candidates=[],
-                                images=images, choices=obj.get("choices"), meta=obj.get("meta") or {}))
-    if not problems and not bad:
-        bad.append(f"{path}:0: id=?: file: no rows (the file is empty)")
-    if bad:
-        raise DataError(bad)
-    return problems
+    """The problems of `mmprm.data.problems.load_problems` with no candidates yet (the input of generation)."""
+    return [Problem(id=p.id, question=p.question, answer=p.answer, candidates=[], images=p.images,
+                    choices=p.choices, meta=p.meta) for p in load_problem_rows(path, check_images)]
 
 
 def write_candidates(path: str | Path, problems: list[Problem]) -> int:

@@ -1,0 +1,93 @@
+"""Problems: the input of annotation (OmegaPRM) and of Best-of-N generation.
+
+One JSON object per line::
+
+    {"id": "p17",
+     "images": ["imgs/p17.png"],          # relative to the JSONL file, or absolute
+     "question": "<image1> What is the sum of the two bars?",
+     "answer": "12",                      # the gold answer that rollouts are verified against
+     "choices": ["10", "12"],             # optional: option texts in letter order
+     "meta": {"source": "synthetic"}}     # optional, free-form
+
+`load_problems` checks every row before any work starts and raises `DataError` listing every
+problem as `FILE:LINE: id=...: field: what is wrong (how to fix)`. `mmprm synthetic` writes one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mmprm.data.schema import DataError, check_base_fields, iter_jsonl
+
+
+@dataclass
+class Problem:
+    """One row of a problems file: images are absolute paths after loading."""
+
+    id: str
+    question: str
+    answer: str
+    images: list[str] = field(default_factory=list)
+    choices: list[str] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def check_problem_fields(obj: dict[str, Any], base_dir: Path, check_images: bool = True,
+                         need_answer: bool = True,
+                         image_cache: dict[Path, str | None] | None = None) -> tuple[list[tuple[str, str]], list[str]]:
+    """Validate the problem fields of a row: ([(field, message)], absolute image paths).
+
+    id, question and images are checked as in every mmprm row (`check_base_fields`). Also checks
+    the problem part of a candidates row, where the gold answer may be null (`need_answer=False`).
+    """
+    errs, resolved = check_base_fields(obj, base_dir, check_images, image_cache)
+    gold = obj.get("answer")
+    if gold is None:
+        if need_answer:
+            errs.append(("answer", "missing (the gold answer is needed to verify generated solutions)"))
+    elif isinstance(gold, bool) or not isinstance(gold, (str, int, float)) or not str(gold).strip():
+        errs.append(("answer", "must be the gold answer as a non-empty string or number"
+                               + ("" if need_answer else ", or null when unknown")))
+    choices = obj.get("choices")
+    if choices is not None and (not isinstance(choices, list) or not all(isinstance(x, str) for x in choices)):
+        errs.append(("choices", "must be a list of option texts in letter order, or omitted"))
+    if not isinstance(obj.get("meta") or {}, dict):
+        errs.append(("meta", "must be a JSON object"))
+    return errs, resolved
+
+
+def load_problems(path: str | Path, check_images: bool = True) -> list[Problem]:
+    """Load and validate a problems JSONL file; raise DataError listing every bad row.
+
+    With `check_images`, every image must exist and open as an image (its header is read).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError([f"{path}: file not found (a JSONL of {{id, images, question, answer}} rows; "
+                         "`mmprm synthetic` writes one)"])
+    problems: list[Problem] = []
+    bad: list[str] = []
+    seen: dict[str, int] = {}
+    cache: dict[Path, str | None] = {}
+    for lineno, obj, err in iter_jsonl(path):
+        if err:
+            bad.append(f"{path}:{lineno}: id=?: line: {err}")
+            continue
+        rid = obj.get("id")
+        errs, images = check_problem_fields(obj, path.parent, check_images, image_cache=cache)
+        bad += [f"{path}:{lineno}: id={rid}: {fld}: {msg}" for fld, msg in errs]
+        if errs:
+            continue
+        if str(rid) in seen:
+            bad.append(f"{path}:{lineno}: id={rid}: id: duplicated (first on line {seen[str(rid)]}; make ids unique)")
+            continue
+        seen[str(rid)] = lineno
+        problems.append(Problem(id=str(rid), question=obj["question"], answer=str(obj["answer"]), images=images,
+                                choices=obj.get("choices"), meta=obj.get("meta") or {}))
+    if not problems and not bad:
+        bad.append(f"{path}:0: id=?: file: no rows (the problems file is empty)")
+    if bad:
+        raise DataError(bad)
+    return problems
