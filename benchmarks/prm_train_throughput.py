@@ -5,7 +5,7 @@
 
 Both sides train the text-only tiny Qwen2 (`build_tiny_model("qwen2")`, step token added) on the
 same synthetic stepwise rows (2-10 steps of 4-30 words, 0/1 labels), batch 8, max length 512,
-fp32, AdamW, cosine schedule, grad clip 1.0, length-grouped batches, the same number of optimizer
+fp32, AdamW, cosine schedule, grad clip 1.0, the same number of optimizer
 steps, each in its own process (so peak RSS is that side's alone):
 
   ours  the loop of `recipes/prm_train.py` with the recipe's own parts: collate_steps +
@@ -16,7 +16,8 @@ steps, each in its own process (so peak RSS is that side's alone):
         (huggingface/trl#7133), and then its pipeline is rebuilt from transformers parts:
         `AutoModelForTokenClassification` (2 labels) + `Trainer` + `DataCollatorForTokenClassification`,
         labels -100 except at the step tokens. Its input ids are mmprm's `tokenize_steps` ids, so
-        both sides see identical tokens; Trainer's length-grouped sampler matches our batching.
+        both sides see identical tokens. The TRL side samples batches as PRMConfig does by default
+        (random); `--trl-sampling group_by_length` gives it length-grouped batches like ours.
 
 tokens/s counts non-pad tokens. A step's time runs from fetching its batch to the end of its
 optimizer step. The machine is shared, so the headline rate is the median over steps (first two
@@ -78,7 +79,8 @@ def run_side(name: str, model: str, data: Path, out: Path, a: argparse.Namespace
              env: dict[str, str]) -> dict[str, Any]:
     """One side in its own process: per-step tokens and seconds, final loss, peak RSS."""
     cmd = [sys.executable, __file__, "--_child", name, "--model", model, "--data", str(data), "--out", str(out),
-           "--steps", str(a.steps), "--batch-size", str(a.batch_size), "--max-length", str(a.max_length)]
+           "--steps", str(a.steps), "--batch-size", str(a.batch_size), "--max-length", str(a.max_length),
+           "--trl-sampling", a.trl_sampling]
     stdout, rss = run_child(cmd, env, out / "logs")
     res = json.loads(stdout.strip().splitlines()[-1])
     tokens, secs = res.pop("step_tokens"), res.pop("step_seconds")
@@ -187,7 +189,7 @@ def trl_child(a: argparse.Namespace) -> None:
     common = dict(output_dir=str(a.out), per_device_train_batch_size=a.batch_size, max_steps=a.steps,
                   learning_rate=1e-4, lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
                   use_cpu=True, report_to="none", save_strategy="no", logging_strategy="steps", logging_steps=a.steps,
-                  disable_tqdm=True, dataloader_num_workers=0, seed=42, train_sampling_strategy="group_by_length")
+                  disable_tqdm=True, dataloader_num_workers=0, seed=42, train_sampling_strategy=a.trl_sampling)
     clock = Clock()
     try:
         from trl.experimental.prm import PRMConfig, PRMTrainer
@@ -217,6 +219,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="OMP threads per side (the same for both)")
+    parser.add_argument("--trl-sampling", default="random", choices=["random", "group_by_length"],
+                        help="TRL side's batch sampler: 'random' is PRMConfig's default, what its users get")
     parser.add_argument("--_child", choices=["ours", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -244,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "benchmark": "prm_train_throughput", "model": "tiny qwen2 (text-only, random init)", "quick": a.quick,
         "rows": a.rows, "optimizer_steps": a.steps, "batch_size": a.batch_size, "max_length": a.max_length,
-        "threads": a.threads, "rounds": a.rounds,
+        "threads": a.threads, "rounds": a.rounds, "trl_sampling": a.trl_sampling,
         "ours": {k: round(v, 4) if isinstance(v, float) else v for k, v in best["ours"].items()},
         "trl": {k: round(v, 4) if isinstance(v, float) else v for k, v in best["trl"].items()},
         "ratio_tokens_per_s": round(best["ours"]["tokens_per_s"] / best["trl"]["tokens_per_s"], 3),

@@ -42,6 +42,7 @@ class TaskConfig:
     max_tiles: int = 3
     ops: str = "+"
     max_ops: int = 3
+    max_digit: int = 9  # tiles show digits 0..max_digit
 
 
 @dataclass
@@ -105,7 +106,8 @@ def main(argv: list[str]) -> None:
         from mmprm.data.synthetic import SyntheticConfig, generate, problem_key, text_only_accuracy, write_split
 
         t = cfg.task
-        common = dict(min_tiles=t.min_tiles, max_tiles=t.max_tiles, ops=tuple(t.ops.split(",")), max_ops=t.max_ops)
+        common = dict(min_tiles=t.min_tiles, max_tiles=t.max_tiles, ops=tuple(t.ops.split(",")), max_ops=t.max_ops,
+                      digits=(0, t.max_digit))
         train = generate(SyntheticConfig(num_problems=t.train, seed=cfg.seed, id_prefix="train", **common))
         seen = {problem_key(p.meta["template"], p.meta["cells"]) for p in train}
         annotate = generate(SyntheticConfig(num_problems=t.annotate, seed=cfg.seed + 1, id_prefix="ann", **common),
@@ -168,28 +170,33 @@ def evaluate_steps(data: Path, bon: Path, prm: Path, policy: Path) -> dict:
     from mmprm.data.synthetic import check_steps
     from mmprm.models.loading import load_backbone
     from mmprm.models.prm import PRMScorer, PRMSpec, build_prm
-    from mmprm.scoring.metrics import auroc
-    from mmprm.steps import prm_steps
+    from mmprm.scoring.metrics import auroc, stratified_auroc
 
     problems = {r["id"]: r for r in read_jsonl(data / "test_problems.jsonl")}
     scored = {r["id"]: r for r in read_jsonl(bon / "scored.jsonl")}
     cands = {r["id"]: r for r in read_jsonl(bon / "candidates.jsonl")}
-    examples, truth, trained = [], [], []
+    examples, truth, trained, strata = [], [], [], []
     for pid, row in cands.items():
         tiles = problems[pid]["meta"]["tiles"]
         for c, s in zip(row["candidates"], scored[pid]["candidates"]):
             if not c["steps"]:
                 continue
-            steps = prm_steps(c["steps"], c["answer"])
-            examples.append({"question": row["question"], "images": row["images"], "steps": steps})
-            truth.append([1.0 if ok else 0.0 for ok in check_steps(tiles, c["steps"], c["answer"])])
+            examples.append({"question": row["question"], "images": row["images"], "steps": c["steps"]})
+            gold = problems[pid]["answer"]
+            truth.append([1.0 if ok else 0.0 for ok in check_steps(tiles, c["steps"], c["answer"], gold)])
             trained.append(s["step_probs"])
+            strata.extend((pid, k) for k in range(len(c["steps"])))
     backbone, processor = load_backbone(policy)
     torch.manual_seed(0)
     untrained = PRMScorer(build_prm(backbone, processor, PRMSpec()), processor, batch_size=16).score(examples)
     flat = [x for t in truth for x in t]
+
+    def within(scores: list[list[float]]) -> float:
+        return stratified_auroc([x for s in scores for x in s], flat, strata)
+
     return {"candidates": len(examples), "steps": len(flat), "share_correct_steps": sum(flat) / max(1, len(flat)),
-            "auroc_trained": auroc(trained, truth), "auroc_untrained": auroc(untrained, truth)}
+            "auroc_trained": within(trained), "auroc_untrained": within(untrained),
+            "pooled_auroc_trained": auroc(trained, truth), "pooled_auroc_untrained": auroc(untrained, truth)}
 
 
 def write_demo_report(out: Path, cfg: Config, data: Path, policy: Path, mcts: Path, bon: Path, step_eval: dict,
@@ -235,9 +242,14 @@ def write_demo_report(out: Path, cfg: Config, data: Path, policy: Path, mcts: Pa
               "## Step-level check against exact labels", "",
               f"Every step of every test candidate is checked against the image's true digits "
               f"({step_eval['steps']} steps, {step_eval['share_correct_steps']:.1%} correct).", "",
-              f"| PRM | step AUROC |", "| --- | --- |",
-              f"| trained (MCTS labels) | {step_eval['auroc_trained']:.3f} |",
-              f"| untrained (same backbone, fresh head) | {step_eval['auroc_untrained']:.3f} |", "",
+              "Step AUROC compares a right step with a wrong one at the same step of another candidate for the "
+              "same problem - the comparison a reranker makes. The pooled AUROC over all steps is shown beside "
+              "it: it mixes positions (later steps are wrong more often, and an MC label rises toward the end "
+              "of a right solution) and problems, so it can sit below 0.5 for a PRM that ranks well.", "",
+              "| PRM | step AUROC (same problem, same step) | pooled AUROC |", "| --- | --- | --- |",
+              f"| trained (MCTS labels) | {step_eval['auroc_trained']:.3f} | {step_eval['pooled_auroc_trained']:.3f} |",
+              f"| untrained (same backbone, fresh head) | {step_eval['auroc_untrained']:.3f} | "
+              f"{step_eval['pooled_auroc_untrained']:.3f} |", "",
               "## Policy", ""]
     if sft_evals:
         first, last = sft_evals[0], sft_evals[-1]

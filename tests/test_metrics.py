@@ -130,3 +130,15 @@ def test_step_metrics_bundle():
     assert out["first_error_f1"] == 0.5
     assert out["step_accuracy"] == pytest.approx(7 / 10)  # misses: 0.8 on an error, 0.7 on one, 0.4
     assert set(out) >= {"bce", "brier", "auroc", "macro_f1", "first_error_error_acc", "threshold"}
+
+
+def test_stratified_auroc_hand_values():
+    from mmprm.scoring.metrics import stratified_auroc
+
+    # stratum a: correct 0.9 vs error 0.4 -> 1; stratum b: correct 0.2 vs error 0.3 -> 0
+    assert stratified_auroc([0.9, 0.4, 0.2, 0.3], [1, 0, 1, 0], ["a", "a", "b", "b"]) == 0.5
+    # a tie counts one half; a stratum with one class adds no pairs
+    assert stratified_auroc([0.5, 0.5, 0.7], [1, 0, 1], ["a", "a", "c"]) == 0.5
+    # pooled AUROC gives 0.75 here (0.2 < 0.8 across strata); within strata it is perfect
+    assert stratified_auroc([0.2, 0.1, 0.9, 0.8], [1, 0, 1, 0], [1, 1, 2, 2]) == 1.0
+    assert math.isnan(stratified_auroc([0.1, 0.2], [1, 1], ["a", "a"]))

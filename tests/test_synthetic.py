@@ -221,6 +221,9 @@ def test_check_steps_hand_cases():
     assert check_steps([3, 5], ["Tile 1 is 3.", "Tile 2 is 5.", "3 + 5 = 9."], "9") == [True, True, False]
     assert check_steps([3, 5], ["Tile 1 is 3.", "Tile 2 is 5.", "3 + 5 = 8."], "7") == [True, True, False]
     assert check_steps([3, 5], ["Tile 1 is 3.", "garbled"]) == [True, False]
+    # skipping tile 3: every line is true, but the answer is off track
+    assert check_steps([7, 8, 8], ["Tile 1 is 7.", "Tile 2 is 8.", "7 + 8 = 15."], "15", gold="23") == [True, True, False]
+    assert check_steps([7, 8], ["Tile 1 is 7.", "Tile 2 is 8.", "7 + 8 = 15."], "15", gold="15") == [True] * 3
     assert check_steps([2, 9, 4], ["Tile 1 is 2.", "Tile 2 is 9.", "Tile 3 is 4.", "The largest is 9.",
                                    "The smallest is 2.", "9 - 2 = 7."], "7") == [True] * 6
 

@@ -467,13 +467,16 @@ _EXTREME_RE = re.compile(r"^The (largest|smallest) is (-?\d+)\.$")
 _CMP_RE = re.compile(r"^(-?\d+) ([<>=]) (-?\d+)\.$")
 
 
-def check_steps(tiles: Sequence[int], steps: Sequence[str], answer: str | None = None) -> list[bool]:
+def check_steps(tiles: Sequence[int], steps: Sequence[str], answer: str | None = None,
+                gold: str | None = None) -> list[bool]:
     """True per-step correctness of a solution to a synthetic problem whose digits are `tiles`.
 
     A step is right when its claim is true and it only uses values already established (the
     tiles it read correctly and earlier results); once a step is wrong every later step is wrong
     too ("still on track" labels, the quantity a PRM estimates). An unparsable step is wrong.
-    When `answer` is given, the last step is also wrong unless the answer equals its result.
+    When `answer` is given, the last step is also wrong unless the answer equals its result, and,
+    when `gold` is given too, unless it equals the gold answer (a solution that skips a tile is
+    off track at its answer even if every line it wrote is true).
     """
     known: set[int] = set()
     ok, out = True, []
@@ -510,6 +513,8 @@ def check_steps(tiles: Sequence[int], steps: Sequence[str], answer: str | None =
             out[-1] = out[-1] and last_value is not None and int(answer.strip()) == last_value
         except ValueError:
             out[-1] = False
+        if gold is not None:
+            out[-1] = out[-1] and answer.strip() == gold.strip()
     return out
 
 

@@ -15,7 +15,7 @@ Conventions: a step is *predicted correct* when its score is >= threshold (an er
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -217,3 +217,28 @@ def step_metrics(
     out.update({f"first_error_{k}": v for k, v in fe.items()})
     out["threshold"] = float(threshold)
     return out
+
+
+def stratified_auroc(scores: Sequence[float], labels: Sequence[float], strata: Sequence[Any]) -> float:
+    """AUROC counting only (correct, error) pairs that share a stratum.
+
+    With strata = (problem, step index), it asks what a reranker needs - is this step's score
+    above a wrong step's at the same point of another candidate for the same problem - and is
+    blind to what a pooled AUROC mixes in (later steps are wrong more often; some problems are
+    harder). Ties count one half. NaN when no stratum holds both classes.
+
+    Example: strata a: correct 0.9, error 0.4; b: correct 0.2, error 0.3 -> (1 + 0) / 2 = 0.5.
+    """
+    groups: dict[Any, tuple[list[float], list[float]]] = {}
+    for s, y, k in zip(scores, labels, strata):
+        pos, neg = groups.setdefault(k, ([], []))
+        (pos if y >= LABEL_THRESHOLD else neg).append(float(s))
+    wins = pairs = 0.0
+    for pos, neg in groups.values():
+        if not pos or not neg:
+            continue
+        n = np.asarray(neg)
+        for p in pos:
+            wins += float((p > n).sum()) + 0.5 * float((p == n).sum())
+        pairs += len(pos) * len(neg)
+    return wins / pairs if pairs else math.nan
