@@ -202,13 +202,14 @@ def tokenize_steps(
     returns None (the caller counts it). A literal step token in the question or a step raises
     StepTokenError.
 
-    Example (text-only tiny Qwen2 tokenizer; ids are illustrative)::
+    Example (the tiny Qwen2 of `mmprm tiny-model --arch qwen2`, step token added as id 1024)::
 
         question="1+1?", steps=["1+1=2.", "So 2."], labels=[1.0, 0.7]
         text      = "<|im_start|>user\\n1+1?<|im_end|>\\n<|im_start|>assistant\\n"
                     "1+1=2.<|prm_step|>\\nSo 2.<|prm_step|>"
-        input_ids = [..., 17, 22, 17, 30, 19, 13, 1504, 198, 50, 78, 19, 13, 1504]
-        step_positions = [k1, k2]  # input_ids[k] == id of <|prm_step|> at both
+        input_ids = [1, 363, 265, 201, 19, 13, 19, 33, 2, 201, 1, 415, 626, 201,   # prompt
+                     19, 13, 19, 31, 20, 16, 1024, 201, 53, 81, 223, 20, 16, 1024]
+        step_positions = [20, 27]  # input_ids[20] == input_ids[27] == 1024, after each step
         labels    = [1.0, 0.7]     # floats, never cast
     """
     if labels is not None and len(labels) != len(steps):

@@ -205,3 +205,16 @@ def test_extend_steps_equals_full_tokenization(tiny_models, arch):
         assert ext.model_inputs.keys() == full.model_inputs.keys()
         for k in full.model_inputs:
             assert torch.equal(ext.model_inputs[k], full.model_inputs[k]), k
+
+
+def test_docstring_example_is_what_tokenize_steps_returns(tiny_models):
+    """The ids in `tokenize_steps`'s docstring are real: keep them so."""
+    from mmprm.models.loading import add_step_token, load_backbone
+    from mmprm.steps import tokenize_steps
+
+    model, processor = load_backbone(tiny_models("qwen2"))
+    assert add_step_token(processor, model) == 1024
+    tok = tokenize_steps(processor, "1+1?", ["1+1=2.", "So 2."], labels=[1.0, 0.7])
+    assert tok.input_ids == [1, 363, 265, 201, 19, 13, 19, 33, 2, 201, 1, 415, 626, 201,
+                             19, 13, 19, 31, 20, 16, 1024, 201, 53, 81, 223, 20, 16, 1024]
+    assert tok.step_positions == [20, 27] and tok.labels == [1.0, 0.7]
