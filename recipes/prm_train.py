@@ -143,16 +143,9 @@ def tokenize_file(path, processor, cfg: Config, spec: PRMSpec, accelerator) -> t
 
 def step_loss(head_logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """Mean soft cross-entropy over the step tokens of a micro-batch (weighted when balancing)."""
-    if weights is None:
-        if head_logits.ndim == 2:
-            return soft_ce_token_pair(head_logits, targets)
-        return soft_bce_value(head_logits, targets)
-    logp_pos = torch.nn.functional.logsigmoid(head_logits[:, 0] - head_logits[:, 1]) if head_logits.ndim == 2 \
-        else torch.nn.functional.logsigmoid(head_logits)
-    logp_neg = torch.nn.functional.logsigmoid(-(head_logits[:, 0] - head_logits[:, 1])) if head_logits.ndim == 2 \
-        else torch.nn.functional.logsigmoid(-head_logits)
-    per_step = -(targets * logp_pos.float() + (1 - targets) * logp_neg.float())  # (N,)
-    return (weights * per_step).sum() / weights.sum().clamp_min(1e-12)
+    if head_logits.ndim == 2:
+        return soft_ce_token_pair(head_logits, targets, weights)
+    return soft_bce_value(head_logits, targets, weights)
 
 
 @torch.no_grad()

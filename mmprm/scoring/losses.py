@@ -29,12 +29,22 @@ def _check_targets(targets: torch.Tensor, n: int, where: str) -> torch.Tensor:
     return targets
 
 
-def soft_ce_token_pair(pair_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _mean(per_step: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Plain mean, or weighted mean sum(w * l) / sum(w) (positive/negative balancing)."""
+    if weights is None:
+        return per_step.mean()
+    w = weights.to(per_step.dtype)
+    return (w * per_step).sum() / w.sum().clamp_min(1e-12)
+
+
+def soft_ce_token_pair(pair_logits: torch.Tensor, targets: torch.Tensor,
+                       weights: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy of the [pos, neg] token pair against [t, 1 - t], mean over steps.
 
     Args:
         pair_logits: (N, 2) logits of the positive and the negative label token at each step.
         targets: (N,) float in [0, 1], the probability that the step is good.
+        weights: optional (N,) per-step weights; the mean becomes sum(w * l) / sum(w).
 
     Returns:
         Scalar loss: mean_i -(t_i log softmax_pos + (1 - t_i) log softmax_neg).
@@ -45,22 +55,24 @@ def soft_ce_token_pair(pair_logits: torch.Tensor, targets: torch.Tensor) -> torc
     if pair_logits.shape[0] == 0:
         return pair_logits.sum() * 0.0
     logp = F.log_softmax(pair_logits.float(), dim=-1)  # (N, 2), fp32 for a stable log-sum-exp
-    return -(t * logp[:, 0] + (1 - t) * logp[:, 1]).mean()
+    return _mean(-(t * logp[:, 0] + (1 - t) * logp[:, 1]), weights)
 
 
-def soft_bce_value(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def soft_bce_value(logits: torch.Tensor, targets: torch.Tensor,
+                   weights: torch.Tensor | None = None) -> torch.Tensor:
     """Binary cross-entropy with logits against soft targets, mean over steps.
 
     Args:
         logits: (N,) value-head logits at step tokens.
         targets: (N,) float in [0, 1].
+        weights: optional (N,) per-step weights; the mean becomes sum(w * l) / sum(w).
     """
     if logits.dim() != 1:
         raise ValueError(f"soft_bce_value: logits must be (N,), got {tuple(logits.shape)}")
     t = _check_targets(targets, logits.shape[0], "soft_bce_value")
     if logits.shape[0] == 0:
         return logits.sum() * 0.0
-    return F.binary_cross_entropy_with_logits(logits.float(), t)
+    return _mean(F.binary_cross_entropy_with_logits(logits.float(), t, reduction="none"), weights)
 
 
 def gather_steps(
