@@ -26,9 +26,9 @@ from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 
 from mmprm.config import ConfigError, load_config, parse_cli, to_dict
-from mmprm.data.schema import DataError, load_examples
+from mmprm.data.schema import DataError, load_examples, load_image
 from mmprm.models.loading import load_backbone, vision_tower_parameters
-from mmprm.models.prm import PER_TOKEN_KEYS
+from mmprm.models.prm import PER_TOKEN_KEYS, collate_model_inputs
 from mmprm.steps import parse_solution, prompt_text, render_solution
 from mmprm.training import BatchStream, TrainProgress, find_checkpoint, lr_factor, rank_share
 
@@ -104,10 +104,8 @@ def tokenize_sft(processor, ex, max_length: int, system: str | None):
 
     Returns None when truncation leaves no assistant token (the example is dropped and counted).
     """
-    from PIL import Image
-
     tokenizer = getattr(processor, "tokenizer", processor)
-    images = [Image.open(p).convert("RGB") for p in ex.images]
+    images = [load_image(p) for p in ex.images]
     prompt = prompt_text(processor, ex.question, len(images), system)
     answer = render_solution(ex.steps, ex.answer) + (tokenizer.eos_token or "")
     if images:
@@ -136,17 +134,8 @@ def collate(items, pad_id: int) -> dict[str, torch.Tensor]:
     for i, t in enumerate(items):
         n = len(t["input_ids"])
         ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(t["input_ids"]), torch.tensor(t["labels"]), 1
-    out = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-    for key in sorted(set().union(*(t["extra"].keys() for t in items))):
-        values = [t["extra"][key] for t in items if key in t["extra"]]
-        if key in PER_TOKEN_KEYS:
-            padded = torch.zeros((len(items), width), dtype=values[0].dtype)
-            for i, t in enumerate(items):
-                padded[i, : t["extra"][key].shape[1]] = t["extra"][key][0]
-            out[key] = padded
-        else:
-            out[key] = torch.cat(values, dim=0)
-    return out
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+            **collate_model_inputs([t["extra"] for t in items], width)}
 
 
 def token_loss_sum(model, batch) -> tuple[torch.Tensor, int]:
@@ -162,8 +151,6 @@ def token_loss_sum(model, batch) -> tuple[torch.Tensor, int]:
 @torch.no_grad()
 def generate_eval(model, processor, examples, cfg: Config, accelerator) -> dict[str, float]:
     """Greedy solutions for eval examples: format compliance and answer accuracy."""
-    from PIL import Image
-
     from mmprm.answers import answers_match
 
     tokenizer = getattr(processor, "tokenizer", processor)
@@ -176,7 +163,7 @@ def generate_eval(model, processor, examples, cfg: Config, accelerator) -> dict[
     for start in range(0, len(mine), cfg.train.eval_batch_size):
         chunk = mine[start : start + cfg.train.eval_batch_size]
         prompts = [prompt_text(processor, ex.question, len(ex.images), cfg.model.system_prompt) for ex in chunk]
-        images = [Image.open(p).convert("RGB") for ex in chunk for p in ex.images]
+        images = [load_image(p) for ex in chunk for p in ex.images]
         if images:
             enc = processor(text=prompts, images=images, return_tensors="pt", padding=True)
         else:

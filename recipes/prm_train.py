@@ -27,7 +27,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from mmprm.config import ConfigError, load_config, parse_cli, to_dict
-from mmprm.data.schema import DataError, load_examples
+from mmprm.data.schema import DataError, load_examples, load_image
 from mmprm.models.loading import load_backbone, vision_tower_parameters
 from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, collate_steps, model_input_keys, save_prm
 from mmprm.scoring.losses import soft_bce_value, soft_ce_token_pair
@@ -116,8 +116,6 @@ class Config:
 
 def tokenize_file(path, processor, cfg: Config, spec: PRMSpec, accelerator) -> tuple[list, dict]:
     """Validate the whole file first, then tokenize; counts what truncation dropped."""
-    from PIL import Image
-
     examples = load_examples(path, require_labels=True)
     if not hasattr(processor, "image_processor"):
         with_images = [e.id for e in examples if e.images]
@@ -129,7 +127,7 @@ def tokenize_file(path, processor, cfg: Config, spec: PRMSpec, accelerator) -> t
         labels = ex.labels
         if cfg.data.label_mode == "hard":
             labels = [1.0 if x >= cfg.data.hard_threshold else 0.0 for x in labels]
-        images = [Image.open(p).convert("RGB") for p in ex.images]
+        images = [load_image(p) for p in ex.images]
         tok = tokenize_steps(processor, ex.question, ex.steps, images, labels, cfg.data.max_length,
                              spec.step_token, spec.system_prompt)
         if tok is None:

@@ -62,15 +62,15 @@ class Config:
     bon: list[str] = field(default_factory=list)
 
 
-def stage(name: str, done: Path, cfg: Config, timings: list, fn) -> None:
+def stage(name: str, done: Path, out: Path, force: bool, timings: list, fn) -> None:
     """Run one stage unless its output exists; time it; one line before and after.
 
     Each stage's wall time is kept in OUTPUT_DIR/stage_times.json, so a rerun that skips it
     still reports the time it took when it ran.
     """
-    times_file = Path(cfg.output_dir if Path(cfg.output_dir).is_absolute() else REPO / cfg.output_dir) / "stage_times.json"
+    times_file = out / "stage_times.json"
     recorded = json.loads(times_file.read_text()) if times_file.exists() else {}
-    if done.exists() and not cfg.force:
+    if done.exists() and not force:
         print(f"==> [{name}] already done ({done}), skipping", flush=True)
         timings.append((name, recorded.get(name, float("nan")), "done in an earlier run"))
         return
@@ -127,34 +127,34 @@ def main(argv: list[str]) -> None:
         (data / "task.json").write_text(json.dumps({"text_only_accuracy": text_only_accuracy(train, test),
                                                     **to_dict(cfg.task)}, indent=2))
 
-    stage("data", data / "task.json", cfg, timings, make_data)
+    stage("data", data / "task.json", out, cfg.force, timings, make_data)
 
     # ---- 2. tiny model ---------------------------------------------------------------------
-    stage("model", model_dir / "config.json", cfg, timings, lambda: run(
+    stage("model", model_dir / "config.json", out, cfg.force, timings, lambda: run(
         "-m", "mmprm.cli", "tiny-model", "--arch", cfg.arch, "--out", str(model_dir), "--seed", str(cfg.seed),
         "--hidden-size", str(cfg.hidden_size), "--layers", str(cfg.num_layers)))
 
     # ---- 3. policy SFT ---------------------------------------------------------------------
-    stage("policy", policy / "model.safetensors", cfg, timings, lambda: run(
+    stage("policy", policy / "model.safetensors", out, cfg.force, timings, lambda: run(
         "recipes/policy_sft.py", "--config", "recipes/configs/tiny/policy_sft.yaml",
         f"model.name_or_path={model_dir}", f"data.train_file={data / 'train_sft.jsonl'}",
         f"data.eval_file={data / 'test_sft.jsonl'}", f"output_dir={policy}", f"train.seed={cfg.seed}",
         "train.report_to=none", *cfg.sft))
 
     # ---- 4. MCTS annotation ----------------------------------------------------------------
-    stage("annotate", mcts / "prm_data.jsonl", cfg, timings, lambda: run(
+    stage("annotate", mcts / "prm_data.jsonl", out, cfg.force, timings, lambda: run(
         "recipes/mcts_annotate.py", "--config", "recipes/configs/tiny/mcts_annotate.yaml",
         f"model.name_or_path={policy}", f"data.problems_file={data / 'annotate_problems.jsonl'}",
         f"output_dir={mcts}", f"sampling.seed={cfg.seed}", *cfg.annotate))
 
     # ---- 5. PRM training (initialised from the policy, as MM-PRM does from its base) ---------
-    stage("prm", prm / "mmprm_prm.json", cfg, timings, lambda: run(
+    stage("prm", prm / "mmprm_prm.json", out, cfg.force, timings, lambda: run(
         "recipes/prm_train.py", "--config", "recipes/configs/tiny/prm_train.yaml",
         f"model.name_or_path={policy}", f"data.train_file={mcts / 'prm_data.jsonl'}", "data.eval_file=null",
         f"output_dir={prm}", f"train.seed={cfg.seed}", "train.report_to=none", *cfg.prm))
 
     # ---- 6. Best-of-N on held-out problems -------------------------------------------------
-    stage("bon", bon / "report.json", cfg, timings, lambda: run(
+    stage("bon", bon / "report.json", out, cfg.force, timings, lambda: run(
         "recipes/bon_rerank.py", "--config", "recipes/configs/tiny/bon_rerank.yaml", f"prm={prm}",
         "candidates_file=null", "generate.enabled=true", f"generate.policy={policy}",
         f"generate.problems_file={data / 'test_problems.jsonl'}", f"generate.n={cfg.n}",

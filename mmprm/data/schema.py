@@ -87,6 +87,17 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, s
             yield lineno, obj, None
 
 
+def load_image(image: Any) -> Any:
+    """A path opened as an RGB image (the processors expect 3 channels) and its file closed; an
+    image object passes through as it is."""
+    if isinstance(image, (str, Path)):
+        from PIL import Image
+
+        with Image.open(image) as im:
+            return im.convert("RGB")
+    return image
+
+
 def _check_image(path: Path, cache: dict[Path, str | None]) -> str | None:
     if path not in cache:
         if not path.exists():

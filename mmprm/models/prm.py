@@ -21,6 +21,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
+from mmprm.data.schema import load_image
 from mmprm.steps import STEP_TOKEN, TokenizedSteps, extend_steps, tokenize_steps
 
 SPEC_FILE = "mmprm_prm.json"
@@ -131,16 +132,27 @@ def collate_steps(items: Sequence[TokenizedSteps], pad_id: int) -> dict[str, tor
     if all(t.labels is not None for t in items):
         # float32 end to end: a 0.7 label reaches the loss as 0.7
         out["targets"] = torch.tensor([x for t in items for x in t.labels], dtype=torch.float32)
-    keys = set().union(*(t.model_inputs.keys() for t in items))
-    for key in sorted(keys):
-        values = [t.model_inputs[key] for t in items if key in t.model_inputs]
+    out.update(collate_model_inputs([t.model_inputs for t in items], width))
+    return out
+
+
+def collate_model_inputs(extras: Sequence[dict[str, torch.Tensor]], width: int) -> dict[str, torch.Tensor]:
+    """Batch the processor's extra outputs of single examples (PRM and SFT collators alike).
+
+    Per-token tensors (1, n) are right-padded with 0 to (B, width) like input_ids; image tensors
+    are concatenated along dim 0, since the models consume images in batch order.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for key in sorted(set().union(*(e.keys() for e in extras))):
+        values = [e[key] for e in extras if key in e]
         if key in PER_TOKEN_KEYS:
-            padded = torch.zeros((batch, width), dtype=values[0].dtype)
-            for i, t in enumerate(items):
-                v = t.model_inputs[key][0]
-                padded[i, : min(len(v), width)] = v[:width]
+            padded = torch.zeros((len(extras), width), dtype=values[0].dtype)
+            for i, e in enumerate(extras):
+                if key in e:
+                    v = e[key][0][:width]
+                    padded[i, : len(v)] = v
             out[key] = padded
-        else:  # image tensors: the models consume images in batch order
+        else:
             out[key] = torch.cat(values, dim=0)
     return out
 
@@ -171,7 +183,7 @@ class PRMScorer:
 
     def tokenize(self, ex: Any) -> TokenizedSteps:
         get = (lambda k, d=None: getattr(ex, k, d)) if not isinstance(ex, dict) else ex.get
-        images = [_open_image(p) for p in (get("images") or [])]
+        images = [load_image(p) for p in (get("images") or [])]
         tok = tokenize_steps(self.processor, get("question"), list(get("steps")), images,
                              max_length=self.max_length, step_token=self.spec.step_token,
                              system=self.spec.system_prompt)
@@ -289,15 +301,6 @@ class PRMScorer:
 
 def _steps_of(ex: Any) -> list[str]:
     return list(ex["steps"] if isinstance(ex, dict) else ex.steps)
-
-
-def _open_image(p: Any) -> Any:
-    if isinstance(p, (str, Path)):
-        from PIL import Image
-
-        with Image.open(p) as im:
-            return im.convert("RGB")
-    return p
 
 
 class _NoBar:

@@ -24,14 +24,8 @@ from mmprm.annotate.backends.base import (
     rollout_prompt,
     stop_strings,
 )
+from mmprm.data.schema import load_image
 
-
-def load_image(path: str) -> Any:
-    """Open an image as RGB (the processors expect 3 channels)."""
-    from PIL import Image
-
-    with Image.open(path) as im:
-        return im.convert("RGB")
 
 
 class HFBackend:

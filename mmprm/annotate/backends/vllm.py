@@ -90,7 +90,7 @@ class VLLMBackend:
         self.stats = GenerationStats()
 
     def generate(self, requests: list[RolloutRequest]) -> list[list[str]]:
-        from mmprm.annotate.backends.hf import load_image
+        from mmprm.data.schema import load_image
 
         start = time.perf_counter()
         prompts: list[dict[str, Any]] = []
