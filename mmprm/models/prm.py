@@ -182,13 +182,12 @@ class PRMScorer:
         self.dropped_steps = 0
 
     def tokenize(self, ex: Any) -> TokenizedSteps:
-        get = (lambda k, d=None: getattr(ex, k, d)) if not isinstance(ex, dict) else ex.get
-        images = [load_image(p) for p in (get("images") or [])]
-        tok = tokenize_steps(self.processor, get("question"), list(get("steps")), images,
+        images = [load_image(p) for p in (_field(ex, "images") or [])]
+        tok = tokenize_steps(self.processor, _field(ex, "question"), _steps_of(ex), images,
                              max_length=self.max_length, step_token=self.spec.step_token,
                              system=self.spec.system_prompt)
         if tok is None:
-            raise ValueError(f"id={get('id', '?')}: the prompt and the first step do not fit in "
+            raise ValueError(f"id={_field(ex, 'id', '?')}: the prompt and the first step do not fit in "
                              f"max_length={self.max_length}; raise max_length or shorten the question")
         return tok
 
@@ -202,10 +201,9 @@ class PRMScorer:
             if not _steps_of(ex):
                 results[i] = []  # nothing to score; aggregators rank an empty candidate last
                 continue
-            get = (lambda k, d=None: getattr(ex, k, d)) if not isinstance(ex, dict) else ex.get
             # PIL images are unhashable: group those by object identity, paths by value
-            imgs = tuple(x if isinstance(x, (str, Path)) else id(x) for x in (get("images") or ()))
-            key = (get("question"), imgs) if share_prefix else i
+            imgs = tuple(x if isinstance(x, (str, Path)) else id(x) for x in (_field(ex, "images") or ()))
+            key = (_field(ex, "question"), imgs) if share_prefix else i
             group = groups.setdefault(key, [])
             # same prompt and images as the group's first: tokenize only the new steps
             toks[i] = extend_steps(self.processor, toks[group[0]], _steps_of(ex), max_length=self.max_length,
@@ -299,8 +297,13 @@ class PRMScorer:
         return out
 
 
+def _field(ex: Any, key: str, default: Any = None) -> Any:
+    """A field of an example given as a dict or as an object (StepExample, Problem)."""
+    return ex.get(key, default) if isinstance(ex, dict) else getattr(ex, key, default)
+
+
 def _steps_of(ex: Any) -> list[str]:
-    return list(ex["steps"] if isinstance(ex, dict) else ex.steps)
+    return list(_field(ex, "steps"))
 
 
 class _NoBar:
