@@ -13,6 +13,9 @@ Two renderings live here and nowhere else:
    chat-templated prompt with its images, then the assistant turn with the dedicated special
    `STEP_TOKEN` after every step. The PRM head is read at those tokens and nowhere else.
 
+Chat messages are built here only (`chat_messages`), in the form the model's own template reads:
+string content for text-only models, typed parts for vision-language processors.
+
 `prm_steps` joins the two: the steps of a parsed solution with its final answer attached to the
 last step, so a PRM sees the answer it is asked to judge.
 """
@@ -124,23 +127,98 @@ def user_content(question: str, num_images: int) -> list[dict[str, Any]]:
     return parts
 
 
+def is_text_only(processor: Any) -> bool:
+    """True when `processor` is a plain tokenizer (a text-only model), False for a VLM processor.
+
+    This decides the chat message format: text-only templates (SmolLM2, Llama 3, Mistral,
+    Qwen2.5, ...) concatenate `message['content']` as a string, while VLM templates iterate typed
+    parts (LLaVA's even ignore a string). `mmprm.models.load_processor` returns the tokenizer
+    itself for text-only checkpoints and a processor with an image processor otherwise.
+    """
+    return getattr(processor, "image_processor", None) is None
+
+
 def build_messages(question: str, num_images: int, system: str | None = None,
-                   assistant: str | None = None) -> list[dict[str, Any]]:
-    """Chat messages for one problem; `assistant` adds a (partial) assistant turn."""
+                   assistant: str | None = None, *, text_only: bool = False) -> list[dict[str, Any]]:
+    """Chat messages for one problem; `assistant` adds a (partial) assistant turn.
+
+    text_only: every content is a plain string (what text-only chat templates concatenate);
+    otherwise typed parts (`{"type": "text", ...}`, `{"type": "image"}`) as VLM processors expect.
+    Use `chat_messages` to decide this from the processor.
+    """
+    def content(text: str) -> Any:
+        return text if text_only else [{"type": "text", "text": text}]
+
     messages: list[dict[str, Any]] = []
     if system:
-        messages.append({"role": "system", "content": [{"type": "text", "text": system}]})
-    messages.append({"role": "user", "content": user_content(question, num_images)})
+        messages.append({"role": "system", "content": content(system)})
+    if text_only:
+        if num_images or IMAGE_PLACEHOLDER.search(question):
+            raise ValueError(
+                f"question has {count_image_placeholders(question)} image placeholders and {num_images} "
+                "images, but the model is text-only: use a vision-language model or text-only problems"
+            )
+        messages.append({"role": "user", "content": question})
+    else:
+        messages.append({"role": "user", "content": user_content(question, num_images)})
     if assistant is not None:
-        messages.append({"role": "assistant", "content": [{"type": "text", "text": assistant}]})
+        messages.append({"role": "assistant", "content": content(assistant)})
     return messages
 
 
+def chat_messages(processor: Any, question: str, num_images: int, system: str | None = None,
+                  assistant: str | None = None) -> list[dict[str, Any]]:
+    """`build_messages` in the content format `processor`'s chat template expects (`is_text_only`)."""
+    return build_messages(question, num_images, system, assistant, text_only=is_text_only(processor))
+
+
 def prompt_text(processor: Any, question: str, num_images: int, system: str | None = None) -> str:
-    """Chat-templated prompt text up to the start of the assistant turn."""
+    """Chat-templated prompt text up to the start of the assistant turn (the generation prompt)."""
     return processor.apply_chat_template(
-        build_messages(question, num_images, system), add_generation_prompt=True, tokenize=False
+        chat_messages(processor, question, num_images, system), add_generation_prompt=True, tokenize=False
     )
+
+
+# Assistant text that marks where a template puts the assistant's own words (see assistant_start).
+_PROBE = "mmprm-assistant-probe"
+
+
+def assistant_start(processor: Any, question: str, num_images: int, system: str | None = None) -> tuple[str, str]:
+    """(generation prompt, lead): the prompt text and what the template writes before the answer.
+
+    The lead is "" for most templates and " " for LLaVA-1.5 ("ASSISTANT:" then " answer") and
+    Mistral ("[/INST]" then " answer"). It is read from the template itself: render an assistant
+    turn holding a probe and take what lies between the generation prompt and the probe. When the
+    assistant turn does not extend the generation prompt (Mistral moves the system prompt once an
+    assistant turn follows), the same conversation without the system prompt is asked; when that
+    fails too (LLaVA-OneVision renders "assistant \n" but prompts with "assistant\n"), the lead
+    is "": the generation prompt is what the model answers after.
+    """
+    gen = processor.apply_chat_template(chat_messages(processor, question, num_images, system),
+                                        add_generation_prompt=True, tokenize=False)
+    for sys in dict.fromkeys([system, None]):
+        try:
+            ask = gen if sys == system else processor.apply_chat_template(
+                chat_messages(processor, question, num_images, sys), add_generation_prompt=True, tokenize=False)
+            turn = processor.apply_chat_template(
+                chat_messages(processor, question, num_images, sys, assistant=_PROBE), tokenize=False)
+        except Exception:  # a template that rejects this conversation (jinja2 TemplateError, raise_exception)
+            continue
+        head, found, _ = turn.partition(_PROBE)
+        if found and head.startswith(ask):
+            return gen, head[len(ask):]
+    return gen, ""
+
+
+def needs_special_tokens(tokenizer: Any, text: str) -> bool:
+    """Whether to let the tokenizer add its special tokens (BOS) to chat-templated `text`.
+
+    Templates that write the BOS themselves (Llama 3, Mistral) would get a second one from
+    tokenizers that add it (`add_bos_token`); templates that do not (LLaVA-1.5) rely on it.
+    Same rule as transformers' own `apply_chat_template`.
+    """
+    bos = getattr(tokenizer, "bos_token", None)
+    return not (bos and text.startswith(bos))
 
 
 def continuation_prompt(processor: Any, question: str, num_images: int, prefix_steps: Sequence[str],
@@ -148,7 +226,8 @@ def continuation_prompt(processor: Any, question: str, num_images: int, prefix_s
     """Prompt text that continues a partial assistant message (for rollouts and generation).
 
     The steps so far are the start of the assistant turn itself (`continue_final_message`), not
-    restated in the user turn, so the policy sees exactly what it would have written.
+    restated in the user turn, so the policy sees exactly what it would have written: the
+    generation prompt (`prompt_text`) it wrote them after, then the steps.
     """
     base = prompt_text(processor, question, num_images, system)
     return base + render_prefix(prefix_steps)
@@ -163,6 +242,9 @@ class TokenizedSteps:
     labels: the kept labels (same length as step_positions), or None when unlabelled.
     dropped_steps: trailing steps removed to fit `max_length` (their labels went with them).
     model_inputs: extra processor outputs (pixel_values, image_grid_thw, ...), batch dim 1.
+    prompt_length: tokens before the assistant's words, when `lead` + steps tokenize the same
+        alone (then `extend_steps` reuses them); None otherwise.
+    lead: what the chat template writes between the prompt and the first step (`assistant_start`).
     """
 
     input_ids: list[int]
@@ -170,8 +252,8 @@ class TokenizedSteps:
     labels: list[float] | None
     dropped_steps: int = 0
     model_inputs: dict[str, Any] = field(default_factory=dict)
-    # tokens before the assistant body, when the body tokenizes the same alone (see extend_steps)
     prompt_length: int | None = None
+    lead: str = ""
 
 
 class StepTokenError(ValueError):
@@ -195,8 +277,10 @@ def tokenize_steps(
 ) -> TokenizedSteps | None:
     """Tokenize one example for a PRM and return the position of every step token.
 
-    The prompt is the processor's chat template (images before the question or at its
-    placeholders); the assistant turn is `assistant_body(steps)`. Positions are read back from
+    The prompt is the processor's chat template (`chat_messages`: string content for a text-only
+    model, typed parts with images before the question or at its placeholders for a VLM); the
+    assistant turn is the template's lead (`assistant_start`) then `assistant_body(steps)`. BOS
+    is added only when the template did not write it. Positions are read back from
     the ids, so they are right whatever the image expansion did. Truncation to `max_length`
     drops whole trailing steps together with their labels; if not even the first step fits,
     returns None (the caller counts it). A literal step token in the question or a step raises
@@ -221,14 +305,17 @@ def tokenize_steps(
         raise StepTokenError(
             f"tokenizer has no {step_token!r} token: call mmprm.models.add_step_token(processor, model) first"
         )
-    text = prompt_text(processor, question, len(images), system) + assistant_body(steps, step_token)
+    prompt, lead = assistant_start(processor, question, len(images), system)
+    tail = lead + assistant_body(steps, step_token)
+    text = prompt + tail
+    special = needs_special_tokens(tokenizer, text)
     if images:
-        enc = processor(text=[text], images=list(images), return_tensors="pt")
+        enc = processor(text=[text], images=list(images), return_tensors="pt", add_special_tokens=special)
     else:
-        enc = tokenizer([text], return_tensors="pt", add_special_tokens=False)
+        enc = tokenizer([text], return_tensors="pt", add_special_tokens=special)
     ids = enc["input_ids"][0].tolist()
-    body_ids = tokenizer(assistant_body(steps, step_token), add_special_tokens=False)["input_ids"]
-    prompt_length = len(ids) - len(body_ids) if ids[len(ids) - len(body_ids):] == body_ids else None
+    tail_ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
+    prompt_length = len(ids) - len(tail_ids) if ids[len(ids) - len(tail_ids):] == tail_ids else None
     positions = [i for i, t in enumerate(ids) if t == step_id]
     if len(positions) != len(steps):
         raise StepTokenError(
@@ -253,6 +340,7 @@ def tokenize_steps(
         dropped_steps=len(steps) - kept,
         model_inputs=model_inputs,
         prompt_length=prompt_length,
+        lead=lead,
     )
 
 
@@ -289,7 +377,7 @@ def extend_steps(processor: Any, base: TokenizedSteps, steps: Sequence[str],
     _check_special_tokens(processor, "", steps, step_token)
     tokenizer = getattr(processor, "tokenizer", processor)
     step_id = tokenizer.convert_tokens_to_ids(step_token)
-    body = tokenizer(assistant_body(steps, step_token), add_special_tokens=False)["input_ids"]
+    body = tokenizer(base.lead + assistant_body(steps, step_token), add_special_tokens=False)["input_ids"]
     n = base.prompt_length
     ids = base.input_ids[:n] + body
     positions = [n + i for i, t in enumerate(body) if t == step_id]
@@ -307,7 +395,7 @@ def extend_steps(processor: Any, base: TokenizedSteps, steps: Sequence[str],
     return TokenizedSteps(
         input_ids=ids[:end], step_positions=positions[:kept],
         labels=[float(x) for x in labels[:kept]] if labels is not None else None,
-        dropped_steps=len(steps) - kept, model_inputs=model_inputs, prompt_length=n,
+        dropped_steps=len(steps) - kept, model_inputs=model_inputs, prompt_length=n, lead=base.lead,
     )
 
 

@@ -25,6 +25,7 @@ from mmprm.annotate.backends.base import (
     stop_strings,
 )
 from mmprm.data.schema import load_image
+from mmprm.steps import needs_special_tokens
 
 
 
@@ -48,6 +49,9 @@ class HFBackend:
         self.tokenizer = getattr(processor, "tokenizer", processor)
         # Decoder-only generation appends after the last column: pad on the left.
         self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token is None:
+            # Llama 3 and others ship without a pad token; padded columns are masked out, so EOS serves.
+            self.tokenizer.pad_token = self.tokenizer.eos_token
         self.sampling = sampling
         self.step_mode = step_mode
         self.batch_size = batch_size
@@ -100,11 +104,12 @@ class HFBackend:
         for lo in range(0, len(rows), self.batch_size):
             chunk = rows[lo: lo + self.batch_size]
             texts = [t for _, t, _ in chunk]
+            special = needs_special_tokens(self.tokenizer, texts[0])  # one template: same for every row
             if self.multimodal and any(imgs for _, _, imgs in chunk):
                 enc = self.processor(text=texts, images=[imgs for _, _, imgs in chunk], padding=True,
-                                     return_tensors="pt")
+                                     return_tensors="pt", add_special_tokens=special)
             else:
-                enc = self.tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
+                enc = self.tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=special)
             enc = enc.to(self.model.device)
             # One seed per chunk: reruns of the same work sample the same rollouts.
             torch.manual_seed(self.sampling.seed + 1_000_003 * self.stats.calls + lo)

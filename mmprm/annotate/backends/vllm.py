@@ -30,6 +30,7 @@ from mmprm.annotate.backends.base import (
     rollout_prompt,
     stop_strings,
 )
+from mmprm.steps import needs_special_tokens
 
 # Launcher variables that would make vLLM think it is part of a torch.distributed job; each
 # annotation rank runs an independent engine (data parallel over problems), so hide them.
@@ -114,9 +115,11 @@ class VLLMBackend:
                 stop=stop_strings(self.step_mode) or None, include_stop_str_in_output=True)
             for i, req in enumerate(requests)
         ]
-        # The chat template already wrote every special token; do not let the tokenizer add a BOS.
+        # A BOS only where the chat template did not write one (LLaVA-1.5's does not; Llama 3's does).
+        tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        special = bool(prompts) and needs_special_tokens(tokenizer, prompts[0]["prompt"])
         outputs = self.llm.generate(prompts, params, use_tqdm=False,
-                                    tokenization_kwargs={"add_special_tokens": False})
+                                    tokenization_kwargs={"add_special_tokens": special})
         texts = [[c.text for c in out.outputs] for out in outputs]
         self.stats.calls += 1
         self.stats.sequences += sum(r.n for r in requests)
