@@ -221,16 +221,27 @@ def needs_special_tokens(tokenizer: Any, text: str) -> bool:
     return not (bos and text.startswith(bos))
 
 
+def continue_assistant(processor: Any, question: str, num_images: int, text: str,
+                       system: str | None = None) -> str:
+    """Prompt whose assistant turn already holds `text`, for the model to continue.
+
+    The generation prompt, then the template's lead and `text` as the template writes an assistant
+    turn ("ASSISTANT: " + text for LLaVA-1.5), so the tokens are those the model would have produced
+    after the generation prompt. Empty `text` gives the generation prompt alone: the model writes the
+    lead itself.
+    """
+    prompt, lead = assistant_start(processor, question, num_images, system)
+    return prompt + lead + text if text else prompt
+
+
 def continuation_prompt(processor: Any, question: str, num_images: int, prefix_steps: Sequence[str],
                         system: str | None = None) -> str:
-    """Prompt text that continues a partial assistant message (for rollouts and generation).
+    """Prompt text that continues a partial solution in policy format (for rollouts and generation).
 
-    The steps so far are the start of the assistant turn itself (`continue_final_message`), not
-    restated in the user turn, so the policy sees exactly what it would have written: the
-    generation prompt (`prompt_text`) it wrote them after, then the steps.
+    The steps so far are the start of the assistant turn itself (`continue_assistant`), not
+    restated in the user turn, so the policy sees exactly what it would have written.
     """
-    base = prompt_text(processor, question, num_images, system)
-    return base + render_prefix(prefix_steps)
+    return continue_assistant(processor, question, num_images, render_prefix(prefix_steps), system)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from mmprm.config import ConfigError, load_config, parse_cli, to_dict
 from mmprm.data.schema import DataError, load_examples, load_image
 from mmprm.models.loading import load_backbone, vision_tower_parameters
 from mmprm.models.prm import PER_TOKEN_KEYS, collate_model_inputs
-from mmprm.steps import parse_solution, prompt_text, render_solution
+from mmprm.steps import assistant_start, parse_solution, prompt_text, render_solution
 from mmprm.training import BatchStream, TrainProgress, find_checkpoint, lr_factor, rank_share
 
 IGNORE = -100
@@ -106,8 +106,9 @@ def tokenize_sft(processor, ex, max_length: int, system: str | None):
     """
     tokenizer = getattr(processor, "tokenizer", processor)
     images = [load_image(p) for p in ex.images]
-    prompt = prompt_text(processor, ex.question, len(images), system)
-    answer = render_solution(ex.steps, ex.answer) + (tokenizer.eos_token or "")
+    prompt, lead = assistant_start(processor, ex.question, len(images), system)
+    # The lead (" " after LLaVA-1.5's "ASSISTANT:") is learned with the answer, as the model generates it.
+    answer = lead + render_solution(ex.steps, ex.answer) + (tokenizer.eos_token or "")
     if images:
         enc = processor(text=[prompt + answer], images=images, return_tensors="pt")
         n_prompt = len(processor(text=[prompt], images=images, return_tensors="pt")["input_ids"][0])

@@ -163,7 +163,7 @@ def _build(arch: str, tok: Any, hidden_size: int = 64, num_layers: int = 2) -> t
     from mmprm.models.loading import IMAGE_ONLY_PROCESSORS
 
     tid = tok.convert_tokens_to_ids
-    template = chat_template(arch)
+    template = tok.chat_template or chat_template(arch)
     if arch == "qwen2":
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**_text_config(tok, hidden_size, num_layers))), tok
     if arch in ("qwen2_vl", "qwen2_5_vl"):
@@ -217,7 +217,7 @@ def _build(arch: str, tok: Any, hidden_size: int = 64, num_layers: int = 2) -> t
 
 
 def build_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, hidden_size: int = 64,
-                     num_layers: int = 2) -> Path:
+                     num_layers: int = 2, tokenizer: Any | None = None) -> Path:
     """Build, save and return the directory of a tiny random-init model of `arch`.
 
     Args:
@@ -228,6 +228,9 @@ def build_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, hidden_size:
         hidden_size: language-model width, a multiple of 16 (heads of 16 dims); 64 for tests,
             128-256 learns the synthetic demo task faster.
         num_layers: language-model decoder layers.
+        tokenizer: a tokenizer to use instead of the one trained here (tests of real chat templates
+            and special-token settings); it must hold this arch's named tokens (`_ARCH_TOKENS`), and
+            its chat template, when set, becomes the processor's.
 
     Returns:
         `out_dir` as a Path, loadable with `load_backbone` / `from_pretrained`.
@@ -242,13 +245,13 @@ def build_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, hidden_size:
         raise ValueError(f"tiny num_layers={num_layers}: use 1 or more")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = _train_tokenizer(arch)
+    tok = tokenizer if tokenizer is not None else _train_tokenizer(arch)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model, processor = _build(arch, tok, hidden_size, num_layers)
     model.generation_config = GenerationConfig(
         bos_token_id=tok.pad_token_id, pad_token_id=tok.pad_token_id,
-        eos_token_id=[tok.eos_token_id, tok.pad_token_id],
+        eos_token_id=[i for i in dict.fromkeys([tok.eos_token_id, tok.pad_token_id]) if i is not None],
     )
     model.save_pretrained(out)
     processor.save_pretrained(out)

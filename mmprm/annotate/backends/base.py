@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, Sequence
 
-from mmprm.steps import ANSWER_CLOSE, continuation_prompt, prompt_text
+from mmprm.steps import ANSWER_CLOSE, continuation_prompt, continue_assistant
 
 StepMode = Literal["tags", "blank_lines"]
 
@@ -97,8 +97,8 @@ def rollout_prompt(processor: Any, question: str, num_images: int, prefix_steps:
     """
     if step_mode == "tags":
         return continuation_prompt(processor, question, num_images, prefix_steps, system)
-    base = prompt_text(processor, question, num_images, system)
-    return base + "".join(f"{s.strip()}\n\n" for s in prefix_steps)
+    return continue_assistant(processor, question, num_images, "".join(f"{s.strip()}\n\n" for s in prefix_steps),
+                              system)
 
 
 def stop_strings(step_mode: StepMode) -> list[str]:
