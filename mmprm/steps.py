@@ -194,6 +194,8 @@ def assistant_start(processor: Any, question: str, num_images: int, system: str 
     fails too (LLaVA-OneVision renders "assistant \n" but prompts with "assistant\n"), the lead
     is "": the generation prompt is what the model answers after.
     """
+    from jinja2 import TemplateError
+
     gen = processor.apply_chat_template(chat_messages(processor, question, num_images, system),
                                         add_generation_prompt=True, tokenize=False)
     for sys in dict.fromkeys([system, None]):
@@ -202,7 +204,7 @@ def assistant_start(processor: Any, question: str, num_images: int, system: str 
                 chat_messages(processor, question, num_images, sys), add_generation_prompt=True, tokenize=False)
             turn = processor.apply_chat_template(
                 chat_messages(processor, question, num_images, sys, assistant=_PROBE), tokenize=False)
-        except Exception:  # a template that rejects this conversation (jinja2 TemplateError, raise_exception)
+        except TemplateError:  # the template rejects this conversation (its raise_exception): ask the next
             continue
         head, found, _ = turn.partition(_PROBE)
         if found and head.startswith(ask):

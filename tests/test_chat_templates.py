@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mmprm.models import add_step_token, load_backbone, load_processor
+from mmprm.models import add_step_token, load_backbone
 from mmprm.models.tiny import _ARCH_TOKENS, _corpus, build_tiny_model
 from mmprm.steps import (
     STEP_TOKEN,
@@ -39,6 +39,10 @@ FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 FAMILIES: dict[str, dict] = json.loads((FIXTURES / "families.json").read_text(encoding="utf-8"))
 NAMES = sorted(FAMILIES)
 TEXT_ARCHS = ("qwen2", "llama", "mistral")
+# Named tokens each processor reads from its tokenizer: the tiny presets' archs, plus the two
+# LLaVA generations built here (tiny.py has no preset for them).
+NAMED_TOKENS = {**_ARCH_TOKENS, "llava_next": {"image_token": "<image>"},
+                "llava_onevision": {"image_token": "<image>", "video_token": "<video>"}}
 SYSTEMS = [None, "Answer in short numbered steps."]
 SYSTEM_IDS = ["no_system", "system"]
 
@@ -53,6 +57,11 @@ OTHER_STEPS = ["Count again: 7 + 5 = 13.", "So 13.\n<answer>13</answer>"]
 # templates by hand: LLaVA-1.5 "ASSISTANT:" + " answer", LLaVA-NeXT and Mistral "[/INST]" + " answer".
 # LLaVA-OneVision renders an assistant turn as "assistant \n" but prompts with "assistant\n": no lead.
 EXPECTED_LEAD = {"llava_1_5_hf": " ", "llava_next_hf": " ", "mistral_v0_3_instruct": " "}
+MODEL_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+               "internvl": "InternVLForConditionalGeneration", "llava": "LlavaForConditionalGeneration",
+               "llava_next": "LlavaNextForConditionalGeneration",
+               "llava_onevision": "LlavaOnevisionForConditionalGeneration", "qwen2": "Qwen2ForCausalLM",
+               "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 def family_tokenizer(name: str):
@@ -62,7 +71,7 @@ def family_tokenizer(name: str):
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     fam = FAMILIES[name]
-    named = dict(_ARCH_TOKENS.get(fam["arch"], {}))
+    named = dict(NAMED_TOKENS.get(fam["arch"], {}))
     roles = [fam[k] for k in ("bos", "eos", "pad", "unk") if fam[k]]
     specials = list(dict.fromkeys([*fam["special_tokens"], *roles, *named.values()]))
     bpe = Tokenizer(models.BPE())
@@ -102,6 +111,44 @@ def _text_model(arch: str, tok, tie: bool):
         return model_cls(config)
 
 
+def _llava_anyres_model(arch: str, tok):
+    """Tiny LLaVA-NeXT (Mistral LM) or LLaVA-OneVision (Qwen2 LM): CLIP at 56 px, anyres grids of 56 px tiles."""
+    import transformers as tf
+
+    from mmprm.models.loading import LlavaOnevisionImageOnlyProcessor
+
+    text = {"model_type": "mistral" if arch == "llava_next" else "qwen2", "vocab_size": len(tok), "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 4096, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id}
+    vision = {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "image_size": 56, "patch_size": 14, "projection_dim": 32}
+    grids = [[56, 56], [56, 112], [112, 56]]
+    image_id = tok.convert_tokens_to_ids("<image>")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if arch == "llava_next":
+            model = tf.LlavaNextForConditionalGeneration(tf.LlavaNextConfig(
+                text_config=text, vision_config=vision, image_token_index=image_id, image_grid_pinpoints=grids,
+                vision_feature_layer=-2, vision_feature_select_strategy="default"))
+            images = tf.LlavaNextImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56},
+                                                   image_grid_pinpoints=grids)
+            processor = tf.LlavaNextProcessor(image_processor=images, tokenizer=tok, patch_size=14,
+                                              vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                              image_token="<image>", chat_template=tok.chat_template)
+        else:
+            model = tf.LlavaOnevisionForConditionalGeneration(tf.LlavaOnevisionConfig(
+                text_config=text, vision_config=vision, image_token_index=image_id,
+                video_token_index=tok.convert_tokens_to_ids("<video>"), image_grid_pinpoints=grids,
+                vision_feature_layer=-1, vision_feature_select_strategy="default"))
+            images = tf.LlavaOnevisionImageProcessorPil(size={"height": 56, "width": 56}, image_grid_pinpoints=grids)
+            # 16 patch tokens + CLS, which the "default" strategy drops
+            processor = LlavaOnevisionImageOnlyProcessor(image_processor=images, tokenizer=tok, num_image_tokens=17,
+                                                         vision_feature_select_strategy="default",
+                                                         chat_template=tok.chat_template)
+    return model, processor
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """name -> directory of that family's tiny checkpoint (built once; load it, never write into it)."""
@@ -115,6 +162,10 @@ def checkpoint(tmp_path_factory):
             if fam["arch"] in TEXT_ARCHS:
                 _text_model(fam["arch"], tok, fam["tie_word_embeddings"]).save_pretrained(out)
                 tok.save_pretrained(out)
+            elif fam["arch"] in ("llava_next", "llava_onevision"):
+                model, processor = _llava_anyres_model(fam["arch"], tok)
+                model.save_pretrained(out)
+                processor.save_pretrained(out)
             else:
                 build_tiny_model(fam["arch"], out, seed=0, tokenizer=tok)
             built[name] = out
@@ -185,6 +236,7 @@ def test_tokenize_steps_token_by_token(loaded, tmp_path, name, system):
     model, processor, step_id = loaded(name)
     fam, tok = FAMILIES[name], _tok(processor)
     assert is_text_only(processor) == (fam["arch"] in TEXT_ARCHS)
+    assert type(model).__name__ == MODEL_CLASS[fam["arch"]]
     question, images = _example(processor, tmp_path)
     prompt, lead = assistant_start(processor, question, len(images), system)
     assert lead == EXPECTED_LEAD.get(name, "")
@@ -422,7 +474,7 @@ def test_prm_train_recipe_on_a_string_template_checkpoint(checkpoint, tmp_path):
            f"data.train_file={train}", f"output_dir={out}", "train.max_steps=2", "train.batch_size=4",
            "train.log_every=1", "train.save_every=2", "data.max_length=256", "train.report_to=none"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("split") == "train" for r in rows) and (out / "mmprm_prm.json").exists()

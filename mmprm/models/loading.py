@@ -6,7 +6,7 @@
 The same functions serve real checkpoints and the tiny presets of `mmprm.models.tiny`, so a test
 exercises the very classes a user trains. Two environment facts shape this file:
 
-- Qwen2-VL, Qwen2.5-VL and InternVL processors carry a video processor, which needs torchvision;
+- Qwen2-VL, Qwen2.5-VL, InternVL and LLaVA-OneVision processors carry a video processor, which needs torchvision;
   a PRM never sees video, so those model types load through image-only subclasses below.
 - Without torchvision, transformers' `AutoImageProcessor` falls back to the PIL backend
   (`*ImageProcessorPil`) on its own; nothing here forces a backend.
@@ -27,6 +27,7 @@ from transformers import (
     AutoProcessor,
     AutoTokenizer,
     InternVLProcessor,
+    LlavaOnevisionProcessor,
     PreTrainedConfig,
     Qwen2_5_VLProcessor,
     Qwen2VLProcessor,
@@ -38,6 +39,7 @@ from mmprm.steps import STEP_TOKEN
 __all__ = [
     "IMAGE_ONLY_PROCESSORS",
     "InternVLImageOnlyProcessor",
+    "LlavaOnevisionImageOnlyProcessor",
     "Qwen2VLImageOnlyProcessor",
     "Qwen2_5_VLImageOnlyProcessor",
     "add_step_token",
@@ -96,11 +98,25 @@ class InternVLImageOnlyProcessor(_ImageOnlyMixin, InternVLProcessor):
                          chat_template=chat_template, **kwargs)
 
 
+class LlavaOnevisionImageOnlyProcessor(_ImageOnlyMixin, LlavaOnevisionProcessor):
+    """`LlavaOnevisionProcessor` (llava-hf/llava-onevision-*-hf) without its video processor."""
+
+    def __init__(self, image_processor: Any = None, tokenizer: Any = None, num_image_tokens: int | None = None,
+                 vision_feature_select_strategy: str | None = None, chat_template: str | None = None,
+                 image_token: str = "<image>", video_token: str = "<video>",
+                 vision_aspect_ratio: str = "anyres_max_9", **kwargs: Any) -> None:
+        super().__init__(image_processor, tokenizer, None, num_image_tokens=num_image_tokens,
+                         vision_feature_select_strategy=vision_feature_select_strategy, chat_template=chat_template,
+                         image_token=image_token, video_token=video_token, vision_aspect_ratio=vision_aspect_ratio,
+                         **kwargs)
+
+
 # model_type (config.json) -> processor class used by `load_processor`.
 IMAGE_ONLY_PROCESSORS: dict[str, type] = {
     "qwen2_vl": Qwen2VLImageOnlyProcessor,
     "qwen2_5_vl": Qwen2_5_VLImageOnlyProcessor,
     "internvl": InternVLImageOnlyProcessor,
+    "llava_onevision": LlavaOnevisionImageOnlyProcessor,
 }
 
 # Top-level submodule names of vision encoders across HF VLMs (Qwen: `visual`; LLaVA, InternVL:
@@ -154,7 +170,7 @@ def _image_only_class(path: Path, model_type: str | None) -> type | None:
 def load_processor(path: str | Path) -> Any:
     """Load the processor of a checkpoint directory (or hub id): tokenizer for text-only models.
 
-    Qwen2-VL, Qwen2.5-VL and InternVL load through their image-only subclasses; other VLMs
+    Qwen2-VL, Qwen2.5-VL, InternVL and LLaVA-OneVision load through their image-only subclasses; other VLMs
     through `AutoProcessor`; text-only models (config without `vision_config`) return the
     tokenizer itself, which `mmprm.steps` accepts wherever it takes a processor.
     """
