@@ -160,6 +160,8 @@ def generate_eval(model, processor, examples, cfg: Config, accelerator) -> dict[
     mine = examples[: cfg.train.eval_generations][accelerator.process_index :: accelerator.num_processes]
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:  # Llama 3 ships without one; padded columns are masked out anyway
+        tokenizer.pad_token = tokenizer.eos_token
     results = []
     for start in range(0, len(mine), cfg.train.eval_batch_size):
         chunk = mine[start : start + cfg.train.eval_batch_size]

@@ -459,6 +459,21 @@ def test_string_concatenating_template_on_a_text_only_model(checkpoint):
         prompt_text(processor, MM_QUESTION, 1)
 
 
+def test_policy_sft_eval_generation_without_a_pad_token(checkpoint):
+    """policy_sft's eval generation pads a batch on the left; Llama 3 ships no pad token."""
+    from accelerate import Accelerator
+
+    recipe = _load_recipe("policy_sft")
+    model, processor = load_backbone(checkpoint("llama3_1_instruct"))
+    assert processor.pad_token is None
+    cfg = recipe.Config()
+    cfg.train.eval_generations, cfg.train.eval_batch_size, cfg.train.max_new_tokens = 2, 2, 4
+    examples = [SimpleNamespace(id=f"q{i}", question=q, images=[], steps=STEPS[:1], answer="12")
+                for i, q in enumerate([TEXT_QUESTION, "What is 2 + 2?"])]
+    stats = recipe.generate_eval(model, processor, examples, cfg, Accelerator(cpu=True))
+    assert stats["generated"] == 2 and processor.pad_token == processor.eos_token
+
+
 @pytest.mark.slow
 def test_prm_train_recipe_on_a_string_template_checkpoint(checkpoint, tmp_path):
     """The real prm_train entry point, two steps, on the SmolLM2-style checkpoint (tied, string template)."""
