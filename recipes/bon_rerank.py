@@ -34,7 +34,7 @@ class SamplingConfig:
     temperature: float = 1.0
     top_k: int = 50
     top_p: float = 0.9
-    max_new_tokens: int = 1024
+    max_new_tokens: int = 4096  # MM-PRM's cap, as in annotation
     seed: int = 0
 
 

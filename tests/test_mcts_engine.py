@@ -68,8 +68,9 @@ def test_statuses_in_both_step_modes_and_no_steps_count(step_mode):
                 "prose": SimProblem([0.2] * 8)}
     records, stats, _ = run_engine(problems, step_mode=step_mode, unparsable=["prose"])
     status = {r["id"]: r["status"] for r in records}
-    # Tag mode finds no step in prose; blank-line mode reads the paragraph as one step (no answer).
-    prose = "no_steps" if step_mode == "tags" else "screened_all_wrong"
+    # Tag mode finds no step in prose; blank-line mode reads the paragraph as one step but no
+    # rollout ever reaches an answer, which says nothing about the steps: no_answer, not all wrong.
+    prose = "no_steps" if step_mode == "tags" else "no_answer"
     assert status == {"easy": "screened_all_correct", "hard": "screened_all_wrong", "mid": "annotated",
                       "prose": prose}
     assert sum(stats.by_status.values()) == 4 and stats.by_status.get("no_steps", 0) == (step_mode == "tags")
@@ -299,6 +300,9 @@ def test_hf_backend_samples_n_continuations_reproducibly(tiny_dirs, tmp_path):
     out = backend.generate(reqs)
     assert [len(o) for o in out] == [3, 4] and all(isinstance(t, str) for o in out for t in o)
     assert backend.stats.sequences == 7 and 7 <= backend.stats.generated_tokens <= 42
+    # A random-init model writes no answer tag in 6 tokens: each row that used the whole budget
+    # without EOS comes back marked cut at max_new_tokens (and the search never blames it).
+    assert any(t.truncated for o in out for t in o)
     again = HFBackend.from_pretrained(str(tiny_dirs["qwen2_vl"]), sampling, batch_size=5).generate(reqs)
     assert again == out
     with pytest.raises(RolloutInputError) as err:
@@ -379,3 +383,23 @@ def test_llm_judge_is_asked_only_when_rules_say_no(monkeypatch):
     dead = LLMJudge(f"http://127.0.0.1:{server.server_port}/v1", "m", retries=2, timeout_s=2)
     with pytest.raises(JudgeError, match="failed 2 times"):
         dead("x", "y")
+
+
+class _CutBackend(SimulatedPolicy):
+    """Marks every wrong blank-line rollout as cut at max_new_tokens (its \\boxed answer is then a
+    half-written guess the policy might have revised)."""
+
+    def generate(self, requests):
+        from mmprm.annotate.backends.base import Completion
+
+        return [[Completion(t, truncated="boxed{-1}" in t) for t in texts] for texts in super().generate(requests)]
+
+
+def test_rollouts_cut_at_max_new_tokens_are_counted_truncated_and_never_searched():
+    problems = {"cut": SimProblem([0.2] * 6)}
+    records = []
+    AnnotationEngine(_CutBackend(problems, step_mode="blank_lines"), SearchConfig(max_rollouts=100), exact,
+                     step_mode="blank_lines").run([Problem("cut", "q", GOLD)], records.append)
+    (rec,) = records
+    assert rec["status"] == "annotated" and rec["stats"]["truncated_rollouts"] > 0
+    assert rec["first_errors"] == [] and all(n["mc"] > 0 for n in rec["nodes"])

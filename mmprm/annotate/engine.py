@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from mmprm.annotate.backends.base import RolloutBackend, RolloutInputError, RolloutRequest, StepMode
+from mmprm.annotate.backends.base import RolloutBackend, RolloutInputError, RolloutRequest, StepMode, was_truncated
 from mmprm.annotate.search import OmegaSearch, Probe, Rollout, SearchConfig
 from mmprm.data.problems import Problem
 from mmprm.data.schema import DataError, iter_jsonl, write_jsonl
@@ -34,7 +34,7 @@ from mmprm.steps import parse_solution
 # pred answer (None when the rollout gave none), gold answer, choices -> correct?
 Verifier = Callable[[str | None, str, list[str] | None], bool]
 
-STATUSES = ("annotated", "screened_all_correct", "screened_all_wrong", "no_steps", "error")
+STATUSES = ("annotated", "screened_all_correct", "screened_all_wrong", "no_steps", "no_answer", "error")
 
 
 # -- ranks, shards and the per-rank tree file ---------------------------------------------------
@@ -197,6 +197,7 @@ class EngineStats:
     problems: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
     rollouts: int = 0
+    truncated_rollouts: int = 0  # stopped before an answer (max_new_tokens, or none written)
     backend_calls: int = 0
     sequences_per_call: list[int] = field(default_factory=list)
     backend_seconds: float = 0.0
@@ -205,6 +206,7 @@ class EngineStats:
     def summary(self) -> dict[str, Any]:
         calls = max(1, self.backend_calls)
         return {"problems": self.problems, "by_status": dict(self.by_status), "rollouts": self.rollouts,
+                "truncated_rollouts": self.truncated_rollouts,
                 "backend_calls": self.backend_calls, "mean_sequences_per_call": sum(self.sequences_per_call) / calls,
                 "backend_seconds": round(self.backend_seconds, 3), "seconds": round(self.seconds, 3),
                 "problems_per_s": self.problems / max(self.seconds, 1e-9),
@@ -309,6 +311,10 @@ class AnnotationEngine:
 
     def _rollout(self, item: _Active, text: str) -> Rollout:
         parsed = parse_solution(text, self.step_mode)
+        if was_truncated(text):
+            # Cut at max_new_tokens: an answer read from it (blank-line mode) is a half-written
+            # guess, so the rollout is unfinished (answer None), never searched for an error.
+            return Rollout(parsed.steps, None, False)
         if parsed.answer not in item.verdicts:
             # Many rollouts give the same answer; math-verify or a judge runs once per answer.
             item.verdicts[parsed.answer] = bool(
@@ -329,6 +335,7 @@ class AnnotationEngine:
             rec["stats"] = {"rollouts": item.search.rollouts}
         else:
             rec["stats"] = result.stats()
+            self.stats.truncated_rollouts += result.truncated_rollouts
             rec["nodes"] = result.nodes
             rec["first_errors"] = result.first_errors
         rec["seconds"] = round(time.perf_counter() - item.started, 3)
