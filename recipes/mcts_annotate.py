@@ -12,8 +12,11 @@ Output in OUTPUT_DIR: `trees.rank{r}-of-{w}.jsonl` (one record per problem with 
 appended and fsynced problem by problem), and once every rank is done, `trees.jsonl` (merged),
 `prm_data.jsonl` (step-labelled rows for recipes/prm_train.py), `export_report.json` + `.png`;
 each rank also leaves `summary.rank{r}-of-{w}.json` (throughput, statuses). After a crash (even
-kill -9) rerun the same command: finished problems are skipped and nothing is lost.
-`mmprm merge-annotations OUTPUT_DIR` merges by hand.
+kill -9) rerun the same command: finished problems are skipped and nothing is lost; problems
+that failed with a transient error (judge or backend down) are retried, and
+`engine.max_consecutive_failures` such failures in a row stop the run (exit 3) instead of
+erroring out the rest. A second worker started on the same OUTPUT_DIR and rank stops at once
+(exit 3), naming the live holder of the rank file. `mmprm merge-annotations OUTPUT_DIR` merges by hand.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from tqdm.auto import tqdm
 from mmprm.annotate.backends.base import SamplingConfig
 from mmprm.annotate.engine import (
     AnnotationEngine,
+    AnnotationOutage,
+    RankBusyError,
     TreeFile,
     finished_ids,
     merge_annotations,
@@ -68,6 +73,7 @@ class DataConfig:
 class EngineConfig:
     step_mode: Literal["tags", "blank_lines"] = "tags"  # tags: an SFT'd policy; blank_lines: any policy
     concurrency: int = 64  # problems in flight; a backend call carries up to concurrency * k rollouts
+    max_consecutive_failures: int = 16  # transient errors in a row that stop the run as an outage
 
 
 @dataclass
@@ -96,8 +102,8 @@ class AnnotateConfig:
             raise ValueError("model.name_or_path is required (the policy that writes rollouts)")
         if not self.data.problems_file:
             raise ValueError("data.problems_file is required (JSONL of id, images, question, answer)")
-        if self.engine.concurrency < 1 or self.model.hf_batch_size < 1:
-            raise ValueError("engine.concurrency and model.hf_batch_size must be >= 1")
+        if self.engine.concurrency < 1 or self.model.hf_batch_size < 1 or self.engine.max_consecutive_failures < 1:
+            raise ValueError("engine.concurrency, engine.max_consecutive_failures and model.hf_batch_size must be >= 1")
         self.search.validate()
         self.sampling.validate()
         self.export.validate()
@@ -119,8 +125,13 @@ def main(argv: list[str]) -> int:
     if rank == 0:
         (out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
 
-    # Resume: this rank's file is repaired (torn last line cut) and every finished id is skipped.
-    trees = TreeFile(out_dir / tree_file_name(rank, world), scan_dir=out_dir)
+    # Resume: this rank's file is locked (one worker per rank), repaired (torn last line cut), and
+    # every finished id is skipped; transient error records are retried.
+    try:
+        trees = TreeFile(out_dir / tree_file_name(rank, world), scan_dir=out_dir)
+    except RankBusyError as e:
+        print(f"mcts_annotate: rank {rank}: {e}", file=sys.stderr)
+        return 3
     mine = shard(problems, rank, world)
     todo = [p for p in mine if p.id not in trees.done]
     print(f"rank {rank}/{world}: {len(mine)} problems in this shard, {len(mine) - len(todo)} already done, "
@@ -153,7 +164,8 @@ def main(argv: list[str]) -> int:
 
     # The loop: the engine keeps `concurrency` searches in flight; each finished problem is
     # committed to the tree file at once, so a kill loses at most the problems in flight.
-    engine = AnnotationEngine(backend, cfg.search, verify, cfg.engine.step_mode, cfg.engine.concurrency)
+    engine = AnnotationEngine(backend, cfg.search, verify, cfg.engine.step_mode, cfg.engine.concurrency,
+                              cfg.engine.max_consecutive_failures)
     bar = tqdm(total=len(todo), unit="problem", desc=f"rank {rank}", dynamic_ncols=True)
     start = time.perf_counter()
 
@@ -168,6 +180,9 @@ def main(argv: list[str]) -> int:
 
     try:
         stats = engine.run(todo, on_record, on_batch)
+    except AnnotationOutage as e:
+        print(f"mcts_annotate: rank {rank}: {e}", file=sys.stderr)
+        return 3
     finally:
         bar.close()
         trees.close()
@@ -179,6 +194,11 @@ def main(argv: list[str]) -> int:
     # Merge and export once every problem has a record; the last rank to finish does it (a tie
     # writes the same files twice, atomically, which is harmless).
     missing = {p.id for p in problems} - finished_ids(out_dir)
+    retry = stats.by_status.get("error", 0) and {p.id for p in todo} & missing
+    if retry:
+        print(f"rank {rank}: {len(retry)} problems failed with transient errors (see 'message' in "
+              f"{trees.path}); rerun the same command to retry them", file=sys.stderr)
+        return 1
     if missing:
         print(f"rank {rank}: done; {len(missing)} problems still with other ranks - the last rank to finish "
               f"merges (or run: mmprm merge-annotations {out_dir})", file=sys.stderr)

@@ -135,3 +135,22 @@ def test_vllm_backend_samples_n_continuations(tmp_path):
     out = backend.generate([RolloutRequest("a", "What is 2 + 3?", [], ["Two plus three."], 4),
                             RolloutRequest("b", "What is 1 + 1?", [], [], 2)])
     assert [len(o) for o in out] == [4, 2] and backend.stats.generated_tokens > 0
+
+
+def test_a_second_worker_on_the_same_output_dir_and_rank_stops_at_once(tmp_path, capsys):
+    from mmprm.annotate.engine import TreeFile, tree_file_name
+
+    mod = recipe_module()
+    problems = tmp_path / "p.jsonl"
+    problems.write_text("".join(json.dumps({"id": str(i), "question": "1 + 1?", "answer": "2"}) + "\n"
+                                for i in range(4)))
+    out = tmp_path / "out"
+    first = TreeFile(out / tree_file_name(0, 1))  # a live worker (a double submission, a requeue)
+    try:
+        code = mod.main(["--config", str(YAML), f"data.problems_file={problems}", f"output_dir={out}",
+                         "model.name_or_path=/nonexistent/policy"])
+    finally:
+        first.close()
+    err = capsys.readouterr().err
+    assert code == 3 and f"in use by another worker (pid {os.getpid()} on " in err
+    assert (out / tree_file_name(0, 1)).read_text() == ""  # it annotated nothing
