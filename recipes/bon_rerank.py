@@ -13,6 +13,11 @@ Writes to OUTPUT_DIR: candidates[.shardI-of-C].jsonl (when generating), scored.s
 report_settings.json, and - once all shards are in - scored.jsonl, report.json, report.md and
 bon_curve.png. A shard is a contiguous block of the problems, so the merged scores equal an
 unsharded run's (generation is not: each shard samples its own seed).
+
+With `scoring.max_length` set, a candidate whose steps do not all fit is scored on the steps that
+do and marked `truncated`; such a candidate is ranked last by every PRM aggregator (it never wins
+on a partial score), weighs nothing in the weighted vote, and is counted in report.json/md.
+Raise `scoring.max_length` (or leave it unset) to score every step.
 """
 
 from __future__ import annotations
@@ -214,18 +219,24 @@ def main(argv: list[str]) -> None:
     # ---- write this shard; report when the run is complete --------------------------------
     from mmprm.rerank.shards import merge_scored, report_from_scored, shard_path
 
-    rows, dropped = [], 0
+    rows, dropped, cut = [], 0, 0
     for p, xs in zip(problems, inputs):
         cands = []
         for c, x in zip(p.candidates, xs):
             step_probs = next(probs) if x["steps"] else []
-            # Steps past scoring.max_length come back NaN: the aggregators see the scored prefix.
+            # Steps past scoring.max_length come back NaN: keep the scored prefix for inspection,
+            # and mark the candidate so the report ranks it last instead of trusting a partial score.
             kept = [q for q in step_probs if not math.isnan(q)]
-            dropped += len(step_probs) - len(kept)
-            cands.append({"step_probs": kept, "answer": c.answer, "correct": bool(c.correct)})
+            row = {"step_probs": kept, "answer": c.answer, "correct": bool(c.correct)}
+            if len(kept) < len(step_probs):
+                row["truncated"] = True
+                dropped += len(step_probs) - len(kept)
+                cut += 1
+            cands.append(row)
         rows.append({"id": p.id, "candidates": cands})
-    if dropped:
-        print(f"warning: {dropped} steps past scoring.max_length={cfg.scoring.max_length} were not scored")
+    if cut:
+        print(f"warning: {cut} candidates ({dropped} steps) did not fit scoring.max_length={cfg.scoring.max_length}: "
+              "they are ranked last by every aggregator; raise scoring.max_length to score them fully")
     write_jsonl(shard_path(out_dir, cfg.shard.index, cfg.shard.count), rows)
     (out_dir / SETTINGS_FILE).write_text(json.dumps(asdict(cfg.report), indent=2) + "\n")
     if cfg.shard.count == 1:
