@@ -51,7 +51,9 @@ class GenerateConfig:
     n: int = 8
     backend: Literal["hf", "vllm"] = "hf"
     batch_size: int = 64  # HF: sequences per generate call
-    step_mode: Literal["tags", "blank_lines"] = "tags"
+    # None: as saved with the policy by recipes/policy_sft.py (mmprm_policy.json), else tags / none.
+    step_mode: Literal["tags", "blank_lines"] | None = None
+    system_prompt: str | None = None  # "" sends no system turn even if the policy saved one
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
@@ -128,7 +130,7 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
         texts = backend.generate([RolloutRequest(p.id, p.question, p.images, [], g.n) for p in chunk])
         for p, outs in zip(chunk, texts):
             for text in outs:
-                parsed = parse_solution(text, g.step_mode)
+                parsed = parse_solution(text, backend.step_mode)
                 correct = answers_match(parsed.answer, p.answer, p.choices)  # None answer -> False
                 p.candidates.append(Candidate(text=text, steps=prm_steps(parsed.steps, parsed.answer),
                                               answer=parsed.answer, correct=correct,
@@ -145,20 +147,28 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
 
 
 def make_backend(cfg: Config):
+    """The generation backend, prompting the policy as its SFT saved it (`mmprm_policy.json`)
+    unless `generate.system_prompt` / `generate.step_mode` say otherwise (then with a warning)."""
     from mmprm.annotate.backends.base import SamplingConfig as BackendSampling
+    from mmprm.policy import resolve_prompt_format
 
     s = cfg.generate.sampling
     # Each shard samples its own stream; a rerun of the same shard samples the same candidates.
     sampling = BackendSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                max_new_tokens=s.max_new_tokens, seed=s.seed + cfg.shard.index)
+    try:
+        system, step_mode = resolve_prompt_format(cfg.generate.policy, cfg.generate.system_prompt,
+                                                  cfg.generate.step_mode, where="bon_rerank generate")
+    except ValueError as e:  # a broken mmprm_policy.json
+        raise ConfigError(f"generate.policy: {e}") from None
     if cfg.generate.backend == "vllm":
         from mmprm.annotate.backends.vllm import VLLMBackend
 
-        return VLLMBackend(cfg.generate.policy, sampling, step_mode=cfg.generate.step_mode)
+        return VLLMBackend(cfg.generate.policy, sampling, step_mode=step_mode, system=system)
     from mmprm.annotate.backends.hf import HFBackend
 
-    return HFBackend.from_pretrained(cfg.generate.policy, sampling, step_mode=cfg.generate.step_mode,
-                                     batch_size=cfg.generate.batch_size)
+    return HFBackend.from_pretrained(cfg.generate.policy, sampling, step_mode=step_mode,
+                                     batch_size=cfg.generate.batch_size, system=system)
 
 
 def main(argv: list[str]) -> None:

@@ -49,6 +49,7 @@ from mmprm.annotate.search import SearchConfig
 from mmprm.config import ConfigError, load_config, parse_cli, to_dict
 from mmprm.data.problems import load_problems
 from mmprm.data.schema import DataError, read_jsonl, write_jsonl
+from mmprm.policy import resolve_prompt_format
 
 
 @dataclass
@@ -56,7 +57,7 @@ class ModelConfig:
     name_or_path: str = ""
     backend: Literal["hf", "vllm"] = "hf"
     dtype: str = "auto"  # hf: torch dtype name or auto; vllm: its dtype option
-    system_prompt: str | None = None
+    system_prompt: str | None = None  # None: as saved with the policy (mmprm_policy.json); "" sends none
     hf_batch_size: int = 64  # hf: sequences per generate call
     vllm_gpu_memory_utilization: float = 0.9
     vllm_max_model_len: int | None = None
@@ -71,7 +72,8 @@ class DataConfig:
 
 @dataclass
 class EngineConfig:
-    step_mode: Literal["tags", "blank_lines"] = "tags"  # tags: an SFT'd policy; blank_lines: any policy
+    # tags: an SFT'd policy; blank_lines: any policy; None: as saved with the policy, else tags
+    step_mode: Literal["tags", "blank_lines"] | None = None
     concurrency: int = 64  # problems in flight; a backend call carries up to concurrency * k rollouts
     max_consecutive_failures: int = 16  # transient errors in a row that stop the run as an outage
 
@@ -109,6 +111,31 @@ class AnnotateConfig:
         self.export.validate()
 
 
+def make_backend(cfg: AnnotateConfig):
+    """One rollout backend per rank, prompting the policy as its SFT saved it (`mmprm_policy.json`)
+    unless the config sets `model.system_prompt` / `engine.step_mode` (then with a warning)."""
+    try:
+        system, step_mode = resolve_prompt_format(cfg.model.name_or_path, cfg.model.system_prompt,
+                                                  cfg.engine.step_mode, where="mcts_annotate")
+    except ValueError as e:  # a broken mmprm_policy.json
+        raise ConfigError(f"model.name_or_path: {e}") from None
+    if cfg.model.backend == "vllm":
+        from mmprm.annotate.backends.vllm import VLLMBackend, pin_local_gpu
+
+        pin_local_gpu()  # several ranks on a node: each engine gets its own GPU
+        llm_kwargs = {"gpu_memory_utilization": cfg.model.vllm_gpu_memory_utilization, "dtype": cfg.model.dtype}
+        if cfg.model.vllm_max_model_len:
+            llm_kwargs["max_model_len"] = cfg.model.vllm_max_model_len
+        return VLLMBackend(cfg.model.name_or_path, cfg.sampling, step_mode, system, **llm_kwargs)
+    import torch
+
+    from mmprm.annotate.backends.hf import HFBackend
+
+    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    return HFBackend.from_pretrained(cfg.model.name_or_path, cfg.sampling, dtype=cfg.model.dtype, device=device,
+                                     step_mode=step_mode, batch_size=cfg.model.hf_batch_size, system=system)
+
+
 def main(argv: list[str]) -> int:
     try:
         config_path, overrides = parse_cli(argv)
@@ -137,25 +164,14 @@ def main(argv: list[str]) -> int:
     print(f"rank {rank}/{world}: {len(mine)} problems in this shard, {len(mine) - len(todo)} already done, "
           f"{len(todo)} to annotate", file=sys.stderr)
 
-    # Backend: one engine per rank; vLLM gets its own GPU when several ranks share a node.
-    if cfg.model.backend == "vllm":
-        from mmprm.annotate.backends.vllm import VLLMBackend, pin_local_gpu
-
-        pin_local_gpu()
-        llm_kwargs = {"gpu_memory_utilization": cfg.model.vllm_gpu_memory_utilization, "dtype": cfg.model.dtype}
-        if cfg.model.vllm_max_model_len:
-            llm_kwargs["max_model_len"] = cfg.model.vllm_max_model_len
-        backend = VLLMBackend(cfg.model.name_or_path, cfg.sampling, cfg.engine.step_mode, cfg.model.system_prompt,
-                              **llm_kwargs)
-    else:
-        import torch
-
-        from mmprm.annotate.backends.hf import HFBackend
-
-        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-        backend = HFBackend.from_pretrained(cfg.model.name_or_path, cfg.sampling, dtype=cfg.model.dtype,
-                                            device=device, step_mode=cfg.engine.step_mode,
-                                            batch_size=cfg.model.hf_batch_size, system=cfg.model.system_prompt)
+    try:
+        backend = make_backend(cfg)
+    except ConfigError as e:
+        trees.close()
+        print(f"mcts_annotate: {e}", file=sys.stderr)
+        return 2
+    print(f"rank {rank}: prompt format: step_mode={backend.step_mode}, system prompt={backend.system!r}",
+          file=sys.stderr)
     verify = rule_verifier
     if cfg.verify.judge:
         from mmprm.annotate.judge import LLMJudge, judged_verifier
@@ -164,7 +180,7 @@ def main(argv: list[str]) -> int:
 
     # The loop: the engine keeps `concurrency` searches in flight; each finished problem is
     # committed to the tree file at once, so a kill loses at most the problems in flight.
-    engine = AnnotationEngine(backend, cfg.search, verify, cfg.engine.step_mode, cfg.engine.concurrency,
+    engine = AnnotationEngine(backend, cfg.search, verify, backend.step_mode, cfg.engine.concurrency,
                               cfg.engine.max_consecutive_failures)
     bar = tqdm(total=len(todo), unit="problem", desc=f"rank {rank}", dynamic_ncols=True)
     start = time.perf_counter()
