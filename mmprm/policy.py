@@ -65,19 +65,31 @@ def load_policy_spec(model_dir: str | Path) -> PolicySpec | None:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); delete it or rewrite it from the SFT config") from None
+        raise ValueError(
+            f"{path}: not valid JSON ({e}); delete it or rewrite it from the SFT config"
+        ) from None
     if not isinstance(raw, dict) or raw.get("version") != SPEC_VERSION:
-        raise ValueError(f"{path}: version: expected {SPEC_VERSION}, got {raw.get('version') if isinstance(raw, dict) else raw!r}")
+        raise ValueError(
+            f"{path}: version: expected {SPEC_VERSION}, got {raw.get('version') if isinstance(raw, dict) else raw!r}"
+        )
     system, mode = raw.get("system_prompt"), raw.get("step_mode", "tags")
     if system is not None and not isinstance(system, str):
-        raise ValueError(f"{path}: system_prompt: must be a string or null, got {system!r}")
+        raise ValueError(
+            f"{path}: system_prompt: must be a string or null, got {system!r}"
+        )
     if mode not in get_args(StepMode):
-        raise ValueError(f"{path}: step_mode: {mode!r} is not one of {list(get_args(StepMode))}")
+        raise ValueError(
+            f"{path}: step_mode: {mode!r} is not one of {list(get_args(StepMode))}"
+        )
     return PolicySpec(system_prompt=system, step_mode=mode)
 
 
-def resolve_prompt_format(model_dir: str | Path, system_prompt: str | None, step_mode: StepMode | None,
-                          where: str) -> tuple[str | None, StepMode]:
+def resolve_prompt_format(
+    model_dir: str | Path,
+    system_prompt: str | None,
+    step_mode: StepMode | None,
+    where: str,
+) -> tuple[str | None, StepMode]:
     """(system prompt, step mode) to prompt a policy with: config values, else its saved spec.
 
     Args:
@@ -90,10 +102,15 @@ def resolve_prompt_format(model_dir: str | Path, system_prompt: str | None, step
     spec = load_policy_spec(model_dir) if Path(model_dir).is_dir() else None
     if spec is None:
         return (system_prompt or None), (step_mode or "tags")
-    for key, ours, saved in (("system_prompt", system_prompt, spec.system_prompt), ("step_mode", step_mode, spec.step_mode)):
+    for key, ours, saved in (
+        ("system_prompt", system_prompt, spec.system_prompt),
+        ("step_mode", step_mode, spec.step_mode),
+    ):
         if ours is not None and (ours or None) != saved:
-            warnings.warn(f"{where}: {key}={ours!r} overrides {saved!r} saved with the policy in "
-                          f"{Path(model_dir) / POLICY_SPEC_FILE}: the policy was trained on a different prompt",
-                          stacklevel=2)
+            warnings.warn(
+                f"{where}: {key}={ours!r} overrides {saved!r} saved with the policy in "
+                f"{Path(model_dir) / POLICY_SPEC_FILE}: the policy was trained on a different prompt",
+                stacklevel=2,
+            )
     system = spec.system_prompt if system_prompt is None else (system_prompt or None)
     return system, (step_mode or spec.step_mode)

@@ -150,12 +150,13 @@ def make_backend(cfg: Config):
     """The generation backend, prompting the policy as its SFT saved it (`mmprm_policy.json`)
     unless `generate.system_prompt` / `generate.step_mode` say otherwise (then with a warning)."""
     from mmprm.annotate.backends.base import SamplingConfig as BackendSampling
+    from mmprm.annotate.backends.base import worker_seed
     from mmprm.policy import resolve_prompt_format
 
     s = cfg.generate.sampling
     # Each shard samples its own stream; a rerun of the same shard samples the same candidates.
     sampling = BackendSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                               max_new_tokens=s.max_new_tokens, seed=s.seed + cfg.shard.index)
+                               max_new_tokens=s.max_new_tokens, seed=worker_seed(s.seed, cfg.shard.index))
     try:
         system, step_mode = resolve_prompt_format(cfg.generate.policy, cfg.generate.system_prompt,
                                                   cfg.generate.step_mode, where="bon_rerank generate")

@@ -25,13 +25,13 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 from tqdm.auto import tqdm
 
-from mmprm.annotate.backends.base import SamplingConfig
+from mmprm.annotate.backends.base import SamplingConfig, worker_seed
 from mmprm.annotate.engine import (
     AnnotationEngine,
     AnnotationOutage,
@@ -111,14 +111,16 @@ class AnnotateConfig:
         self.export.validate()
 
 
-def make_backend(cfg: AnnotateConfig):
+def make_backend(cfg: AnnotateConfig, rank: int = 0):
     """One rollout backend per rank, prompting the policy as its SFT saved it (`mmprm_policy.json`)
-    unless the config sets `model.system_prompt` / `engine.step_mode` (then with a warning)."""
+    unless the config sets `model.system_prompt` / `engine.step_mode` (then with a warning).
+    Each rank samples its own seed stream, so no two ranks' rollouts share seeds."""
     try:
         system, step_mode = resolve_prompt_format(cfg.model.name_or_path, cfg.model.system_prompt,
                                                   cfg.engine.step_mode, where="mcts_annotate")
     except ValueError as e:  # a broken mmprm_policy.json
         raise ConfigError(f"model.name_or_path: {e}") from None
+    sampling = replace(cfg.sampling, seed=worker_seed(cfg.sampling.seed, rank))
     if cfg.model.backend == "vllm":
         from mmprm.annotate.backends.vllm import VLLMBackend, pin_local_gpu
 
@@ -126,13 +128,13 @@ def make_backend(cfg: AnnotateConfig):
         llm_kwargs = {"gpu_memory_utilization": cfg.model.vllm_gpu_memory_utilization, "dtype": cfg.model.dtype}
         if cfg.model.vllm_max_model_len:
             llm_kwargs["max_model_len"] = cfg.model.vllm_max_model_len
-        return VLLMBackend(cfg.model.name_or_path, cfg.sampling, step_mode, system, **llm_kwargs)
+        return VLLMBackend(cfg.model.name_or_path, sampling, step_mode, system, **llm_kwargs)
     import torch
 
     from mmprm.annotate.backends.hf import HFBackend
 
     device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-    return HFBackend.from_pretrained(cfg.model.name_or_path, cfg.sampling, dtype=cfg.model.dtype, device=device,
+    return HFBackend.from_pretrained(cfg.model.name_or_path, sampling, dtype=cfg.model.dtype, device=device,
                                      step_mode=step_mode, batch_size=cfg.model.hf_batch_size, system=system)
 
 
@@ -165,7 +167,7 @@ def main(argv: list[str]) -> int:
           f"{len(todo)} to annotate", file=sys.stderr)
 
     try:
-        backend = make_backend(cfg)
+        backend = make_backend(cfg, rank)
     except ConfigError as e:
         trees.close()
         print(f"mcts_annotate: {e}", file=sys.stderr)

@@ -352,6 +352,9 @@ def test_tiny_yaml_parses_and_opens_with_its_launch_command():
     cfg = mod.load_config(mod.Config, CONFIG)
     assert cfg.prm == "runs/tiny/prm" and cfg.candidates_file.startswith("runs/tiny/")
     assert cfg.generate.n == 4 and cfg.shard.count == 1
+    assert mod.Config().generate.sampling.max_new_tokens == 4096 and cfg.generate.sampling.max_new_tokens == 128
+    # the prompt format comes from the policy (mmprm_policy.json) unless the config says otherwise
+    assert cfg.generate.step_mode is None and cfg.generate.system_prompt is None
     res = subprocess.run([sys.executable, str(RECIPE), "--config", str(CONFIG), "shard.index=2", "shard.count=2"],
                          capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120)
     assert res.returncode == 2 and "shard.index=2 must be in [0, shard.count=2)" in res.stderr

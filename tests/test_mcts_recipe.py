@@ -41,6 +41,8 @@ def test_shipped_tiny_yaml_parses_with_overrides():
     assert (defaults.rollouts_per_estimate, defaults.max_searches, defaults.max_rollouts) == (16, 200, 1000)
     sampling = mod.AnnotateConfig().sampling
     assert (sampling.temperature, sampling.top_k, sampling.top_p) == (1.0, 50, 0.9)
+    # MM-PRM's cap (a rollout cut there is unfinished, never an error label); tiny configs set their own
+    assert sampling.max_new_tokens == 4096 and cfg.sampling.max_new_tokens == 128
     with pytest.raises(ConfigError, match="search.max_rollouts .* must be >= search.rollouts_per_estimate"):
         load_config(mod.AnnotateConfig, YAML, ["search.max_rollouts=4"])
     with pytest.raises(ConfigError, match="unknown key"):

@@ -237,3 +237,15 @@ def test_request_seeds_are_spaced_n_apart_so_no_two_samples_share_a_seed():
     used = [s + j for call in range(3) for s, n in zip(request_seeds(5, call, [16, 3, 16, 1]), [16, 3, 16, 1])
             for j in range(n)]
     assert len(used) == len(set(used)) == 3 * 36
+
+
+def test_worker_seed_streams_never_overlap():
+    from mmprm.annotate.backends.base import request_seeds, worker_seed
+
+    # Before: shard i sampled with seed + i, so shard 1's request seeds were shard 0's shifted by one.
+    def used(worker):
+        base = worker_seed(0, worker)
+        return {s + j for call in range(50) for s in request_seeds(base, call, [16] * 64) for j in range(16)}
+
+    a, b = used(0), used(1)
+    assert len(a) == 50 * 64 * 16 and not a & b

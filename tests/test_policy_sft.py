@@ -294,7 +294,9 @@ def test_annotation_and_generation_prompt_the_policy_exactly_as_sft_trained_it(t
 
     def sent_ids(backend):
         text, images = backend._prompt(0, RolloutRequest(ex.id, ex.question, ex.images, [], 1))
-        return processor(text=[text], images=[load_image(p) for p in ex.images], return_tensors="pt")["input_ids"][0].tolist()
+        assert len(images) == len(ex.images) == 1
+        enc = processor(text=[text], images=[load_image(p) for p in ex.images], return_tensors="pt")
+        return enc["input_ids"][0].tolist()
 
     mcts = _recipe_module("mcts_annotate")
     cfg = load_config(mcts.AnnotateConfig, REPO / "recipes" / "configs" / "tiny" / "mcts_annotate.yaml",

@@ -28,7 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from mmprm.annotate.backends.base import RolloutBackend, RolloutInputError, RolloutRequest, StepMode, was_truncated
+from mmprm.annotate.backends.base import (
+    RolloutBackend,
+    RolloutInputError,
+    RolloutRequest,
+    StepMode,
+    was_truncated,
+)
 from mmprm.annotate.search import OmegaSearch, Probe, Rollout, SearchConfig
 from mmprm.data.problems import Problem
 from mmprm.data.schema import DataError, iter_jsonl, write_jsonl
@@ -110,7 +116,7 @@ def _read_records(path: Path, repair: bool) -> list[dict[str, Any]]:
 def _hold_lock(path: Path, tree_file: Path) -> Any:
     """Take the exclusive lock on `path` (kept open, so the OS drops it when the process ends,
     even on kill -9) and write who holds it; raise RankBusyError naming the live holder."""
-    f = open(path, "a+", encoding="utf-8")
+    f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the worker's lifetime: that is the lock
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

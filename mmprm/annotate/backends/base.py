@@ -78,6 +78,23 @@ def was_truncated(text: str) -> bool:
     return bool(getattr(text, "truncated", False))
 
 
+# Seeds one worker (annotation rank, Best-of-N shard) can use: 2**40 = a million calls of a
+# million samples each.
+STREAM_SEED_STRIDE = 1 << 40
+
+
+def worker_seed(base: int, worker: int) -> int:
+    """Base seed of worker `worker` (rank or shard), so that workers' request seeds never overlap.
+
+    Seeds `base + worker` would give worker 1's first request seeds `base + 1 ..`, the same as
+    worker 0's samples 1.. of its first request: rollouts of different problems, correlated.
+
+    >>> worker_seed(0, 2)
+    2199023255552
+    """
+    return base + worker * STREAM_SEED_STRIDE
+
+
 def request_seeds(base: int, call: int, ns: Sequence[int]) -> list[int]:
     """Per-request sampling seeds for one backend call, spaced so no two samples share a seed.
 
