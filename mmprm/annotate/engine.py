@@ -158,11 +158,15 @@ class TreeFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = _hold_lock(self.path.with_name(self.path.name + ".lock"), self.path)
         self.done: set[str] = set()
-        if self.path.exists():
-            self.done.update(str(r["id"]) for r in _read_records(self.path, repair=True) if is_final(r))
-        if scan_dir is not None:
-            self.done.update(finished_ids(scan_dir, skip=self.path))
-        self._f = open(self.path, "a", encoding="utf-8")
+        try:
+            if self.path.exists():
+                self.done.update(str(r["id"]) for r in _read_records(self.path, repair=True) if is_final(r))
+            if scan_dir is not None:
+                self.done.update(finished_ids(scan_dir, skip=self.path))
+            self._f = open(self.path, "a", encoding="utf-8")
+        except BaseException:
+            self._lock.close()  # a corrupt file must not keep the rank locked
+            raise
 
     def append(self, record: dict[str, Any]) -> None:
         """Commit one record: a single line, flushed and fsynced before returning."""
@@ -239,6 +243,9 @@ def cli_merge_annotations(argv: list[str]) -> int:
         return 1
     missing = summary.get("missing", [])
     print(json.dumps({**summary, "missing": len(missing)}))
+    if summary["retryable_errors"]:
+        print(f"{summary['retryable_errors']} problem(s) have only transient error records (judge or backend "
+              "down?): rerun the annotation command to retry them", file=sys.stderr)
     if missing:
         print(f"{len(missing)} problem(s) have no record yet (e.g. {missing[:5]}): rerun the annotation command "
               "to finish them", file=sys.stderr)
