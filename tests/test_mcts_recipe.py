@@ -110,6 +110,20 @@ def test_tiny_vlm_end_to_end_kill_resume_and_prm_train_accepts_the_output(tmp_pa
     assert res.returncode == 0 and "6 already done, 0 to annotate" in res.stderr
     assert len(trees.read_text().splitlines()) == 6
 
+    # a judge outage stops the run (exit 3) with transient records; the next run retries them
+    out2 = tmp_path / "outage"
+    judged = [*args[:-2], f"output_dir={out2}", "engine.concurrency=2", "verify.judge=true",
+              "verify.judge_url=http://127.0.0.1:9/v1", "verify.judge_model=judge", "engine.max_consecutive_failures=1"]
+    res = _run(judged)
+    assert res.returncode == 3 and "problems in a row failed with transient errors" in res.stderr, res.stderr[-3000:]
+    failed = [json.loads(line) for line in (out2 / "trees.rank0-of-1.jsonl").read_text().splitlines()]
+    assert [r["error_kind"] for r in failed if r["status"] == "error"] == ["transient"]
+    assert "JudgeError" in failed[-1]["message"] and not (out2 / "trees.jsonl").exists()
+    res = _run([*args[:-2], f"output_dir={out2}", "engine.concurrency=2"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    merged = [json.loads(line) for line in (out2 / "trees.jsonl").read_text().splitlines()]
+    assert len(merged) == 6 and not any(r["status"] == "error" for r in merged)
+
     # the acceptance check: prm_train trains on the exported rows
     prm = subprocess.run(
         [sys.executable, str(REPO / "recipes" / "prm_train.py"), f"model.name_or_path={base}",
