@@ -13,11 +13,13 @@ occurrence wins, because models restate the question before they answer):
 3. GSM8K `#### N`, then a line `A: N` (the format of GSM8K's example solutions);
 4. phrases: "the (final) answer is X", "Answer: X", "the correct option is d", "answer should
    be X" - the text up to the end of that line or sentence;
-5. a multiple-choice letter in parentheses, "(C)", in the last line;
-6. the whole text when it is one short line that looks like a value or a letter ("5", "(B)",
+5. a multiple-choice letter in the last line: "(C)" or `\\text{C}`; a line ending in a hedge
+   over two letters, "(A) or (B).", gives the hedge, which matches no option;
+6. a letter alone on the first line followed by an explanation ("B\\nBecause ...", "**(C)**");
+7. the whole text when it is one short line that looks like a value or a letter ("5", "(B)",
    "C", "$x^2$"), not a short sentence ("I don't know").
 
-With `last_number=True` the last number in the text is a seventh, weakest rule (what many
+With `last_number=True` the last number in the text is an eighth, weakest rule (what many
 graders do); it is off by default so that a cut-off generation does not count as answered.
 """
 
@@ -60,7 +62,14 @@ _PHRASE = re.compile(
     re.I,
 )
 _SHORT_ANSWER = re.compile(r".*\d.*|[^a-zA-Z]+|\(?[A-Za-z]\)?\.?|\$.*\$|.*\\.*")
-_PAREN_LETTER = re.compile(r"\(([A-Z])\)")
+_PAREN_LETTER = re.compile(r"\(([A-Z])\)|\\(?:text|textbf|mathrm|mathbf)\s*\{\s*\(?([A-Z])\)?\s*\}")
+# Two option letters offered together: "(A) and (B)", "(A), (C)"; bare letters only when that is
+# the whole answer ("A or B"), since an option's own text may join point names ("(A) P and R").
+_JOIN = r"\s*(?:,|/|&|\band/or\b|\band\b|\bor\b)\s*"
+_PAREN_HEDGE = re.compile(rf"\(([A-Z])\){_JOIN}\(([A-Z])\)")
+_BARE_HEDGE = re.compile(rf"\(?[A-Z]\)?(?:{_JOIN}\(?[A-Z]\)?)+")
+# Options run A..H in practice; "I" alone on a line is more likely the start of a sentence.
+_FIRST_LINE_LETTER = re.compile(r"[*_]*\(?([A-H])\)?[*_]*[.:)]?[*_]*")
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?|-?\.\d+")
 
 
@@ -143,9 +152,18 @@ def extract_answer(text: str, last_number: bool = False) -> str | None:
         if ans:
             return ans
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    letters = _PAREN_LETTER.findall(lines[-1]) if lines else []
+    last = _TEXT_CMD.sub(r"\1", lines[-1]) if lines else ""
+    hedge = _hedge_at_end(last)
+    if hedge:
+        return hedge  # "could be (A) or (B)." names no single option
+    letters = [a or b for a, b in _PAREN_LETTER.findall(lines[-1])] if lines else []
     if letters:
         return f"({letters[-1]})"
+    # The letter first, then the reasoning: "B\nBecause the triangle ...".
+    if len(lines) > 1:
+        m = _FIRST_LINE_LETTER.fullmatch(_TEXT_CMD.sub(r"\1", lines[0]).strip("$ "))
+        if m:
+            return f"({m.group(1)})"
     # A one-line reply that looks like a value or a letter ("5", "(B)", "x=3"), not a short sentence.
     if len(lines) == 1 and len(lines[0]) <= 20 and _SHORT_ANSWER.fullmatch(lines[0]):
         return lines[0].rstrip(".")
@@ -194,9 +212,24 @@ def normalize_answer(ans: str) -> str:
     return re.sub(r"\s+", "", s).rstrip(".")
 
 
+def _hedge_at_end(line: str) -> str | None:
+    """The "(A) or (B)" a line ends with (then only punctuation), naming two different letters."""
+    for m in _PAREN_HEDGE.finditer(line):
+        if m.group(1) != m.group(2) and not line[m.end():].strip(" .!*$)"):
+            return m.group(0)
+    return None
+
+
 def choice_letter(ans: str) -> str | None:
-    """The option letter an answer names ("(B)", "b.", "Option C", "(C) 12"), upper-case, or None."""
-    s = _TEXT_CMD.sub(r"\1", ans.strip().strip("$").strip()).strip()
+    """The option letter an answer names ("(B)", "b.", "Option C", "(C) 12", `\\text{B}`), upper-case,
+    or None - also for a hedge over two letters ("(A) and (B)", "A or B"), which names no option."""
+    s = re.sub(r"^\\[(\[]|\\[)\]]$", "", ans.strip().rstrip(".").strip()).strip().strip("$").strip()
+    s = re.sub(r"\\[ ,;:!]", " ", s)
+    for _ in range(3):  # nested wrappers, e.g. \text{\textbf{A}}
+        s = _TEXT_CMD.sub(r"\1", s)
+    s = s.strip()
+    if len(set(re.findall(r"\(([A-Z])\)", s))) > 1 or (_BARE_HEDGE.fullmatch(s) and len(set(re.findall(r"[A-Z]", s))) > 1):
+        return None
     m = re.fullmatch(r"(?:(?:option|choice)\s*)?\(?([A-Za-z])\)?[.:)]*", s, re.I)
     if m:
         return m.group(1).upper()

@@ -13,6 +13,11 @@ Writes to OUTPUT_DIR: candidates[.shardI-of-C].jsonl (when generating), scored.s
 report_settings.json, and - once all shards are in - scored.jsonl, report.json, report.md and
 bon_curve.png. A shard is a contiguous block of the problems, so the merged scores equal an
 unsharded run's (generation is not: each shard samples its own seed).
+
+With `scoring.max_length` set, a candidate whose steps do not all fit is scored on the steps that
+do and marked `truncated`; such a candidate is ranked last by every PRM aggregator (it never wins
+on a partial score), weighs nothing in the weighted vote, and is counted in report.json/md.
+Raise `scoring.max_length` (or leave it unset) to score every step.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ class SamplingConfig:
     temperature: float = 1.0
     top_k: int = 50
     top_p: float = 0.9
-    max_new_tokens: int = 1024
+    max_new_tokens: int = 4096  # MM-PRM's cap, as in annotation
     seed: int = 0
 
 
@@ -46,7 +51,9 @@ class GenerateConfig:
     n: int = 8
     backend: Literal["hf", "vllm"] = "hf"
     batch_size: int = 64  # HF: sequences per generate call
-    step_mode: Literal["tags", "blank_lines"] = "tags"
+    # None: as saved with the policy by recipes/policy_sft.py (mmprm_policy.json), else tags / none.
+    step_mode: Literal["tags", "blank_lines"] | None = None
+    system_prompt: str | None = None  # "" sends no system turn even if the policy saved one
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
@@ -123,7 +130,7 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
         texts = backend.generate([RolloutRequest(p.id, p.question, p.images, [], g.n) for p in chunk])
         for p, outs in zip(chunk, texts):
             for text in outs:
-                parsed = parse_solution(text, g.step_mode)
+                parsed = parse_solution(text, backend.step_mode)
                 correct = answers_match(parsed.answer, p.answer, p.choices)  # None answer -> False
                 p.candidates.append(Candidate(text=text, steps=prm_steps(parsed.steps, parsed.answer),
                                               answer=parsed.answer, correct=correct,
@@ -140,20 +147,29 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
 
 
 def make_backend(cfg: Config):
+    """The generation backend, prompting the policy as its SFT saved it (`mmprm_policy.json`)
+    unless `generate.system_prompt` / `generate.step_mode` say otherwise (then with a warning)."""
     from mmprm.annotate.backends.base import SamplingConfig as BackendSampling
+    from mmprm.annotate.backends.base import worker_seed
+    from mmprm.policy import resolve_prompt_format
 
     s = cfg.generate.sampling
     # Each shard samples its own stream; a rerun of the same shard samples the same candidates.
     sampling = BackendSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                               max_new_tokens=s.max_new_tokens, seed=s.seed + cfg.shard.index)
+                               max_new_tokens=s.max_new_tokens, seed=worker_seed(s.seed, cfg.shard.index))
+    try:
+        system, step_mode = resolve_prompt_format(cfg.generate.policy, cfg.generate.system_prompt,
+                                                  cfg.generate.step_mode, where="bon_rerank generate")
+    except ValueError as e:  # a broken mmprm_policy.json
+        raise ConfigError(f"generate.policy: {e}") from None
     if cfg.generate.backend == "vllm":
         from mmprm.annotate.backends.vllm import VLLMBackend
 
-        return VLLMBackend(cfg.generate.policy, sampling, step_mode=cfg.generate.step_mode)
+        return VLLMBackend(cfg.generate.policy, sampling, step_mode=step_mode, system=system)
     from mmprm.annotate.backends.hf import HFBackend
 
-    return HFBackend.from_pretrained(cfg.generate.policy, sampling, step_mode=cfg.generate.step_mode,
-                                     batch_size=cfg.generate.batch_size)
+    return HFBackend.from_pretrained(cfg.generate.policy, sampling, step_mode=step_mode,
+                                     batch_size=cfg.generate.batch_size, system=system)
 
 
 def main(argv: list[str]) -> None:
@@ -214,18 +230,24 @@ def main(argv: list[str]) -> None:
     # ---- write this shard; report when the run is complete --------------------------------
     from mmprm.rerank.shards import merge_scored, report_from_scored, shard_path
 
-    rows, dropped = [], 0
+    rows, dropped, cut = [], 0, 0
     for p, xs in zip(problems, inputs):
         cands = []
         for c, x in zip(p.candidates, xs):
             step_probs = next(probs) if x["steps"] else []
-            # Steps past scoring.max_length come back NaN: the aggregators see the scored prefix.
+            # Steps past scoring.max_length come back NaN: keep the scored prefix for inspection,
+            # and mark the candidate so the report ranks it last instead of trusting a partial score.
             kept = [q for q in step_probs if not math.isnan(q)]
-            dropped += len(step_probs) - len(kept)
-            cands.append({"step_probs": kept, "answer": c.answer, "correct": bool(c.correct)})
+            row = {"step_probs": kept, "answer": c.answer, "correct": bool(c.correct)}
+            if len(kept) < len(step_probs):
+                row["truncated"] = True
+                dropped += len(step_probs) - len(kept)
+                cut += 1
+            cands.append(row)
         rows.append({"id": p.id, "candidates": cands})
-    if dropped:
-        print(f"warning: {dropped} steps past scoring.max_length={cfg.scoring.max_length} were not scored")
+    if cut:
+        print(f"warning: {cut} candidates ({dropped} steps) did not fit scoring.max_length={cfg.scoring.max_length}: "
+              "they are ranked last by every aggregator; raise scoring.max_length to score them fully")
     write_jsonl(shard_path(out_dir, cfg.shard.index, cfg.shard.count), rows)
     (out_dir / SETTINGS_FILE).write_text(json.dumps(asdict(cfg.report), indent=2) + "\n")
     if cfg.shard.count == 1:

@@ -12,8 +12,11 @@ Output in OUTPUT_DIR: `trees.rank{r}-of-{w}.jsonl` (one record per problem with 
 appended and fsynced problem by problem), and once every rank is done, `trees.jsonl` (merged),
 `prm_data.jsonl` (step-labelled rows for recipes/prm_train.py), `export_report.json` + `.png`;
 each rank also leaves `summary.rank{r}-of-{w}.json` (throughput, statuses). After a crash (even
-kill -9) rerun the same command: finished problems are skipped and nothing is lost.
-`mmprm merge-annotations OUTPUT_DIR` merges by hand.
+kill -9) rerun the same command: finished problems are skipped and nothing is lost; problems
+that failed with a transient error (judge or backend down) are retried, and
+`engine.max_consecutive_failures` such failures in a row stop the run (exit 3) instead of
+erroring out the rest. A second worker started on the same OUTPUT_DIR and rank stops at once
+(exit 3), naming the live holder of the rank file. `mmprm merge-annotations OUTPUT_DIR` merges by hand.
 """
 
 from __future__ import annotations
@@ -22,15 +25,17 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 from tqdm.auto import tqdm
 
-from mmprm.annotate.backends.base import SamplingConfig
+from mmprm.annotate.backends.base import SamplingConfig, worker_seed
 from mmprm.annotate.engine import (
     AnnotationEngine,
+    AnnotationOutage,
+    RankBusyError,
     TreeFile,
     finished_ids,
     merge_annotations,
@@ -44,6 +49,7 @@ from mmprm.annotate.search import SearchConfig
 from mmprm.config import ConfigError, load_config, parse_cli, to_dict
 from mmprm.data.problems import load_problems
 from mmprm.data.schema import DataError, read_jsonl, write_jsonl
+from mmprm.policy import resolve_prompt_format
 
 
 @dataclass
@@ -51,7 +57,7 @@ class ModelConfig:
     name_or_path: str = ""
     backend: Literal["hf", "vllm"] = "hf"
     dtype: str = "auto"  # hf: torch dtype name or auto; vllm: its dtype option
-    system_prompt: str | None = None
+    system_prompt: str | None = None  # None: as saved with the policy (mmprm_policy.json); "" sends none
     hf_batch_size: int = 64  # hf: sequences per generate call
     vllm_gpu_memory_utilization: float = 0.9
     vllm_max_model_len: int | None = None
@@ -66,8 +72,10 @@ class DataConfig:
 
 @dataclass
 class EngineConfig:
-    step_mode: Literal["tags", "blank_lines"] = "tags"  # tags: an SFT'd policy; blank_lines: any policy
+    # tags: an SFT'd policy; blank_lines: any policy; None: as saved with the policy, else tags
+    step_mode: Literal["tags", "blank_lines"] | None = None
     concurrency: int = 64  # problems in flight; a backend call carries up to concurrency * k rollouts
+    max_consecutive_failures: int = 16  # transient errors in a row that stop the run as an outage
 
 
 @dataclass
@@ -96,11 +104,38 @@ class AnnotateConfig:
             raise ValueError("model.name_or_path is required (the policy that writes rollouts)")
         if not self.data.problems_file:
             raise ValueError("data.problems_file is required (JSONL of id, images, question, answer)")
-        if self.engine.concurrency < 1 or self.model.hf_batch_size < 1:
-            raise ValueError("engine.concurrency and model.hf_batch_size must be >= 1")
+        if self.engine.concurrency < 1 or self.model.hf_batch_size < 1 or self.engine.max_consecutive_failures < 1:
+            raise ValueError("engine.concurrency, engine.max_consecutive_failures and model.hf_batch_size must be >= 1")
         self.search.validate()
         self.sampling.validate()
         self.export.validate()
+
+
+def make_backend(cfg: AnnotateConfig, rank: int = 0):
+    """One rollout backend per rank, prompting the policy as its SFT saved it (`mmprm_policy.json`)
+    unless the config sets `model.system_prompt` / `engine.step_mode` (then with a warning).
+    Each rank samples its own seed stream, so no two ranks' rollouts share seeds."""
+    try:
+        system, step_mode = resolve_prompt_format(cfg.model.name_or_path, cfg.model.system_prompt,
+                                                  cfg.engine.step_mode, where="mcts_annotate")
+    except ValueError as e:  # a broken mmprm_policy.json
+        raise ConfigError(f"model.name_or_path: {e}") from None
+    sampling = replace(cfg.sampling, seed=worker_seed(cfg.sampling.seed, rank))
+    if cfg.model.backend == "vllm":
+        from mmprm.annotate.backends.vllm import VLLMBackend, pin_local_gpu
+
+        pin_local_gpu()  # several ranks on a node: each engine gets its own GPU
+        llm_kwargs = {"gpu_memory_utilization": cfg.model.vllm_gpu_memory_utilization, "dtype": cfg.model.dtype}
+        if cfg.model.vllm_max_model_len:
+            llm_kwargs["max_model_len"] = cfg.model.vllm_max_model_len
+        return VLLMBackend(cfg.model.name_or_path, sampling, step_mode, system, **llm_kwargs)
+    import torch
+
+    from mmprm.annotate.backends.hf import HFBackend
+
+    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    return HFBackend.from_pretrained(cfg.model.name_or_path, sampling, dtype=cfg.model.dtype, device=device,
+                                     step_mode=step_mode, batch_size=cfg.model.hf_batch_size, system=system)
 
 
 def main(argv: list[str]) -> int:
@@ -119,32 +154,26 @@ def main(argv: list[str]) -> int:
     if rank == 0:
         (out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
 
-    # Resume: this rank's file is repaired (torn last line cut) and every finished id is skipped.
-    trees = TreeFile(out_dir / tree_file_name(rank, world), scan_dir=out_dir)
+    # Resume: this rank's file is locked (one worker per rank), repaired (torn last line cut), and
+    # every finished id is skipped; transient error records are retried.
+    try:
+        trees = TreeFile(out_dir / tree_file_name(rank, world), scan_dir=out_dir)
+    except RankBusyError as e:
+        print(f"mcts_annotate: rank {rank}: {e}", file=sys.stderr)
+        return 3
     mine = shard(problems, rank, world)
     todo = [p for p in mine if p.id not in trees.done]
     print(f"rank {rank}/{world}: {len(mine)} problems in this shard, {len(mine) - len(todo)} already done, "
           f"{len(todo)} to annotate", file=sys.stderr)
 
-    # Backend: one engine per rank; vLLM gets its own GPU when several ranks share a node.
-    if cfg.model.backend == "vllm":
-        from mmprm.annotate.backends.vllm import VLLMBackend, pin_local_gpu
-
-        pin_local_gpu()
-        llm_kwargs = {"gpu_memory_utilization": cfg.model.vllm_gpu_memory_utilization, "dtype": cfg.model.dtype}
-        if cfg.model.vllm_max_model_len:
-            llm_kwargs["max_model_len"] = cfg.model.vllm_max_model_len
-        backend = VLLMBackend(cfg.model.name_or_path, cfg.sampling, cfg.engine.step_mode, cfg.model.system_prompt,
-                              **llm_kwargs)
-    else:
-        import torch
-
-        from mmprm.annotate.backends.hf import HFBackend
-
-        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-        backend = HFBackend.from_pretrained(cfg.model.name_or_path, cfg.sampling, dtype=cfg.model.dtype,
-                                            device=device, step_mode=cfg.engine.step_mode,
-                                            batch_size=cfg.model.hf_batch_size, system=cfg.model.system_prompt)
+    try:
+        backend = make_backend(cfg, rank)
+    except ConfigError as e:
+        trees.close()
+        print(f"mcts_annotate: {e}", file=sys.stderr)
+        return 2
+    print(f"rank {rank}: prompt format: step_mode={backend.step_mode}, system prompt={backend.system!r}",
+          file=sys.stderr)
     verify = rule_verifier
     if cfg.verify.judge:
         from mmprm.annotate.judge import LLMJudge, judged_verifier
@@ -153,7 +182,8 @@ def main(argv: list[str]) -> int:
 
     # The loop: the engine keeps `concurrency` searches in flight; each finished problem is
     # committed to the tree file at once, so a kill loses at most the problems in flight.
-    engine = AnnotationEngine(backend, cfg.search, verify, cfg.engine.step_mode, cfg.engine.concurrency)
+    engine = AnnotationEngine(backend, cfg.search, verify, backend.step_mode, cfg.engine.concurrency,
+                              cfg.engine.max_consecutive_failures)
     bar = tqdm(total=len(todo), unit="problem", desc=f"rank {rank}", dynamic_ncols=True)
     start = time.perf_counter()
 
@@ -168,6 +198,9 @@ def main(argv: list[str]) -> int:
 
     try:
         stats = engine.run(todo, on_record, on_batch)
+    except AnnotationOutage as e:
+        print(f"mcts_annotate: rank {rank}: {e}", file=sys.stderr)
+        return 3
     finally:
         bar.close()
         trees.close()
@@ -179,6 +212,11 @@ def main(argv: list[str]) -> int:
     # Merge and export once every problem has a record; the last rank to finish does it (a tie
     # writes the same files twice, atomically, which is harmless).
     missing = {p.id for p in problems} - finished_ids(out_dir)
+    retry = stats.by_status.get("error", 0) and {p.id for p in todo} & missing
+    if retry:
+        print(f"rank {rank}: {len(retry)} problems failed with transient errors (see 'message' in "
+              f"{trees.path}); rerun the same command to retry them", file=sys.stderr)
+        return 1
     if missing:
         print(f"rank {rank}: done; {len(missing)} problems still with other ranks - the last rank to finish "
               f"merges (or run: mmprm merge-annotations {out_dir})", file=sys.stderr)

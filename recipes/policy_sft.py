@@ -9,7 +9,9 @@
 
 The rendering is `mmprm.steps.render_solution`, the very format MCTS annotation parses. Loss is on
 assistant tokens only; eval reports loss, format compliance (greedy generations that parse into
-steps + an answer) and answer accuracy with `mmprm.answers`.
+steps + an answer) and answer accuracy with `mmprm.answers`. The prompt format (system prompt,
+step mode) is saved beside the weights as `mmprm_policy.json` (`mmprm.policy`), and annotation
+and Best-of-N generation read it, so they prompt the policy exactly as it was trained.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from mmprm.config import ConfigError, load_config, parse_cli, to_dict
 from mmprm.data.schema import DataError, load_examples, load_image
 from mmprm.models.loading import load_backbone, vision_tower_parameters
 from mmprm.models.prm import PER_TOKEN_KEYS, collate_model_inputs
+from mmprm.policy import PolicySpec, save_policy_spec
 from mmprm.steps import assistant_start, parse_solution, prompt_text, render_solution
 from mmprm.training import BatchStream, TrainProgress, find_checkpoint, lr_factor, rank_share
 
@@ -350,6 +353,8 @@ def main(argv: list[str]) -> None:
             final = final.merge_and_unload()
         final.save_pretrained(out_dir, state_dict=state)
         processor.save_pretrained(out_dir)
+        # The prompt it learned, for annotation and Best-of-N (they read it unless overridden).
+        save_policy_spec(out_dir, PolicySpec(system_prompt=cfg.model.system_prompt, step_mode="tags"))
         log(f"saved policy to {out_dir}")
     accelerator.end_training()
 

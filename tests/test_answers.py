@@ -240,3 +240,61 @@ def test_agreement_with_dataset_flags(name):
     if name != "gsm8k":
         # every disagreement is one where our verifier accepts what the file rejected
         assert all(d["ours"] and not d["flag"] for d in report["disagreements"])
+
+
+# ------------------------------------------------------------------ multiple-choice responses
+
+OPTIONS = ["$3$", "$4$", "$5$", "$6$"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["The answer is (A) and (B).", "The answer is (A) or (B)", "\\boxed{(A) \\text{ and } (B)}",
+     "Answer: A and B", "So the answer is (A), (B).", "\\boxed{A \\text{ or } B}",
+     "Both fit.\n(A) and (B)", "It could be (A) or (B)."],
+)
+def test_a_hedge_naming_two_letters_counts_as_neither(text):
+    # Before: choice_letter read the first letter of "(A) and (B)", so a hedge was graded right.
+    for gold in ("A", "B"):
+        assert not verify_solution(text, gold, OPTIONS), (text, gold)
+        assert not verify_solution(text, gold), (text, gold)
+
+
+@pytest.mark.parametrize(
+    "raw, letter",
+    [("(A) and (B)", None), ("A or B", None), ("(A), (C)", None), ("\\text{(A) or (B)}", None),
+     ("\\(\\text{A}\\)", "A"), ("\\[\\text{B}\\]", "B"), ("$\\text{(C)}$.", "C"), ("\\text{\\textbf{D}}", "D"),
+     ("\\textbf{(A)}\\ 12", "A"), ("(C) 12 and 13", "C"),
+     # an option's own text may join point names: still one option (MATH-V 1547, 1564)
+     ("(A) P and R", "A"), ("\\text{(D) either } R \\text{ or } S, \\text{ but no others}", "D")],
+)
+def test_choice_letter_hedges_and_latex_wrappers(raw, letter):
+    assert choice_letter(raw) == letter
+
+
+@pytest.mark.parametrize(
+    "text, letter",
+    [("Therefore, $\\text{A}$.", "A"), ("So we choose \\text{B}.", "B"), ("Hence \\(\\text{C}\\)", "C"),
+     ("The final answer is $\\boxed{\\text{D}}$", "D"), ("The correct option is \\textbf{B}.", "B")],
+)
+def test_a_letter_written_as_text_command_is_read(text, letter):
+    assert choice_letter(extract_answer(text)) == letter
+    assert verify_solution(text, letter, OPTIONS) and not verify_solution(text, "A" if letter != "A" else "B", OPTIONS)
+
+
+@pytest.mark.parametrize(
+    "text, letter",
+    [("B\nBecause the triangle is right-angled, its area is 6.", "B"),
+     ("(C)\n\nExplanation: the side is 5, so the answer follows.", "C"),
+     ("**D**\n\nThe sum of the angles is 180 degrees.", "D"),
+     ("A.\nThe smallest side is 3.", "A")],
+)
+def test_a_letter_on_the_first_line_followed_by_an_explanation_is_read(text, letter):
+    assert choice_letter(extract_answer(text)) == letter
+    assert verify_solution(text, letter, OPTIONS)
+    assert not verify_solution(text, "A" if letter != "A" else "B", OPTIONS)
+
+
+def test_a_first_line_that_is_not_a_letter_is_not_an_answer():
+    assert extract_answer("I\nthink it is hard to say without the figure.") is None
+    assert extract_answer("Let us look at the figure.\nThe shape has 4 sides.") is None

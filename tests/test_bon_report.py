@@ -207,3 +207,23 @@ def test_qwen_math_reference_numbers():
     assert rep["methods"]["majority"]["8"]["mean"] == pytest.approx(want)
     assert 0.92 <= want <= 0.93
     assert rep["best_vs_random"]["diff"] == pytest.approx(0.03) and rep["best_vs_random"]["ci95"][0] > 0
+
+
+def test_a_truncated_candidate_never_wins_on_its_partial_score(tmp_path):
+    # Candidate 0 was cut at scoring.max_length: its two scored steps look great, but its
+    # unscored tail is wrong. Read on the prefix, every aggregator would pick it.
+    cut = {**cand([0.95, 0.9], "7", False), "truncated": True}
+    problems = [[cut, cand([0.7, 0.6, 0.8], "5", True)],
+                [{**cand([0.9], "1", True), "truncated": True}, {**cand([0.8], "2", True), "truncated": True}]]
+    curve = bon_curve(problems)
+    for m in AGGREGATORS:
+        # ranked last: the complete candidate wins P0; P1 has only truncated ones -> lowest index
+        assert curve.per_problem[m][2].tolist() == [1.0, 1.0], m
+    # a truncated candidate keeps its vote in majority but weighs nothing in the weighted vote
+    assert curve.per_problem["weighted_vote"][2].tolist() == [1.0, 1.0]
+    assert curve.per_problem["majority"][2].tolist() == [0.5, 1.0]
+    rep = write_report(curve, tmp_path, n_resamples=50)
+    assert rep["truncated_candidates"] == 3 and rep["settings"]["truncated_rule"].startswith("ranked last")
+    assert "3 of 4 candidates were truncated" in (tmp_path / "report.md").read_text()
+    with pytest.raises(ValueError, match="truncated: must be true or false"):
+        bon_curve([[{**cand([0.5], "1", True), "truncated": "yes"}]])

@@ -352,6 +352,32 @@ def test_tiny_yaml_parses_and_opens_with_its_launch_command():
     cfg = mod.load_config(mod.Config, CONFIG)
     assert cfg.prm == "runs/tiny/prm" and cfg.candidates_file.startswith("runs/tiny/")
     assert cfg.generate.n == 4 and cfg.shard.count == 1
+    assert mod.Config().generate.sampling.max_new_tokens == 4096 and cfg.generate.sampling.max_new_tokens == 128
+    # the prompt format comes from the policy (mmprm_policy.json) unless the config says otherwise
+    assert cfg.generate.step_mode is None and cfg.generate.system_prompt is None
     res = subprocess.run([sys.executable, str(RECIPE), "--config", str(CONFIG), "shard.index=2", "shard.count=2"],
                          capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120)
     assert res.returncode == 2 and "shard.index=2 must be in [0, shard.count=2)" in res.stderr
+
+
+def test_candidates_cut_by_scoring_max_length_are_ranked_last_and_counted(prm_dir, tmp_path, one_thread):
+    from mmprm.rerank.candidates import write_candidates
+
+    long_steps = [f"Step {k}: add {k} to the running total and keep going." for k in range(30)]
+    problems = [Problem(id=f"q{i}", question="What is 2 + 3?", answer="5", candidates=[
+        Candidate(text=None, steps=[*long_steps, "So 9.\n<answer>9</answer>"], answer="9", correct=False),
+        Candidate(text=None, steps=["2 + 3 = 5.", "So 5.\n<answer>5</answer>"], answer="5", correct=True),
+    ]) for i in range(3)]
+    cands = tmp_path / "c.jsonl"
+    write_candidates(cands, problems)
+    out = tmp_path / "out"
+    recipe().main(["--config", str(CONFIG), f"prm={prm_dir}", f"candidates_file={cands}", f"output_dir={out}",
+                   "scoring.max_length=160", "report.resamples=20"])
+    rows = read_jsonl(out / "scored.jsonl")
+    assert [[c.get("truncated", False) for c in r["candidates"]] for r in rows] == [[True, False]] * 3
+    assert all(0 < len(r["candidates"][0]["step_probs"]) < 31 for r in rows)  # the scored prefix is kept
+    report = json.loads((out / "report.json").read_text())
+    assert report["truncated_candidates"] == 3
+    for m in ("min", "average", "max", "last", "product", "sum_logpr", "sum_logodds", "mean_odds"):
+        assert report["methods"][m]["2"]["mean"] == 1.0, m  # the complete, correct candidate wins every time
+    assert "3 of 6 candidates were truncated" in (out / "report.md").read_text()

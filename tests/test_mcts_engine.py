@@ -18,7 +18,9 @@ from PIL import Image
 from mmprm.annotate.backends.base import RolloutInputError, RolloutRequest, SamplingConfig
 from mmprm.annotate.engine import (
     AnnotationEngine,
+    AnnotationOutage,
     Problem,
+    RankBusyError,
     TreeFile,
     cli_merge_annotations,
     merge_annotations,
@@ -26,6 +28,7 @@ from mmprm.annotate.engine import (
     shard,
     tree_file_name,
 )
+from mmprm.annotate.judge import JudgeError
 from mmprm.annotate.search import SearchConfig
 from mmprm.annotate.simulated import GOLD, SimProblem, SimulatedPolicy, random_problems
 from mmprm.data.problems import load_problems
@@ -68,8 +71,9 @@ def test_statuses_in_both_step_modes_and_no_steps_count(step_mode):
                 "prose": SimProblem([0.2] * 8)}
     records, stats, _ = run_engine(problems, step_mode=step_mode, unparsable=["prose"])
     status = {r["id"]: r["status"] for r in records}
-    # Tag mode finds no step in prose; blank-line mode reads the paragraph as one step (no answer).
-    prose = "no_steps" if step_mode == "tags" else "screened_all_wrong"
+    # Tag mode finds no step in prose; blank-line mode reads the paragraph as one step but no
+    # rollout ever reaches an answer, which says nothing about the steps: no_answer, not all wrong.
+    prose = "no_steps" if step_mode == "tags" else "no_answer"
     assert status == {"easy": "screened_all_correct", "hard": "screened_all_wrong", "mid": "annotated",
                       "prose": prose}
     assert sum(stats.by_status.values()) == 4 and stats.by_status.get("no_steps", 0) == (step_mode == "tags")
@@ -193,7 +197,7 @@ def test_torn_last_line_is_cut_and_finished_ids_are_skipped(tmp_path):
     with open(path, "a") as f:
         f.write('{"id": "c", "status": "annot')  # what a kill -9 mid-write leaves
     other = tmp_path / tree_file_name(1, 2)
-    other.write_text('{"id": "z", "status": "error", "message": "x"}\n{"id": "y", "sta')
+    other.write_text('{"id": "z", "status": "error", "message": "x", "error_kind": "permanent"}\n{"id": "y", "sta')
     trees = TreeFile(path, scan_dir=tmp_path)
     assert trees.done == {"a", "b", "z"}
     assert path.read_text().endswith('"no_steps"}\n')  # own torn tail cut off
@@ -299,6 +303,9 @@ def test_hf_backend_samples_n_continuations_reproducibly(tiny_dirs, tmp_path):
     out = backend.generate(reqs)
     assert [len(o) for o in out] == [3, 4] and all(isinstance(t, str) for o in out for t in o)
     assert backend.stats.sequences == 7 and 7 <= backend.stats.generated_tokens <= 42
+    # A random-init model writes no answer tag in 6 tokens: each row that used the whole budget
+    # without EOS comes back marked cut at max_new_tokens (and the search never blames it).
+    assert any(t.truncated for o in out for t in o)
     again = HFBackend.from_pretrained(str(tiny_dirs["qwen2_vl"]), sampling, batch_size=5).generate(reqs)
     assert again == out
     with pytest.raises(RolloutInputError) as err:
@@ -379,3 +386,122 @@ def test_llm_judge_is_asked_only_when_rules_say_no(monkeypatch):
     dead = LLMJudge(f"http://127.0.0.1:{server.server_port}/v1", "m", retries=2, timeout_s=2)
     with pytest.raises(JudgeError, match="failed 2 times"):
         dead("x", "y")
+
+
+class _CutBackend(SimulatedPolicy):
+    """Marks every wrong blank-line rollout as cut at max_new_tokens (its \\boxed answer is then a
+    half-written guess the policy might have revised)."""
+
+    def generate(self, requests):
+        from mmprm.annotate.backends.base import Completion
+
+        return [[Completion(t, truncated="boxed{-1}" in t) for t in texts] for texts in super().generate(requests)]
+
+
+def test_rollouts_cut_at_max_new_tokens_are_counted_truncated_and_never_searched():
+    problems = {"cut": SimProblem([0.2] * 6)}
+    records = []
+    AnnotationEngine(_CutBackend(problems, step_mode="blank_lines"), SearchConfig(max_rollouts=100), exact,
+                     step_mode="blank_lines").run([Problem("cut", "q", GOLD)], records.append)
+    (rec,) = records
+    assert rec["status"] == "annotated" and rec["stats"]["truncated_rollouts"] > 0
+    assert rec["first_errors"] == [] and all(n["mc"] > 0 for n in rec["nodes"])
+
+
+# -- transient errors, outages, and one worker per rank file -----------------------------------------
+
+def test_transient_errors_are_retried_on_resume_and_permanent_ones_are_final(tmp_path):
+    problems = {**random_problems(2, seed=2), "broken": SimProblem([0.2] * 5), "flaky": SimProblem([0.2] * 5)}
+    policy = _BadImageBackend(problems)  # "broken": unreadable image, a permanent input error
+    flaky = {"down": True}
+
+    def verify(pred, gold, choices=None):
+        if flaky["down"] and verify.problem == "flaky":
+            raise JudgeError("judge at http://judge/v1 failed 3 times: URLError: connection refused")
+        return pred == gold
+
+    class Engine(AnnotationEngine):  # tell the verifier which problem asks (a judge sees the question)
+        def _rollout(self, item, text):
+            verify.problem = item.problem.id
+            return super()._rollout(item, text)
+
+    out = tmp_path / "run"
+    trees = TreeFile(out / tree_file_name(0, 1), scan_dir=out)
+    Engine(policy, SearchConfig(max_rollouts=100), verify, concurrency=8).run(
+        [Problem(pid, "q", GOLD) for pid in problems], trees.append)
+    trees.close()
+    by_id = {r["id"]: r for r in _records(out)}
+    assert by_id["flaky"]["status"] == "error" and by_id["flaky"]["error_kind"] == "transient"
+    assert by_id["broken"]["status"] == "error" and by_id["broken"]["error_kind"] == "permanent"
+    # Before: every error record counted as done, so the judge outage cost "flaky" for good.
+    trees = TreeFile(out / tree_file_name(0, 1), scan_dir=out)
+    assert "flaky" not in trees.done and "broken" in trees.done
+    flaky["down"] = False
+    todo = [Problem(pid, "q", GOLD) for pid in problems if pid not in trees.done]
+    assert [p.id for p in todo] == ["flaky"]
+    Engine(policy, SearchConfig(max_rollouts=100), verify).run(todo, trees.append)
+    trees.close()
+    summary = merge_annotations(out)
+    merged = {r["id"]: r for r in (json.loads(x) for x in (out / "trees.jsonl").read_text().splitlines())}
+    assert summary["records"] == 4 and merged["flaky"]["status"] == "annotated"
+    assert summary["by_status"] == {"annotated": 3, "error": 1} and summary["retryable_errors"] == 0
+
+
+def test_an_outage_stops_the_run_instead_of_emptying_it():
+    problems = random_problems(40, seed=4)
+
+    def judge_down(pred, gold, choices=None):
+        raise JudgeError("judge at http://judge/v1 failed 3 times: URLError: connection refused")
+
+    records = []
+    engine = AnnotationEngine(SimulatedPolicy(problems), SearchConfig(max_rollouts=100), judge_down, concurrency=8,
+                              max_consecutive_failures=5)
+    with pytest.raises(AnnotationOutage, match=r"5 problems in a row failed .*JudgeError.*rerun the same command"):
+        engine.run([Problem(pid, "q", GOLD) for pid in problems], records.append)
+    assert len(records) == 5 and all(r["error_kind"] == "transient" for r in records)
+
+
+class _DeadBackend(SimulatedPolicy):
+    def generate(self, requests):
+        raise ConnectionError("engine process died")
+
+
+def test_a_failing_backend_call_is_an_outage_not_error_records():
+    records = []
+    with pytest.raises(AnnotationOutage, match="backend call failed: ConnectionError: engine process died"):
+        AnnotationEngine(_DeadBackend(random_problems(3)), SearchConfig(max_rollouts=100), exact).run(
+            [Problem(pid, "q", GOLD) for pid in random_problems(3)], records.append)
+    assert records == []
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from mmprm.annotate.engine import TreeFile
+    trees = TreeFile(sys.argv[1])
+    print("holding", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_second_worker_on_a_held_rank_file_stops_naming_the_holder(tmp_path):
+    import socket
+
+    path = tmp_path / tree_file_name(0, 1)
+    first = TreeFile(path)
+    with pytest.raises(RankBusyError, match=rf"pid {os.getpid()} on {socket.gethostname()}, started 20"):
+        TreeFile(path)
+    first.close()
+    TreeFile(path).close()  # released on close
+    # ... and when the holder dies without closing (kill -9): the OS drops the lock with the process.
+    holder = tmp_path / "holder.py"
+    holder.write_text(HOLDER)
+    proc = subprocess.Popen([sys.executable, str(holder), str(path)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout.readline().strip() == "holding"
+        with pytest.raises(RankBusyError, match=f"pid {proc.pid} "):
+            TreeFile(path)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    TreeFile(path).close()

@@ -154,3 +154,11 @@ def test_paths_of_real_openr_mcts_trees_match_mm_prm_traverse():
         got = sorted((tuple(p.labels), p.negative) for p in tree_paths(_flatten(tree), "node"))
         want = sorted(_reference_paths(tree))
         assert got == want and len(got) > 5
+
+
+def test_export_counts_unfinished_rollouts_as_truncated():
+    recs = [{**record(), "stats": {"rollouts": 32, "truncated_rollouts": 5}},
+            {**record(pid="p2", status="no_answer"), "stats": {"rollouts": 16, "truncated_rollouts": 16}},
+            record(pid="p3")]  # a record from before the count existed
+    _, stats = export_examples(recs, ExportConfig(balance=None))
+    assert stats["truncated_rollouts"] == 21 and stats["by_status"]["no_answer"] == 1

@@ -41,6 +41,8 @@ def test_shipped_tiny_yaml_parses_with_overrides():
     assert (defaults.rollouts_per_estimate, defaults.max_searches, defaults.max_rollouts) == (16, 200, 1000)
     sampling = mod.AnnotateConfig().sampling
     assert (sampling.temperature, sampling.top_k, sampling.top_p) == (1.0, 50, 0.9)
+    # MM-PRM's cap (a rollout cut there is unfinished, never an error label); tiny configs set their own
+    assert sampling.max_new_tokens == 4096 and cfg.sampling.max_new_tokens == 128
     with pytest.raises(ConfigError, match="search.max_rollouts .* must be >= search.rollouts_per_estimate"):
         load_config(mod.AnnotateConfig, YAML, ["search.max_rollouts=4"])
     with pytest.raises(ConfigError, match="unknown key"):
@@ -108,6 +110,20 @@ def test_tiny_vlm_end_to_end_kill_resume_and_prm_train_accepts_the_output(tmp_pa
     assert res.returncode == 0 and "6 already done, 0 to annotate" in res.stderr
     assert len(trees.read_text().splitlines()) == 6
 
+    # a judge outage stops the run (exit 3) with transient records; the next run retries them
+    out2 = tmp_path / "outage"
+    judged = [*args[:-2], f"output_dir={out2}", "engine.concurrency=2", "verify.judge=true",
+              "verify.judge_url=http://127.0.0.1:9/v1", "verify.judge_model=judge", "engine.max_consecutive_failures=1"]
+    res = _run(judged)
+    assert res.returncode == 3 and "problems in a row failed with transient errors" in res.stderr, res.stderr[-3000:]
+    failed = [json.loads(line) for line in (out2 / "trees.rank0-of-1.jsonl").read_text().splitlines()]
+    assert [r["error_kind"] for r in failed if r["status"] == "error"] == ["transient"]
+    assert "JudgeError" in failed[-1]["message"] and not (out2 / "trees.jsonl").exists()
+    res = _run([*args[:-2], f"output_dir={out2}", "engine.concurrency=2"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    merged = [json.loads(line) for line in (out2 / "trees.jsonl").read_text().splitlines()]
+    assert len(merged) == 6 and not any(r["status"] == "error" for r in merged)
+
     # the acceptance check: prm_train trains on the exported rows
     prm = subprocess.run(
         [sys.executable, str(REPO / "recipes" / "prm_train.py"), f"model.name_or_path={base}",
@@ -135,3 +151,22 @@ def test_vllm_backend_samples_n_continuations(tmp_path):
     out = backend.generate([RolloutRequest("a", "What is 2 + 3?", [], ["Two plus three."], 4),
                             RolloutRequest("b", "What is 1 + 1?", [], [], 2)])
     assert [len(o) for o in out] == [4, 2] and backend.stats.generated_tokens > 0
+
+
+def test_a_second_worker_on_the_same_output_dir_and_rank_stops_at_once(tmp_path, capsys):
+    from mmprm.annotate.engine import TreeFile, tree_file_name
+
+    mod = recipe_module()
+    problems = tmp_path / "p.jsonl"
+    problems.write_text("".join(json.dumps({"id": str(i), "question": "1 + 1?", "answer": "2"}) + "\n"
+                                for i in range(4)))
+    out = tmp_path / "out"
+    first = TreeFile(out / tree_file_name(0, 1))  # a live worker (a double submission, a requeue)
+    try:
+        code = mod.main(["--config", str(YAML), f"data.problems_file={problems}", f"output_dir={out}",
+                         "model.name_or_path=/nonexistent/policy"])
+    finally:
+        first.close()
+    err = capsys.readouterr().err
+    assert code == 3 and f"in use by another worker (pid {os.getpid()} on " in err
+    assert (out / tree_file_name(0, 1)).read_text() == ""  # it annotated nothing

@@ -183,3 +183,69 @@ def test_search_is_deterministic():
     a, b = run(problem, seed=4)[1], run(problem, seed=4)[1]
     assert a.nodes == b.nodes and a.first_errors == b.first_errors and a.selected == b.selected
     assert math.isclose(a.nodes[0]["mc"], b.nodes[0]["mc"])
+
+
+# -- unfinished rollouts (cut at max_new_tokens, or no answer written) ----------------------------
+
+def scripted(replies: dict[tuple[str, ...], list[Rollout]]):
+    """Probe -> the rollouts scripted for its prefix (every probe must be scripted)."""
+
+    def answer(probe: Probe) -> list[Rollout]:
+        return replies[probe.prefix]
+
+    return answer
+
+
+def test_an_unfinished_rollout_never_becomes_an_error_label():
+    # Root: one correct solution, one cut off mid-solution (answer None). Before the fix the cut
+    # one entered the pool; the probe of ("a",) has MC > 0, so the search ended at the full length
+    # and valued the unfinished ("a", "b") at 0.0 - blaming step "b" of a solution that may be right.
+    replies = {(): [Rollout(["a", "b", "c"], GOLD, True), Rollout(["a", "b"], None, False)],
+               ("a",): [Rollout(["b", "c"], GOLD, True), Rollout(["b", "c"], GOLD, True)]}
+    search = OmegaSearch(SearchConfig(rollouts_per_estimate=2, max_rollouts=100))
+    res = drive(search, scripted(replies))
+    assert res.status == "annotated"
+    assert res.first_errors == [] and res.selected == []
+    assert all(n["mc"] > 0 for n in res.nodes)
+    assert res.stats()["truncated_rollouts"] == 1
+
+
+def test_a_probe_whose_rollouts_all_stop_unfinished_is_not_called_bad():
+    # The wrong rollout ("a", "x") is searched; the probe of ("a",) gets only cut-off rollouts:
+    # no evidence either way, so the search stops there instead of labelling ("a",) MC = 0.
+    replies = {(): [Rollout(["a", "b"], GOLD, True), Rollout(["a", "x", "y"], "-1", False)],
+               ("a",): [Rollout(["b"], None, False), Rollout(["x"], None, False)]}
+    res = drive(OmegaSearch(SearchConfig(rollouts_per_estimate=2, max_rollouts=100)), scripted(replies))
+    assert res.status == "annotated" and res.searches == 1
+    assert res.first_errors == [] and res.incomplete_searches == 1
+    assert res.stats()["truncated_rollouts"] == 2
+
+
+def test_a_root_with_no_finished_rollout_is_no_answer_not_all_wrong():
+    replies = {(): [Rollout(["a", "b"], None, False), Rollout(["a"], None, False)]}
+    res = drive(OmegaSearch(SearchConfig(rollouts_per_estimate=2, max_rollouts=100)), scripted(replies))
+    assert res.status == "no_answer" and res.stats()["truncated_rollouts"] == 2
+
+
+def test_request_seeds_are_spaced_n_apart_so_no_two_samples_share_a_seed():
+    from mmprm.annotate.backends.base import request_seeds
+
+    # vLLM seeds sample j of a request with seed + j. Seeds s, s + 1 for two requests of n = 4
+    # would share 3 samples' seeds; spaced n apart they share none.
+    assert request_seeds(7, 0, [4, 4, 2]) == [7, 11, 15]
+    assert request_seeds(0, 2, [16]) == [2_000_006]
+    used = [s + j for call in range(3) for s, n in zip(request_seeds(5, call, [16, 3, 16, 1]), [16, 3, 16, 1])
+            for j in range(n)]
+    assert len(used) == len(set(used)) == 3 * 36
+
+
+def test_worker_seed_streams_never_overlap():
+    from mmprm.annotate.backends.base import request_seeds, worker_seed
+
+    # Before: shard i sampled with seed + i, so shard 1's request seeds were shard 0's shifted by one.
+    def used(worker):
+        base = worker_seed(0, worker)
+        return {s + j for call in range(50) for s in request_seeds(base, call, [16] * 64) for j in range(16)}
+
+    a, b = used(0), used(1)
+    assert len(a) == 50 * 64 * 16 and not a & b

@@ -259,3 +259,61 @@ def test_format_compliance_rises_after_short_training(tmp_path):
     assert before["format_compliance"] <= 0.1
     assert after["format_compliance"] >= 0.5
     assert after["loss"] < before["loss"] / 5
+
+
+# ---- the prompt format travels with the policy -------------------------------------------------
+
+def _recipe_module(name):
+    spec = importlib.util.spec_from_file_location(f"{name}_recipe_for_spec", REPO / "recipes" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_annotation_and_generation_prompt_the_policy_exactly_as_sft_trained_it(tiny_models, synthetic, tmp_path):
+    """SFT with a system prompt -> mmprm_policy.json -> annotation's and Best-of-N's backends send
+    the very prompt tokens SFT trained on, with no system prompt or step mode in their configs."""
+    from mmprm.annotate.backends.base import RolloutRequest
+    from mmprm.config import load_config
+    from mmprm.data.schema import load_examples, load_image
+    from mmprm.models.loading import load_processor
+
+    train, _ = synthetic
+    out = tmp_path / "policy"
+    system = "You are a careful tile counter. Write one step per tile."
+    run_recipe(*common(tiny_models("qwen2_vl"), train, out, steps=1), f"model.system_prompt={system}")
+    spec = json.loads((out / "mmprm_policy.json").read_text())
+    assert spec == {"format": "mmprm-policy", "version": 1, "system_prompt": system, "step_mode": "tags"}
+
+    processor = load_processor(out)
+    ex = load_examples(train)[0]
+    row = load_recipe().tokenize_sft(processor, ex, 4096, system)
+    n_prompt = next(i for i, label in enumerate(row["labels"]) if label != IGNORE)
+    sft_prompt = row["input_ids"][:n_prompt]
+
+    def sent_ids(backend):
+        text, images = backend._prompt(0, RolloutRequest(ex.id, ex.question, ex.images, [], 1))
+        assert len(images) == len(ex.images) == 1
+        enc = processor(text=[text], images=[load_image(p) for p in ex.images], return_tensors="pt")
+        return enc["input_ids"][0].tolist()
+
+    mcts = _recipe_module("mcts_annotate")
+    cfg = load_config(mcts.AnnotateConfig, REPO / "recipes" / "configs" / "tiny" / "mcts_annotate.yaml",
+                      [f"model.name_or_path={out}"])
+    assert cfg.model.system_prompt is None and cfg.engine.step_mode is None  # nothing said in the config
+    backend = mcts.make_backend(cfg)
+    assert backend.step_mode == "tags" and backend.system == system
+    assert sent_ids(backend) == sft_prompt
+
+    bon = _recipe_module("bon_rerank")
+    cfg = load_config(bon.Config, REPO / "recipes" / "configs" / "tiny" / "bon_rerank.yaml",
+                      ["generate.enabled=true", f"generate.policy={out}", f"generate.problems_file={train}"])
+    backend = bon.make_backend(cfg)
+    assert backend.step_mode == "tags" and sent_ids(backend) == sft_prompt
+
+    # A config that does say something wins, with a warning naming the saved value.
+    cfg = load_config(mcts.AnnotateConfig, REPO / "recipes" / "configs" / "tiny" / "mcts_annotate.yaml",
+                      [f"model.name_or_path={out}", "model.system_prompt=Be brief."])
+    with pytest.warns(UserWarning, match="overrides 'You are a careful tile counter"):
+        assert mcts.make_backend(cfg).system == "Be brief."

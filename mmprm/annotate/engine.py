@@ -17,15 +17,24 @@ finished ids are skipped, so rerunning the same command resumes without loss or 
 from __future__ import annotations
 
 import argparse
+import datetime
+import fcntl
 import json
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from mmprm.annotate.backends.base import RolloutBackend, RolloutInputError, RolloutRequest, StepMode
+from mmprm.annotate.backends.base import (
+    RolloutBackend,
+    RolloutInputError,
+    RolloutRequest,
+    StepMode,
+    was_truncated,
+)
 from mmprm.annotate.search import OmegaSearch, Probe, Rollout, SearchConfig
 from mmprm.data.problems import Problem
 from mmprm.data.schema import DataError, iter_jsonl, write_jsonl
@@ -34,7 +43,30 @@ from mmprm.steps import parse_solution
 # pred answer (None when the rollout gave none), gold answer, choices -> correct?
 Verifier = Callable[[str | None, str, list[str] | None], bool]
 
-STATUSES = ("annotated", "screened_all_correct", "screened_all_wrong", "no_steps", "error")
+STATUSES = ("annotated", "screened_all_correct", "screened_all_wrong", "no_steps", "no_answer", "error")
+
+# Errors that rerunning cannot fix: the problem's own input is bad (unreadable image, placeholder
+# mismatch, invalid row). Anything else (a judge or backend outage, a crash) may pass, so its
+# error record is retried on resume.
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (RolloutInputError, DataError)
+
+
+class AnnotationOutage(RuntimeError):
+    """Problems keep failing with transient errors (or a backend call failed): stop the run
+    rather than write an error record for every remaining problem."""
+
+
+class RankBusyError(RuntimeError):
+    """Another live worker holds this rank's tree file."""
+
+
+def is_final(record: dict[str, Any]) -> bool:
+    """Whether a tree record settles its problem: any result, or an error that is permanent.
+
+    A transient error record (and an error record written before errors were classified) is
+    retried by the next run.
+    """
+    return record.get("status") != "error" or record.get("error_kind") == "permanent"
 
 
 # -- ranks, shards and the per-rank tree file ---------------------------------------------------
@@ -81,8 +113,39 @@ def _read_records(path: Path, repair: bool) -> list[dict[str, Any]]:
     return records
 
 
+def _hold_lock(path: Path, tree_file: Path) -> Any:
+    """Take the exclusive lock on `path` (kept open, so the OS drops it when the process ends,
+    even on kill -9) and write who holds it; raise RankBusyError naming the live holder."""
+    f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the worker's lifetime: that is the lock
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        try:
+            h = json.loads(f.read())
+            holder = f"pid {h['pid']} on {h['host']}, started {h['started']}"
+        except (ValueError, KeyError):
+            holder = "a worker that is just starting"
+        f.close()
+        raise RankBusyError(
+            f"{tree_file} is in use by another worker ({holder}): two workers on the same output_dir and rank "
+            "would annotate every problem twice. Let it finish or stop it (a stopped or crashed worker releases "
+            "the lock), or give this run another output_dir or rank.") from None
+    f.seek(0)
+    f.truncate()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}) + "\n")
+    f.flush()
+    return f
+
+
 class TreeFile:
-    """Append-only per-rank record file that survives kill -9 at any moment.
+    """Append-only per-rank record file that survives kill -9 at any moment, held by one worker.
+
+    A lock (`flock` on `<file>.lock`) is taken before anything is read or repaired, so a second
+    worker on the same output_dir and rank stops at once, naming the holder; the OS releases it
+    when the holder exits or dies. Ids with a final record (`is_final`) are `done`; a problem
+    whose only records are transient errors is retried, and its new record supersedes them.
 
     Args:
         path: this rank's file (created if missing; a torn last line is cut off).
@@ -93,12 +156,17 @@ class TreeFile:
     def __init__(self, path: str | Path, scan_dir: str | Path | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = _hold_lock(self.path.with_name(self.path.name + ".lock"), self.path)
         self.done: set[str] = set()
-        if self.path.exists():
-            self.done.update(str(r["id"]) for r in _read_records(self.path, repair=True))
-        if scan_dir is not None:
-            self.done.update(finished_ids(scan_dir, skip=self.path))
-        self._f = open(self.path, "a", encoding="utf-8")
+        try:
+            if self.path.exists():
+                self.done.update(str(r["id"]) for r in _read_records(self.path, repair=True) if is_final(r))
+            if scan_dir is not None:
+                self.done.update(finished_ids(scan_dir, skip=self.path))
+            self._f = open(self.path, "a", encoding="utf-8")
+        except BaseException:
+            self._lock.close()  # a corrupt file must not keep the rank locked
+            raise
 
     def append(self, record: dict[str, Any]) -> None:
         """Commit one record: a single line, flushed and fsynced before returning."""
@@ -107,18 +175,20 @@ class TreeFile:
         self._f.write(json.dumps(record, ensure_ascii=False) + "\n")
         self._f.flush()
         os.fsync(self._f.fileno())
-        self.done.add(str(record["id"]))
+        if is_final(record):
+            self.done.add(str(record["id"]))
 
     def close(self) -> None:
         self._f.close()
+        self._lock.close()  # releases the flock
 
 
 def finished_ids(output_dir: str | Path, skip: Path | None = None) -> set[str]:
-    """Ids with a complete record in any `trees.rank*-of-*.jsonl` of `output_dir` (read-only)."""
+    """Ids with a final record (`is_final`) in any `trees.rank*-of-*.jsonl` of `output_dir` (read-only)."""
     ids: set[str] = set()
     for path in sorted(Path(output_dir).glob("trees.rank*-of-*.jsonl")):
         if skip is None or path.resolve() != Path(skip).resolve():
-            ids.update(str(r["id"]) for r in _read_records(path, repair=False))
+            ids.update(str(r["id"]) for r in _read_records(path, repair=False) if is_final(r))
     return ids
 
 
@@ -126,33 +196,32 @@ def merge_annotations(output_dir: str | Path, out: str | Path | None = None,
                       problems_file: str | Path | None = None) -> dict[str, Any]:
     """Merge every `trees.rank*-of-*.jsonl` of `output_dir` into one file (default `trees.jsonl`).
 
-    Keeps the first record per id (files in name order); returns a summary with counts per
-    status, duplicates dropped and, given the problems file, the ids that have no record yet.
+    Keeps one record per id: the first final one (files in name order), else - a problem whose
+    every try hit a transient error - its last error record. Returns a summary with counts per
+    status, duplicates dropped, `retryable_errors` (ids with only transient errors: rerun the
+    annotation to retry them) and, given the problems file, the ids that have no record yet.
     """
     output_dir = Path(output_dir)
     files = sorted(output_dir.glob("trees.rank*-of-*.jsonl"))
     if not files:
         raise FileNotFoundError(f"{output_dir}: no trees.rank*-of-*.jsonl files (run recipes/mcts_annotate.py first)")
-    seen: set[str] = set()
-    duplicates = 0
+    chosen: dict[str, dict[str, Any]] = {}  # insertion order = first appearance
+    records = 0
+    for path in files:
+        for rec in _read_records(path, repair=False):
+            records += 1
+            rid = str(rec["id"])
+            if rid not in chosen or not is_final(chosen[rid]):
+                chosen[rid] = rec  # a later record supersedes a transient error
     by_status: dict[str, int] = {}
-
-    def rows():
-        nonlocal duplicates
-        for path in files:
-            for rec in _read_records(path, repair=False):
-                rid = str(rec["id"])
-                if rid in seen:
-                    duplicates += 1
-                    continue
-                seen.add(rid)
-                by_status[rec.get("status", "?")] = by_status.get(rec.get("status", "?"), 0) + 1
-                yield rec
-
+    for rec in chosen.values():
+        by_status[rec.get("status", "?")] = by_status.get(rec.get("status", "?"), 0) + 1
+    seen = set(chosen)
     out = Path(out) if out is not None else output_dir / "trees.jsonl"
-    n = write_jsonl(out, rows())
+    n = write_jsonl(out, chosen.values())
     summary: dict[str, Any] = {"out": str(out), "files": [p.name for p in files], "records": n,
-                               "duplicates_dropped": duplicates, "by_status": by_status}
+                               "duplicates_dropped": records - n, "by_status": by_status,
+                               "retryable_errors": sum(not is_final(r) for r in chosen.values())}
     if problems_file is not None:
         ids = [str(r["id"]) for _, r, err in iter_jsonl(problems_file) if r is not None and "id" in r]
         summary["missing"] = [i for i in ids if i not in seen]
@@ -174,6 +243,9 @@ def cli_merge_annotations(argv: list[str]) -> int:
         return 1
     missing = summary.get("missing", [])
     print(json.dumps({**summary, "missing": len(missing)}))
+    if summary["retryable_errors"]:
+        print(f"{summary['retryable_errors']} problem(s) have only transient error records (judge or backend "
+              "down?): rerun the annotation command to retry them", file=sys.stderr)
     if missing:
         print(f"{len(missing)} problem(s) have no record yet (e.g. {missing[:5]}): rerun the annotation command "
               "to finish them", file=sys.stderr)
@@ -197,6 +269,7 @@ class EngineStats:
     problems: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
     rollouts: int = 0
+    truncated_rollouts: int = 0  # stopped before an answer (max_new_tokens, or none written)
     backend_calls: int = 0
     sequences_per_call: list[int] = field(default_factory=list)
     backend_seconds: float = 0.0
@@ -205,6 +278,7 @@ class EngineStats:
     def summary(self) -> dict[str, Any]:
         calls = max(1, self.backend_calls)
         return {"problems": self.problems, "by_status": dict(self.by_status), "rollouts": self.rollouts,
+                "truncated_rollouts": self.truncated_rollouts,
                 "backend_calls": self.backend_calls, "mean_sequences_per_call": sum(self.sequences_per_call) / calls,
                 "backend_seconds": round(self.backend_seconds, 3), "seconds": round(self.seconds, 3),
                 "problems_per_s": self.problems / max(self.seconds, 1e-9),
@@ -230,13 +304,19 @@ class AnnotationEngine:
         verify: `(pred, gold, choices) -> bool`; `rule_verifier` when None.
         step_mode: how rollouts are split into steps ("tags" or "blank_lines").
         concurrency: problems in flight; each backend call carries up to concurrency * k sequences.
+        max_consecutive_failures: this many problems in a row ending in a transient error (judge
+            down, ...) raise `AnnotationOutage` instead of erroring every remaining problem.
     """
 
     def __init__(self, backend: RolloutBackend, search: SearchConfig, verify: Verifier | None = None,
-                 step_mode: StepMode = "tags", concurrency: int = 64):
+                 step_mode: StepMode = "tags", concurrency: int = 64, max_consecutive_failures: int = 16):
         if concurrency < 1:
             raise ValueError("engine.concurrency must be >= 1")
+        if max_consecutive_failures < 1:
+            raise ValueError("engine.max_consecutive_failures must be >= 1")
         search.validate()
+        self.max_consecutive_failures = max_consecutive_failures
+        self._failures_in_a_row = 0
         self.backend = backend
         self.search_cfg = search
         self.verify = verify or rule_verifier
@@ -275,7 +355,7 @@ class AnnotationEngine:
                 except StopIteration as stop:
                     self._finish(item, on_record, result=stop.value)
                 except Exception as e:  # noqa: BLE001 - one bad problem must not stop the run
-                    self._finish(item, on_record, error=f"{type(e).__name__}: {e}")
+                    self._finish(item, on_record, error=e)
             active = still
             if on_batch is not None:
                 on_batch(self.stats)
@@ -284,7 +364,9 @@ class AnnotationEngine:
 
     def _generate(self, active: list[_Active], on_record: Callable[[dict[str, Any]], None]) -> list[list[str] | None]:
         """One backend call for every active probe; a request the backend cannot even build a
-        prompt for (bad image, ...) turns its problem into an error record and the rest retry."""
+        prompt for (bad image, ...) turns its problem into an error record and the rest retry.
+        Any other failure of the call is an outage: the problems in flight get no record, so the
+        next run redoes them."""
         live = list(range(len(active)))
         out: list[list[str] | None] = [None] * len(active)
         while live:
@@ -295,8 +377,12 @@ class AnnotationEngine:
                 texts = self.backend.generate(requests)
             except RolloutInputError as e:
                 bad = live.pop(e.index)
-                self._finish(active[bad], on_record, error=f"RolloutInputError: {e}")
+                self._finish(active[bad], on_record, error=e)
                 continue
+            except Exception as e:  # noqa: BLE001 - reported with its cause, the run stops
+                raise AnnotationOutage(
+                    f"backend call failed: {type(e).__name__}: {e}. Finished problems are saved; the {len(active)} "
+                    "in flight have no record: fix the cause and rerun the same command to resume.") from e
             self.stats.backend_seconds += time.perf_counter() - t0
             self.stats.backend_calls += 1
             self.stats.sequences_per_call.append(sum(r.n for r in requests))
@@ -309,6 +395,10 @@ class AnnotationEngine:
 
     def _rollout(self, item: _Active, text: str) -> Rollout:
         parsed = parse_solution(text, self.step_mode)
+        if was_truncated(text):
+            # Cut at max_new_tokens: an answer read from it (blank-line mode) is a half-written
+            # guess, so the rollout is unfinished (answer None), never searched for an error.
+            return Rollout(parsed.steps, None, False)
         if parsed.answer not in item.verdicts:
             # Many rollouts give the same answer; math-verify or a judge runs once per answer.
             item.verdicts[parsed.answer] = bool(
@@ -316,7 +406,7 @@ class AnnotationEngine:
         return Rollout(parsed.steps, parsed.answer, item.verdicts[parsed.answer])
 
     def _finish(self, item: _Active, on_record: Callable[[dict[str, Any]], None], result: Any = None,
-                error: str | None = None) -> None:
+                error: Exception | None = None) -> None:
         p = item.problem
         rec: dict[str, Any] = {"id": p.id, "status": "error" if error else result.status, "question": p.question,
                                "images": p.images, "answer": p.answer}
@@ -325,13 +415,25 @@ class AnnotationEngine:
         if p.meta:
             rec["meta"] = p.meta
         if error:
-            rec["message"] = error
+            rec["message"] = f"{type(error).__name__}: {error}"
+            rec["error_kind"] = "permanent" if isinstance(error, PERMANENT_ERRORS) else "transient"
             rec["stats"] = {"rollouts": item.search.rollouts}
         else:
             rec["stats"] = result.stats()
+            self.stats.truncated_rollouts += result.truncated_rollouts
             rec["nodes"] = result.nodes
             rec["first_errors"] = result.first_errors
         rec["seconds"] = round(time.perf_counter() - item.started, 3)
         on_record(rec)
         self.stats.problems += 1
         self.stats.by_status[rec["status"]] = self.stats.by_status.get(rec["status"], 0) + 1
+        if rec.get("error_kind") == "transient":
+            self._failures_in_a_row += 1
+            if self._failures_in_a_row >= self.max_consecutive_failures:
+                raise AnnotationOutage(
+                    f"{self._failures_in_a_row} problems in a row failed with transient errors (last: {p.id}: "
+                    f"{rec['message']}); stopping so an outage does not turn the rest of the dataset into error "
+                    "records. Finished problems are saved; fix the cause and rerun the same command: problems "
+                    "with transient errors are retried.")
+        elif error is None:
+            self._failures_in_a_row = 0

@@ -111,10 +111,13 @@ def export_examples(records: Iterable[dict[str, Any]],
     rng = random.Random(cfg.seed)
     rows: list[dict[str, Any]] = []
     stats: dict[str, Any] = {"problems": 0, "by_status": {}, "paths": 0, "negative_paths": 0, "positive_paths": 0,
+                             "truncated_rollouts": 0,
                              "dropped": {"duplicate": 0, "too_short": 0, "step_token": 0, "balance": 0}}
     for rec in records:
         stats["problems"] += 1
         stats["by_status"][rec["status"]] = stats["by_status"].get(rec["status"], 0) + 1
+        # Rollouts that stopped before an answer (max_new_tokens, or none written): never labelled.
+        stats["truncated_rollouts"] += int((rec.get("stats") or {}).get("truncated_rollouts", 0))
         if rec["status"] != "annotated":
             continue
         kept: list[TreePath] = []

@@ -27,6 +27,13 @@ Language Models by Automated Process Supervision") as MM-PRM runs it:
 4. Repeat until the pool is empty or a budget (searches, rollouts) is spent. The rollout budget
    is also checked before each probe inside a binary search.
 
+Unfinished rollouts (cut at `max_new_tokens`, or no answer written: `answer is None`) count as
+not correct in MC, as in MM-PRM, but are never searched: their missing answer says nothing about
+their steps, and a binary search over one would end at its full length and value it 0.0, blaming
+the last complete step of a solution that may be right. A probe whose rollouts are all
+unfinished gives no evidence either way, so the search stops there (an incomplete search) rather
+than calling the prefix bad; a root with no finished rollout is `no_answer`.
+
 Fixes over the anchors: a popped rollout is gone for good (openr re-selects), priorities are
 maintained incrementally (the anchors re-score the whole tree every iteration), and the tree is a
 prefix trie - a probe inside an existing edge splits it, so a zero-valued node always carries the
@@ -40,7 +47,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Generator, Literal
 
-Status = Literal["annotated", "screened_all_correct", "screened_all_wrong", "no_steps"]
+Status = Literal["annotated", "screened_all_correct", "screened_all_wrong", "no_steps", "no_answer"]
 
 
 @dataclass
@@ -88,7 +95,8 @@ class Rollout:
     """One sampled continuation of a prefix, parsed and verified by the engine.
 
     steps: the new steps after the prefix (may be empty when nothing parsed).
-    answer: the final answer the policy gave, or None (cut off / no answer found).
+    answer: the final answer the policy gave, or None when the rollout is unfinished (cut off at
+        max_new_tokens, or no answer written); unfinished rollouts are never searched.
     correct: the verifier's verdict on `answer` against the gold answer.
     """
 
@@ -118,6 +126,7 @@ class Node:
     mc: float
     correct: int = 0
     total: int = 0
+    finished: int = 0  # rollouts that reached an answer; MC = 0 with none finished proves nothing
     visits: int = 0
     answer: str | None = None
     terminal: bool = False
@@ -143,11 +152,13 @@ class SearchResult:
     probes: int
     unparsed_rollouts: int
     incomplete_searches: int
+    truncated_rollouts: int = 0
 
     def stats(self) -> dict[str, int]:
         return {"rollouts": self.rollouts, "searches": self.searches, "probes": self.probes,
                 "nodes": len(self.nodes), "first_errors": len({e["node"] for e in self.first_errors}),
-                "unparsed_rollouts": self.unparsed_rollouts, "incomplete_searches": self.incomplete_searches}
+                "unparsed_rollouts": self.unparsed_rollouts, "incomplete_searches": self.incomplete_searches,
+                "truncated_rollouts": self.truncated_rollouts}
 
 
 def q_value(mc: float, length: float, alpha: float, beta: float, length_scale: float) -> float:
@@ -253,6 +264,7 @@ class OmegaSearch:
         self.searches = 0
         self.probes = 0
         self.unparsed = 0
+        self.truncated = 0
         self.incomplete = 0
         self.first_errors: list[dict[str, int]] = []
         self.selected: list[tuple[int, int]] = []
@@ -264,6 +276,8 @@ class OmegaSearch:
         root, root_rollouts = yield from self._estimate(())
         if not any(r.steps for r in root_rollouts):
             return self._result("no_steps")
+        if root.finished == 0:
+            return self._result("no_answer")
         if root.mc == 1.0:
             return self._result("screened_all_correct")
         if root.mc == 0.0:
@@ -292,7 +306,10 @@ class OmegaSearch:
         self.rollouts += k
         self.probes += 1
         correct = sum(r.correct for r in rollouts)
+        finished = sum(r.answer is not None for r in rollouts)
         node = self._add_node(prefix, correct / k, correct=correct, total=k)
+        node.finished = finished
+        self.truncated += k - finished
         for index, r in enumerate(rollouts):
             if not r.steps:
                 self.unparsed += 1
@@ -301,7 +318,7 @@ class OmegaSearch:
         if 0.0 < node.mc < 1.0:
             # A state with MC = 0 is itself wrong; its rollouts would only re-find that.
             for index, r in enumerate(rollouts):
-                if not r.correct and r.steps:
+                if not r.correct and r.steps and r.answer is not None:
                     length = sum(len(s.split()) for s in r.steps)
                     q = q_value(node.mc, length, self.cfg.alpha, self.cfg.beta, self.cfg.length_scale)
                     self.pool.add(node.id, q, ((node.id, index), r))
@@ -318,6 +335,9 @@ class OmegaSearch:
                 self.incomplete += 1
                 return
             probe, _ = yield from self._estimate(full[:mid])
+            if probe.finished == 0:
+                self.incomplete += 1  # every rollout unfinished: no evidence either way
+                return
             if probe.mc > 0.0:
                 good = mid
             else:
@@ -368,7 +388,8 @@ class OmegaSearch:
             records.append(rec)
         return SearchResult(status=status, nodes=records, first_errors=self.first_errors, selected=self.selected,
                             rollouts=self.rollouts, searches=self.searches, probes=self.probes,
-                            unparsed_rollouts=self.unparsed, incomplete_searches=self.incomplete)
+                            unparsed_rollouts=self.unparsed, incomplete_searches=self.incomplete,
+                            truncated_rollouts=self.truncated)
 
 
 def drive(search: OmegaSearch, answer: Any) -> SearchResult:

@@ -187,6 +187,9 @@ def train_toy_policy(model_dir: str, out_dir: str, steps: int = 150, seed: int =
     model.eval()
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
+    from mmprm.policy import PolicySpec, save_policy_spec
+
+    save_policy_spec(out_dir, PolicySpec(system_prompt=None, step_mode="tags"))  # what it was trained on
     return out_dir
 
 

@@ -4,7 +4,13 @@ Input, per problem, a list of candidates, each a dict::
 
     {"step_probs": [0.9, 0.4, 0.8],   # PRM probability per step
      "answer": "12" | None,           # extracted final answer
-     "correct": True}                 # answer verified against the gold answer
+     "correct": True,                 # answer verified against the gold answer
+     "truncated": False}              # optional: scored steps are only a prefix (scoring.max_length)
+
+A truncated candidate's aggregate would read a middle step as `last` and fewer steps for `min`,
+so it must not win on a partial score: PRM aggregators rank it last (score -inf; among only
+truncated candidates the lowest index wins), it weighs 0 in the weighted vote, and majority vote,
+random and oracle, which never read scores, count it as usual. report.json/md count them.
 
 Method. For N in {1, 2, 4, ..., n_max} (plus n_max itself), each problem's accuracy at N is
 the mean over subsets of N of its candidates: every subset when there are at most
@@ -80,6 +86,8 @@ def check_candidate(c: Any) -> list[tuple[str, str]]:
         errs.append(("answer", "missing or not a string/null (the extracted final answer; null if none)"))
     if not isinstance(c.get("correct"), (bool, np.bool_)):
         errs.append(("correct", f"must be true or false, got {c.get('correct')!r}"))
+    if not isinstance(c.get("truncated", False), (bool, np.bool_)):
+        errs.append(("truncated", f"must be true or false (or absent), got {c.get('truncated')!r}"))
     return errs
 
 
@@ -90,9 +98,10 @@ def _candidate_arrays(
     normalize: Callable[[str], str] | None,
     same: Callable[[str, str], bool] | None,
 ) -> dict[str, np.ndarray]:
-    """(P, n_max) arrays: one score matrix per aggregator, correct, answer groups, vote weights."""
+    """(P, n_max) arrays: one score matrix per aggregator, correct, truncated, answer groups, vote weights."""
     scores = {name: np.empty((len(problems), n_max)) for name in AGGREGATORS}
     correct = np.zeros((len(problems), n_max), dtype=bool)
+    truncated = np.zeros((len(problems), n_max), dtype=bool)
     groups = np.full((len(problems), n_max), -1, dtype=np.int64)
     for i, cands in enumerate(problems):
         cands = list(cands)[:n_max]
@@ -101,14 +110,16 @@ def _candidate_arrays(
             if errs:
                 fld, msg = errs[0]
                 raise ValueError(f"problem {i} candidate {j}: {fld}: {msg}")
+            truncated[i, j] = bool(c.get("truncated", False))
             for name, fn in AGGREGATORS.items():
-                scores[name][i, j] = fn(c["step_probs"])
+                # A partial score must not win: a truncated candidate ranks below every complete one.
+                scores[name][i, j] = -np.inf if truncated[i, j] else fn(c["step_probs"])
             correct[i, j] = bool(c["correct"])
         groups[i] = answer_groups([c["answer"] for c in cands], normalize, same)
-    weights = scores[weighted_by]
+    weights = np.where(truncated, 0.0, scores[weighted_by])
     if not (weights >= 0).all():
         raise ValueError(f"weighted_by={weighted_by!r} gives negative scores: use a probability-scale aggregator")
-    return {"scores": scores, "correct": correct, "groups": groups, "weights": weights}
+    return {"scores": scores, "correct": correct, "truncated": truncated, "groups": groups, "weights": weights}
 
 
 def _subsets(rng: np.random.Generator, p: int, n_max: int, n: int, n_subsets: int) -> np.ndarray:
@@ -188,6 +199,9 @@ def bon_curve(
         "weighted_by": weighted_by,
         "truncated_problems": sum(c > n_max for c in counts),
         "tie_rule": "highest score, ties -> lowest candidate index; vote ties -> expected accuracy",
+        "truncated_candidates": int(arr["truncated"].sum()),
+        "candidates": p * n_max,
+        "truncated_rule": "ranked last by every PRM aggregator, weight 0 in the weighted vote",
     }
     return BonCurve(p, n_max, ns, per_problem, settings)
 
@@ -243,6 +257,7 @@ def summarize(curve: BonCurve, n_resamples: int = 1000, seed: int = 0) -> dict[s
     return {
         "num_problems": curve.num_problems,
         "n_max": curve.n_max,
+        "truncated_candidates": curve.settings.get("truncated_candidates", 0),
         "methods": methods,
         "best_vs_random": {"method": best, "n": curve.n_max, **diff},
         "settings": {**curve.settings, "n_resamples": n_resamples, "bootstrap_seed": seed, "ns": curve.ns},
@@ -275,6 +290,15 @@ def _markdown(report: dict[str, Any], title: str) -> str:
         f"Weighted vote weights: `{report['settings']['weighted_by']}` scores. Ties: "
         f"{report['settings']['tie_rule']}.",
         "",
+    ]
+    if report.get("truncated_candidates"):
+        lines += [
+            f"{report['truncated_candidates']} of {report['settings']['candidates']} candidates were truncated "
+            "(steps past scoring.max_length unscored): "
+            f"{report['settings']['truncated_rule']}, so none wins on a partial score.",
+            "",
+        ]
+    lines += [
         "![Best-of-N curve](bon_curve.png)",
         "",
     ]

@@ -1,7 +1,8 @@
 """The rollout backend interface: prompt pieces in, `n` sampled continuations out.
 
     texts = backend.generate([RolloutRequest("p1", question, images, prefix_steps=["..."], n=16)])
-    # texts[0] is a list of 16 strings, each the policy's continuation of the partial answer
+    # texts[0] is a list of 16 strings, each the policy's continuation of the partial answer;
+    # each is a `Completion` whose `.truncated` says the sampler cut it at max_new_tokens
 
 A backend only generates text. Parsing steps, checking answers and the search live elsewhere, so
 HF, vLLM and the simulated policy are interchangeable (and the engine can batch many problems'
@@ -39,14 +40,16 @@ class SamplingConfig:
     Attributes:
         temperature: 1.0 - sample the policy as it is, so MC values estimate its real success rate.
         top_k: 50 and top_p: 0.9 - cut the long tail that only produces garbage steps.
-        max_new_tokens: cap per rollout; a rollout cut off before its answer counts as wrong.
+        max_new_tokens: 4096 (MM-PRM's value), the cap per rollout. A rollout cut there is
+            unfinished: it counts as not correct in MC estimates but is never searched for an
+            error (`mmprm.annotate.search`); records count such rollouts as `truncated_rollouts`.
         seed: base seed; each backend call derives its own, so reruns are reproducible.
     """
 
     temperature: float = 1.0
     top_k: int = 50
     top_p: float = 0.9
-    max_new_tokens: int = 1024
+    max_new_tokens: int = 4096
     seed: int = 0
 
     def validate(self) -> None:
@@ -54,6 +57,60 @@ class SamplingConfig:
             raise ValueError("sampling.temperature must be > 0 (rollouts are sampled, not greedy)")
         if not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_new_tokens < 1:
             raise ValueError("sampling: need 0 < top_p <= 1, top_k >= 0 (0 = off), max_new_tokens >= 1")
+
+
+class Completion(str):
+    """A sampled continuation: the text, plus whether the sampler cut it at `max_new_tokens`.
+
+    A str, so callers that only need the text use it as one; a plain str counts as not cut.
+    """
+
+    truncated: bool
+
+    def __new__(cls, text: str, truncated: bool = False) -> "Completion":
+        obj = super().__new__(cls, text)
+        obj.truncated = truncated
+        return obj
+
+
+def was_truncated(text: str) -> bool:
+    """Whether a backend's output was cut at max_new_tokens (plain strings never are)."""
+    return bool(getattr(text, "truncated", False))
+
+
+# Seeds one worker (annotation rank, Best-of-N shard) can use: 2**40 = a million calls of a
+# million samples each.
+STREAM_SEED_STRIDE = 1 << 40
+
+
+def worker_seed(base: int, worker: int) -> int:
+    """Base seed of worker `worker` (rank or shard), so that workers' request seeds never overlap.
+
+    Seeds `base + worker` would give worker 1's first request seeds `base + 1 ..`, the same as
+    worker 0's samples 1.. of its first request: rollouts of different problems, correlated.
+
+    >>> worker_seed(0, 2)
+    2199023255552
+    """
+    return base + worker * STREAM_SEED_STRIDE
+
+
+def request_seeds(base: int, call: int, ns: Sequence[int]) -> list[int]:
+    """Per-request sampling seeds for one backend call, spaced so no two samples share a seed.
+
+    vLLM seeds sample j of a request with `seed + j`, so request i gets `seed_i .. seed_i + n_i - 1`.
+    Seeds s and s + 1 for consecutive requests would share n - 1 samples' seeds and correlate
+    different problems' rollouts; here each request starts where the previous one's range ends,
+    and call c starts at `base + 1_000_003 * c` (a call carries far fewer samples than that).
+
+    >>> request_seeds(7, 0, [4, 4, 2])
+    [7, 11, 15]
+    """
+    seeds, offset = [], base + 1_000_003 * call
+    for n in ns:
+        seeds.append(offset)
+        offset += n
+    return seeds
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mmprm.annotate.backends.base import (
+    Completion,
     GenerationStats,
     RolloutInputError,
     RolloutRequest,
@@ -93,7 +94,7 @@ class HFBackend:
         return text, images
 
     @torch.no_grad()
-    def generate(self, requests: list[RolloutRequest]) -> list[list[str]]:
+    def generate(self, requests: list[RolloutRequest]) -> list[list[Completion]]:
         start = time.perf_counter()
         prompts = [self._prompt(i, r) for i, r in enumerate(requests)]
         rows = [(i, *prompts[i]) for i, r in enumerate(requests) for _ in range(r.n)]
@@ -120,10 +121,14 @@ class HFBackend:
                 tokenizer=self.tokenizer,
             )
             new = gen[:, enc["input_ids"].shape[1]:].tolist()  # (rows, new tokens)
+            stops = stop_strings(self.step_mode)
             for (i, _, _), ids in zip(chunk, new):
-                self.stats.generated_tokens += next(
-                    (k + 1 for k, t in enumerate(ids) if t in self._stop_ids), len(ids))
-                out[i].append(self.tokenizer.decode(ids, skip_special_tokens=True))
+                ended = next((k + 1 for k, t in enumerate(ids) if t in self._stop_ids), None)
+                self.stats.generated_tokens += ended or len(ids)
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                # No EOS and no stop string, yet the full budget used: cut at max_new_tokens.
+                cut = ended is None and len(ids) >= self.sampling.max_new_tokens and not any(x in text for x in stops)
+                out[i].append(Completion(text, truncated=cut))
         self.stats.calls += 1
         self.stats.sequences += len(rows)
         self.stats.seconds += time.perf_counter() - start

@@ -10,8 +10,10 @@ prompt text is built with the model's own processor exactly as the HF backend bu
 the partial assistant message.
 
 Written against vLLM 0.33 (`LLM.generate(prompts, sampling_params, use_tqdm=...)`, per-request
-`SamplingParams` with `seed`; with n > 1 vLLM derives seed + i for the i-th sample). Tested only
-where vllm is installed (`pytest -m vllm`).
+`SamplingParams` with `seed`; with n > 1 vLLM derives seed + j for the j-th sample, so request
+seeds are spaced n apart by `request_seeds`). A sample vLLM stopped at `max_tokens`
+(`finish_reason == "length"`) comes back as a `Completion` marked truncated. Tested only where
+vllm is installed (`pytest -m vllm`).
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import time
 from typing import Any, Iterator
 
 from mmprm.annotate.backends.base import (
+    Completion,
     GenerationStats,
     RolloutInputError,
     RolloutRequest,
     SamplingConfig,
     StepMode,
+    request_seeds,
     rollout_prompt,
     stop_strings,
 )
@@ -90,7 +94,7 @@ class VLLMBackend:
                                 limit_mm_per_prompt={"image": max_images_per_prompt}, **llm_kwargs)
         self.stats = GenerationStats()
 
-    def generate(self, requests: list[RolloutRequest]) -> list[list[str]]:
+    def generate(self, requests: list[RolloutRequest]) -> list[list[Completion]]:
         from mmprm.data.schema import load_image
 
         start = time.perf_counter()
@@ -107,20 +111,22 @@ class VLLMBackend:
                 prompt["multi_modal_data"] = {"image": images}
             prompts.append(prompt)
         s = self.sampling
+        # Sample j of a request is seeded seed + j: space the requests' seeds n apart, so the
+        # run is reproducible yet no two samples of a call (or of two calls) share a seed.
+        seeds = request_seeds(s.seed, self.stats.calls, [req.n for req in requests])
         params = [
             self._vllm.SamplingParams(
                 n=req.n, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=s.max_new_tokens,
-                # A distinct seed per request and call: reproducible, yet no two probes share samples.
-                seed=s.seed + 1_000_003 * self.stats.calls + i,
-                stop=stop_strings(self.step_mode) or None, include_stop_str_in_output=True)
-            for i, req in enumerate(requests)
+                seed=seed, stop=stop_strings(self.step_mode) or None, include_stop_str_in_output=True)
+            for req, seed in zip(requests, seeds)
         ]
         # A BOS only where the chat template did not write one (LLaVA-1.5's does not; Llama 3's does).
         tokenizer = getattr(self.processor, "tokenizer", self.processor)
         special = bool(prompts) and needs_special_tokens(tokenizer, prompts[0]["prompt"])
         outputs = self.llm.generate(prompts, params, use_tqdm=False,
                                     tokenization_kwargs={"add_special_tokens": special})
-        texts = [[c.text for c in out.outputs] for out in outputs]
+        texts = [[Completion(c.text, truncated=c.finish_reason == "length") for c in out.outputs]
+                 for out in outputs]
         self.stats.calls += 1
         self.stats.sequences += sum(r.n for r in requests)
         self.stats.generated_tokens += sum(len(c.token_ids) for out in outputs for c in out.outputs)
