@@ -4,6 +4,7 @@ Write the result onto the tree with `mmprm.treeval.set_scores(tree, scores)`.
 
 * `constant_scores`: every conclusion gets one value (a baseline, and the all-correct check).
 * `mc_scores`: the Monte-Carlo value an annotation tree carries per node (`meta["mc_value"]`).
+* `rollout_mc_scores`: Monte-Carlo values estimated now, by rolling a policy out from each node.
 * `prm_scores`: a PRM's step score of the node given the path of its ancestors. A causal PRM's score
   of step k only depends on steps 0..k, so one forward over a root-to-leaf path scores every node
   on it; all the paths of a tree go to the PRM in one `score` call.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, Sequence
+from typing import Any, Callable, Literal, Protocol, Sequence
 
 from mmprm.chat import ChatClient, ChatReply, messages_for
 from mmprm.treeval.tree import Tree
@@ -96,6 +97,31 @@ def prm_scores(tree: Tree, scorer: StepScorer) -> dict[str, float]:
             raise ValueError(f"node {nid}: the PRM scored {len(results[k])} of {len(kept[k])} steps on its path "
                              "(the input was truncated); raise the PRM's max_length")
         out[nid] = float(results[k][pos])
+    return out
+
+
+def rollout_mc_scores(tree: Tree, backend: Any, verify: Callable[[str], bool], k: int = 8,
+                      problem_id: str = "") -> dict[str, float]:
+    """Monte-Carlo value of every conclusion: the share of `k` rollouts from its path that end right.
+
+    The policy (`backend`, any `mmprm.annotate.backends.RolloutBackend`) continues the path of each
+    node (its conclusion ancestors, then the node) `k` times, all nodes of the tree in one
+    `generate` call; `verify(path text + continuation)` says whether a rollout reaches the right
+    answer. This is the value OmegaPRM annotates, for a tree the policy did not write itself.
+    """
+    from mmprm.annotate.backends.base import RolloutRequest
+
+    paths = node_paths(tree)
+    if not paths:
+        return {}
+    ids = list(paths)
+    requests = [RolloutRequest(problem_id or str(tree.meta.get("id", "")), tree.question, list(tree.images),
+                               [tree.nodes[p].text for p in paths[nid]], k) for nid in ids]
+    rollouts = backend.generate(requests)
+    out = {}
+    for nid, req, texts in zip(ids, requests, rollouts):
+        prefix = "\n\n".join(req.prefix_steps)
+        out[nid] = sum(bool(verify(prefix + "\n\n" + t)) for t in texts) / len(texts)
     return out
 
 
