@@ -285,9 +285,11 @@ class ChatClient:
                               int(getattr(usage, "completion_tokens", 0) or 0))
             self._count(prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
             return reply
+        key = self.config_key
         raise EndpointUnavailable(
-            f"chat endpoint {where} failed {self.config.max_retries + 1} times, last: {last}. Is the server up and "
-            f"speaking the OpenAI chat API? Start it (e.g. `vllm serve MODEL --port 8000`) or fix {self.config_key}.url / {self.config_key}.model")
+            f"chat endpoint {where} failed {self.config.max_retries + 1} times, last: {last}. Is the server up "
+            f"and speaking the OpenAI chat API? Start it (e.g. `vllm serve MODEL --port 8000`) or fix {key}.url / "
+            f"{key}.model")
 
     def ask(self, messages: Messages, parse: Callable[[str], R | None], parse_retries: int = 2,
             temperature: float = 0.0, retry_temperature: float = 0.7, **kw: Any) -> tuple[R | None, list[ChatReply]]:

@@ -36,6 +36,7 @@ import math
 import re
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -247,7 +248,8 @@ def run(cfg: ReasoningEvalConfig) -> int:
         answers = {p["id"]: {"response": p["gold"], "correct": True} for p in problems if p["gold"]}
     if a.source in ("hf", "vllm") or sc.kind == "mc":
         backend = make_backend(a)
-        tokenizer = getattr(backend, "tokenizer", None) or getattr(getattr(backend, "processor", None), "tokenizer", None)
+        proc = getattr(backend, "processor", None)  # vLLM keeps the processor, HF the tokenizer too
+        tokenizer = getattr(backend, "tokenizer", None) or getattr(proc, "tokenizer", proc)
     if a.source in ("hf", "vllm"):
         # Reuse answers.jsonl of an earlier run: a rerun only generates what is missing.
         answers_file = out_dir / "answers.jsonl"
@@ -334,7 +336,8 @@ def run(cfg: ReasoningEvalConfig) -> int:
             judge: Any = RPTSJudge(client, sc.rpts)
             results = client.map(lambda i: judge.judge(trees[i], by_id[i]["record"]), scored, desc="judge")
         else:
-            judge = JudgeScorer(client, "graded" if j.protocol == "graded" else "binary", j.send_images, j.parse_retries)
+            mode = "graded" if j.protocol == "graded" else "binary"
+            judge = JudgeScorer(client, mode, j.send_images, j.parse_retries)
             results = client.map(lambda i: judge.judge(trees[i], by_id[i]["answer"]), scored, desc="judge")
         for i, res in zip(scored, results):
             trees[i].meta["judge"] = {"details": res.details, "corrected": res.corrected, **res.tokens}
@@ -386,7 +389,7 @@ def run(cfg: ReasoningEvalConfig) -> int:
         "problems": len(problems), "answered": len(ids), "unanswered": len(unanswered),
         "accuracy": mean([float(r["correct"]) for r in rows]),
         "trees_scored": len(ok), "trees_missing": len(tree_failures), "trees_unjudged": len(unjudged),
-        "tree_failures": {why: sum(1 for w in tree_failures.values() if w == why) for why in set(tree_failures.values())},
+        "tree_failures": dict(Counter(tree_failures.values())),
         "accuracy_of_scored": mean([float(r["correct"]) for r in ok]),
         "width": mean([r["width"] for r in ok]), "depth": mean([r["depth"] for r in ok]),
         "width_soft": mean([r["width_soft"] for r in ok]), "depth_soft": mean([r["depth_soft"] for r in ok]),
@@ -434,7 +437,8 @@ def markdown_report(cfg: ReasoningEvalConfig, s: dict[str, Any], rows: list[dict
     tok = s["answer_tokens"]
     lines += [f"| answer tokens (mean, {tok['counted_by']}) | {f(tok['mean'])} |", "",
               f"RPTS and filtered accuracy (right answer and RPTS >= {cfg.metrics.filter_threshold}) over the "
-              f"{s['trees_scored']} scored trees:", "", "| lambda, h_f | RPTS | filtered accuracy |", "| --- | --- | --- |"]
+              f"{s['trees_scored']} scored trees:", "", "| lambda, h_f | RPTS | filtered accuracy |",
+              "| --- | --- | --- |"]
     lines += [f"| {k} | {f(v)} | {f(s['filtered_accuracy'][k])} |" for k, v in s["rpts"].items()]
     if s["tree_failures"]:
         lines += ["", "Answers without a usable tree (left out of the tree metrics):", "", "| why | count |",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from chat_server import ChatServer, free_port_url
-from test_tree_protocols import ANSWER, BAD_TREE, GOOD_TREE, RECORD, RESPONSE, rpts_script, think360_script
+from test_tree_protocols import ANSWER, BAD_TREE, RECORD, RESPONSE, rpts_script, think360_script
 
 pytest.importorskip("openai")
 

@@ -138,7 +138,8 @@ def test_load_sft_errors(tmp_path):
 def test_rewrite_messages_and_reply_parsing():
     msgs = rewrite_messages("What is 2+3?", "2+3=5")
     assert msgs[0]["role"] == "system" and msgs[1]["content"] == "Problem:\nWhat is 2+3?\n\nWorked solution:\n2+3=5"
-    assert parse_rewrite_reply("<step>Add.</step>\n<step>2+3=5.</step>\n<answer>5</answer>") == (["Add.", "2+3=5."], "5")
+    reply = "<step>Add.</step>\n<step>2+3=5.</step>\n<answer>5</answer>"
+    assert parse_rewrite_reply(reply) == (["Add.", "2+3=5."], "5")
     with pytest.raises(ValueError, match="no <step> blocks"):
         parse_rewrite_reply("The answer is 5.")
 
@@ -175,7 +176,8 @@ def test_rewrite_with_llm(monkeypatch):
 def test_convert_sft_cli_rewrites_concurrently_and_caches(tmp_path, capsys):
     from chat_server import ChatServer
 
-    rows = [{"question": f"What is {i}+1?", "answer": f"{i}+1=<<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}"} for i in range(4)]
+    rows = [{"question": f"What is {i}+1?", "answer": f"{i}+1=<<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}"}
+            for i in range(4)]
     src = tmp_path / "gsm.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
 

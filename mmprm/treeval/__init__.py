@@ -14,8 +14,8 @@ is the RPTS judge protocol.
 
 from mmprm.treeval.builders import (from_annotation_tree, from_rpts_lines, from_rpts_record, from_steps,
                                     from_think360_blocks, rpts_question)
-from mmprm.treeval.metrics import filtered_accuracy, path_scores, rpts, think360_depth, think360_width
 from mmprm.treeval.extract import extract_think360, rpts_answer_prompt, rpts_lines, rpts_verdict, think360_valid
+from mmprm.treeval.metrics import filtered_accuracy, path_scores, rpts, think360_depth, think360_width
 from mmprm.treeval.rpts_judge import RPTSJudge, RPTSJudgeConfig, corrected_score, image_facts
 from mmprm.treeval.scorers import (JudgedTree, JudgeScorer, constant_scores, mc_scores, node_paths, prm_scores,
                                    rollout_mc_scores)

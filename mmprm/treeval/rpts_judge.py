@@ -27,7 +27,7 @@ descriptions of an image are listed once each plus, when there are several, all 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from mmprm.chat import ChatClient, ChatReply, messages_for
