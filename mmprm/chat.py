@@ -215,6 +215,10 @@ class ChatClient:
         self._client: Any = None
 
     def _api(self) -> Any:
+        with self._lock:  # the first calls of `map` arrive together; build one client
+            return self._client or self._make_client()
+
+    def _make_client(self) -> Any:
         if self._client is None:
             openai = _openai()
             key = os.environ.get(self.config.api_key_env) or "EMPTY"

@@ -306,22 +306,22 @@ def run(cfg: ReasoningEvalConfig) -> int:
             ex.tree.meta["extraction"] = {"attempts": ex.attempts, **ex.tokens}
             if not ex.valid:
                 tree_failures[i] = f"invalid tree: {ex.reason}"
-    for i in ids if tc.kind != "think360" else []:
-        p, text = by_id[i], answers[i]["response"]
-        if tc.kind == "rpts":
-            r = p["record"]
-            lines = rpts_lines(text)
+    elif tc.kind == "rpts":
+        for i in ids:
+            r = by_id[i]["record"]
+            lines = rpts_lines(answers[i]["response"])
             if not lines:
                 tree_failures[i] = "unparseable: no 'premises -> conclusion' lines"
                 continue
             trees[i] = from_rpts_lines(lines, r["textual_clue"], len(r["visual_clue"]), r.get("context"),
-                                       question=rpts_question(r), images=p["images"], source=f"id={i}")
-        else:
-            steps = split_solution(text)[0]
+                                       question=rpts_question(r), images=by_id[i]["images"], source=f"id={i}")
+    else:
+        for i in ids:
+            steps = split_solution(answers[i]["response"])[0]
             if not steps:
                 tree_failures[i] = "unparseable: no steps"
                 continue
-            trees[i] = from_steps(steps, question=p["question"], images=p["images"])
+            trees[i] = from_steps(steps, question=by_id[i]["question"], images=by_id[i]["images"])
     for i, t in trees.items():
         t.images = [im for im in t.images if Path(im).exists()]  # RPTS-Eval ships only some images
     print(f"{len(ids)} answers, {len(trees)} trees, {len(tree_failures)} without a usable tree")

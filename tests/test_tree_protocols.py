@@ -185,7 +185,11 @@ def test_think360_extraction_and_judge_by_hand(tmp_path):
         assert "Reference answer: 12" in server.prompts()[0] and RESPONSE in server.prompts()[0]
         tree = ex.tree
         assert tree.depths() == {"1.1": 1, "2.1": 2, "2.2": 2, "3.1": 3, "3.2": 3, "4.1": 4}
+        n = len(server.requests)
         judged = JudgeScorer(client).judge(tree, reference="12")
+        # only the last step is held to the reference answer, not the dead end 2.2 or the slip 3.2
+        noted = [p.split("Step to check:")[1][:30] for p in server.prompts()[n:] if "This is the final step" in p]
+        assert noted == ["\nSo the answer is 12.\n(This is"]
         assert judged.scores == {"1.1": 0.0, "2.1": 1.0, "2.2": 0.0, "3.1": 1.0, "3.2": 0.0, "4.1": 1.0}
         set_scores(tree, judged.scores)
         # width: sibling groups {2.1 ok, 2.2 wrong} 1/2, {3.1 ok, 3.2 wrong} 1/2, {4.1 ok} 1 -> 2/3

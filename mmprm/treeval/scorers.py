@@ -173,6 +173,15 @@ def parse_verdict(reply: str, mode: Literal["binary", "graded"]) -> float | None
     return float(m.group()) if m else None
 
 
+def final_step(tree: Tree) -> str | None:
+    """The step that states the answer: the root if set, else (Think360) the last of the deepest steps."""
+    if tree.root is not None:
+        return tree.root
+    depths = tree.depths()
+    deepest = max(depths.values(), default=0)
+    return next((nid for nid in reversed(list(tree.nodes)) if depths.get(nid) == deepest), None)
+
+
 @dataclass
 class JudgedTree:
     """What a judge made of one tree.
@@ -226,7 +235,7 @@ class JudgeScorer:
             step = "Using " + ", ".join(tree.nodes[p].label for p in evidence) + ": " + step
         template = JUDGE_BINARY if self.mode == "binary" else JUDGE_GRADED
         ref = f"Reference answer: {reference}\n" if reference else ""
-        if reference and node_id in tree.final_conclusions():
+        if reference and node_id == final_step(tree):
             step += FINAL_STEP_NOTE
         return template.format(question=tree.question, reference=ref, context=context, step=step)
 
