@@ -251,7 +251,8 @@ def run(cfg: ReasoningEvalConfig) -> int:
         proc = getattr(backend, "processor", None)  # vLLM keeps the processor, HF the tokenizer too
         tokenizer = getattr(backend, "tokenizer", None) or getattr(proc, "tokenizer", proc)
     if a.source in ("hf", "vllm"):
-        # Reuse answers.jsonl of an earlier run: a rerun only generates what is missing.
+        # Each chunk is appended to answers.jsonl as it is generated (the last line of an id wins),
+        # so a rerun after a crash only generates what is missing.
         answers_file = out_dir / "answers.jsonl"
         if answers_file.exists():
             answers = {r["id"]: {"response": r["response"]} for r in read_jsonl(answers_file) if r["id"] in by_id}
@@ -264,10 +265,11 @@ def run(cfg: ReasoningEvalConfig) -> int:
             for lo in range(0, len(todo), a.batch_size):
                 chunk = todo[lo: lo + a.batch_size]
                 texts = backend.generate([RolloutRequest(p["id"], p["question"], p["images"], [], 1) for p in chunk])
-                for p, t in zip(chunk, texts):
-                    answers[p["id"]] = {"response": t[0]}
+                with open(answers_file, "a", encoding="utf-8") as f:
+                    for p, t in zip(chunk, texts):
+                        answers[p["id"]] = {"response": t[0]}
+                        f.write(json.dumps({"id": p["id"], "response": t[0]}, ensure_ascii=False) + "\n")
                 print(f"  answered {min(lo + a.batch_size, len(todo))}/{len(todo)} (try {attempt + 1})")
-        write_jsonl(answers_file, ({"id": i, "response": r["response"]} for i, r in answers.items()))
         if no_images:
             print(f"  {len(no_images)} problems skipped: their images are missing (e.g. id {no_images[0]})")
     if a.tokenizer:
@@ -278,18 +280,17 @@ def run(cfg: ReasoningEvalConfig) -> int:
     unanswered = [p["id"] for p in problems if p["id"] not in answers]
     token_counts, token_method = count_tokens([answers[i]["response"] for i in ids], tokenizer)
 
-    # ---- correctness of the final answers
+    # ---- correctness of the final answers (a response file's own verdict wins: MATH-V ships one)
     for i in ids:
         p, r = by_id[i], answers[i]
-        if "correct" in r:  # the response file's own verdict (MATH-V ships one)
+        if "correct" in r:
             continue
-        if p["record"] is not None:
-            pred = rpts_verdict(r["response"])
+        if p["record"] is not None:  # RPTS: agree or disagree
+            r["prediction"] = rpts_verdict(r["response"])
+            r["correct"] = r["prediction"] == p["answer"].strip().lower()
         else:
-            pred = extract_answer(r["response"])
-        r["prediction"] = pred
-        r["correct"] = p["answer"].strip().lower() == (pred or "") if p["record"] is not None else \
-            answers_match(pred, p["answer"], p["choices"])
+            r["prediction"] = extract_answer(r["response"])
+            r["correct"] = answers_match(r["prediction"], p["answer"], p["choices"])
 
     # ---- trees
     chat_clients: dict[str, ChatClient] = {}
