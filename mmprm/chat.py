@@ -73,7 +73,8 @@ class ChatConfig:
         ignore it, a hosted API answers 401 and the error says which variable to set).
     timeout_s: per request. max_retries / backoff_s / max_backoff_s: see the module docstring.
     concurrency: requests in flight at once (`ChatClient.map`).
-    max_tokens: reply cap (None: the server's default).
+    max_tokens: reply cap for every request; None leaves each caller's own (judges ask for a few
+        tokens, extraction for the server's default). Raise it for judges that reason first.
     cache: keep replies on disk (the recipe puts the file in its output folder).
     """
 
@@ -236,7 +237,8 @@ class ChatClient:
              seed: int | None = None, **extra: Any) -> ChatReply:
         """One completion (from the cache when this exact request was answered before)."""
         body: dict[str, Any] = {"model": self.config.model, "messages": messages, "temperature": temperature}
-        cap = max_tokens if max_tokens is not None else self.config.max_tokens
+        # The user's cap wins over a caller's short default (a reasoning judge needs room to think).
+        cap = self.config.max_tokens if self.config.max_tokens is not None else max_tokens
         if cap is not None:
             body["max_tokens"] = cap
         if seed is not None:

@@ -32,7 +32,6 @@ endpoint are cached in the output folder, so a rerun pays only for what is new.
 from __future__ import annotations
 
 import json
-import math
 import re
 import sys
 import time
@@ -47,6 +46,7 @@ from mmprm.chat import ChatClient, ChatConfig, ChatError
 from mmprm.config import ConfigError, load_config, parse_cli, to_dict
 from mmprm.data.schema import read_jsonl, write_jsonl
 from mmprm.data.sft import split_solution
+from mmprm.treeval.report import reasoning_report_md
 from mmprm.treeval import (JudgeScorer, RPTSJudge, RPTSJudgeConfig, Tree, constant_scores, extract_think360,
                            filtered_accuracy, from_rpts_lines, from_steps, prm_scores, render_tree, rollout_mc_scores,
                            rpts, rpts_answer_prompt, rpts_lines, rpts_question, rpts_verdict, set_scores,
@@ -414,49 +414,16 @@ def run(cfg: ReasoningEvalConfig) -> int:
                 name = re.sub(r"[^\w.-]", "_", r["id"])
                 pngs.append(render_tree(trees[r["id"]], out_dir / "trees" / f"{name}.png", title=title,
                                         threshold=m.threshold))
-    (out_dir / "report.md").write_text(markdown_report(cfg, summary, rows, pngs, out_dir), encoding="utf-8")
+    title = (f"Reasoning evaluation: {cfg.problems.format} problems, answers from {a.source}, {tc.kind} trees, "
+             f"{sc.kind} scores")
+    (out_dir / "report.md").write_text(reasoning_report_md(title, summary, rows, m.filter_threshold,
+                                                           [p.relative_to(out_dir) for p in pngs]), encoding="utf-8")
     print(json.dumps({k: summary[k] for k in ("answered", "accuracy", "trees_scored", "trees_missing",
                                               "trees_unjudged", "width", "depth", "rpts", "filtered_accuracy")},
                      indent=2))
     print(f"wrote {out_dir / 'report.json'}, {out_dir / 'report.md'}, {out_dir / 'trees.jsonl'}"
           + (f" and {len(pngs)} PNGs under {out_dir / 'trees'}" if pngs else ""))
     return 0
-
-
-def markdown_report(cfg: ReasoningEvalConfig, s: dict[str, Any], rows: list[dict[str, Any]], pngs: list[Path],
-                    out_dir: Path) -> str:
-    def f(v: Any) -> str:
-        return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else (
-            f"{v:.4f}" if isinstance(v, float) else str(v))
-
-    lines = [f"# Reasoning evaluation: {cfg.problems.format} problems, answers from {cfg.answers.source}, "
-             f"{cfg.tree.kind} trees, {cfg.scorer.kind} scores", "",
-             "| metric | value |", "| --- | --- |"]
-    for key in ("problems", "answered", "unanswered", "accuracy", "trees_scored", "trees_missing", "trees_unjudged",
-                "accuracy_of_scored", "width", "depth", "width_soft", "depth_soft"):
-        lines.append(f"| {key} | {f(s[key])} |")
-    tok = s["answer_tokens"]
-    lines += [f"| answer tokens (mean, {tok['counted_by']}) | {f(tok['mean'])} |", "",
-              f"RPTS and filtered accuracy (right answer and RPTS >= {cfg.metrics.filter_threshold}) over the "
-              f"{s['trees_scored']} scored trees:", "", "| lambda, h_f | RPTS | filtered accuracy |",
-              "| --- | --- | --- |"]
-    lines += [f"| {k} | {f(v)} | {f(s['filtered_accuracy'][k])} |" for k, v in s["rpts"].items()]
-    if s["tree_failures"]:
-        lines += ["", "Answers without a usable tree (left out of the tree metrics):", "", "| why | count |",
-                  "| --- | --- |"] + [f"| {k} | {v} |" for k, v in sorted(s["tree_failures"].items())]
-    for name, st in s["chat"].items():
-        lines.append(f"\n{name}: {st['requests']} requests, {st['cache_hits']} from the cache, {st['retries']} "
-                     f"retries, {st['unparsed']} unreadable replies, {st['prompt_tokens']} prompt + "
-                     f"{st['completion_tokens']} completion tokens")
-    first = next(iter(s["rpts"]))
-    lines += ["", f"| id | correct | status | nodes | width | depth | RPTS {first} | answer tokens |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        lines.append(f"| {r['id']} | {r['correct']} | {r['status']} | {r['nodes']} | {f(r.get('width'))} | "
-                     f"{f(r.get('depth'))} | {f(r.get('rpts', {}).get(first))} | {r['answer_tokens']} |")
-    if pngs:
-        lines += ["", "Trees:", ""] + [f"![{p.stem}]({p.relative_to(out_dir)})" for p in pngs]
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -35,9 +35,11 @@ def test_one_request_speaks_the_protocol(monkeypatch):
         assert body["model"] == "m" and body["temperature"] == 0.0 and body["max_tokens"] == 5
         assert body["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
         assert server.headers[0]["authorization"] == "Bearer EMPTY"  # no key: a placeholder local servers ignore
+        client_for(server.url, max_tokens=300).chat(messages_for("hi"), max_tokens=5)
+        assert server.requests[-1]["max_tokens"] == 300  # the configured cap wins over the caller's default
         monkeypatch.setenv("MY_KEY", "sk-1")
         client_for(server.url, api_key_env="MY_KEY").chat(messages_for("hi"))
-        assert server.headers[1]["authorization"] == "Bearer sk-1"
+        assert server.headers[-1]["authorization"] == "Bearer sk-1"
 
 
 def test_server_errors_are_retried_with_exponential_backoff():
