@@ -355,6 +355,9 @@ def test_parse_verdict():
     assert parse_verdict("maybe", "binary") is None
     assert parse_verdict("Score: 0.7", "graded") == 0.7 and parse_verdict("1.0", "graded") == 1.0
     assert parse_verdict("0", "graded") == 0.0 and parse_verdict("7 out of 10", "graded") is None
+    assert parse_verdict("<think>Is it 0.2 or 1? Step 1 looks fine.</think>\n0.8", "graded") == 0.8
+    assert parse_verdict("<think>no wait, yes</think> True", "binary") == 1.0
+    assert parse_verdict("<think>cut off before the end", "graded") is None
 
 
 def test_judge_scorer_against_local_server(monkeypatch):

@@ -158,12 +158,16 @@ Rate how well this step holds: 1.0 means it is certain from the problem, the ima
 before it; 0.5 means the link is weak; 0.0 means it is wrong or contradicts them. Use steps of 0.1.
 Reply with the number only."""
 
+_THINK = re.compile(r"<think>.*?(?:</think>|$)", re.S)
 _NUMBER = re.compile(r"(?<![\d.])(?:0(?:\.\d+)?|1(?:\.0+)?|\.\d+)(?![\d.])")
 
 
 def parse_verdict(reply: str, mode: Literal["binary", "graded"]) -> float | None:
-    """Score from a judge's reply: yes/true -> 1.0, no/false -> 0.0 (binary), or a number in [0, 1]."""
-    text = reply.strip().lower()
+    """Score from a judge's reply: yes/true -> 1.0, no/false -> 0.0 (binary), or a number in [0, 1].
+
+    A reasoning model's ``<think>...</think>`` block is skipped: the verdict is what follows it.
+    """
+    text = _THINK.sub("", reply).strip().lower()
     if mode == "binary":
         m = re.match(r"\W*(yes|true|correct|no|false|incorrect)\b", text)
         if not m:
