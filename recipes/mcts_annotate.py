@@ -46,6 +46,7 @@ from mmprm.annotate.engine import (
 )
 from mmprm.annotate.export import ExportConfig, export_examples, write_report
 from mmprm.annotate.search import SearchConfig
+from mmprm.chat import ChatClient, ChatConfig
 from mmprm.config import ConfigError, load_config, parse_cli, to_dict
 from mmprm.data.problems import load_problems
 from mmprm.data.schema import DataError, read_jsonl, write_jsonl
@@ -81,9 +82,7 @@ class EngineConfig:
 @dataclass
 class VerifyConfig:
     judge: bool = False  # ask an LLM judge about answers the rule-based checker rejects
-    judge_url: str = "http://localhost:8000/v1"
-    judge_model: str = ""
-    judge_api_key_env: str = "OPENAI_API_KEY"
+    judge_chat: ChatConfig = field(default_factory=ChatConfig)  # its endpoint (url, model, key, retries)
 
 
 @dataclass
@@ -106,6 +105,8 @@ class AnnotateConfig:
             raise ValueError("data.problems_file is required (JSONL of id, images, question, answer)")
         if self.engine.concurrency < 1 or self.model.hf_batch_size < 1 or self.engine.max_consecutive_failures < 1:
             raise ValueError("engine.concurrency, engine.max_consecutive_failures and model.hf_batch_size must be >= 1")
+        if self.verify.judge and not self.verify.judge_chat.model:
+            raise ValueError("verify.judge_chat.model: set the judge's model name (and url) when verify.judge=true")
         self.search.validate()
         self.sampling.validate()
         self.export.validate()
@@ -178,7 +179,9 @@ def main(argv: list[str]) -> int:
     if cfg.verify.judge:
         from mmprm.annotate.judge import LLMJudge, judged_verifier
 
-        verify = judged_verifier(LLMJudge(cfg.verify.judge_url, cfg.verify.judge_model, cfg.verify.judge_api_key_env))
+        client = ChatClient(cfg.verify.judge_chat, config_key="verify.judge_chat",
+                            cache_path=out_dir / f"judge_cache.rank{rank}.jsonl")
+        verify = judged_verifier(LLMJudge(client))
 
     # The loop: the engine keeps `concurrency` searches in flight; each finished problem is
     # committed to the tree file at once, so a kill loses at most the problems in flight.

@@ -32,11 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from mmprm.chat import ChatClient, ChatConfig
 from mmprm.config import ConfigError, load_config, parse_cli, to_dict
 from mmprm.data.schema import load_examples, read_jsonl, write_jsonl
 from mmprm.treeval import (JudgeScorer, Tree, constant_scores, filtered_accuracy, from_annotation_tree,
                            from_rpts_record, from_steps, from_think360_blocks, mc_scores, path_scores,
-                           prm_scores, render_tree, rpts, set_scores, think360_depth, think360_width)
+                           prm_scores, render_tree, rpts, set_scores, think360_depth, think360_valid,
+                           think360_width)
 
 
 @dataclass
@@ -49,13 +51,11 @@ class DataConfig:
 
 
 @dataclass
-class JudgeConfig:
-    url: str = "http://127.0.0.1:8000/v1"
-    model: str = ""
-    api_key_env: str = "OPENAI_API_KEY"
+class JudgeConfig(ChatConfig):
+    """The judge endpoint (url, model, key, retries, concurrency, cache: mmprm.chat.ChatConfig) and its style."""
+
     mode: Literal["binary", "graded"] = "binary"
     send_images: bool = False
-    timeout: float = 60.0
 
 
 @dataclass
@@ -197,8 +197,8 @@ def main(argv: list[str]) -> int:
         prm = load_prm(sc.prm_path, device=device, batch_size=sc.batch_size, max_length=sc.max_length)
     elif sc.kind == "judge":
         j = sc.judge
-        judge = JudgeScorer(url=j.url, model=j.model, api_key_env=j.api_key_env, mode=j.mode,
-                            send_images=j.send_images, timeout=j.timeout)
+        client = ChatClient(j, config_key="scorer.judge", cache_path=out_dir / "judge_cache.jsonl")
+        judge = JudgeScorer(client, mode=j.mode, send_images=j.send_images)
     aggregate = None
     if cfg.metrics.path_aggregator:
         from mmprm.scoring.aggregators import AGGREGATORS
@@ -221,30 +221,46 @@ def main(argv: list[str]) -> int:
         elif sc.kind == "prm":
             scores = prm_scores(tree, prm)
         else:
-            scores = judge.scores(tree, reference=it["reference"])
+            judged = judge.judge(tree, reference=it["reference"])
+            scores = judged.scores
+            if judged.unparsed:  # not fully scored: reported, kept out of every average
+                rows.append({"id": it["id"], "nodes": len(tree.conclusions()), "unjudged_nodes": judged.unparsed,
+                             "correct": it["correct"], "warnings": tree.warnings})
+                continue
         set_scores(tree, scores)
         score_rpts = rpts(tree, lam=m.rpts_lambda, h_f=m.rpts_h_f)
         passed = None if it["correct"] is None else bool(it["correct"]) and score_rpts >= m.filter_threshold
+        # As the Think360 reference: a tree with an invalid structure gets no width/depth.
+        valid, why = think360_valid(tree)
         row = {
             "id": it["id"], "nodes": len(tree.conclusions()),
-            "width": think360_width(tree, m.threshold), "depth": think360_depth(tree, m.threshold),
-            "width_soft": think360_width(tree, soft=True), "depth_soft": think360_depth(tree, soft=True),
+            "width": think360_width(tree, m.threshold) if valid else None,
+            "depth": think360_depth(tree, m.threshold) if valid else None,
+            "width_soft": think360_width(tree, soft=True) if valid else None,
+            "depth_soft": think360_depth(tree, soft=True) if valid else None,
             "rpts": score_rpts, "correct": it["correct"],
             "filtered_correct": passed,
             "warnings": tree.warnings,
         }
+        if not valid:
+            row["invalid_structure"] = why
         if aggregate is not None:
             row["path_score"] = mean(list(path_scores(tree, aggregate).values()))
         rows.append(row)
         done = k + 1
         if done % 50 == 0 or done == len(items):
             eta = (time.time() - start) / done * (len(items) - done)
-            print(f"  {done}/{len(items)} scored, mean RPTS {mean([r['rpts'] for r in rows]):.4f}, ETA {eta:.0f}s")
+            print(f"  {done}/{len(items)} scored, mean RPTS {mean([r.get('rpts') for r in rows]) or 0:.4f}, "
+                  f"ETA {eta:.0f}s")
 
-    # ---- report
+    # ---- report (items the judge could not fully score are counted, not averaged)
+    unjudged = [r["id"] for r in rows if "unjudged_nodes" in r]
+    invalid = [r["id"] for r in rows if "invalid_structure" in r]
+    all_rows, rows = rows, [r for r in rows if "unjudged_nodes" not in r]
     judged = [r for r in rows if r["correct"] is not None]
     summary = {
-        "items": len(rows),
+        "items": len(all_rows), "items_scored": len(rows), "items_unjudged": len(unjudged),
+        "invalid_trees": len(invalid),
         "width": mean([r["width"] for r in rows]), "depth": mean([r["depth"] for r in rows]),
         "width_soft": mean([r["width_soft"] for r in rows]), "depth_soft": mean([r["depth_soft"] for r in rows]),
         "rpts": mean([r["rpts"] for r in rows]),
@@ -256,15 +272,17 @@ def main(argv: list[str]) -> int:
     }
     if aggregate is not None:
         summary["path_score"] = mean([r["path_score"] for r in rows])
-    report = {"config": to_dict(cfg), "summary": summary, "items": rows}
+    if judge is not None:
+        summary["judge"] = judge.client.stats.to_json()
+    report = {"config": to_dict(cfg), "summary": summary, "items": all_rows}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     write_jsonl(out_dir / "trees.jsonl", ({"id": it["id"], **it["tree"].to_json()} for it in items))
 
     # ---- picture of one tree
-    prow = rows[pick]
+    prow = all_rows[pick]
     fmt = lambda v: "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"  # noqa: E731
-    title = (f"item {prow['id']} - scorer {sc.kind} - RPTS {fmt(prow['rpts'])}, width {fmt(prow['width'])}, "
-             f"depth {fmt(prow['depth'])}")
+    title = (f"item {prow['id']} - scorer {sc.kind} - RPTS {fmt(prow.get('rpts'))}, width {fmt(prow.get('width'))}, "
+             f"depth {fmt(prow.get('depth'))}")
     name = re.sub(r"[^\w.-]", "_", prow["id"])  # ids like "a/b#3" make no good file names
     png = render_tree(items[pick]["tree"], out_dir / f"tree_{name}.png", title=title, threshold=m.threshold)
 

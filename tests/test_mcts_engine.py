@@ -346,45 +346,35 @@ def test_engine_over_hf_backend_with_a_random_model_reports_no_steps(tiny_dirs):
 
 # -- LLM judge over an OpenAI-compatible endpoint (a real local HTTP server) -----------------------
 
-def test_llm_judge_is_asked_only_when_rules_say_no(monkeypatch):
-    import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
+def test_llm_judge_is_asked_only_when_rules_say_no(monkeypatch, tmp_path):
+    from chat_server import ChatServer, free_port_url
 
-    from mmprm.annotate.judge import JudgeError, LLMJudge, judged_verifier
+    from mmprm.annotate.judge import LLMJudge, judged_verifier
+    from mmprm.chat import ChatClient, ChatConfig, ChatError, EndpointUnavailable
 
-    seen = []
+    def script(body):
+        prompt = body["messages"][0]["content"]
+        if "Model's answer: chatty" in prompt:
+            return "Well, it depends."
+        return "Yes" if "Model's answer: two thirds" in prompt and "Reference answer: 2/3" in prompt else "No."
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            prompt = body["messages"][0]["content"]
-            seen.append((self.path, self.headers.get("Authorization"), body["model"]))
-            reply = "Yes" if "Model's answer: two thirds" in prompt and "Reference answer: 2/3" in prompt else "No."
-            data = json.dumps({"choices": [{"message": {"content": reply}}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with ChatServer(script) as server:
         monkeypatch.setenv("MY_JUDGE_KEY", "sekrit")
-        judge = LLMJudge(f"http://127.0.0.1:{server.server_port}/v1", "judge-model", api_key_env="MY_JUDGE_KEY")
+        cfg = ChatConfig(url=server.url, model="judge-model", api_key_env="MY_JUDGE_KEY", backoff_s=0)
+        judge = LLMJudge(ChatClient(cfg, config_key="verify.judge_chat"))
         verify = judged_verifier(judge)
         assert verify("2/3", "2/3") and judge.calls == 0  # the rules decide: no HTTP call
         assert verify("two thirds", "2/3") and judge.calls == 1
         assert not verify("0.7", "2/3") and judge.calls == 2
         assert not verify(None, "2/3") and judge.calls == 2
-        assert seen[0] == ("/v1/chat/completions", "Bearer sekrit", "judge-model")
-    finally:
-        server.shutdown()
-        server.server_close()
-    dead = LLMJudge(f"http://127.0.0.1:{server.server_port}/v1", "m", retries=2, timeout_s=2)
-    with pytest.raises(JudgeError, match="failed 2 times"):
+        assert server.paths[0] == "/v1/chat/completions" and server.requests[0]["model"] == "judge-model"
+        assert server.headers[0]["authorization"] == "Bearer sekrit"
+        with pytest.raises(ChatError, match="instead of Yes/No"):
+            verify("chatty", "2/3")
+        assert len(server.requests) == 2 + 3  # a reply that is not yes/no is asked twice more
+    dead = LLMJudge(ChatClient(ChatConfig(url=free_port_url(), model="m", max_retries=1, backoff_s=0),
+                               config_key="verify.judge_chat"))
+    with pytest.raises(EndpointUnavailable, match="failed 2 times.*verify.judge_chat.url"):
         dead("x", "y")
 
 

@@ -113,12 +113,13 @@ def test_tiny_vlm_end_to_end_kill_resume_and_prm_train_accepts_the_output(tmp_pa
     # a judge outage stops the run (exit 3) with transient records; the next run retries them
     out2 = tmp_path / "outage"
     judged = [*args[:-2], f"output_dir={out2}", "engine.concurrency=2", "verify.judge=true",
-              "verify.judge_url=http://127.0.0.1:9/v1", "verify.judge_model=judge", "engine.max_consecutive_failures=1"]
+              "verify.judge_chat.url=http://127.0.0.1:9/v1", "verify.judge_chat.model=judge",
+              "verify.judge_chat.max_retries=0", "engine.max_consecutive_failures=1"]
     res = _run(judged)
     assert res.returncode == 3 and "problems in a row failed with transient errors" in res.stderr, res.stderr[-3000:]
     failed = [json.loads(line) for line in (out2 / "trees.rank0-of-1.jsonl").read_text().splitlines()]
     assert [r["error_kind"] for r in failed if r["status"] == "error"] == ["transient"]
-    assert "JudgeError" in failed[-1]["message"] and not (out2 / "trees.jsonl").exists()
+    assert "EndpointUnavailable" in failed[-1]["message"] and not (out2 / "trees.jsonl").exists()
     res = _run([*args[:-2], f"output_dir={out2}", "engine.concurrency=2"])
     assert res.returncode == 0, res.stderr[-3000:]
     merged = [json.loads(line) for line in (out2 / "trees.jsonl").read_text().splitlines()]

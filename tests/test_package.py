@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_import_mmprm_loads_no_heavy_or_optional_engine():
     code = ("import sys, mmprm, mmprm.steps, mmprm.config, mmprm.scoring, mmprm.cli; "
-            "bad = [m for m in ('vllm', 'deepspeed', 'flash_attn', 'torch', 'transformers') if m in sys.modules]; "
+            "bad = [m for m in ('vllm', 'deepspeed', 'flash_attn', 'torch', 'transformers', 'openai') if m in sys.modules]; "
             "print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", f"import mmprm pulled in {out}"

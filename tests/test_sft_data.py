@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
 
 from mmprm.data.schema import DataError, StepExample, write_jsonl
 from mmprm.data.sft import (
-    build_rewrite_request,
     clean_solution,
     cli_convert_sft,
     load_sft,
-    parse_rewrite_response,
+    parse_rewrite_reply,
+    rewrite_messages,
     rewrite_with_llm,
     sft_from_gsm8k,
     sft_from_mathv,
@@ -137,63 +135,64 @@ def test_load_sft_errors(tmp_path):
 # ------------------------------------------------------------------ LLM rewriter against a local fake server
 
 
-class _FakeChat(BaseHTTPRequestHandler):
-    requests: list[tuple[dict, dict]] = []
-    reply = ""
-    status = 200
-
-    def do_POST(self):  # noqa: N802 - http.server API
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        _FakeChat.requests.append((dict(self.headers), body))
-        payload = json.dumps({"choices": [{"message": {"role": "assistant", "content": _FakeChat.reply}}]}).encode()
-        self.send_response(_FakeChat.status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def log_message(self, *args):  # keep test output clean
-        pass
-
-
-@pytest.fixture
-def fake_chat():
-    server = HTTPServer(("127.0.0.1", 0), _FakeChat)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    _FakeChat.requests.clear()
-    _FakeChat.status = 200
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1/"
-    server.shutdown()
-    server.server_close()
-
-
-def test_rewrite_request_and_response_parsing():
-    body = build_rewrite_request("What is 2+3?", "2+3=5", model="m")
-    assert body["model"] == "m" and body["messages"][0]["role"] == "system"
-    assert body["messages"][1]["content"] == "Problem:\nWhat is 2+3?\n\nWorked solution:\n2+3=5"
-    ok = {"choices": [{"message": {"content": "<step>Add.</step>\n<step>2+3=5.</step>\n<answer>5</answer>"}}]}
-    assert parse_rewrite_response(ok) == (["Add.", "2+3=5."], "5")
-    with pytest.raises(ValueError, match="no choices"):
-        parse_rewrite_response({"error": "overloaded"})
+def test_rewrite_messages_and_reply_parsing():
+    msgs = rewrite_messages("What is 2+3?", "2+3=5")
+    assert msgs[0]["role"] == "system" and msgs[1]["content"] == "Problem:\nWhat is 2+3?\n\nWorked solution:\n2+3=5"
+    reply = "<step>Add.</step>\n<step>2+3=5.</step>\n<answer>5</answer>"
+    assert parse_rewrite_reply(reply) == (["Add.", "2+3=5."], "5")
     with pytest.raises(ValueError, match="no <step> blocks"):
-        parse_rewrite_response({"choices": [{"message": {"content": "The answer is 5."}}]})
+        parse_rewrite_reply("The answer is 5.")
 
 
-def test_rewrite_with_llm(fake_chat, monkeypatch):
-    monkeypatch.setenv("MMPRM_TEST_KEY", "sk-test")
-    ex = StepExample(id="g1", question="What is 2+3?", steps=["2+3=5."], answer="5", meta={"source": "t"})
-    _FakeChat.reply = "<step>Add the numbers.</step>\n<step>2 + 3 = 5.</step>\n<answer>5</answer>"
-    out = rewrite_with_llm(ex, fake_chat, "tiny", api_key_env="MMPRM_TEST_KEY")
-    assert out.steps == ["Add the numbers.", "2 + 3 = 5."] and out.answer == "5"
-    assert out.meta == {"source": "t", "rewritten_by": "tiny"}
-    headers, body = _FakeChat.requests[-1]
-    assert headers["Authorization"] == "Bearer sk-test" and body["model"] == "tiny"
-    assert "2+3=5.\nFinal answer: 5" in body["messages"][1]["content"]
-    # a rewrite that changes the answer is refused
-    _FakeChat.reply = "<step>2 + 3 = 6.</step>\n<answer>6</answer>"
-    with pytest.raises(ValueError, match="changed the answer"):
-        rewrite_with_llm(ex, fake_chat, "tiny", api_key_env="MMPRM_TEST_KEY")
-    _FakeChat.status = 500
-    with pytest.raises(ValueError, match="HTTP 500"):
-        rewrite_with_llm(ex, fake_chat, "tiny", api_key_env="MMPRM_TEST_KEY")
+def test_rewrite_with_llm(monkeypatch):
+    from chat_server import ChatServer
+
+    from mmprm.chat import ChatClient, ChatConfig, ChatRequestError, EndpointUnavailable
+
+    replies = {"text": ""}
+    with ChatServer(lambda body: replies["text"]) as server:
+        monkeypatch.setenv("MMPRM_TEST_KEY", "sk-test")
+        client = ChatClient(ChatConfig(url=server.url, model="tiny", api_key_env="MMPRM_TEST_KEY", backoff_s=0,
+                                       max_retries=1), config_key="--rewrite")
+        ex = StepExample(id="g1", question="What is 2+3?", steps=["2+3=5."], answer="5", meta={"source": "t"})
+        replies["text"] = "<step>Add the numbers.</step>\n<step>2 + 3 = 5.</step>\n<answer>5</answer>"
+        out = rewrite_with_llm(ex, client)
+        assert out.steps == ["Add the numbers.", "2 + 3 = 5."] and out.answer == "5"
+        assert out.meta == {"source": "t", "rewritten_by": "tiny"}
+        assert server.headers[-1]["authorization"] == "Bearer sk-test" and server.requests[-1]["model"] == "tiny"
+        assert "2+3=5.\nFinal answer: 5" in server.requests[-1]["messages"][1]["content"]
+        # a rewrite that changes the answer is refused
+        replies["text"] = "<step>2 + 3 = 6.</step>\n<answer>6</answer>"
+        with pytest.raises(ValueError, match="changed the answer"):
+            rewrite_with_llm(ex, client)
+        server.script = lambda body: (500, {"error": "overloaded"})
+        with pytest.raises(EndpointUnavailable, match="failed 2 times, last: HTTP 500"):
+            rewrite_with_llm(ex, client)
+        server.script = lambda body: (400, {"error": "context too long"})
+        with pytest.raises(ChatRequestError, match="HTTP 400"):
+            rewrite_with_llm(ex, client)
+
+
+def test_convert_sft_cli_rewrites_concurrently_and_caches(tmp_path, capsys):
+    from chat_server import ChatServer
+
+    rows = [{"question": f"What is {i}+1?", "answer": f"{i}+1=<<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}"}
+            for i in range(4)]
+    src = tmp_path / "gsm.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def script(body):
+        q = body["messages"][1]["content"]
+        i = int(q.split("What is ")[1].split("+")[0])
+        return "no steps here" if i == 2 else f"<step>Add one to {i}.</step>\n<answer>{i + 1}</answer>"
+
+    with ChatServer(script) as server:
+        argv = ["--from", "gsm8k", "--input", str(src), "--out", str(tmp_path / "sft.jsonl"),
+                "--rewrite-url", server.url, "--rewrite-model", "m", "--concurrency", "3"]
+        assert cli_convert_sft(argv) == 0
+        assert len(server.requests) == 4
+        out = [json.loads(line) for line in (tmp_path / "sft.jsonl").read_text().splitlines()]
+        assert [r["steps"] for r in out] == [["Add one to 0."], ["Add one to 1."], ["2+1=3"], ["Add one to 3."]]
+        assert "rewrote 3/4 examples" in capsys.readouterr().out
+        assert cli_convert_sft(argv) == 0  # the rerun is served from the reply cache
+        assert len(server.requests) == 4 and "4 replies from the cache" in capsys.readouterr().out

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,8 @@ OPENR_TREES = DATA / "openr_samples" / "samples_math-aps-tree.jsonl"
 needs_rpts = pytest.mark.skipif(not (RPTS_DIR / "texts_en.json").exists(), reason="../shared/data/rpts_eval absent")
 needs_openr = pytest.mark.skipif(not OPENR_TREES.exists(), reason="../shared/data/openr_samples absent")
 
-QUIRKY_IDS = {155, 202, 203, 215, 265}  # 4 forward Conclusion references + 1 Text index past the clues
+# 4 forward Conclusion references + 1 Text index past the clues + 1 premise cited twice (410)
+QUIRKY_IDS = {155, 202, 203, 215, 265, 410}
 
 
 def rpts_records(lang: str) -> list[dict]:
@@ -62,6 +61,18 @@ def test_every_rpts_eval_record_parses_and_quirks_become_warnings(lang):
         if tree.warnings:
             warned.add(r["id"])
     assert warned == QUIRKY_IDS
+
+
+def test_premise_cited_twice_is_counted_once_with_a_warning():
+    # The RPTS reference keeps both citations, so its recursion weighs T0's subtree twice; we do not.
+    tree = from_rpts_lines(["Text0 -> Conclusion0: a", "Conclusion0 + Conclusion0 + Text1 -> Conclusion1: b"],
+                           ["t0", "t1"], 0, source="x")
+    assert tree.nodes["C1"].parents == ["C0", "T1"]
+    assert tree.warnings == ["x: reasoning[1]: premise C0 cited 2 times; counted once (the RPTS reference "
+                             "counts it each time)"]
+    set_scores(tree, {"C0": 0.0, "C1": 1.0})
+    # heights 1, 2; lam 0.5, h_f 1: weights 1 and 0.5 -> (0 * 1 + 1 * 0.5) / 1.5 (the reference: C0 twice, 0.5 / 2.5)
+    assert rpts(tree, lam=0.5, h_f=1) == pytest.approx(1 / 3)
 
 
 @needs_rpts
@@ -344,49 +355,43 @@ def test_parse_verdict():
     assert parse_verdict("maybe", "binary") is None
     assert parse_verdict("Score: 0.7", "graded") == 0.7 and parse_verdict("1.0", "graded") == 1.0
     assert parse_verdict("0", "graded") == 0.0 and parse_verdict("7 out of 10", "graded") is None
+    assert parse_verdict("<think>Is it 0.2 or 1? Step 1 looks fine.</think>\n0.8", "graded") == 0.8
+    assert parse_verdict("<think>no wait, yes</think> True", "binary") == 1.0
+    assert parse_verdict("<think>cut off before the end", "graded") is None
 
 
-class _FakeJudge(BaseHTTPRequestHandler):
-    seen: list = []
+def test_judge_scorer_against_local_server(monkeypatch):
+    from chat_server import ChatServer, free_port_url
 
-    def do_POST(self):  # noqa: N802 - http.server API
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+    from mmprm.chat import ChatClient, ChatConfig, EndpointUnavailable
+
+    def script(body):
         prompt = body["messages"][-1]["content"]
-        _FakeJudge.seen.append((self.headers.get("Authorization"), body["model"], prompt))
         step = prompt.split("Step to check:")[1]
-        reply = ("yes" if "fine" in step else "no") if "yes or no" in prompt else "0.7"
-        data = json.dumps({"choices": [{"message": {"content": reply}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        if "mumble" in step:
+            return "Let me think about it."
+        return ("yes" if "fine" in step else "no") if "yes or no" in prompt else "0.7"
 
-    def log_message(self, *args):
-        pass
-
-
-def test_judge_scorer_against_local_fake_server(monkeypatch):
-    server = HTTPServer(("127.0.0.1", 0), _FakeJudge)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with ChatServer(script) as server:
         monkeypatch.setenv("TEST_JUDGE_KEY", "sk-test")
-        url = f"http://127.0.0.1:{server.server_port}/v1"
+        client = ChatClient(ChatConfig(url=server.url, model="judge-x", api_key_env="TEST_JUDGE_KEY", backoff_s=0),
+                            config_key="scorer.judge")
         tree = from_steps(["fine start", "broken middle", "fine end"], question="What is 2+2?")
-        judge = JudgeScorer(url=url, model="judge-x", api_key_env="TEST_JUDGE_KEY", timeout=5)
-        assert judge.scores(tree, reference="4") == {"S0": 1.0, "S1": 0.0, "S2": 1.0}
-        auth, model, prompt = _FakeJudge.seen[-1]
-        assert auth == "Bearer sk-test" and model == "judge-x"
+        judged = JudgeScorer(client).judge(tree, reference="4")
+        assert judged.scores == {"S0": 1.0, "S1": 0.0, "S2": 1.0} and judged.unparsed == []
+        assert server.headers[-1]["authorization"] == "Bearer sk-test" and server.requests[-1]["model"] == "judge-x"
+        prompt = server.prompts()[-1]
         assert "What is 2+2?" in prompt and "Reference answer: 4" in prompt
         assert "1. fine start\n2. broken middle" in prompt  # the ancestors, in order
-        graded = JudgeScorer(url=url, model="judge-x", mode="graded", api_key_env="TEST_JUDGE_KEY", timeout=5)
-        assert graded.scores(tree) == {"S0": 0.7, "S1": 0.7, "S2": 0.7}
-    finally:
-        server.shutdown()
-        server.server_close()
-    dead = JudgeScorer(url=url, model="m", timeout=1, max_retries=0)
-    with pytest.raises(RuntimeError, match="check judge.url"):
-        dead.chat("hi")
+        assert "This is the final step" in prompt and "This is the final step" not in server.prompts()[0]
+        assert JudgeScorer(client, mode="graded").judge(tree).scores == {"S0": 0.7, "S1": 0.7, "S2": 0.7}
+        # a node whose replies never hold a verdict is asked 3 times, then reported, not guessed
+        n = len(server.requests)
+        judged = JudgeScorer(client).judge(from_steps(["fine a", "mumble b"]))
+        assert judged.scores == {"S0": 1.0} and judged.unparsed == ["S1"] and len(server.requests) == n + 1 + 3
+    dead = ChatClient(ChatConfig(url=free_port_url(), model="m", timeout_s=1, max_retries=0), config_key="scorer.judge")
+    with pytest.raises(EndpointUnavailable, match="scorer.judge.url"):
+        JudgeScorer(dead).judge(from_steps(["x"]))
 
 
 def test_set_scores_and_json_round_trip():

@@ -15,22 +15,18 @@ The SFT target of a row is `mmprm.steps.render_solution(steps, answer)`.
 removing GSM8K `<<calc>>` annotations, markdown image links and `[asy]` figure code, and pulling
 the final answer from `#### N` / `A: N`, blank-line paragraphs, else lines, else sentences.
 A display-math block always stays with the text that introduces it. `rewrite_with_llm` is an
-optional second pass over an OpenAI-compatible chat endpoint (stdlib only, never used in tests
-against a real server).
+optional second pass over an OpenAI-compatible chat endpoint (`mmprm.chat.ChatClient`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from mmprm.answers import extract_answer
+from mmprm.chat import ChatClient, ChatConfig, ChatRequestError, messages_for
 from mmprm.data.schema import DataError, StepExample, check_row, iter_jsonl, write_jsonl
 from mmprm.steps import STEP_CLOSE, STEP_OPEN, parse_solution, render_solution
 
@@ -214,66 +210,39 @@ REWRITE_SYSTEM = (
 )
 
 
-def build_rewrite_request(question: str, solution: str, model: str, temperature: float = 0.0) -> dict[str, Any]:
-    """JSON body of a `/chat/completions` request that rewrites one solution into our step format."""
-    return {
-        "model": model,
-        "temperature": temperature,
-        "messages": [
-            {"role": "system", "content": REWRITE_SYSTEM},
-            {"role": "user", "content": f"Problem:\n{question}\n\nWorked solution:\n{solution}"},
-        ],
-    }
+def rewrite_messages(question: str, solution: str) -> list[dict[str, Any]]:
+    """Chat messages that ask a model to rewrite one solution into our step format."""
+    return messages_for(f"Problem:\n{question}\n\nWorked solution:\n{solution}", system=REWRITE_SYSTEM)
 
 
-def parse_rewrite_response(payload: dict[str, Any]) -> tuple[list[str], str | None]:
-    """Steps and answer from a `/chat/completions` response; ValueError when it has none."""
-    try:
-        content = payload["choices"][0]["message"]["content"]
-    except (KeyError, IndexError, TypeError) as e:
-        raise ValueError(f"not a chat completion response (no choices[0].message.content): {str(payload)[:200]}") from e
-    parsed = parse_solution(content or "", mode="tags")
+def parse_rewrite_reply(text: str) -> tuple[list[str], str | None]:
+    """Steps and answer of the model's rewrite; ValueError when it holds no step blocks."""
+    parsed = parse_solution(text or "", mode="tags")
     if not parsed.steps:
-        raise ValueError(f"the model's reply has no {STEP_OPEN} blocks: {str(content)[:200]!r}")
+        raise ValueError(f"the model's reply has no {STEP_OPEN} blocks: {str(text)[:200]!r}")
     return parsed.steps, parsed.answer
 
 
-def rewrite_with_llm(example: StepExample, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
-                     timeout_s: float = 120.0) -> StepExample:
-    """The example with its steps rewritten by a chat model at `base_url` (OpenAI-compatible).
+def rewrite_with_llm(example: StepExample, client: ChatClient) -> StepExample:
+    """The example with its steps rewritten by the chat model behind `client` (`mmprm.chat`).
 
-    Args:
-        example: an SFT example; its steps (joined) are the solution to rewrite.
-        base_url: e.g. `http://localhost:8000/v1`; `/chat/completions` is appended.
-        model: the served model name.
-        api_key_env: environment variable holding the key; unset means no Authorization header.
-        timeout_s: per-request timeout.
-
-    The rewritten answer replaces the old one only when the old one is missing; a rewrite whose
-    answer disagrees with the original raises ValueError (the model changed the solution).
+    The rewritten answer replaces the old one only when the old one is missing; a reply without
+    step blocks or whose answer disagrees with the original raises ValueError (the model changed
+    the solution). Endpoint failures raise `mmprm.chat.ChatError` subclasses.
     """
-    body = build_rewrite_request(example.question, "\n".join(example.steps) + (
-        f"\nFinal answer: {example.answer}" if example.answer else ""), model)
-    headers = {"Content-Type": "application/json"}
-    key = os.environ.get(api_key_env)
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    url = base_url.rstrip("/") + "/chat/completions"
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    solution = "\n".join(example.steps) + (f"\nFinal answer: {example.answer}" if example.answer else "")
+    reply = client.chat(rewrite_messages(example.question, solution))
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            payload = json.loads(resp.read().decode("utf-8"))
-    except urllib.error.HTTPError as e:
-        raise ValueError(f"{url}: HTTP {e.code} for id={example.id}: {e.read()[:200]!r} "
-                         f"(check the URL, the model name and ${api_key_env})") from e
-    steps, answer = parse_rewrite_response(payload)
+        steps, answer = parse_rewrite_reply(reply.text)
+    except ValueError as e:
+        raise ValueError(f"id={example.id}: {e}") from None
     if example.answer is not None and answer is not None:
         from mmprm.answers import answers_match
 
         if not answers_match(answer, example.answer):
             raise ValueError(f"id={example.id}: rewrite changed the answer {example.answer!r} -> {answer!r}")
     return StepExample(id=example.id, question=example.question, steps=steps, images=list(example.images),
-                       answer=example.answer or answer, meta={**example.meta, "rewritten_by": model})
+                       answer=example.answer or answer, meta={**example.meta, "rewritten_by": client.config.model})
 
 
 # ---------------------------------------------------------------- CLI
@@ -288,21 +257,31 @@ def cli_convert_sft(argv: list[str]) -> int:
     ap.add_argument("--rewrite-url", help="OpenAI-compatible base URL (e.g. http://localhost:8000/v1)")
     ap.add_argument("--rewrite-model", help="model name served at --rewrite-url")
     ap.add_argument("--api-key-env", default="OPENAI_API_KEY")
+    ap.add_argument("--concurrency", type=int, default=8, help="rewrite requests in flight")
     args = ap.parse_args(argv)
     if bool(args.rewrite_url) != bool(args.rewrite_model):
         ap.error("--rewrite-url and --rewrite-model go together")
     examples = sft_from_gsm8k(args.input) if args.source == "gsm8k" else sft_from_mathv(args.input)
     if args.rewrite_url:
-        rewritten, failed = [], 0
-        for i, e in enumerate(examples, start=1):
+        # Replies are cached next to the output, so rerunning after a crash pays only for the rest.
+        client = ChatClient(ChatConfig(url=args.rewrite_url, model=args.rewrite_model, api_key_env=args.api_key_env,
+                                       timeout_s=120.0, concurrency=args.concurrency),
+                            config_key="--rewrite", cache_path=f"{args.out}.rewrite_cache.jsonl")
+
+        def rewrite(e: StepExample) -> tuple[StepExample, str | None]:
             try:
-                rewritten.append(rewrite_with_llm(e, args.rewrite_url, args.rewrite_model, args.api_key_env))
-            except (ValueError, OSError) as err:  # keep the rule-based split; one bad reply must not end a long job
-                failed += 1
-                rewritten.append(e)
-                print(f"[{i}/{len(examples)}] kept the rule-based steps: {err}")
-        print(f"rewrote {len(examples) - failed}/{len(examples)} examples with {args.rewrite_model}")
-        examples = rewritten
+                return rewrite_with_llm(e, client), None
+            except (ValueError, ChatRequestError) as err:  # one bad reply must not end a long job
+                return e, str(err)
+
+        results = client.map(rewrite, examples, desc="rewrite")
+        for e, err in results:
+            if err:
+                print(f"id={e.id}: kept the rule-based steps: {err}")
+        failed = sum(err is not None for _, err in results)
+        print(f"rewrote {len(examples) - failed}/{len(examples)} examples with {args.rewrite_model} "
+              f"({client.stats.cache_hits} replies from the cache)")
+        examples = [e for e, _ in results]
     n = write_jsonl(args.out, (e.to_json() for e in examples))
     print(f"wrote {n} SFT examples to {args.out}")
     return 0

@@ -8,6 +8,10 @@
 * `from_annotation_tree`: MCTS annotation trees with per-node Monte-Carlo values (nested
   ``{"text", "mc_value", "children"}`` as in OpenR's math-aps trees, or a flat ``{"nodes": [...]}``).
 
+A premise cited twice on one line (``Text0 + Text0 -> ...``) is one premise here, with a warning;
+the RPTS reference keeps both citations, so its recursion counts that premise's subtree twice in
+the score. Citing a clue twice adds no evidence, so we count it once.
+
 Builders never crash on the quirks of real data: a premise that is not an earlier step, an index past
 the clue list, a parent that does not exist. They keep going, attach a "missing" evidence node (which
 RPTS treats as an unscored leaf, like the reference's error node) and append a one-line warning to
@@ -63,7 +67,7 @@ def from_rpts_lines(
     def missing(line_no: int, token: str, why: str) -> str:
         nid = f"?{line_no}.{len([n for n in tree.nodes if n.startswith(f'?{line_no}.')])}"
         tree.add(Node(nid, f"(missing {token.strip() or 'premise'})", kind="evidence", label="?",
-                      meta={"missing": True}))
+                      meta={"missing": True, "token": token.strip()}))
         tree.warnings.append(f"{where}reasoning[{line_no}]: {why}; counted as a missing (unscored) premise")
         return nid
 
@@ -120,8 +124,14 @@ def from_rpts_lines(
                     body = textual_clues[k] if textual_clues is not None else f"Text{k}"
                     tree.add(Node(nid, body, kind="evidence"))
             parents.append(nid)
-        # A premise cited twice on one line is one premise.
-        tree.add(Node(f"C{i}", text, kind="conclusion", parents=list(dict.fromkeys(parents))))
+        # A premise cited twice on one line is one premise: citing it again adds no evidence. The
+        # RPTS reference keeps both, so its score counts that premise's subtree twice; warn.
+        unique = list(dict.fromkeys(parents))
+        for p in unique:
+            if parents.count(p) > 1:
+                tree.warnings.append(f"{where}reasoning[{i}]: premise {tree.nodes[p].label} cited "
+                                     f"{parents.count(p)} times; counted once (the RPTS reference counts it each time)")
+        tree.add(Node(f"C{i}", text, kind="conclusion", parents=unique))
     tree.root = f"C{len(lines) - 1}" if lines else None
     tree.validate()
     return tree
@@ -154,6 +164,7 @@ def rpts_question(record: Mapping[str, Any]) -> str:
 
 
 _MARKER = re.compile(r"\[\s*(NODE|PARENT|ORIGINAL|TYPE)\s*:", re.I)
+_THINK360_ID = re.compile(r"\d+\.\d+")
 
 
 def from_think360_blocks(text: str, question: str = "", images: Sequence[str] = (), source: str = "") -> Tree:
@@ -163,6 +174,11 @@ def from_think360_blocks(text: str, question: str = "", images: Sequence[str] = 
     A field runs to the next marker, so text may span lines and contain brackets. Depth is
     recomputed from the parent links (the ``d`` in the id is only checked, with a warning).
     Unknown or cyclic parents become roots, duplicate ids get a suffix; both with a warning.
+
+    ``tree.meta["structure_errors"]`` lists what makes the Think360 reference reject the tree (no
+    nodes, an id that is not ``depth.sequence``, a duplicate id, an unknown parent; a cycle too):
+    see `mmprm.treeval.extract.think360_valid`. A depth that disagrees with the parent chain is
+    only counted (``meta["depths_renumbered"]``): the reference fixes those by renumbering.
     """
     where = f"{source}: " if source else ""
     blocks: list[dict[str, str]] = []
@@ -181,23 +197,32 @@ def from_think360_blocks(text: str, question: str = "", images: Sequence[str] = 
         return "\n".join(line.strip() for line in value.strip().splitlines())
 
     tree = Tree(question=question, images=list(images))
+    # What makes the Think360 reference reject a tree (it then leaves it out of the width/depth
+    # averages). A wrong depth in an id is not here: the reference renumbers those trees from
+    # their parent links, which is what the depths computed below already are.
+    errors: list[str] = []
     declared: dict[str, str] = {}  # node id -> declared parent
     for b, block in enumerate(blocks):
         nid = clean(block.get("node", "")) or f"node{b}"
+        if not _THINK360_ID.fullmatch(nid):
+            errors.append(f"node id {nid!r} is not depth.sequence")
         if nid in tree.nodes:
             new = f"{nid}#{b}"
             tree.warnings.append(f"{where}node {nid}: duplicate id, renamed {new}")
+            errors.append(f"duplicate node id {nid}")
             nid = new
         parent = clean(block.get("parent", "None"))
         declared[nid] = "" if parent.lower() in ("none", "null", "") else parent
         tree.add(Node(nid, clean(block.get("original", "")), meta={"type": clean(block.get("type", ""))}))
     if not blocks:
         tree.warnings.append(f"{where}no [NODE:...] blocks found")
+        errors.append("no nodes")
     for nid, parent in declared.items():
         if not parent:
             continue
         if parent not in tree.nodes:
             tree.warnings.append(f"{where}node {nid}: parent {parent} is not a node; treated as a root")
+            errors.append(f"node {nid} has a parent that is not a node")
             continue
         tree.nodes[nid].parents = [parent]
         try:
@@ -205,11 +230,16 @@ def from_think360_blocks(text: str, question: str = "", images: Sequence[str] = 
         except ValueError:
             tree.nodes[nid].parents = []
             tree.warnings.append(f"{where}node {nid}: parent {parent} makes a cycle; treated as a root")
+            errors.append(f"node {nid} is in a cycle")
     depths = tree.depths()
+    renumbered = 0
     for nid, d in depths.items():
         head = nid.split(".")[0]
         if head.isdigit() and int(head) != d:
+            renumbered += 1
             tree.warnings.append(f"{where}node {nid}: id says depth {head} but its parent chain gives {d}")
+    tree.meta["structure_errors"] = errors
+    tree.meta["depths_renumbered"] = renumbered
     tree.validate()
     return tree
 

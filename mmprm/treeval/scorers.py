@@ -4,28 +4,22 @@ Write the result onto the tree with `mmprm.treeval.set_scores(tree, scores)`.
 
 * `constant_scores`: every conclusion gets one value (a baseline, and the all-correct check).
 * `mc_scores`: the Monte-Carlo value an annotation tree carries per node (`meta["mc_value"]`).
+* `rollout_mc_scores`: Monte-Carlo values estimated now, by rolling a policy out from each node.
 * `prm_scores`: a PRM's step score of the node given the path of its ancestors. A causal PRM's score
   of step k only depends on steps 0..k, so one forward over a root-to-leaf path scores every node
   on it; all the paths of a tree go to the PRM in one `score` call.
-* `JudgeScorer`: an LLM judge behind an OpenAI-compatible ``/chat/completions`` endpoint, yes/no
-  or 0-1 graded (stdlib HTTP; the key comes from an environment variable).
+* `JudgeScorer`: an LLM judge behind an OpenAI-compatible endpoint (`mmprm.chat.ChatClient`),
+  yes/no (Think360) or 0-1 graded; `mmprm.treeval.rpts_judge.RPTSJudge` is the RPTS protocol.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import math
-import mimetypes
-import os
 import re
-import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Protocol, Sequence
 
+from mmprm.chat import ChatClient, ChatReply, messages_for
 from mmprm.treeval.tree import Tree
 
 
@@ -106,6 +100,31 @@ def prm_scores(tree: Tree, scorer: StepScorer) -> dict[str, float]:
     return out
 
 
+def rollout_mc_scores(tree: Tree, backend: Any, verify: Callable[[str], bool], k: int = 8,
+                      problem_id: str = "") -> dict[str, float]:
+    """Monte-Carlo value of every conclusion: the share of `k` rollouts from its path that end right.
+
+    The policy (`backend`, any `mmprm.annotate.backends.RolloutBackend`) continues the path of each
+    node (its conclusion ancestors, then the node) `k` times, all nodes of the tree in one
+    `generate` call; `verify(path text + continuation)` says whether a rollout reaches the right
+    answer. This is the value OmegaPRM annotates, for a tree the policy did not write itself.
+    """
+    from mmprm.annotate.backends.base import RolloutRequest
+
+    paths = node_paths(tree)
+    if not paths:
+        return {}
+    ids = list(paths)
+    requests = [RolloutRequest(problem_id or str(tree.meta.get("id", "")), tree.question, list(tree.images),
+                               [tree.nodes[p].text for p in paths[nid]], k) for nid in ids]
+    rollouts = backend.generate(requests)
+    out = {}
+    for nid, req, texts in zip(ids, requests, rollouts):
+        prefix = "\n\n".join(req.prefix_steps)
+        out[nid] = sum(bool(verify(prefix + "\n\n" + t)) for t in texts) / len(texts)
+    return out
+
+
 # Our own wording of the two judge styles the papers use: Think360 asks for a true/false verdict on
 # a step given the steps before it; RPTS asks how well the conclusion follows, on a 0-1 scale.
 JUDGE_SYSTEM = "You check reasoning one step at a time. Be strict about facts, arithmetic and logic."
@@ -122,6 +141,10 @@ Step to check:
 Is this step correct - true to the problem and the images, and validly following from the steps
 before it? Reply with one word: yes or no."""
 
+# Think360 checks the last step against the reference answer as well as for its logic.
+FINAL_STEP_NOTE = ("\n(This is the final step: it is correct only if its answer agrees with the reference "
+                   "answer.)")
+
 JUDGE_GRADED = """Problem:
 {question}
 {reference}
@@ -135,12 +158,16 @@ Rate how well this step holds: 1.0 means it is certain from the problem, the ima
 before it; 0.5 means the link is weak; 0.0 means it is wrong or contradicts them. Use steps of 0.1.
 Reply with the number only."""
 
+_THINK = re.compile(r"<think>.*?(?:</think>|$)", re.S)
 _NUMBER = re.compile(r"(?<![\d.])(?:0(?:\.\d+)?|1(?:\.0+)?|\.\d+)(?![\d.])")
 
 
 def parse_verdict(reply: str, mode: Literal["binary", "graded"]) -> float | None:
-    """Score from a judge's reply: yes/true -> 1.0, no/false -> 0.0 (binary), or a number in [0, 1]."""
-    text = reply.strip().lower()
+    """Score from a judge's reply: yes/true -> 1.0, no/false -> 0.0 (binary), or a number in [0, 1].
+
+    A reasoning model's ``<think>...</think>`` block is skipped: the verdict is what follows it.
+    """
+    text = _THINK.sub("", reply).strip().lower()
     if mode == "binary":
         m = re.match(r"\W*(yes|true|correct|no|false|incorrect)\b", text)
         if not m:
@@ -150,24 +177,58 @@ def parse_verdict(reply: str, mode: Literal["binary", "graded"]) -> float | None
     return float(m.group()) if m else None
 
 
-@dataclass
-class JudgeScorer:
-    """LLM judge over an OpenAI-compatible chat endpoint (vLLM serve, llama.cpp, a hosted API).
+def final_step(tree: Tree) -> str | None:
+    """The step that states the answer: the root if set, else (Think360) the last of the deepest steps."""
+    if tree.root is not None:
+        return tree.root
+    depths = tree.depths()
+    deepest = max(depths.values(), default=0)
+    return next((nid for nid in reversed(list(tree.nodes)) if depths.get(nid) == deepest), None)
 
-    url: base URL ending before ``/chat/completions`` (e.g. ``http://127.0.0.1:8000/v1``).
-    api_key_env: environment variable holding the key; unset sends no Authorization header.
-    mode: "binary" (yes/no verdicts) or "graded" (0-1 scores).
-    send_images: attach the tree's images (as data URLs) for vision judges.
+
+@dataclass
+class JudgedTree:
+    """What a judge made of one tree.
+
+    scores: {node_id: score} of the nodes it could score.
+    unparsed: nodes whose replies held no verdict even after the retries (the tree is then not
+        fully scored; callers count it and leave it out of the averages).
+    corrected: RPTS nodes that went through the correction pass.
+    details: one dict per node (prompt kind, first/second score, ...) for the trees file.
+    replies: every reply, for token counts.
     """
 
-    url: str
-    model: str
-    api_key_env: str = "OPENAI_API_KEY"
-    mode: Literal["binary", "graded"] = "binary"
-    timeout: float = 60.0
-    max_retries: int = 3
-    send_images: bool = False
-    max_tokens: int = 16
+    scores: dict[str, float] = field(default_factory=dict)
+    unparsed: list[str] = field(default_factory=list)
+    corrected: list[str] = field(default_factory=list)
+    details: list[dict[str, Any]] = field(default_factory=list)
+    replies: list[ChatReply] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> dict[str, int]:
+        return {"prompt": sum(r.prompt_tokens for r in self.replies),
+                "completion": sum(r.completion_tokens for r in self.replies)}
+
+
+class JudgeScorer:
+    """Step-by-step LLM judge (Think360 style) over `mmprm.chat.ChatClient`.
+
+    Each conclusion is shown with the problem, the reference answer and the steps it rests on;
+    the final step is also checked against the reference answer.
+
+    Args:
+        client: the judge endpoint.
+        mode: "binary" (yes/no, Think360) or "graded" (a 0-1 number).
+        send_images: attach the tree's images (data URLs) for vision judges.
+        parse_retries: extra asks when a reply holds no verdict.
+    """
+
+    def __init__(self, client: ChatClient, mode: Literal["binary", "graded"] = "binary", send_images: bool = False,
+                 parse_retries: int = 2):
+        self.client = client
+        self.mode = mode
+        self.send_images = send_images
+        self.parse_retries = parse_retries
 
     def prompt(self, tree: Tree, node_id: str, reference: str | None = None) -> str:
         path = node_paths(tree)[node_id]
@@ -178,53 +239,22 @@ class JudgeScorer:
             step = "Using " + ", ".join(tree.nodes[p].label for p in evidence) + ": " + step
         template = JUDGE_BINARY if self.mode == "binary" else JUDGE_GRADED
         ref = f"Reference answer: {reference}\n" if reference else ""
+        if reference and node_id == final_step(tree):
+            step += FINAL_STEP_NOTE
         return template.format(question=tree.question, reference=ref, context=context, step=step)
 
-    def _content(self, text: str, images: Sequence[str]) -> Any:
-        if not self.send_images or not images:
-            return text
-        parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
-        for p in images:
-            mime = mimetypes.guess_type(p)[0] or "image/png"
-            data = base64.b64encode(Path(p).read_bytes()).decode("ascii")
-            parts.append({"type": "image_url", "image_url": {"url": f"data:{mime};base64,{data}"}})
-        return parts
-
-    def chat(self, text: str, images: Sequence[str] = ()) -> str:
-        """One completion; retries transport errors with a short backoff."""
-        body = json.dumps({
-            "model": self.model, "temperature": 0, "max_tokens": self.max_tokens,
-            "messages": [{"role": "system", "content": JUDGE_SYSTEM},
-                         {"role": "user", "content": self._content(text, images)}],
-        }).encode("utf-8")
-        headers = {"Content-Type": "application/json"}
-        key = os.environ.get(self.api_key_env)
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        url = self.url.rstrip("/") + "/chat/completions"
-        for attempt in range(self.max_retries + 1):
-            try:
-                req = urllib.request.Request(url, data=body, headers=headers, method="POST")
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    return json.loads(resp.read())["choices"][0]["message"]["content"] or ""
-            except (urllib.error.URLError, TimeoutError, KeyError, json.JSONDecodeError) as e:
-                if attempt == self.max_retries:
-                    raise RuntimeError(f"judge at {url} failed after {attempt + 1} tries: {e}; "
-                                       "check judge.url, judge.model and the API key variable") from e
-                time.sleep(0.5 * (attempt + 1))
-        raise AssertionError("unreachable")
-
-    def scores(self, tree: Tree, reference: str | None = None) -> dict[str, float]:
-        """Judge every conclusion; a reply that cannot be read is asked again, then raises."""
-        out = {}
+    def judge(self, tree: Tree, reference: str | None = None) -> JudgedTree:
+        """Judge every conclusion; a reply without a verdict is asked again, then reported unparsed."""
+        out = JudgedTree()
+        images = tree.images if self.send_images else ()
         for n in tree.conclusions():
-            text = self.prompt(tree, n.id, reference)
-            for _ in range(self.max_retries + 1):
-                reply = self.chat(text, tree.images)
-                verdict = parse_verdict(reply, self.mode)
-                if verdict is not None and 0.0 <= verdict <= 1.0:
-                    out[n.id] = verdict
-                    break
+            messages = messages_for(self.prompt(tree, n.id, reference), system=JUDGE_SYSTEM, images=images)
+            verdict, replies = self.client.ask(messages, lambda t: parse_verdict(t, self.mode), self.parse_retries,
+                                               max_tokens=16)
+            out.replies.extend(replies)
+            out.details.append({"node": n.id, "kind": self.mode, "reply": replies[-1].text[:200], "score": verdict})
+            if verdict is None:
+                out.unparsed.append(n.id)
             else:
-                raise RuntimeError(f"node {n.id}: judge reply {reply[:80]!r} is not a {self.mode} verdict")
+                out.scores[n.id] = verdict
         return out

@@ -1,0 +1,430 @@
+"""Evaluate a model's own reasoning end to end: problems -> its answers -> reasoning trees -> node
+scores -> accuracy, Think360 width/depth, RPTS and RPTS-filtered accuracy.
+
+    # MATH-V CoT responses already written by a model, Think360 trees extracted and judged by an LLM
+    python recipes/reasoning_eval.py --config recipes/configs/tiny/reasoning_eval.yaml \\
+        problems.format=mathv problems.path=../shared/data/mathv \\
+        answers.source=file answers.path=../shared/data/mathv/cot_testmini/Gemini-Pro-CoT.jsonl \\
+        tree.kind=think360 tree.extractor.url=http://127.0.0.1:8000/v1 tree.extractor.model=JUDGE \\
+        scorer.kind=judge scorer.judge.url=http://127.0.0.1:8000/v1 scorer.judge.model=JUDGE
+    # RPTS-Eval: the model under test writes premise -> conclusion lines (HF here; vllm on GPUs),
+    # the RPTS judge protocol scores them
+    python recipes/reasoning_eval.py --config recipes/configs/tiny/reasoning_eval.yaml \\
+        answers.source=vllm answers.model=Qwen/Qwen2.5-VL-7B-Instruct scorer.judge.model=JUDGE
+
+Stages (each a plain block of `main`):
+    problems  rpts (RPTS-Eval texts JSON), mathv (MATH-V folder), jsonl (mmprm problems file)
+    answers   file (JSONL {id, response, [correct]}, e.g. MATH-V's CoT files), gold (the benchmark's
+              own reasoning, a sanity check of the judge), hf or vllm (the model answers now;
+              written to answers.jsonl and reused on a rerun)
+    tree      think360 (an LLM extracts the steps verbatim as a tree), rpts (the answer's own
+              ``Image0 + Text1 -> Conclusion0: ...`` lines), steps (the answer's paragraphs, a chain)
+    scorer    judge (Think360 yes/no, graded, or the RPTS protocol with its correction pass), prm,
+              mc (rollouts of answers.model from every node), constant
+    report    report.json, report.md, trees.jsonl (scored trees + judge details), trees/<id>.png
+
+Nothing is silently dropped: problems without an answer, answers whose tree cannot be extracted
+(after tree.retries) or is invalid, and trees the judge could not fully score are counted and
+listed in the report, and left out of the averages they would distort. Replies of every chat
+endpoint are cached in the output folder, so a rerun pays only for what is new.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from mmprm.annotate.backends.base import RolloutRequest, SamplingConfig
+from mmprm.answers import answers_match, extract_answer
+from mmprm.chat import ChatClient, ChatConfig, ChatError
+from mmprm.config import ConfigError, load_config, parse_cli, to_dict
+from mmprm.data.schema import read_jsonl, write_jsonl
+from mmprm.data.sft import split_solution
+from mmprm.treeval.report import reasoning_report_md
+from mmprm.treeval import (JudgeScorer, RPTSJudge, RPTSJudgeConfig, Tree, constant_scores, extract_think360,
+                           filtered_accuracy, from_rpts_lines, from_steps, prm_scores, render_tree, rollout_mc_scores,
+                           rpts, rpts_answer_prompt, rpts_lines, rpts_question, rpts_verdict, set_scores,
+                           think360_depth, think360_width)
+
+
+@dataclass
+class ProblemsConfig:
+    format: Literal["rpts", "mathv", "jsonl"] = "rpts"
+    path: str = "data/rpts_eval/texts_en.json"  # rpts: texts JSON; mathv: the folder; jsonl: problems file
+    image_dir: str | None = None  # rpts: folder of visual_clue files (default: <path folder>/images)
+    limit: int | None = None  # first N problems
+
+
+@dataclass
+class AnswersConfig:
+    source: Literal["file", "gold", "hf", "vllm"] = "gold"
+    path: str = ""  # file: JSONL {id, response, [correct], [model_answer]}
+    response_field: str = "response"
+    model: str = ""  # hf / vllm: the model under test (also the policy of scorer.kind=mc)
+    system_prompt: str | None = None
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.7, max_new_tokens=1024))
+    batch_size: int = 16  # hf: sequences per generate call
+    dtype: str = "auto"
+    vllm_gpu_memory_utilization: float = 0.9
+    vllm_max_model_len: int | None = None
+    tokenizer: str | None = None  # count answer tokens with it (default: the model's, else approximate)
+
+
+@dataclass
+class TreeConfig:
+    kind: Literal["think360", "rpts", "steps"] = "rpts"
+    extractor: ChatConfig = field(default_factory=ChatConfig)  # think360: the extracting LLM
+    retries: int = 2  # extra tries for an answer whose tree is unparseable or invalid
+    retry_temperature: float = 0.7
+    send_images: bool = False  # show the extractor the problem's images
+
+
+@dataclass
+class JudgeConfig(ChatConfig):
+    """The judge endpoint (mmprm.chat.ChatConfig) and its protocol."""
+
+    protocol: Literal["auto", "think360", "graded", "rpts"] = "auto"  # auto: rpts for rpts trees, else think360
+    send_images: bool = False
+    parse_retries: int = 2
+
+
+@dataclass
+class ScorerConfig:
+    kind: Literal["judge", "prm", "mc", "constant"] = "judge"
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    rpts: RPTSJudgeConfig = field(default_factory=RPTSJudgeConfig)
+    prm_path: str | None = None
+    prm_batch_size: int = 8
+    mc_rollouts: int = 8
+    constant: float = 1.0
+    device: str = "auto"
+
+
+@dataclass
+class MetricsConfig:
+    threshold: float = 0.5  # a node is correct when its score >= threshold (width/depth)
+    rpts_lambdas: list[float] = field(default_factory=lambda: [0.9, 0.5])
+    rpts_h_fs: list[int] = field(default_factory=lambda: [1, 2])
+    filter_threshold: float = 0.5  # filtered accuracy: right answer AND RPTS >= this
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs/reasoning_eval"
+    plots: bool = False  # one PNG per problem under trees/
+
+
+@dataclass
+class ReasoningEvalConfig:
+    problems: ProblemsConfig = field(default_factory=ProblemsConfig)
+    answers: AnswersConfig = field(default_factory=AnswersConfig)
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    scorer: ScorerConfig = field(default_factory=ScorerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def validate(self) -> None:
+        a, t, s = self.answers, self.tree, self.scorer
+        if a.source == "file" and not a.path:
+            raise ValueError("answers.path: set the JSONL of responses when answers.source=file")
+        if a.source in ("hf", "vllm") and not a.model:
+            raise ValueError(f"answers.model: set the model under test when answers.source={a.source}")
+        if a.source == "gold" and self.problems.format == "jsonl":
+            raise ValueError("answers.source=gold needs problems.format rpts or mathv (they ship reasoning)")
+        if t.kind == "think360" and not t.extractor.model:
+            raise ValueError("tree.extractor.model: tree.kind=think360 needs an extracting LLM (and its url)")
+        if t.kind == "rpts" and self.problems.format != "rpts":
+            raise ValueError("tree.kind=rpts needs problems.format=rpts (premises cite the record's clues)")
+        if s.kind == "judge" and not s.judge.model:
+            raise ValueError("scorer.judge.model: set the judge's model name (and url) when scorer.kind=judge")
+        if s.kind == "judge" and s.judge.protocol == "rpts" and t.kind != "rpts":
+            raise ValueError("scorer.judge.protocol=rpts judges premise trees: use it with tree.kind=rpts")
+        if s.kind == "prm" and not s.prm_path:
+            raise ValueError("scorer.prm_path: set it to a PRM directory when scorer.kind=prm")
+        if s.kind == "mc" and not a.model:
+            raise ValueError("scorer.kind=mc rolls out answers.model from every node: set answers.model")
+        if len(self.metrics.rpts_lambdas) == 0 or len(self.metrics.rpts_h_fs) == 0:
+            raise ValueError("metrics.rpts_lambdas and metrics.rpts_h_fs need at least one value each")
+
+
+def load_problems(cfg: ProblemsConfig) -> list[dict[str, Any]]:
+    """[{id, question (what the model is asked), images, answer, choices, record, gold_reasoning}]."""
+    path = Path(cfg.path)
+    if not path.exists():
+        raise SystemExit(f"{path}: not found (set problems.path)")
+    out = []
+    if cfg.format == "rpts":
+        image_dir = Path(cfg.image_dir) if cfg.image_dir else path.parent / "images"
+        for r in json.loads(path.read_text(encoding="utf-8")):
+            out.append({"id": str(r["id"]), "question": rpts_answer_prompt(r), "answer": r["answer"], "choices": None,
+                        "images": [str((image_dir / v).resolve()) for v in r.get("visual_clue", [])], "record": r,
+                        "gold": "\n".join(r.get("reasoning", []))})
+    elif cfg.format == "mathv":
+        from mmprm.data.mathv import read_mathv
+
+        for p in read_mathv(path):
+            out.append({**p, "record": None, "gold": p.get("solution")})
+    else:
+        from mmprm.data.problems import load_problems as read_problems
+
+        out = [{"id": p.id, "question": p.question, "images": p.images, "answer": p.answer, "choices": p.choices,
+                "record": None, "gold": None} for p in read_problems(path)]
+    return out[: cfg.limit] if cfg.limit is not None else out
+
+
+def make_backend(a: AnswersConfig, step_mode: str = "blank_lines") -> Any:
+    """The model under test as a rollout backend (`mmprm.annotate.backends`), continuing free text."""
+    if a.source == "vllm":
+        from mmprm.annotate.backends.vllm import VLLMBackend
+
+        kw = {"gpu_memory_utilization": a.vllm_gpu_memory_utilization, "dtype": a.dtype}
+        if a.vllm_max_model_len:
+            kw["max_model_len"] = a.vllm_max_model_len
+        return VLLMBackend(a.model, a.sampling, step_mode=step_mode, system=a.system_prompt, **kw)
+    from mmprm.annotate.backends.hf import HFBackend
+
+    return HFBackend.from_pretrained(a.model, a.sampling, dtype=a.dtype, step_mode=step_mode,
+                                     batch_size=a.batch_size, system=a.system_prompt)
+
+
+def count_tokens(texts: list[str], tokenizer: Any | None) -> tuple[list[int], str]:
+    """Tokens per text with `tokenizer`, else a word-piece estimate (words and punctuation)."""
+    if tokenizer is not None:
+        return [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts], "tokenizer"
+    return [len(re.findall(r"\w+|[^\w\s]", t)) for t in texts], "approx (words + punctuation)"
+
+
+def mean(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def main(argv: list[str]) -> int:
+    try:
+        config_path, overrides = parse_cli(argv)
+        cfg = load_config(ReasoningEvalConfig, config_path, overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run(cfg)
+    except ChatError as e:  # a dead endpoint: say which and where to fix it; the cache keeps what was paid for
+        print(f"reasoning_eval: {e}", file=sys.stderr)
+        return 1
+
+
+def run(cfg: ReasoningEvalConfig) -> int:
+    out_dir = Path(cfg.output.dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    a, tc, sc, m = cfg.answers, cfg.tree, cfg.scorer, cfg.metrics
+    start = time.time()
+
+    # ---- problems
+    problems = load_problems(cfg.problems)
+    if not problems:
+        raise SystemExit(f"{cfg.problems.path}: no problems")
+    by_id = {p["id"]: p for p in problems}
+    print(f"{len(problems)} problems from {cfg.problems.path} ({cfg.problems.format})")
+
+    # ---- answers: {id: {"response", ["correct"]}}
+    answers: dict[str, dict[str, Any]] = {}
+    backend = tokenizer = None
+    if a.source == "file":
+        for i, r in enumerate(read_jsonl(a.path)):
+            if not isinstance(r.get(a.response_field), str):
+                raise SystemExit(f"{a.path}:{i + 1}: id={r.get('id')}: {a.response_field}: missing or not text "
+                                 "(set answers.response_field)")
+            if str(r.get("id")) in by_id:
+                answers[str(r["id"])] = {"response": r[a.response_field], **({"correct": bool(r["correct"])}
+                                                                             if "correct" in r else {})}
+    elif a.source == "gold":
+        # the benchmark's own reasoning reaches its own answer
+        answers = {p["id"]: {"response": p["gold"], "correct": True} for p in problems if p["gold"]}
+    if a.source in ("hf", "vllm") or sc.kind == "mc":
+        backend = make_backend(a)
+        proc = getattr(backend, "processor", None)  # vLLM keeps the processor, HF the tokenizer too
+        tokenizer = getattr(backend, "tokenizer", None) or getattr(proc, "tokenizer", proc)
+    if a.source in ("hf", "vllm"):
+        # Each chunk is appended to answers.jsonl as it is generated (the last line of an id wins),
+        # so a rerun after a crash only generates what is missing.
+        answers_file = out_dir / "answers.jsonl"
+        if answers_file.exists():
+            answers = {r["id"]: {"response": r["response"]} for r in read_jsonl(answers_file) if r["id"] in by_id}
+        todo = [p for p in problems if p["id"] not in answers and all(Path(i).exists() for i in p["images"])]
+        no_images = sorted(set(by_id) - set(answers) - {p["id"] for p in todo})
+        for attempt in range(tc.retries + 1 if tc.kind == "rpts" else 1):
+            # An RPTS answer with no premise lines has no tree: ask the model again (tree.retries).
+            if attempt:
+                todo = [by_id[i] for i, r in answers.items() if not rpts_lines(r["response"])]
+            for lo in range(0, len(todo), a.batch_size):
+                chunk = todo[lo: lo + a.batch_size]
+                texts = backend.generate([RolloutRequest(p["id"], p["question"], p["images"], [], 1) for p in chunk])
+                with open(answers_file, "a", encoding="utf-8") as f:
+                    for p, t in zip(chunk, texts):
+                        answers[p["id"]] = {"response": t[0]}
+                        f.write(json.dumps({"id": p["id"], "response": t[0]}, ensure_ascii=False) + "\n")
+                print(f"  answered {min(lo + a.batch_size, len(todo))}/{len(todo)} (try {attempt + 1})")
+        if no_images:
+            print(f"  {len(no_images)} problems skipped: their images are missing (e.g. id {no_images[0]})")
+    if a.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(a.tokenizer)
+    ids = [p["id"] for p in problems if p["id"] in answers]
+    unanswered = [p["id"] for p in problems if p["id"] not in answers]
+    token_counts, token_method = count_tokens([answers[i]["response"] for i in ids], tokenizer)
+
+    # ---- correctness of the final answers (a response file's own verdict wins: MATH-V ships one)
+    for i in ids:
+        p, r = by_id[i], answers[i]
+        if "correct" in r:
+            continue
+        if p["record"] is not None:  # RPTS: agree or disagree
+            r["prediction"] = rpts_verdict(r["response"])
+            r["correct"] = r["prediction"] == p["answer"].strip().lower()
+        else:
+            r["prediction"] = extract_answer(r["response"])
+            r["correct"] = answers_match(r["prediction"], p["answer"], p["choices"])
+
+    # ---- trees
+    chat_clients: dict[str, ChatClient] = {}
+    trees: dict[str, Tree] = {}
+    tree_failures: dict[str, str] = {}  # id -> why no usable tree
+    if tc.kind == "think360":
+        extractor = chat_clients["extractor"] = ChatClient(tc.extractor, "tree.extractor", out_dir / "chat_cache.jsonl")
+        extractions = extractor.map(
+            lambda i: extract_think360(extractor, by_id[i]["question"], answers[i]["response"], by_id[i]["answer"],
+                                       by_id[i]["images"], tc.send_images, tc.retries, tc.retry_temperature,
+                                       source=f"id={i}"), ids, desc="extract trees")
+        for i, ex in zip(ids, extractions):
+            trees[i] = ex.tree
+            ex.tree.meta["extraction"] = {"attempts": ex.attempts, **ex.tokens}
+            if not ex.valid:
+                tree_failures[i] = f"invalid tree: {ex.reason}"
+    elif tc.kind == "rpts":
+        for i in ids:
+            r = by_id[i]["record"]
+            lines = rpts_lines(answers[i]["response"])
+            if not lines:
+                tree_failures[i] = "unparseable: no 'premises -> conclusion' lines"
+                continue
+            trees[i] = from_rpts_lines(lines, r["textual_clue"], len(r["visual_clue"]), r.get("context"),
+                                       question=rpts_question(r), images=by_id[i]["images"], source=f"id={i}")
+    else:
+        for i in ids:
+            steps = split_solution(answers[i]["response"])[0]
+            if not steps:
+                tree_failures[i] = "unparseable: no steps"
+                continue
+            trees[i] = from_steps(steps, question=by_id[i]["question"], images=by_id[i]["images"])
+    for i, t in trees.items():
+        t.images = [im for im in t.images if Path(im).exists()]  # RPTS-Eval ships only some images
+    print(f"{len(ids)} answers, {len(trees)} trees, {len(tree_failures)} without a usable tree")
+
+    # ---- node scores
+    scored = [i for i in ids if i in trees and i not in tree_failures]
+    unjudged: dict[str, list[str]] = {}
+    if sc.kind == "judge":
+        j = sc.judge
+        client = chat_clients["judge"] = ChatClient(j, "scorer.judge", out_dir / "chat_cache.jsonl")
+        if (j.protocol == "auto" and tc.kind == "rpts") or j.protocol == "rpts":
+            judge: Any = RPTSJudge(client, sc.rpts)
+            results = client.map(lambda i: judge.judge(trees[i], by_id[i]["record"]), scored, desc="judge")
+        else:
+            mode = "graded" if j.protocol == "graded" else "binary"
+            judge = JudgeScorer(client, mode, j.send_images, j.parse_retries)
+            results = client.map(lambda i: judge.judge(trees[i], by_id[i]["answer"]), scored, desc="judge")
+        for i, res in zip(scored, results):
+            trees[i].meta["judge"] = {"details": res.details, "corrected": res.corrected, **res.tokens}
+            if res.unparsed:
+                unjudged[i] = res.unparsed
+            else:
+                set_scores(trees[i], res.scores)
+    elif sc.kind == "prm":
+        import torch
+
+        from mmprm import load_prm
+
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if sc.device == "auto" else sc.device
+        prm = load_prm(sc.prm_path, device=device, batch_size=sc.prm_batch_size)
+        for i in scored:
+            set_scores(trees[i], prm_scores(trees[i], prm))
+    elif sc.kind == "mc":
+        for i in scored:
+            p = by_id[i]
+            verify = ((lambda text, p=p: rpts_verdict(text) == p["answer"]) if p["record"] is not None
+                      else (lambda text, p=p: answers_match(extract_answer(text), p["answer"], p["choices"])))
+            set_scores(trees[i], rollout_mc_scores(trees[i], backend, verify, sc.mc_rollouts, problem_id=i))
+    else:
+        for i in scored:
+            set_scores(trees[i], constant_scores(trees[i], sc.constant))
+
+    # ---- per-item metrics (only fully scored trees enter the tree metrics)
+    grid = [(lam, h_f) for lam in m.rpts_lambdas for h_f in m.rpts_h_fs]
+    rows = []
+    for k, i in enumerate(ids):
+        t = trees.get(i)
+        row: dict[str, Any] = {"id": i, "correct": answers[i]["correct"], "prediction": answers[i].get("prediction"),
+                               "answer_tokens": token_counts[k], "nodes": len(t.conclusions()) if t else 0,
+                               "status": "scored"}
+        if i in tree_failures:
+            row["status"], row["why"] = "no_tree", tree_failures[i]
+        elif i in unjudged:
+            row["status"], row["why"] = "unjudged", f"no verdict for nodes {', '.join(unjudged[i])}"
+        else:
+            row.update({"width": think360_width(t, m.threshold), "depth": think360_depth(t, m.threshold),
+                        "width_soft": think360_width(t, soft=True), "depth_soft": think360_depth(t, soft=True),
+                        "rpts": {f"{lam},{h_f}": rpts(t, lam, h_f) for lam, h_f in grid}})
+        rows.append(row)
+
+    # ---- summary and report
+    ok = [r for r in rows if r["status"] == "scored"]
+    tok = [r["answer_tokens"] for r in rows]
+    summary: dict[str, Any] = {
+        "problems": len(problems), "answered": len(ids), "unanswered": len(unanswered),
+        "accuracy": mean([float(r["correct"]) for r in rows]),
+        "trees_scored": len(ok), "trees_missing": len(tree_failures), "trees_unjudged": len(unjudged),
+        "tree_failures": dict(Counter(tree_failures.values())),
+        "accuracy_of_scored": mean([float(r["correct"]) for r in ok]),
+        "width": mean([r["width"] for r in ok]), "depth": mean([r["depth"] for r in ok]),
+        "width_soft": mean([r["width_soft"] for r in ok]), "depth_soft": mean([r["depth_soft"] for r in ok]),
+        "rpts": {key: mean([r["rpts"][key] for r in ok]) for key in (f"{lam},{h_f}" for lam, h_f in grid)},
+        "filtered_accuracy": {key: filtered_accuracy([bool(r["correct"]) for r in ok], [r["rpts"][key] for r in ok],
+                                                     m.filter_threshold) if ok else None
+                              for key in (f"{lam},{h_f}" for lam, h_f in grid)},
+        "answer_tokens": {"mean": mean(tok), "total": sum(tok), "counted_by": token_method},
+        "chat": {name: c.stats.to_json() for name, c in chat_clients.items()},
+        "seconds": round(time.time() - start, 1),
+    }
+    report = {"config": to_dict(cfg), "summary": summary, "unanswered": unanswered, "items": rows}
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_jsonl(out_dir / "trees.jsonl", ({"id": i, **t.to_json()} for i, t in trees.items()))
+    pngs = []
+    if cfg.output.plots:
+        for r in rows:
+            if r["id"] in trees:
+                first = next(iter(r.get("rpts", {}).values()), None)
+                title = f"{r['id']} - {r['status']} - RPTS {'n/a' if first is None else f'{first:.3f}'}"
+                name = re.sub(r"[^\w.-]", "_", r["id"])
+                pngs.append(render_tree(trees[r["id"]], out_dir / "trees" / f"{name}.png", title=title,
+                                        threshold=m.threshold))
+    title = (f"Reasoning evaluation: {cfg.problems.format} problems, answers from {a.source}, {tc.kind} trees, "
+             f"{sc.kind} scores")
+    (out_dir / "report.md").write_text(reasoning_report_md(title, summary, rows, m.filter_threshold,
+                                                           [p.relative_to(out_dir) for p in pngs]), encoding="utf-8")
+    print(json.dumps({k: summary[k] for k in ("answered", "accuracy", "trees_scored", "trees_missing",
+                                              "trees_unjudged", "width", "depth", "rpts", "filtered_accuracy")},
+                     indent=2))
+    print(f"wrote {out_dir / 'report.json'}, {out_dir / 'report.md'}, {out_dir / 'trees.jsonl'}"
+          + (f" and {len(pngs)} PNGs under {out_dir / 'trees'}" if pngs else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
