@@ -66,7 +66,7 @@ def test_shipped_config_runs_on_data_in_the_repository(tmp_path):
     cfg_path = recipe().TreeEvalConfig().data.path
     assert (REPO / cfg_path).is_file(), f"{cfg_path} is not in the repository (see data/README.md)"
     proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(CONFIG), f"output.dir={tmp_path}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "416 items from data/rpts_eval/texts_en.json" in proc.stdout
     assert json.loads((tmp_path / "report.json").read_text())["summary"]["items"] == 416
