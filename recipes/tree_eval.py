@@ -43,7 +43,7 @@ from mmprm.treeval import (JudgeScorer, Tree, constant_scores, filtered_accuracy
 
 @dataclass
 class DataConfig:
-    path: str = "../shared/data/rpts_eval/texts_en.json"
+    path: str = "data/rpts_eval/texts_en.json"  # in the repository (data/README.md)
     format: Literal["rpts", "think360", "steps", "mc_tree"] = "rpts"
     image_dir: str | None = None  # rpts: folder of visual_clue files; default <path folder>/images
     response_field: str = "response"  # think360: the field holding the node blocks
@@ -109,7 +109,8 @@ def load_items(cfg: DataConfig) -> list[dict[str, Any]]:
     """Each item: {"id", "tree", "correct": bool | None, "reference": gold answer or None}."""
     path = Path(cfg.path)
     if not path.exists():
-        raise SystemExit(f"{path}: input not found (set data.path)")
+        hint = "" if path.is_absolute() else f"; relative paths are read from {Path.cwd()}, run from the repository root"
+        raise SystemExit(f"data.path: {path} not found (set data.path{hint})")
     items = []
     if cfg.format == "rpts":
         rows = json.loads(path.read_text(encoding="utf-8")) if path.suffix == ".json" else read_jsonl(path)
@@ -172,7 +173,8 @@ def main(argv: list[str]) -> int:
     ids = [it["id"] for it in items]
     pick = ids.index(cfg.output.plot_item) if cfg.output.plot_item in ids else (None if cfg.output.plot_item else 0)
     if pick is None:  # checked before any scoring work
-        raise SystemExit(f"output.plot_item: no item with id {cfg.output.plot_item!r} in {cfg.data.path}")
+        raise SystemExit(f"output.plot_item: no item with id {cfg.output.plot_item!r} in {cfg.data.path} (first ids: "
+                         f"{', '.join(ids[:5])}); set output.plot_item=null to draw the first item")
     n_warn = sum(len(it["tree"].warnings) for it in items)
     print(f"{len(items)} items from {cfg.data.path} ({cfg.data.format}); {n_warn} tolerated data quirks")
     missing_images = 0

@@ -55,10 +55,34 @@ def test_cli_on_rpts_eval_gold_with_constant_scores(tmp_path):
     assert s["accuracy"] == 1.0 and s["filtered_accuracy"] == 1.0  # gold reasoning reaches the gold answer
     item = next(r for r in report["items"] if r["id"] == "155")
     assert "not an earlier step" in item["warnings"][0]
-    png = tmp_path / "tree_2.png"
+    png = tmp_path / "tree_0.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     trees = [json.loads(line) for line in (tmp_path / "trees.jsonl").read_text().splitlines()]
     assert len(trees) == 416 and all(n["score"] == 1.0 for n in trees[0]["nodes"] if n["kind"] == "conclusion")
+
+
+def test_shipped_config_runs_on_data_in_the_repository(tmp_path):
+    """A fresh clone (no ../shared) runs the tiny config as written: its input is under data/."""
+    cfg_path = recipe().TreeEvalConfig().data.path
+    assert (REPO / cfg_path).is_file(), f"{cfg_path} is not in the repository (see data/README.md)"
+    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(CONFIG), f"output.dir={tmp_path}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "416 items from data/rpts_eval/texts_en.json" in proc.stdout
+    assert json.loads((tmp_path / "report.json").read_text())["summary"]["items"] == 416
+    assert (tmp_path / "tree_0.png").exists()  # no plot_item set: the first item is drawn
+
+
+def test_shipped_config_takes_steps_without_naming_a_plot_item(tmp_path):
+    """The tiny YAML names no RPTS-only item, so any input format runs with it as shipped."""
+    steps = tmp_path / "steps.jsonl"
+    steps.write_text("".join(json.dumps({"id": f"p{i}", "question": "Q", "steps": ["a.", "b."],
+                                         "meta": {"correct": i == 0}}) + "\n" for i in range(2)))
+    report = run(tmp_path / "out", f"data.path={steps}", "data.format=steps")
+    assert [r["id"] for r in report["items"]] == ["p0", "p1"] and report["summary"]["accuracy"] == 0.5
+    assert (tmp_path / "out" / "tree_p0.png").exists()
+    with pytest.raises(SystemExit, match="output.plot_item: no item with id '7' .*first ids: p0, p1.*plot_item=null"):
+        run(tmp_path / "out2", f"data.path={steps}", "data.format=steps", "output.plot_item=7")
 
 
 @needs_rpts
@@ -124,4 +148,4 @@ def test_recipe_with_tiny_prm(tmp_path):
     report = run(tmp_path / "out", "scorer.kind=prm", f"scorer.prm_path={tmp_path / 'prm'}", "data.limit=6")
     s = report["summary"]
     assert s["items"] == 6 and 0.0 < s["rpts"] < 1.0 and 0.0 <= s["width_soft"] <= 1.0
-    assert (tmp_path / "out" / "tree_2.png").exists()
+    assert (tmp_path / "out" / "tree_0.png").exists()
