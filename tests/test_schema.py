@@ -10,6 +10,7 @@ from PIL import Image
 
 from mmprm.data.schema import DataError, load_examples, to_hf_dataset, validate_file, write_jsonl
 from mmprm.steps import STEP_TOKEN
+from real_data import DATA
 
 
 def _row(**kw):
@@ -116,9 +117,7 @@ def test_write_jsonl_round_trip(tmp_path):
 
 
 def test_mathv_rows_with_placeholders_validate():
-    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "mathv"
-    if not data.exists():
-        pytest.skip("../shared/data absent")
+    data = DATA / "mathv"
     rows = [json.loads(l) for l in open(data / "testmini.jsonl")][:20]
     import tempfile
     with tempfile.TemporaryDirectory() as d:
