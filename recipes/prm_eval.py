@@ -10,7 +10,7 @@ Launch (CPU is enough for tiny models; the scorer uses the GPU when there is one
 
     python recipes/prm_eval.py --config recipes/configs/tiny/prm_eval.yaml
     python recipes/prm_eval.py --config recipes/configs/tiny/prm_eval.yaml data.format=reasoneval \
-        data.path=../shared/data/reasoneval/mr-math_invalid_errors.json scorer.prm_path=runs/tiny/prm
+        data.path=PATH/mr-math_invalid_errors.json scorer.prm_path=runs/tiny/prm   # github:GAIR-NLP/ReasonEval
 
 Input formats (`data.format`):
     steps       our step-labelled JSONL (mmprm.data.schema), images included
