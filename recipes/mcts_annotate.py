@@ -41,38 +41,75 @@ from mmprm.annotate.engine import (
 )
 from mmprm.annotate.export import ExportConfig, export_examples, write_report
 from mmprm.annotate.search import SearchConfig
-from mmprm.config import ConfigError, load_config, parse_cli, to_dict
+from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.data.problems import load_problems
 from mmprm.data.schema import DataError, read_jsonl, write_jsonl
 
 
 @dataclass
 class ModelConfig:
+    """The policy whose rollouts the search samples.
+
+    Attributes:
+        name_or_path: policy: a model directory (e.g. recipes/policy_sft.py's output) or hub id; required
+        backend: hf (transformers generate, CPU or GPU) | vllm (one engine per GPU)
+        dtype: hf: torch dtype name or auto; vllm: its dtype option
+        system_prompt: system message of every rollout prompt (the one the policy was trained with)
+        hf_batch_size: hf: sequences per generate call
+        vllm_gpu_memory_utilization: vllm: share of GPU memory the engine may take
+        vllm_max_model_len: vllm: context length (prompt + rollout); null takes the model's
+    """
+
     name_or_path: str = ""
     backend: Literal["hf", "vllm"] = "hf"
-    dtype: str = "auto"  # hf: torch dtype name or auto; vllm: its dtype option
+    dtype: str = "auto"
     system_prompt: str | None = None
-    hf_batch_size: int = 64  # hf: sequences per generate call
+    hf_batch_size: int = 64
     vllm_gpu_memory_utilization: float = 0.9
     vllm_max_model_len: int | None = None
 
 
 @dataclass
 class DataConfig:
-    problems_file: str = ""  # JSONL of {"id", "images", "question", "answer", optional "choices"}
-    limit: int | None = None  # first N problems only (before sharding)
+    """The problems to annotate.
+
+    Attributes:
+        problems_file: JSONL of {id, images, question, answer, optional choices}; required
+        limit: first N problems only (before sharding); null takes all
+        check_images: open every image once before starting (a bad file fails now, not hours in)
+    """
+
+    problems_file: str = ""
+    limit: int | None = None
     check_images: bool = True
 
 
 @dataclass
 class EngineConfig:
-    step_mode: Literal["tags", "blank_lines"] = "tags"  # tags: an SFT'd policy; blank_lines: any policy
-    concurrency: int = 64  # problems in flight; a backend call carries up to concurrency * k rollouts
+    """How rollouts are batched and read.
+
+    Attributes:
+        step_mode: tags: an SFT'd policy writing <step> tags | blank_lines: any policy, steps split on blank
+            lines
+        concurrency: problems in flight; one backend call carries up to concurrency x k rollouts
+    """
+
+    step_mode: Literal["tags", "blank_lines"] = "tags"
+    concurrency: int = 64
 
 
 @dataclass
 class VerifyConfig:
-    judge: bool = False  # ask an LLM judge about answers the rule-based checker rejects
+    """How a rollout's final answer is checked.
+
+    Attributes:
+        judge: also ask an LLM judge about answers the rule-based checker rejects
+        judge_url: OpenAI-compatible endpoint of the judge
+        judge_model: the judge's model name (required when judge=true)
+        judge_api_key_env: environment variable holding the judge's API key
+    """
+
+    judge: bool = False
     judge_url: str = "http://localhost:8000/v1"
     judge_model: str = ""
     judge_api_key_env: str = "OPENAI_API_KEY"
@@ -80,6 +117,21 @@ class VerifyConfig:
 
 @dataclass
 class AnnotateConfig:
+    """mcts_annotate settings.
+
+    Attributes:
+        model: the policy
+        data: the problems
+        search: OmegaPRM search (MM-PRM's defaults)
+        sampling: rollout sampling (MM-PRM's defaults)
+        engine: batching
+        verify: answer checking
+        export: trees -> training rows
+        output_dir: where per-rank trees, the merged trees.jsonl, prm_data.jsonl and the report go
+        rank: this worker's rank; null reads torchrun / accelerate / srun variables, else 0
+        world_size: number of workers; null reads it like rank, else 1
+    """
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
@@ -88,7 +140,7 @@ class AnnotateConfig:
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     output_dir: str = "runs/mcts"
-    rank: int | None = None  # default: from torchrun / accelerate / srun, else 0
+    rank: int | None = None
     world_size: int | None = None
 
     def validate(self) -> None:
@@ -105,8 +157,9 @@ class AnnotateConfig:
 
 def main(argv: list[str]) -> int:
     try:
-        config_path, overrides = parse_cli(argv)
+        config_path, overrides = parse_cli(argv, AnnotateConfig)
         cfg = load_config(AnnotateConfig, config_path, overrides)
+        require_model_dir(cfg, "model.name_or_path")
         rank, world = resolve_rank_world(cfg.rank, cfg.world_size)
         problems = load_problems(cfg.data.problems_file, cfg.data.check_images)
     except (ConfigError, DataError, ValueError) as e:

@@ -38,7 +38,9 @@ class SamplingConfig:
 
     Attributes:
         temperature: 1.0 - sample the policy as it is, so MC values estimate its real success rate.
-        top_k: 50 and top_p: 0.9 - cut the long tail that only produces garbage steps.
+        top_k: keep the k most likely tokens (0 turns it off); 50 cuts the long tail that only
+            produces garbage steps.
+        top_p: nucleus sampling mass; 0.9, with top_k, cuts that tail too.
         max_new_tokens: cap per rollout; a rollout cut off before its answer counts as wrong.
         seed: base seed; each backend call derives its own, so reruns are reproducible.
     """
