@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
-from mmprm.data.schema import load_examples, read_jsonl, write_jsonl
+from mmprm.data.schema import load_examples, read_jsonl, row_id, write_jsonl
 from mmprm.treeval import (JudgeScorer, Tree, constant_scores, filtered_accuracy, from_annotation_tree,
                            from_rpts_record, from_steps, from_think360_blocks, mc_scores, path_scores,
                            prm_scores, render_tree, rpts, set_scores, think360_depth, think360_width)
@@ -177,8 +177,8 @@ def load_items(cfg: DataConfig) -> list[dict[str, Any]]:
         image_dir = cfg.image_dir or str((path.parent / "images").resolve())
         for i, r in enumerate(rows):
             if not isinstance(r.get("reasoning"), list):
-                raise SystemExit(f"{path}: item {i} id={r.get('id')}: reasoning: missing or not a list of step lines")
-            tree = from_rpts_record(r, image_dir=image_dir, source=f"{path.name}: id={r.get('id')}")
+                raise SystemExit(f"{path}: item {i} id={row_id(r)}: reasoning: missing or not a list of step lines")
+            tree = from_rpts_record(r, image_dir=image_dir, source=f"{path.name}: id={row_id(r)}")
             gold = str(r.get("answer", "")).strip().lower()
             if "correct" in r:
                 correct = bool(r["correct"])
@@ -190,7 +190,7 @@ def load_items(cfg: DataConfig) -> list[dict[str, Any]]:
     elif cfg.format == "think360":
         for i, r in enumerate(read_jsonl(path)):
             if not isinstance(r.get(cfg.response_field), str):
-                raise SystemExit(f"{path}:{i + 1}: id={r.get('id')}: {cfg.response_field}: missing; it must hold "
+                raise SystemExit(f"{path}:{i + 1}: id={row_id(r)}: {cfg.response_field}: missing; it must hold "
                                  "the [NODE:...] blocks (or set data.response_field)")
             images = [str((path.parent / p).resolve()) for p in r.get("images", [])]
             tree = from_think360_blocks(r[cfg.response_field], question=r.get("question", ""), images=images,
