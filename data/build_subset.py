@@ -16,17 +16,49 @@ HERE = Path(__file__).resolve().parent
 
 # MATH-V testmini: the first 20 problems (the Best-of-N test's slice), plus the worked solutions
 # with images under 20 kB and 2955 (a 5-step solution the SFT converter test reads).
-MATHV_EXTRA = ("1512", "1546", "1559", "1564", "1634", "1668", "1680", "1696", "1709", "1727", "1781",
-               "1813", "1861", "1864", "1893", "1915", "2955")
+MATHV_EXTRA = (
+    "1512",
+    "1546",
+    "1559",
+    "1564",
+    "1634",
+    "1668",
+    "1680",
+    "1696",
+    "1709",
+    "1727",
+    "1781",
+    "1813",
+    "1861",
+    "1864",
+    "1893",
+    "1915",
+    "2955",
+)
 # PRMBench: every row of these source problems: three with a multi_solutions row, error steps past
 # the last step (p1_29, p1_44, p1_46, p2_613, train_p1_1), and at least 2 rows of each of the 9 categories.
-PRMBENCH_IDX = ("prm_test_p1_0", "prm_test_p1_2", "prm_test_p1_3", "prm_test_p1_29", "prm_test_p1_44",
-                "prm_test_p1_46", "prm_test_p2_87", "prm_test_p2_613", "prm_train_p1_0", "prm_train_p1_1")
+PRMBENCH_IDX = (
+    "prm_test_p1_0",
+    "prm_test_p1_2",
+    "prm_test_p1_3",
+    "prm_test_p1_29",
+    "prm_test_p1_44",
+    "prm_test_p1_46",
+    "prm_test_p2_87",
+    "prm_test_p2_613",
+    "prm_train_p1_0",
+    "prm_train_p1_1",
+)
 GSM8K_LINES = 40  # the first 40 problems of test.jsonl and of example_model_solutions.jsonl
 RPTS_IMAGES = ("7_0.png",)  # the smallest image of a fully covered RPTS-Eval instance
-COPIED = ("openr_samples/samples_math-aps-tree.jsonl", "openr_samples/samples_math-aps.jsonl",
-          "openr_samples/samples_prm800k.jsonl", "openr_samples/samples_math-shepherd.jsonl",
-          "rpts_eval/texts_en.json", "rpts_eval/texts_zh.json")
+COPIED = (
+    "openr_samples/samples_math-aps-tree.jsonl",
+    "openr_samples/samples_math-aps.jsonl",
+    "openr_samples/samples_prm800k.jsonl",
+    "openr_samples/samples_math-shepherd.jsonl",
+    "rpts_eval/texts_en.json",
+    "rpts_eval/texts_zh.json",
+)
 
 
 def keep_lines(src: Path, dst: Path, keep) -> int:
@@ -51,10 +83,14 @@ def build(full: Path) -> None:
         keep_lines(full / "gsm8k" / name, HERE / "gsm8k" / name, lambda i, r: i < GSM8K_LINES)
     # Qwen2.5-Math: the 14 problems with at least one wrong response (where reranking matters),
     # idx 72 among them (the file's one mis-graded response, "10{,}000").
-    keep_lines(full / "qwen_math_bon/math_cot_100.jsonl", HERE / "qwen_math_bon/math_cot_100.jsonl",
-               lambda i, r: not all(r["score"]))
-    keep_lines(full / "prmbench/target_data.jsonl", HERE / "prmbench/target_data.jsonl",
-               lambda i, r: r["idx"] in PRMBENCH_IDX)
+    keep_lines(
+        full / "qwen_math_bon/math_cot_100.jsonl",
+        HERE / "qwen_math_bon/math_cot_100.jsonl",
+        lambda i, r: not all(r["score"]),
+    )
+    keep_lines(
+        full / "prmbench/target_data.jsonl", HERE / "prmbench/target_data.jsonl", lambda i, r: r["idx"] in PRMBENCH_IDX
+    )
     for rel in COPIED:
         (HERE / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(full / rel, HERE / rel)

@@ -51,13 +51,24 @@ def reasoneval_files(tmp: Path) -> tuple[Path, Path, bool]:
         errors = [e for e in r["error_steps"] if 1 <= e <= len(steps)]
         question = {"question": r["modified_question"], "ground_truth_answer": "", "generator": "PRMBench"}
         for process, first in ((r["original_process"], None), (steps, min(errors) if errors else None)):
-            invalid.append({"id": len(invalid), **question,
-                            "model_output_step_format": [s.split("\n") for s in process],
-                            "model_output_answer_correctness": "correct",
-                            "model_output_solution_correctness": "correct" if first is None else "wrong",
-                            "model_output_solution_first_error_step": "N/A" if first is None else first})
-        redundant.append({"id": k, **question, "model_output_step_format": [s.split("\n") for s in steps],
-                          "rating": [0 if i + 1 in errors else 1 for i in range(len(steps))]})
+            invalid.append(
+                {
+                    "id": len(invalid),
+                    **question,
+                    "model_output_step_format": [s.split("\n") for s in process],
+                    "model_output_answer_correctness": "correct",
+                    "model_output_solution_correctness": "correct" if first is None else "wrong",
+                    "model_output_solution_first_error_step": "N/A" if first is None else first,
+                }
+            )
+        redundant.append(
+            {
+                "id": k,
+                **question,
+                "model_output_step_format": [s.split("\n") for s in steps],
+                "rating": [0 if i + 1 in errors else 1 for i in range(len(steps))],
+            }
+        )
     tmp.mkdir(parents=True, exist_ok=True)
     paths = tmp / "mr-math_invalid_errors.json", tmp / "mr-math_redundant_errors.json"
     for path, items in zip(paths, (invalid, redundant)):

@@ -1,7 +1,6 @@
 """PRMBench and ReasonEval readers on real files (the full sets or the repo subset), plus bad input."""
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -45,7 +45,7 @@ class Outer:
 def test_field_help_reads_the_attributes_section():
     assert field_help(Inner) == {"mode": "how it runs: fast | slow", "width": "columns, wrapped over two lines"}
     text = config_help(Outer)
-    assert "  name_or_path: str = \"\"\n      the model; required" in text
+    assert '  name_or_path: str = ""\n      the model; required' in text
     assert "inner:  the section" in text
     assert "  inner.width: int | null = null\n      columns, wrapped over two lines" in text
 
@@ -53,7 +53,7 @@ def test_field_help_reads_the_attributes_section():
 def test_help_flag_prints_and_exits_zero(capsys):
     with pytest.raises(SystemExit) as e:
         parse_cli(["--config", "x.yaml", "--help"], Outer)
-    assert e.value.code == 0 and "inner.mode: str = \"fast\"" in capsys.readouterr().out
+    assert e.value.code == 0 and 'inner.mode: str = "fast"' in capsys.readouterr().out
     with pytest.raises(ConfigError, match="--help to list every key"):
         parse_cli(["--bogus"], Outer)
 

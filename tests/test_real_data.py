@@ -11,8 +11,9 @@ NOT_DATA = {"README.md", "build_subset.py"}
 
 
 def data_files() -> list[Path]:
-    return sorted(p for p in REPO_DATA.rglob("*")
-                  if p.is_file() and p.name not in NOT_DATA and "LICENSES" not in p.parts)
+    return sorted(
+        p for p in REPO_DATA.rglob("*") if p.is_file() and p.name not in NOT_DATA and "LICENSES" not in p.parts
+    )
 
 
 def test_subset_is_small_and_every_file_is_documented():

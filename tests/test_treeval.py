@@ -7,7 +7,6 @@ import math
 import random
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from pathlib import Path
 
 import pytest
 
