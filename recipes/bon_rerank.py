@@ -220,9 +220,9 @@ def make_backend(cfg: Config):
 def main(argv: list[str]) -> None:
     config_path, overrides = parse_cli(argv, Config)
     cfg = load_config(Config, config_path, overrides)
-    require_model_dir(cfg, "prm", hub=False)
-    if cfg.generate.enabled:
+    if cfg.generate.enabled:  # generation can take hours: a typo in either path must not wait for it
         require_model_dir(cfg, "generate.policy")
+        require_model_dir(cfg, "prm", hub=False)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -252,6 +252,7 @@ def main(argv: list[str]) -> None:
     from mmprm.steps import StepTokenError
 
     device = cfg.scoring.device if cfg.scoring.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    require_model_dir(cfg, "prm", hub=False)
     scorer = load_prm(cfg.prm, device=device, batch_size=cfg.scoring.batch_size, max_length=cfg.scoring.max_length)
     # Steps are what the PRM scores (answer attached); a candidate with no steps is scored on its
     # whole text as one step, and one with no text either is left out (its score is 0).

@@ -159,9 +159,9 @@ def main(argv: list[str]) -> int:
     try:
         config_path, overrides = parse_cli(argv, AnnotateConfig)
         cfg = load_config(AnnotateConfig, config_path, overrides)
-        require_model_dir(cfg, "model.name_or_path")
         rank, world = resolve_rank_world(cfg.rank, cfg.world_size)
         problems = load_problems(cfg.data.problems_file, cfg.data.check_images)
+        require_model_dir(cfg, "model.name_or_path")  # named here, not in a traceback from the loader
     except (ConfigError, DataError, ValueError) as e:
         print(f"mcts_annotate: {e}", file=sys.stderr)
         return 2

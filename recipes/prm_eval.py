@@ -216,7 +216,6 @@ def main(argv: list[str]) -> int:
     # ---- config
     config_path, overrides = parse_cli(argv, PRMEvalConfig)
     cfg = load_config(PRMEvalConfig, config_path, overrides)
-    require_model_dir(cfg, "scorer.prm_path", hub=False)
     out_dir = Path(cfg.output.dir)
 
     # ---- data (every file is read and validated before the model loads)
@@ -249,6 +248,7 @@ def main(argv: list[str]) -> int:
           + (f", {len(dev)} dev examples for the threshold" if dev else ""))
 
     # ---- scorer
+    require_model_dir(cfg, "scorer.prm_path", hub=False)  # named here, not in a traceback from the loader
     import torch
 
     from mmprm import load_prm

@@ -162,6 +162,7 @@ def test_a_missing_model_directory_names_its_key_before_any_loading(tmp_path):
         recipe_module("prm_train").main(["--config", config, "model.name_or_path=/nonexistent/model",
                                          f"output_dir={tmp_path}"])
     assert not any(tmp_path.iterdir())  # nothing written
-    with pytest.raises(ConfigError, match=r"^prm: runs/nope/prm does not exist"):
-        recipe_module("bon_rerank").main(["--config", str(CONFIGS / "tiny" / "bon_rerank.yaml"),
-                                          "prm=runs/nope/prm", f"output_dir={tmp_path / 'bon'}"])
+    # before hours of generation, not after
+    with pytest.raises(ConfigError, match=r"^generate\.policy: /nonexistent/policy does not exist"):
+        recipe_module("bon_rerank").main(["--config", str(CONFIGS / "tiny" / "bon_rerank.yaml"), "generate.enabled=true",
+                                          "generate.policy=/nonexistent/policy", f"output_dir={tmp_path / 'bon'}"])
