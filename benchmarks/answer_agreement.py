@@ -2,6 +2,8 @@
 
     python benchmarks/answer_agreement.py [--data ../shared/data] [--show 20]
 
+--data defaults to the full sets in ../shared/data when present, else the repo's data/ subset.
+
 Prints one JSON line: per dataset, the number of solutions, how often `verify_solution` agrees
 with the file's own flag, and the first disagreements (id, flag, ours, extracted answer, gold).
 
@@ -81,7 +83,9 @@ def agreement(cases, show: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[1] / ".." / "shared" / "data")
+    repo = Path(__file__).resolve().parents[1]
+    full = repo.parent / "shared" / "data"
+    ap.add_argument("--data", type=Path, default=full if full.is_dir() else repo / "data")
     ap.add_argument("--show", type=int, default=20, help="disagreements listed per dataset")
     ap.add_argument("--only", choices=sorted(DATASETS), action="append", help="datasets to run")
     args = ap.parse_args(argv)

@@ -67,15 +67,19 @@ class ChatRequestError(ChatError):
 class ChatConfig:
     """Where and how to ask a chat model; a section of every recipe config that calls one.
 
-    url: base URL ending before ``/chat/completions`` (``http://127.0.0.1:8000/v1`` for vllm serve).
-    model: the served model name.
-    api_key_env: environment variable with the key; unset sends a placeholder (local servers
-        ignore it, a hosted API answers 401 and the error says which variable to set).
-    timeout_s: per request. max_retries / backoff_s / max_backoff_s: see the module docstring.
-    concurrency: requests in flight at once (`ChatClient.map`).
-    max_tokens: reply cap for every request; None leaves each caller's own (judges ask for a few
-        tokens, extraction for the server's default). Raise it for judges that reason first.
-    cache: keep replies on disk (the recipe puts the file in its output folder).
+    Attributes:
+        url: base URL ending before /chat/completions (http://127.0.0.1:8000/v1 for vllm serve)
+        model: the served model name
+        api_key_env: environment variable with the key; unset sends a placeholder (local servers
+            ignore it, a hosted API answers 401 and the error says which variable to set)
+        timeout_s: seconds per request
+        max_retries: retries of a failed request (connection errors, timeouts, 408/409/429, 5xx)
+        backoff_s: first wait between retries; doubles each retry
+        max_backoff_s: longest wait between retries
+        concurrency: requests in flight at once (ChatClient.map)
+        max_tokens: reply cap for every request; null leaves each caller's own (judges ask for a few
+            tokens, extraction for the server's default); raise it for judges that reason first
+        cache: keep replies on disk (the recipe puts the file in its output folder)
     """
 
     url: str = "http://127.0.0.1:8000/v1"

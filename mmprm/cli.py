@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 # name -> (module, function, one-line help); functions take argv and return an exit code
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -29,12 +30,24 @@ def cli_validate(argv: list[str]) -> int:
     from mmprm.data.schema import validate_file
 
     parser = argparse.ArgumentParser(prog="mmprm validate", description="Validate step-labelled JSONL files.")
-    parser.add_argument("files", nargs="+")
+    parser.add_argument("files", nargs="+", metavar="PATH",
+                        help="a JSONL file, or a directory: each *.jsonl directly in it is checked")
     parser.add_argument("--require-labels", action="store_true", help="every row must carry labels (training data)")
     parser.add_argument("--no-image-check", action="store_true", help="skip opening image files")
     args = parser.parse_args(argv)
     bad = 0
-    for path in args.files:
+    paths: list[Path] = []
+    for given in map(Path, args.files):
+        if given.is_dir():
+            found = sorted(p for p in given.glob("*.jsonl") if p.is_file())
+            if not found:
+                print(f"{given}: a directory with no *.jsonl files (give a JSONL file or a folder of them)",
+                      file=sys.stderr)
+                bad += 1
+            paths += found
+        else:
+            paths.append(given)
+    for path in paths:
         examples, problems = validate_file(path, args.require_labels, not args.no_image_check)
         for line in problems:
             print(line)

@@ -3,11 +3,18 @@
     cfg = load_config(PRMTrainConfig, "recipes/configs/tiny/prm_train.yaml", ["train.lr=1e-5"])
 
 Unknown keys, wrong types and bad values fail before any work starts, naming the file and key.
+Each config dataclass documents its fields in a Google-style `Attributes:` section of its
+docstring; `--help` on any recipe prints every dotted key with its type, default and that line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import json
+import os
+import re
+import sys
 import types
 import typing
 from pathlib import Path
@@ -22,8 +29,15 @@ class ConfigError(ValueError):
     """A config file or override that cannot be applied; the message says where and how to fix it."""
 
 
-def parse_cli(argv: list[str]) -> tuple[str | None, list[str]]:
-    """Split `--config FILE key=value ...` into (config path, overrides)."""
+def parse_cli(argv: list[str], config_cls: type | None = None) -> tuple[str | None, list[str]]:
+    """Split `--config FILE key=value ...` into (config path, overrides).
+
+    `-h` / `--help` prints the recipe's docstring and every key of CONFIG_CLS (`config_help`),
+    then exits 0.
+    """
+    if config_cls is not None and any(a in ("-h", "--help") for a in argv):
+        print(config_help(config_cls))
+        raise SystemExit(0)
     config_path, overrides = None, []
     it = iter(argv)
     for arg in it:
@@ -36,14 +50,146 @@ def parse_cli(argv: list[str]) -> tuple[str | None, list[str]]:
         elif "=" in arg and not arg.startswith("-"):
             overrides.append(arg)
         else:
-            raise ConfigError(f"unexpected argument {arg!r}: use --config FILE and key=value overrides")
+            hint = ", or --help to list every key" if config_cls is not None else ""
+            raise ConfigError(f"unexpected argument {arg!r}: use --config FILE and key=value overrides{hint}")
     return config_path, overrides
+
+
+def config_help(cls: type) -> str:
+    """The recipe's docstring, then one entry per dotted key: `key: type = default` and its help line."""
+    module = sys.modules.get(cls.__module__)
+    script = getattr(module, "__file__", None)
+    if script:
+        try:
+            script = os.path.relpath(script)
+        except ValueError:  # another drive (Windows)
+            pass
+    lines = [f"usage: python {script or 'RECIPE'} --config FILE [key=value ...] [--help]", ""]
+    if module is not None and module.__doc__:
+        lines += [module.__doc__.strip(), ""]
+    lines.append("Config keys (YAML sections, or dotted key=value overrides after --config):")
+    lines += _help_lines(cls, prefix="")
+    return "\n".join(lines)
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """Field name -> its entry in the `Attributes:` section of CLS's docstring, on one line.
+
+    A subclass's section adds to (and overrides) its bases', so a config that extends a shared
+    section (e.g. `mmprm.chat.ChatConfig`) documents only its own fields.
+    """
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is not object and klass.__doc__:
+            out.update(_attributes_section(inspect.cleandoc(klass.__doc__)))
+    return out
+
+
+def _attributes_section(doc: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    current, inside = None, False
+    for line in doc.splitlines():
+        if line.strip() == "Attributes:":
+            inside = True
+            continue
+        if not inside:
+            continue
+        if line and not line.startswith(" "):  # the next section
+            break
+        m = re.match(r"^    (\w+)(?: \([^)]*\))?:\s*(.*)$", line)
+        if m:
+            current = m.group(1)
+            out[current] = m.group(2).strip()
+        elif current and line.strip():
+            out[current] += " " + line.strip()
+    return out
+
+
+def _help_lines(cls: type, prefix: str) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    helps = field_help(cls)
+    lines: list[str] = []
+    # plain keys first, then one block per section, so a top-level key never reads as a section's
+    fields = sorted(dataclasses.fields(cls), key=lambda f: dataclasses.is_dataclass(hints[f.name]))
+    for f in fields:
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            summary = (inspect.getdoc(tp) or "").split("\n", 1)[0]
+            lines += ["", f"{prefix}{f.name}:  {helps.get(f.name) or summary}".rstrip()]
+            lines += _help_lines(tp, prefix + f.name + ".")
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        shown = "required" if default is dataclasses.MISSING else _yaml_value(default)
+        lines.append(f"  {prefix}{f.name}: {_type_name(tp)} = {shown}")
+        lines.append(f"      {helps.get(f.name, '(no help written)')}")
+    return lines
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return " | ".join(str(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    if origin in (list, tuple, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in typing.get_args(tp))}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _yaml_value(value: Any) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False)  # null, true, "text", [..] as YAML reads them
+    except TypeError:
+        return repr(value)
+
+
+def require_model_dir(cfg: Any, key: str, hub: bool = True) -> None:
+    """Fail early, naming KEY, when the model path at dotted KEY of CFG cannot be loaded.
+
+    A local directory must hold a config.json. With HUB, a name shaped like a hub id (`org/name`,
+    whose `org` is not a local folder) is left to transformers unless HF_HUB_OFFLINE /
+    TRANSFORMERS_OFFLINE is set and the hub cache has no copy. Runs before any model import, so
+    a typo costs a second, not a traceback from transformers after the heavy imports.
+    """
+    value: Any = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    if not value:
+        raise ConfigError(f"{key}: required (a model directory)")
+    path = Path(str(value)).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{key}: {value} has no config.json: not a Hugging Face model directory "
+                              "(point it at a directory save_pretrained or a recipe wrote)")
+        return
+    if path.exists():
+        raise ConfigError(f"{key}: {value} is a file; a model directory is expected")
+    hub_shaped = re.fullmatch(r"[\w.-]+/[\w.-]+", str(value)) and not Path(str(value).split("/")[0]).is_dir()
+    offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+                  for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    if hub and hub_shaped:
+        if not offline:
+            return  # a hub id: transformers downloads it (or says why not)
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(str(value), "config.json"), str):
+            return
+        raise ConfigError(f"{key}: {value} is not a local directory and not in the hub cache, and "
+                          "HF_HUB_OFFLINE is set (no hub access): give a local model directory")
+    where = f" (relative to {Path.cwd()})" if not path.is_absolute() else ""
+    kind = "a local directory expected" + ("; no hub access" if offline or not hub_shaped else "")
+    raise ConfigError(f"{key}: {value} does not exist{where} ({kind})")
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
     """Build `cls` from a YAML file (optional) and dotted overrides (`train.lr=1e-5`)."""
     raw: dict[str, Any] = {}
-    source = "<defaults>"
+    source = "(no --config file)"
     if path is not None:
         source = str(path)
         try:
@@ -60,7 +206,14 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         if not sep or not key:
             raise ConfigError(f"override {item!r}: write it as key=value, e.g. train.lr=1e-5")
         _set_dotted(raw, key.strip(), yaml.safe_load(value) if value != "" else "")
-    return _build(cls, raw, source, prefix="")
+    try:
+        return _build(cls, raw, source, prefix="")
+    except ConfigError as e:
+        if path is not None:
+            raise
+        raise ConfigError(f"{e}\nNo config file was given: pass one with --config FILE (the shipped ones are "
+                          "in recipes/configs/<backbone>/), or set every required key as key=value; "
+                          "--help lists every key.") from None
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Best-of-N reranking with a PRM: candidates -> step scores -> every aggregator and baseline -> report.
+r"""Best-of-N reranking with a PRM: candidates -> step scores -> every aggregator and baseline -> report.
 
     # score pre-generated candidates (our candidates format; see `mmprm convert-candidates`)
     python recipes/bon_rerank.py --config recipes/configs/tiny/bon_rerank.yaml
@@ -30,12 +30,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from mmprm.config import ConfigError, load_config, parse_cli
+from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir
 from mmprm.data.schema import DataError, write_jsonl
 
 
 @dataclass
 class SamplingConfig:
+    """Sampling of the N candidates.
+
+    Attributes:
+        temperature: sampling temperature (> 0: candidates must differ)
+        top_k: keep the k most likely tokens (0 turns it off)
+        top_p: nucleus sampling mass
+        max_new_tokens: token cap per candidate
+        seed: base seed; shard I samples with seed + I
+    """
+
     temperature: float = 1.0
     top_k: int = 50
     top_p: float = 0.9
@@ -45,20 +55,43 @@ class SamplingConfig:
 
 @dataclass
 class GenerateConfig:
+    """Generate candidates from a policy first (else read candidates_file).
+
+    Attributes:
+        enabled: sample N candidates per problem before scoring
+        policy: the policy model directory (required when enabled)
+        problems_file: JSONL of {id, images, question, answer, choices?} (required when enabled)
+        n: candidates per problem
+        backend: hf (transformers generate) | vllm
+        batch_size: hf: sequences per generate call
+        step_mode: how steps are written and read: tags (SFT'd policy) | blank_lines; unset (null)
+            takes the policy's saved spec (mmprm_policy.json from recipes/policy_sft.py), else tags
+        system_prompt: system prompt sent to the policy; unset takes the saved spec, "" sends none
+        sampling: sampling settings (section)
+    """
+
     enabled: bool = False
     policy: str = ""
-    problems_file: str = ""  # JSONL of {id, images, question, answer, choices?}
+    problems_file: str = ""
     n: int = 8
     backend: Literal["hf", "vllm"] = "hf"
-    batch_size: int = 64  # HF: sequences per generate call
-    # None: as saved with the policy by recipes/policy_sft.py (mmprm_policy.json), else tags / none.
+    batch_size: int = 64
     step_mode: Literal["tags", "blank_lines"] | None = None
-    system_prompt: str | None = None  # "" sends no system turn even if the policy saved one
+    system_prompt: str | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
 @dataclass
 class ScoringConfig:
+    """How the PRM scores candidates.
+
+    Attributes:
+        batch_size: candidates per forward
+        share_prefix: run the shared image + question prefix once per problem (same scores, faster)
+        max_length: tokens per candidate; trailing steps past it are not scored; null: no truncation
+        device: auto (cuda when available, else cpu), cpu, cuda or cuda:N
+    """
+
     batch_size: int = 16
     share_prefix: bool = True
     max_length: int | None = None
@@ -67,6 +100,16 @@ class ScoringConfig:
 
 @dataclass
 class ReportConfig:
+    """The Best-of-N report.
+
+    Attributes:
+        n_subsets: candidate subsets per problem and N (all of them when C(n_max, N) is at most this)
+        resamples: bootstrap resamples over problems for the 95% intervals
+        seed: seed of the subsets and resamples
+        weighted_by: aggregator whose scores weight the weighted_vote baseline (a probability-scale one)
+        title: title of report.md and the plot
+    """
+
     n_subsets: int = 32
     resamples: int = 1000
     seed: int = 0
@@ -76,14 +119,33 @@ class ReportConfig:
 
 @dataclass
 class ShardConfig:
+    """This process's share of the problems (contiguous blocks).
+
+    Attributes:
+        index: this shard, 0 <= index < count
+        count: number of shards; `mmprm merge-bon OUTPUT_DIR` joins them
+    """
+
     index: int = 0
     count: int = 1
 
 
 @dataclass
 class Config:
-    prm: str = ""  # a directory written by recipes/prm_train.py
-    candidates_file: str | None = None  # our candidates JSONL (`mmprm convert-candidates`); unused when generating
+    """bon_rerank settings.
+
+    Attributes:
+        prm: PRM directory written by recipes/prm_train.py; required
+        candidates_file: our candidates JSONL (`mmprm convert-candidates`); unused when generate.enabled
+        generate: generation (section)
+        scoring: scoring (section)
+        report: report (section)
+        shard: sharding (section)
+        output_dir: where candidates, scores, report.json/.md and bon_curve.png go
+    """
+
+    prm: str = ""
+    candidates_file: str | None = None
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
@@ -173,8 +235,11 @@ def make_backend(cfg: Config):
 
 
 def main(argv: list[str]) -> None:
-    config_path, overrides = parse_cli(argv)
+    config_path, overrides = parse_cli(argv, Config)
     cfg = load_config(Config, config_path, overrides)
+    if cfg.generate.enabled:  # generation can take hours: a typo in either path must not wait for it
+        require_model_dir(cfg, "generate.policy")
+        require_model_dir(cfg, "prm", hub=False)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -204,6 +269,7 @@ def main(argv: list[str]) -> None:
     from mmprm.steps import StepTokenError
 
     device = cfg.scoring.device if cfg.scoring.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    require_model_dir(cfg, "prm", hub=False)
     scorer = load_prm(cfg.prm, device=device, batch_size=cfg.scoring.batch_size, max_length=cfg.scoring.max_length)
     # Steps are what the PRM scores (answer attached); a candidate with no steps is scored on its
     # whole text as one step, and one with no text either is left out (its score is 0).

@@ -47,7 +47,7 @@ from mmprm.annotate.engine import (
 from mmprm.annotate.export import ExportConfig, export_examples, write_report
 from mmprm.annotate.search import SearchConfig
 from mmprm.chat import ChatClient, ChatConfig
-from mmprm.config import ConfigError, load_config, parse_cli, to_dict
+from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.data.problems import load_problems
 from mmprm.data.schema import DataError, read_jsonl, write_jsonl
 from mmprm.policy import resolve_prompt_format
@@ -55,38 +55,89 @@ from mmprm.policy import resolve_prompt_format
 
 @dataclass
 class ModelConfig:
+    """The policy whose rollouts the search samples.
+
+    Attributes:
+        name_or_path: policy: a model directory (e.g. recipes/policy_sft.py's output) or hub id; required
+        backend: hf (transformers generate, CPU or GPU) | vllm (one engine per GPU)
+        dtype: hf: torch dtype name or auto; vllm: its dtype option
+        system_prompt: system message of every rollout prompt; null: as saved with the policy
+            (mmprm_policy.json), "" sends none
+        hf_batch_size: hf: sequences per generate call
+        vllm_gpu_memory_utilization: vllm: share of GPU memory the engine may take
+        vllm_max_model_len: vllm: context length (prompt + rollout); null takes the model's
+    """
+
     name_or_path: str = ""
     backend: Literal["hf", "vllm"] = "hf"
-    dtype: str = "auto"  # hf: torch dtype name or auto; vllm: its dtype option
-    system_prompt: str | None = None  # None: as saved with the policy (mmprm_policy.json); "" sends none
-    hf_batch_size: int = 64  # hf: sequences per generate call
+    dtype: str = "auto"
+    system_prompt: str | None = None
+    hf_batch_size: int = 64
     vllm_gpu_memory_utilization: float = 0.9
     vllm_max_model_len: int | None = None
 
 
 @dataclass
 class DataConfig:
-    problems_file: str = ""  # JSONL of {"id", "images", "question", "answer", optional "choices"}
-    limit: int | None = None  # first N problems only (before sharding)
+    """The problems to annotate.
+
+    Attributes:
+        problems_file: JSONL of {id, images, question, answer, optional choices}; required
+        limit: first N problems only (before sharding); null takes all
+        check_images: open every image once before starting (a bad file fails now, not hours in)
+    """
+
+    problems_file: str = ""
+    limit: int | None = None
     check_images: bool = True
 
 
 @dataclass
 class EngineConfig:
-    # tags: an SFT'd policy; blank_lines: any policy; None: as saved with the policy, else tags
+    """How rollouts are batched and read.
+
+    Attributes:
+        step_mode: tags: an SFT'd policy writing <step> tags | blank_lines: any policy, steps split on blank
+            lines | null: as saved with the policy (mmprm_policy.json), else tags
+        concurrency: problems in flight; one backend call carries up to concurrency x k rollouts
+        max_consecutive_failures: transient errors in a row that stop the run as an outage
+    """
+
     step_mode: Literal["tags", "blank_lines"] | None = None
-    concurrency: int = 64  # problems in flight; a backend call carries up to concurrency * k rollouts
-    max_consecutive_failures: int = 16  # transient errors in a row that stop the run as an outage
+    concurrency: int = 64
+    max_consecutive_failures: int = 16
 
 
 @dataclass
 class VerifyConfig:
-    judge: bool = False  # ask an LLM judge about answers the rule-based checker rejects
-    judge_chat: ChatConfig = field(default_factory=ChatConfig)  # its endpoint (url, model, key, retries)
+    """How a rollout's final answer is checked.
+
+    Attributes:
+        judge: also ask an LLM judge about answers the rule-based checker rejects
+        judge_chat: the judge's OpenAI-compatible endpoint (url, model, key, retries, cache)
+    """
+
+    judge: bool = False
+    judge_chat: ChatConfig = field(default_factory=ChatConfig)
 
 
 @dataclass
 class AnnotateConfig:
+    """mcts_annotate settings.
+
+    Attributes:
+        model: the policy
+        data: the problems
+        search: OmegaPRM search (MM-PRM's defaults)
+        sampling: rollout sampling (MM-PRM's defaults)
+        engine: batching
+        verify: answer checking
+        export: trees -> training rows
+        output_dir: where per-rank trees, the merged trees.jsonl, prm_data.jsonl and the report go
+        rank: this worker's rank; null reads torchrun / accelerate / srun variables, else 0
+        world_size: number of workers; null reads it like rank, else 1
+    """
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
@@ -95,7 +146,7 @@ class AnnotateConfig:
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     output_dir: str = "runs/mcts"
-    rank: int | None = None  # default: from torchrun / accelerate / srun, else 0
+    rank: int | None = None
     world_size: int | None = None
 
     def validate(self) -> None:
@@ -141,10 +192,11 @@ def make_backend(cfg: AnnotateConfig, rank: int = 0):
 
 def main(argv: list[str]) -> int:
     try:
-        config_path, overrides = parse_cli(argv)
+        config_path, overrides = parse_cli(argv, AnnotateConfig)
         cfg = load_config(AnnotateConfig, config_path, overrides)
         rank, world = resolve_rank_world(cfg.rank, cfg.world_size)
         problems = load_problems(cfg.data.problems_file, cfg.data.check_images)
+        require_model_dir(cfg, "model.name_or_path")  # named here, not in a traceback from the loader
     except (ConfigError, DataError, ValueError) as e:
         print(f"mcts_annotate: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Teach a (multimodal) policy to solve in tagged steps: `<step>...</step>` per step, then `<answer>`.
+r"""Teach a (multimodal) policy to solve in tagged steps: `<step>...</step>` per step, then `<answer>`.
 
     # one process (CPU or one GPU)
     accelerate launch recipes/policy_sft.py --config recipes/configs/tiny/policy_sft.yaml
@@ -27,7 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 
-from mmprm.config import ConfigError, load_config, parse_cli, to_dict
+from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.data.schema import DataError, load_examples, load_image
 from mmprm.models.loading import load_backbone, vision_tower_parameters
 from mmprm.models.prm import PER_TOKEN_KEYS, collate_model_inputs
@@ -40,6 +40,16 @@ IGNORE = -100
 
 @dataclass
 class LoraConfig:
+    """LoRA adapters on the language model (peft); off trains all unfrozen weights.
+
+    Attributes:
+        enabled: train LoRA adapters instead of the full language model
+        r: adapter rank
+        alpha: adapter scaling numerator (scale = alpha / r)
+        dropout: dropout on the adapter input
+        target_modules: names of the linear layers that get adapters
+    """
+
     enabled: bool = False
     r: int = 16
     alpha: int = 32
@@ -49,9 +59,21 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
+    """The policy to fine-tune.
+
+    Attributes:
+        name_or_path: base model: a Hugging Face model directory (or hub id where the hub is reachable);
+            required
+        dtype: weights dtype at load (float32, bfloat16, float16); use train.bf16 for mixed precision
+        freeze_vision_tower: keep the vision encoder frozen (MM-PRM: language model updated, ViT frozen)
+        gradient_checkpointing: recompute activations in the backward pass: less memory, ~30% slower
+        lora: LoRA adapters (section)
+        system_prompt: system message of every prompt; annotation and Best-of-N must send the same
+    """
+
     name_or_path: str = ""
     dtype: str = "float32"
-    freeze_vision_tower: bool = True  # MM-PRM: LM updated, ViT frozen
+    freeze_vision_tower: bool = True
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
     system_prompt: str | None = None
@@ -59,6 +81,14 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    """SFT rows (id, images, question, steps, answer); `mmprm convert-sft` writes them.
+
+    Attributes:
+        train_file: training rows (JSONL); required
+        eval_file: held-out rows for loss, format compliance and accuracy; null skips evaluation
+        max_length: tokens per example (prompt + target); longer examples are dropped and counted
+    """
+
     train_file: str = ""
     eval_file: str | None = None
     max_length: int = 2048
@@ -66,6 +96,31 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
+    """The training loop.
+
+    Attributes:
+        seed: seed of data order, initialisation of new weights and dropout
+        max_steps: optimizer steps to train (one epoch = ceil(rows / global batch))
+        batch_size: examples per process per micro-step
+        grad_accum: micro-steps per optimizer step (global batch = batch_size x grad_accum x processes)
+        weight_decay: AdamW weight decay
+        warmup_steps: linear warmup steps before the schedule
+        schedule: learning-rate schedule after warmup: cosine | linear | constant
+        max_grad_norm: clip the global gradient norm to this (0 turns clipping off)
+        bf16: bf16 mixed precision (where the device supports it)
+        group_by_length: batch examples of similar length together (less padding)
+        log_every: log loss and learning rate every N optimizer steps
+        eval_every: evaluate on data.eval_file every N optimizer steps
+        save_every: write a resumable checkpoint every N optimizer steps
+        eval_batch_size: examples per forward during evaluation
+        report_to: tracker for metrics: tensorboard | wandb | none
+        stop_at_step: stop early at this step with a checkpoint (e.g. before a Slurm time limit); null runs to
+            max_steps
+        lr: peak learning rate (AdamW)
+        eval_generations: eval examples to answer greedily for format compliance and accuracy
+        max_new_tokens: token cap of those eval generations
+    """
+
     seed: int = 42
     max_steps: int = 100
     batch_size: int = 8
@@ -81,7 +136,7 @@ class TrainConfig:
     eval_every: int = 100
     save_every: int = 100
     eval_batch_size: int = 8
-    eval_generations: int = 64  # eval examples to generate for format compliance / accuracy
+    eval_generations: int = 64
     max_new_tokens: int = 256
     report_to: str = "tensorboard"
     stop_at_step: int | None = None
@@ -89,6 +144,17 @@ class TrainConfig:
 
 @dataclass
 class Config:
+    """policy_sft settings.
+
+    Attributes:
+        model: the policy
+        data: the data
+        train: the loop
+        output_dir: where checkpoints, metrics.jsonl and the final model directory go
+        resume_from_checkpoint: latest (the newest checkpoint in output_dir) or a checkpoint directory; null
+            starts fresh
+    """
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -206,8 +272,9 @@ def eval_loss(model, data, pad_id, batch_size, accelerator) -> float:
 
 
 def main(argv: list[str]) -> None:
-    config_path, overrides = parse_cli(argv)
+    config_path, overrides = parse_cli(argv, Config)
     cfg = load_config(Config, config_path, overrides)
+    require_model_dir(cfg, "model.name_or_path")
     out_dir = Path(cfg.output_dir)
     log_with = None if cfg.train.report_to == "none" else cfg.train.report_to
     use_bf16 = cfg.train.bf16 and (not torch.cuda.is_available() or torch.cuda.is_bf16_supported())

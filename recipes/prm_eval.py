@@ -1,4 +1,4 @@
-"""Step-level evaluation of a trained PRM: first-error F1, step F1, AUROC, calibration.
+r"""Step-level evaluation of a trained PRM: first-error F1, step F1, AUROC, calibration.
 
 Scores every step of a labelled set with `mmprm.load_prm`, then writes:
 
@@ -10,7 +10,7 @@ Launch (CPU is enough for tiny models; the scorer uses the GPU when there is one
 
     python recipes/prm_eval.py --config recipes/configs/tiny/prm_eval.yaml
     python recipes/prm_eval.py --config recipes/configs/tiny/prm_eval.yaml data.format=reasoneval \
-        data.path=../shared/data/reasoneval/mr-math_invalid_errors.json scorer.prm_path=runs/tiny/prm
+        data.path=PATH/mr-math_invalid_errors.json scorer.prm_path=runs/tiny/prm   # github:GAIR-NLP/ReasonEval
 
 Input formats (`data.format`):
     steps       our step-labelled JSONL (mmprm.data.schema), images included
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mmprm.config import ConfigError, load_config, parse_cli, to_dict
+from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.data.schema import DataError, StepExample, load_examples, write_jsonl
 from mmprm.scoring.metrics import (auroc, bce, best_threshold, brier, first_error, first_error_f1,
                                    predicted_first_error, step_accuracy, step_f1)
@@ -42,36 +42,79 @@ from mmprm.scoring.metrics import (auroc, bce, best_threshold, brier, first_erro
 
 @dataclass
 class DataConfig:
+    """The labelled steps to evaluate on.
+
+    Attributes:
+        path: input file in data.format; required
+        format: steps (our JSONL) | prmbench (target_data.jsonl) | reasoneval (MR-MATH file)
+        limit: first N examples only (after reading, before the dev split); null takes all
+        per_category: first N examples of each meta.category (PRMBench is sorted by it); null takes all
+        dev_file: a separate dev set (same format) to choose the threshold on
+        dev_fraction: else: this share of source problems becomes the dev split (0: use metrics.threshold)
+        seed: seed of the dev split
+    """
+
     path: str = ""
     format: Literal["steps", "prmbench", "reasoneval"] = "steps"
-    limit: int | None = None  # first N examples only (after reading, before the dev split)
-    per_category: int | None = None  # first N examples of each meta.category (PRMBench is sorted by it)
-    dev_file: str | None = None  # a separate dev set (same format) to choose the threshold on
-    dev_fraction: float = 0.0  # else: this share of source problems becomes the dev split
-    seed: int = 0  # dev split seed
+    limit: int | None = None
+    per_category: int | None = None
+    dev_file: str | None = None
+    dev_fraction: float = 0.0
+    seed: int = 0
 
 
 @dataclass
 class ScorerConfig:
+    """The PRM under evaluation.
+
+    Attributes:
+        prm_path: PRM directory written by recipes/prm_train.py; required
+        batch_size: examples per forward
+        max_length: tokens per example; steps cut by truncation are not scored and their examples are excluded
+        device: auto (cuda when available, else cpu), cpu, cuda or cuda:N
+        use_images: show the PRM each example's images
+    """
+
     prm_path: str = ""
     batch_size: int = 8
-    max_length: int | None = None  # steps cut by truncation are not scored; their examples are excluded
+    max_length: int | None = None
     device: str = "auto"
     use_images: bool = True
 
 
 @dataclass
 class MetricConfig:
-    threshold: float = 0.5  # a step is predicted correct when its score >= threshold (no dev split)
+    """How scores become predictions.
+
+    Attributes:
+        threshold: a step is predicted correct when its score >= this (used when there is no dev split)
+    """
+
+    threshold: float = 0.5
 
 
 @dataclass
 class OutputConfig:
+    """Where results go.
+
+    Attributes:
+        dir: output folder: scores.jsonl, report.json, report.md
+    """
+
     dir: str = "runs/prm_eval"
 
 
 @dataclass
 class PRMEvalConfig:
+    """prm_eval settings.
+
+    Attributes:
+        data: the data
+        scorer: the PRM
+        metrics: thresholding
+        output: outputs
+    """
+
     data: DataConfig = field(default_factory=DataConfig)
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
     metrics: MetricConfig = field(default_factory=MetricConfig)
@@ -171,7 +214,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     # ---- config
-    config_path, overrides = parse_cli(argv)
+    config_path, overrides = parse_cli(argv, PRMEvalConfig)
     cfg = load_config(PRMEvalConfig, config_path, overrides)
     out_dir = Path(cfg.output.dir)
 
@@ -205,6 +248,7 @@ def main(argv: list[str]) -> int:
           + (f", {len(dev)} dev examples for the threshold" if dev else ""))
 
     # ---- scorer
+    require_model_dir(cfg, "scorer.prm_path", hub=False)  # named here, not in a traceback from the loader
     import torch
 
     from mmprm import load_prm

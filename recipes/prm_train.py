@@ -1,4 +1,4 @@
-"""Train a (multimodal) process reward model with soft Monte-Carlo labels.
+r"""Train a (multimodal) process reward model with soft Monte-Carlo labels.
 
     # one process (CPU or one GPU)
     accelerate launch recipes/prm_train.py --config recipes/configs/tiny/prm_train.yaml
@@ -15,7 +15,6 @@ trackers; the final PRM is a standard HF directory in OUTPUT_DIR that `mmprm.loa
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from mmprm.config import ConfigError, load_config, parse_cli, to_dict
+from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.data.schema import DataError, load_examples, load_image
 from mmprm.models.loading import load_backbone, vision_tower_parameters
 from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, collate_steps, model_input_keys, save_prm
@@ -38,6 +37,16 @@ from mmprm.training import BatchStream, TrainProgress, find_checkpoint, lr_facto
 
 @dataclass
 class LoraConfig:
+    """LoRA adapters on the language model (peft); off trains all unfrozen weights.
+
+    Attributes:
+        enabled: train LoRA adapters instead of the full language model
+        r: adapter rank
+        alpha: adapter scaling numerator (scale = alpha / r)
+        dropout: dropout on the adapter input
+        target_modules: names of the linear layers that get adapters
+    """
+
     enabled: bool = False
     r: int = 16
     alpha: int = 32
@@ -47,8 +56,18 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
+    """The backbone the PRM is built on.
+
+    Attributes:
+        name_or_path: backbone: a Hugging Face model directory (or hub id where the hub is reachable); required
+        dtype: weights dtype at load (float32, bfloat16, float16); use train.bf16 for mixed precision
+        freeze_vision_tower: keep the vision encoder frozen (MM-PRM trains only the language model)
+        gradient_checkpointing: recompute activations in the backward pass: less memory, ~30% slower
+        lora: LoRA adapters (section)
+    """
+
     name_or_path: str = ""
-    dtype: str = "float32"  # weights dtype at load; use train.bf16 for mixed precision
+    dtype: str = "float32"
     freeze_vision_tower: bool = True
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -56,31 +75,73 @@ class ModelConfig:
 
 @dataclass
 class PRMConfig:
-    head: str = "token_pair"  # token_pair | value
+    """The PRM head and prompt.
+
+    Attributes:
+        head: token_pair (softmax over the LM logits of the two reward tokens) | value (a new linear head)
+        reward_tokens: token_pair: the good and bad tokens whose logits score a step
+        system_prompt: system message of every prompt; null uses none (scoring must use the same)
+    """
+
+    head: str = "token_pair"
     reward_tokens: list[str] = field(default_factory=lambda: ["+", "-"])
     system_prompt: str | None = None
 
 
 @dataclass
 class DataConfig:
+    """Step-labelled training data (JSONL rows of id, question, steps, labels, images).
+
+    Attributes:
+        train_file: training rows, e.g. prm_data.jsonl from recipes/mcts_annotate.py; required
+        eval_file: held-out rows for eval metrics; null skips evaluation
+        max_length: tokens per example; trailing steps past it are dropped (counted in the log)
+        label_mode: soft (the MC value is the target) | hard (label >= hard_threshold -> 1 else 0)
+        hard_threshold: label_mode=hard: the cut between good and bad steps
+        balance: weight positive and negative steps (label >= 0.5 or not) to equal total weight
+    """
+
     train_file: str = ""
     eval_file: str | None = None
     max_length: int = 2048
-    label_mode: str = "soft"  # soft | hard (MM-PRM's ablation: label >= hard_threshold -> 1 else 0)
+    label_mode: str = "soft"
     hard_threshold: float = 0.5
-    balance: bool = False  # weight positive/negative steps (label >= 0.5 or not) to equal total weight
+    balance: bool = False
 
 
 @dataclass
 class TrainConfig:
+    """The training loop.
+
+    Attributes:
+        seed: seed of data order, initialisation of new weights and dropout
+        max_steps: optimizer steps to train (one epoch = ceil(rows / global batch))
+        batch_size: examples per process per micro-step
+        grad_accum: micro-steps per optimizer step (global batch = batch_size x grad_accum x processes)
+        weight_decay: AdamW weight decay
+        warmup_steps: linear warmup steps before the schedule
+        schedule: learning-rate schedule after warmup: cosine | linear | constant
+        max_grad_norm: clip the global gradient norm to this (0 turns clipping off)
+        bf16: bf16 mixed precision (where the device supports it)
+        group_by_length: batch examples of similar length together (less padding)
+        log_every: log loss and learning rate every N optimizer steps
+        eval_every: evaluate on data.eval_file every N optimizer steps
+        save_every: write a resumable checkpoint every N optimizer steps
+        eval_batch_size: examples per forward during evaluation
+        report_to: tracker for metrics: tensorboard | wandb | none
+        stop_at_step: stop early at this step with a checkpoint (e.g. before a Slurm time limit); null runs to
+            max_steps
+        lr: peak learning rate (AdamW)
+    """
+
     seed: int = 42
     max_steps: int = 100
-    batch_size: int = 8  # per process, per micro-step
+    batch_size: int = 8
     grad_accum: int = 1
     lr: float = 2e-6
     weight_decay: float = 0.0
     warmup_steps: int = 0
-    schedule: str = "cosine"  # cosine | linear | constant
+    schedule: str = "cosine"
     max_grad_norm: float = 1.0
     bf16: bool = False
     group_by_length: bool = True
@@ -88,12 +149,24 @@ class TrainConfig:
     eval_every: int = 100
     save_every: int = 100
     eval_batch_size: int = 8
-    report_to: str = "tensorboard"  # tensorboard | wandb | none
-    stop_at_step: int | None = None  # leave early with a checkpoint (e.g. before a SLURM time limit)
+    report_to: str = "tensorboard"
+    stop_at_step: int | None = None
 
 
 @dataclass
 class Config:
+    """prm_train settings.
+
+    Attributes:
+        model: the backbone
+        prm: the head
+        data: the data
+        train: the loop
+        output_dir: where checkpoints, metrics.jsonl and the final PRM directory go
+        resume_from_checkpoint: latest (the newest checkpoint in output_dir) or a checkpoint directory; null
+            starts fresh
+    """
+
     model: ModelConfig = field(default_factory=ModelConfig)
     prm: PRMConfig = field(default_factory=PRMConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -170,8 +243,9 @@ def evaluate(model, data, pad_id, batch_size, accelerator) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> None:
-    config_path, overrides = parse_cli(argv)
+    config_path, overrides = parse_cli(argv, Config)
     cfg = load_config(Config, config_path, overrides)
+    require_model_dir(cfg, "model.name_or_path")
     out_dir = Path(cfg.output_dir)
     log_with = None if cfg.train.report_to == "none" else cfg.train.report_to
     if log_with == "wandb":

@@ -35,18 +35,49 @@ REPO = Path(__file__).resolve().parents[1]
 
 @dataclass
 class TaskConfig:
-    train: int = 3000  # SFT problems
-    annotate: int = 150  # problems MCTS labels
-    test: int = 300  # held-out Best-of-N problems
+    """The synthetic colour-tile task the demo trains on.
+
+    Attributes:
+        train: SFT problems
+        annotate: problems MCTS labels
+        test: held-out Best-of-N problems
+        min_tiles: fewest tiles per image
+        max_tiles: most tiles per image
+        ops: comma-separated operations the questions use: +, -, *, cmp
+        max_ops: most arithmetic/comparison steps per solution
+        max_digit: tiles show digits 0..max_digit
+    """
+
+    train: int = 3000
+    annotate: int = 150
+    test: int = 300
     min_tiles: int = 2
     max_tiles: int = 3
     ops: str = "+"
     max_ops: int = 3
-    max_digit: int = 9  # tiles show digits 0..max_digit
+    max_digit: int = 9
 
 
 @dataclass
 class Config:
+    """quickstart settings: the whole pipeline on a tiny model, stage by stage.
+
+    Attributes:
+        seed: seed of every stage
+        output_dir: where each stage's output goes (a finished stage is skipped on rerun)
+        force: redo every stage even when its output exists
+        arch: tiny model architecture (mmprm tiny-model --arch)
+        hidden_size: tiny model hidden size
+        num_layers: tiny model layers
+        task: the synthetic task (section)
+        n: candidates per test problem
+        threads: intra-op threads per stage: tiny models gain nothing from more, and lose to contention
+        sft: extra key=value overrides for the policy_sft stage
+        annotate: extra key=value overrides for the mcts_annotate stage
+        prm: extra key=value overrides for the prm_train stage
+        bon: extra key=value overrides for the bon_rerank stage
+    """
+
     seed: int = 0
     output_dir: str = "runs/demo"
     force: bool = False
@@ -54,9 +85,9 @@ class Config:
     hidden_size: int = 128
     num_layers: int = 2
     task: TaskConfig = field(default_factory=TaskConfig)
-    n: int = 8  # candidates per test problem
-    threads: int = 1  # intra-op threads per stage: tiny models gain nothing from more, and lose to contention
-    sft: list[str] = field(default_factory=list)  # extra overrides per stage
+    n: int = 8
+    threads: int = 1
+    sft: list[str] = field(default_factory=list)
     annotate: list[str] = field(default_factory=list)
     prm: list[str] = field(default_factory=list)
     bon: list[str] = field(default_factory=list)
@@ -94,7 +125,7 @@ def run(*args: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    config_path, overrides = parse_cli(argv)
+    config_path, overrides = parse_cli(argv, Config)
     cfg = load_config(Config, config_path, overrides)
     os.environ.setdefault("MMPRM_THREADS", str(cfg.threads))
     import torch

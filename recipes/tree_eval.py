@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mmprm.chat import ChatClient, ChatConfig
-from mmprm.config import ConfigError, load_config, parse_cli, to_dict
-from mmprm.data.schema import load_examples, read_jsonl, write_jsonl
+from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
+from mmprm.data.schema import load_examples, read_jsonl, row_id, write_jsonl
 from mmprm.treeval import (JudgeScorer, Tree, constant_scores, filtered_accuracy, from_annotation_tree,
                            from_rpts_record, from_steps, from_think360_blocks, mc_scores, path_scores,
                            prm_scores, render_tree, rpts, set_scores, think360_depth, think360_valid,
@@ -43,16 +43,32 @@ from mmprm.treeval import (JudgeScorer, Tree, constant_scores, filtered_accuracy
 
 @dataclass
 class DataConfig:
-    path: str = "data/rpts_eval/texts_en.json"  # in the repository (data/README.md)
+    """The reasoning trees to read.
+
+    Attributes:
+        path: input file in data.format (default: in the repository, data/README.md)
+        format: rpts (RPTS-Eval texts) | think360 ([NODE] blocks) | steps (our JSONL, a chain) | mc_tree (openr
+            MC trees)
+        image_dir: rpts: folder of the visual_clue files; null: <path folder>/images
+        response_field: think360: the field holding the node blocks
+        limit: first N items only; null takes all
+    """
+
+    path: str = "data/rpts_eval/texts_en.json"
     format: Literal["rpts", "think360", "steps", "mc_tree"] = "rpts"
-    image_dir: str | None = None  # rpts: folder of visual_clue files; default <path folder>/images
-    response_field: str = "response"  # think360: the field holding the node blocks
-    limit: int | None = None  # first N items only
+    image_dir: str | None = None
+    response_field: str = "response"
+    limit: int | None = None
 
 
 @dataclass
 class JudgeConfig(ChatConfig):
-    """The judge endpoint (url, model, key, retries, concurrency, cache: mmprm.chat.ChatConfig) and its style."""
+    """An LLM judge scoring each node (scorer.kind=judge); endpoint keys as in mmprm.chat.ChatConfig.
+
+    Attributes:
+        mode: binary (yes/no per node) | graded (a score in [0, 1])
+        send_images: send the item's images with each question
+    """
 
     mode: Literal["binary", "graded"] = "binary"
     send_images: bool = False
@@ -60,33 +76,72 @@ class JudgeConfig(ChatConfig):
 
 @dataclass
 class ScorerConfig:
+    """What scores each conclusion node.
+
+    Attributes:
+        kind: constant (every node scores scorer.constant) | prm | mc (the tree's MC values) | judge
+        constant: kind=constant: the score of every node
+        prm_path: kind=prm: PRM directory written by recipes/prm_train.py
+        batch_size: kind=prm: node paths per forward
+        max_length: kind=prm: tokens per node path; null: no truncation
+        device: kind=prm: auto (cuda when available, else cpu), cpu, cuda or cuda:N
+        use_images: show the PRM/judge the item's images (missing files are dropped)
+        judge: kind=judge: the judge (section)
+    """
+
     kind: Literal["constant", "prm", "mc", "judge"] = "constant"
     constant: float = 1.0
     prm_path: str | None = None
     batch_size: int = 8
     max_length: int | None = None
     device: str = "auto"
-    use_images: bool = True  # show the PRM/judge the item's images (missing files are dropped)
+    use_images: bool = True
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass
 class MetricConfig:
-    threshold: float = 0.5  # a node is correct when its score >= threshold
+    """Tree metrics.
+
+    Attributes:
+        threshold: a node is correct when its score >= this (Think360 width/depth)
+        rpts_lambda: RPTS height decay in (0, 1]
+        rpts_h_f: RPTS focus height: nodes up to it weigh 1
+        filter_threshold: filtered accuracy counts an item when its answer is right and its RPTS >= this
+        path_aggregator: e.g. min: also report the final path's aggregated score; null skips it
+    """
+
+    threshold: float = 0.5
     rpts_lambda: float = 0.9
     rpts_h_f: int = 1
-    filter_threshold: float = 0.5  # filtered accuracy: correct answer and RPTS >= this
-    path_aggregator: str | None = None  # e.g. "min": also report the final path's aggregated score
+    filter_threshold: float = 0.5
+    path_aggregator: str | None = None
 
 
 @dataclass
 class OutputConfig:
+    """Where results go.
+
+    Attributes:
+        dir: output folder: trees.jsonl, report.json, report.md and the tree plot
+        plot_item: id of the item to draw; null draws the first item
+    """
+
     dir: str = "runs/tree_eval"
-    plot_item: str | None = None  # id of the item to draw; None draws the first item
+    plot_item: str | None = None
 
 
 @dataclass
 class TreeEvalConfig:
+    """tree_eval settings.
+
+    Attributes:
+        data: the trees
+        scorer: node scores
+        metrics: metrics
+        output: outputs
+    """
+
     data: DataConfig = field(default_factory=DataConfig)
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
     metrics: MetricConfig = field(default_factory=MetricConfig)
@@ -117,8 +172,8 @@ def load_items(cfg: DataConfig) -> list[dict[str, Any]]:
         image_dir = cfg.image_dir or str((path.parent / "images").resolve())
         for i, r in enumerate(rows):
             if not isinstance(r.get("reasoning"), list):
-                raise SystemExit(f"{path}: item {i} id={r.get('id')}: reasoning: missing or not a list of step lines")
-            tree = from_rpts_record(r, image_dir=image_dir, source=f"{path.name}: id={r.get('id')}")
+                raise SystemExit(f"{path}: item {i} id={row_id(r)}: reasoning: missing or not a list of step lines")
+            tree = from_rpts_record(r, image_dir=image_dir, source=f"{path.name}: id={row_id(r)}")
             gold = str(r.get("answer", "")).strip().lower()
             if "correct" in r:
                 correct = bool(r["correct"])
@@ -130,7 +185,7 @@ def load_items(cfg: DataConfig) -> list[dict[str, Any]]:
     elif cfg.format == "think360":
         for i, r in enumerate(read_jsonl(path)):
             if not isinstance(r.get(cfg.response_field), str):
-                raise SystemExit(f"{path}:{i + 1}: id={r.get('id')}: {cfg.response_field}: missing; it must hold "
+                raise SystemExit(f"{path}:{i + 1}: id={row_id(r)}: {cfg.response_field}: missing; it must hold "
                                  "the [NODE:...] blocks (or set data.response_field)")
             images = [str((path.parent / p).resolve()) for p in r.get("images", [])]
             tree = from_think360_blocks(r[cfg.response_field], question=r.get("question", ""), images=images,
@@ -158,8 +213,10 @@ def mean(values: list[float | None]) -> float | None:
 def main(argv: list[str]) -> int:
     # ---- config
     try:
-        config_path, overrides = parse_cli(argv)
+        config_path, overrides = parse_cli(argv, TreeEvalConfig)
         cfg = load_config(TreeEvalConfig, config_path, overrides)
+        if cfg.scorer.kind == "prm":
+            require_model_dir(cfg, "scorer.prm_path", hub=False)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -13,12 +13,12 @@ from typing import Callable
 
 import pytest
 
+from real_data import DATA
 # Tiny models gain nothing from intra-op threads, and two OpenMP pools fighting over 2 cores
 # (pytest plus a recipe subprocess) made matmuls ~15x slower here: one thread per process.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 @pytest.fixture(scope="session")
@@ -47,24 +47,20 @@ def tiny_model_dir(tiny_models: Callable[[str], Path]) -> Callable[[str], Path]:
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """`../shared/data` beside the repo (see its README); skips the test when absent."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"real data folder {SHARED_DATA} is absent")
-    return SHARED_DATA
+def real_data() -> Path:
+    """The real data folder: `../shared/data` when present, else the repo's `data/` subset (tests/real_data.py)."""
+    return DATA
 
 
 @pytest.fixture(scope="session")
-def mathv_images(shared_data: Path) -> Callable[..., list]:
+def mathv_images(real_data: Path) -> Callable[..., list]:
     """Factory (ids, size=56) -> real MATH-V images as small RGB PIL images, aspect kept.
 
-    Small so the tiny processors stay fast; skips when the images folder is absent.
+    Small so the tiny processors stay fast; ids 4 and 7 are in the repo subset too.
     """
     from PIL import Image
 
-    folder = shared_data / "mathv" / "images"
-    if not folder.is_dir():
-        pytest.skip(f"MATH-V images folder {folder} is absent")
+    folder = real_data / "mathv" / "images"
 
     def load(ids: list[str], size: int = 56) -> list:
         images = []

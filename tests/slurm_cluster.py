@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,14 +25,27 @@ SLURM_BINARIES = ("sbatch", "srun", "sinfo", "slurmctld", "slurmd", "munged")
 APT_PACKAGES = ("slurm-wlm", "munge")
 
 
+# Tests install system packages only when asked: `make test-cluster` and `.ci/run` set it.
+SYSTEM_TESTS_ENV = "MMPRM_SYSTEM_TESTS"
+
+
+def system_installs_allowed() -> bool:
+    """True when the user asked the tests to install system packages (MMPRM_SYSTEM_TESTS=1)."""
+    return os.environ.get(SYSTEM_TESTS_ENV, "") == "1"
+
+
 def ensure_debian_packages(binaries: tuple[str, ...], packages: tuple[str, ...]) -> str | None:
     """Install Debian packages if any binary is missing; returns a skip reason, or None when ready.
 
-    CI starts from a bare machine, so the test installs what it needs; where that cannot work
-    (not root, no apt) the caller skips with the returned reason.
+    CI starts from a bare machine, so the tests may install what they need, but only when asked
+    (MMPRM_SYSTEM_TESTS=1): a plain `make test` never changes the system. Where installing cannot
+    work (not asked, not root, no apt) the caller skips with the returned reason.
     """
     if all(shutil.which(b) for b in binaries):
         return None
+    if not system_installs_allowed():
+        return (f"needs {', '.join(binaries)} (Debian packages {' '.join(packages)}), not installed; "
+                f"`make test-cluster` or {SYSTEM_TESTS_ENV}=1 lets the tests apt-get install them")
     if os.geteuid() != 0:
         return f"{', '.join(packages)} not installed and not root: apt-get install {' '.join(packages)}"
     if shutil.which("apt-get") is None:
@@ -46,6 +60,19 @@ def ensure_debian_packages(binaries: tuple[str, ...], packages: tuple[str, ...])
     missing = [b for b in binaries if shutil.which(b) is None]
     if missing:
         return f"apt-get install {' '.join(packages)} failed ({done.stderr.strip()[-300:]}); missing {missing}"
+    return None
+
+
+def ensure_pip_tool(binary: str, requirement: str) -> str | None:
+    """Pip-install REQUIREMENT if BINARY is missing (only when asked); a skip reason, or None when ready."""
+    if shutil.which(binary):
+        return None
+    if not system_installs_allowed():
+        return (f"needs {binary}, not installed; `make test-cluster` or {SYSTEM_TESTS_ENV}=1 lets the tests "
+                f"pip install {requirement}")
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", requirement], capture_output=True, text=True)
+    if shutil.which(binary) is None:
+        return f"{binary} not installed and `pip install {requirement}` failed ({done.stderr.strip()[-300:]})"
     return None
 
 

@@ -1,22 +1,19 @@
-"""PRMBench and ReasonEval readers on the real files in ../shared/data, plus bad input."""
+"""PRMBench and ReasonEval readers on real files (the full sets or the repo subset), plus bad input."""
 
 import json
-from pathlib import Path
 
 import pytest
 
 from mmprm.data.benchmarks import read_prmbench, read_reasoneval
 from mmprm.data.schema import DataError, StepExample, load_examples, write_jsonl
 from mmprm.scoring.metrics import first_error
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-needs_data = pytest.mark.skipif(not (DATA / "prmbench").exists(), reason="../shared/data not present")
+from real_data import DATA, full_or_subset, reasoneval_files
 
 
-@needs_data
 def test_prmbench(tmp_path):
     rows = read_prmbench(DATA / "prmbench" / "target_data.jsonl")
-    assert len(rows) == 394 and len({r["id"] for r in rows}) == 394
+    n = full_or_subset(full=394, subset=35)
+    assert len(rows) == n and len({r["id"] for r in rows}) == n
     by_id = {r["id"]: r for r in rows}
     first = by_id["prm_test_p1_0/confidence"]  # error_steps [5, 6] of 6 steps
     assert first["labels"] == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
@@ -26,9 +23,9 @@ def test_prmbench(tmp_path):
     oor = by_id["prm_test_p1_29/confidence"]
     assert len(oor["labels"]) == 53 and oor["labels"][51] == 0.0 and oor["labels"].count(0.0) == 1
     assert oor["meta"]["dropped_error_steps"] == [54]
-    assert sum("dropped_error_steps" in r["meta"] for r in rows) == 11
+    assert sum("dropped_error_steps" in r["meta"] for r in rows) == full_or_subset(full=11, subset=6)
     multi = [r for r in rows if r["meta"]["category"] == "multi_solutions"]
-    assert len(multi) == 10
+    assert len(multi) == full_or_subset(full=10, subset=3)
     assert all(min(r["labels"]) == 1.0 and r["meta"]["first_error"] is None and "gold_answer" in r["meta"]
                for r in multi)
     for r in rows:
@@ -41,29 +38,40 @@ def test_prmbench(tmp_path):
     assert [e.labels for e in loaded] == [r["labels"] for r in rows]
 
 
-@needs_data
-def test_reasoneval_invalid_errors():
-    rows = read_reasoneval(DATA / "reasoneval" / "mr-math_invalid_errors.json")
-    assert len(rows) == 159
+def test_reasoneval_invalid_errors(tmp_path):
+    path, _, real = reasoneval_files(tmp_path)
+    rows = read_reasoneval(path)
+    raws = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    # subset: 35 PRMBench rows, each as its correct original and its modified process; 32 of the
+    # modified ones have an error step in range (3 are multi_solutions rows, correct too)
+    assert len(rows) == len(raws) == (159 if real else 70)
     wrong = [r for r in rows if r["meta"]["first_error"] is not None]
-    assert len(wrong) == 83 and len(rows) - len(wrong) == 76
-    for r in rows:
+    flagged = sum(x["model_output_solution_correctness"] == "wrong" for x in raws)
+    assert len(wrong) == flagged == (83 if real else 32) and len(rows) - len(wrong) == (76 if real else 38)
+    for r, raw in zip(rows, raws):
         fe = r["meta"]["first_error"]
         want = [1.0] * len(r["steps"]) if fe is None else [1.0] * fe + [0.0] * (len(r["steps"]) - fe)
         assert r["labels"] == want
+        assert fe == (None if raw["model_output_solution_first_error_step"] == "N/A"
+                      else raw["model_output_solution_first_error_step"] - 1)
         assert r["meta"]["label_kind"] == "validity" and r["meta"]["category"] == "invalid_errors"
-    raw = json.loads((DATA / "reasoneval" / "mr-math_invalid_errors.json").open().readline())
-    assert rows[0]["steps"][0] == "\n".join(raw["model_output_step_format"][0])
+        assert r["steps"] == ["\n".join(lines) for lines in raw["model_output_step_format"]]
     assert rows[0]["id"] == "reasoneval-invalid-0" and rows[0]["answer"] is None
 
 
-@needs_data
-def test_reasoneval_redundant_errors():
-    rows = read_reasoneval(DATA / "reasoneval" / "mr-math_redundant_errors.json")
-    assert len(rows) == 300
+def test_reasoneval_redundant_errors(tmp_path):
+    _, path, real = reasoneval_files(tmp_path)
+    rows = read_reasoneval(path)
+    assert len(rows) == (300 if real else 35)
     labels = [y for r in rows for y in r["labels"]]
-    assert labels.count(1.0) == 2642 and labels.count(0.0) == 353
-    assert sum(0.0 in r["labels"] for r in rows) == 150
+    if real:  # the data README's counts
+        assert labels.count(1.0) == 2642 and labels.count(0.0) == 353
+        assert sum(0.0 in r["labels"] for r in rows) == 150
+    else:  # one 0 per in-range PRMBench error step
+        prm = [json.loads(line) for line in (DATA / "prmbench" / "target_data.jsonl").read_text().splitlines()]
+        zeros = sum(len({e for e in x["error_steps"] if 1 <= e <= len(x["modified_process"])}) for x in prm)
+        assert labels.count(0.0) == zeros and labels.count(1.0) == len(labels) - zeros
+        assert sum(0.0 in r["labels"] for r in rows) == 32
     assert all(r["meta"]["label_kind"] == "redundancy" and r["meta"]["first_error"] is None for r in rows)
 
 

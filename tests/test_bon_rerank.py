@@ -66,12 +66,12 @@ def prm_dir(tiny_models, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def mathv_file(shared_data, tmp_path_factory) -> Path:
+def mathv_file(real_data, tmp_path_factory) -> Path:
     """The first 20 MATH-V testmini problems, 3 models' CoTs each, labelled by MATH-V's own flags."""
     from mmprm.rerank.candidates import from_mathv, write_candidates
 
     path = tmp_path_factory.mktemp("mathv") / "mathv_bon.jsonl"
-    write_candidates(path, from_mathv(shared_data / "mathv", limit=N_PROBLEMS))
+    write_candidates(path, from_mathv(real_data / "mathv", limit=N_PROBLEMS))
     return path
 
 
@@ -107,10 +107,10 @@ def hand_majority(answers: list[str | None], correct: list[bool]) -> float:
     return sum(sum(m) / len(m) for m in tied) / len(tied)
 
 
-def mathv_flags(shared_data: Path, ids: list[str]) -> dict[str, list[bool]]:
+def mathv_flags(real_data: Path, ids: list[str]) -> dict[str, list[bool]]:
     """MATH-V's `correct` per problem, one per CoT file in sorted file order (from_mathv's order)."""
     flags: dict[str, list[bool]] = {i: [] for i in ids}
-    for path in sorted((shared_data / "mathv" / "cot_testmini").glob("*.jsonl")):
+    for path in sorted((real_data / "mathv" / "cot_testmini").glob("*.jsonl")):
         for line in path.read_text(encoding="utf-8").splitlines():
             r = json.loads(line)
             key = f"mathv-{r['id']}"
@@ -127,7 +127,7 @@ def mean(xs) -> float:
 # ---------------------------------------------------------------- (a) candidates path, real data
 
 
-def test_mathv_candidates_report_matches_hand_count(unsharded, mathv_file, shared_data):
+def test_mathv_candidates_report_matches_hand_count(unsharded, mathv_file, real_data):
     report = json.loads((unsharded / "report.json").read_text())
     assert report["num_problems"] == N_PROBLEMS and report["n_max"] == 3
     assert report["settings"]["ns"] == [1, 2, 3]
@@ -145,7 +145,7 @@ def test_mathv_candidates_report_matches_hand_count(unsharded, mathv_file, share
     problems = load_candidates(mathv_file)
     rows = read_jsonl(unsharded / "scored.jsonl")
     assert [r["id"] for r in rows] == [p.id for p in problems]
-    flags = mathv_flags(shared_data, [p.id for p in problems])
+    flags = mathv_flags(real_data, [p.id for p in problems])
     for p, row in zip(problems, rows):
         assert [c["correct"] for c in row["candidates"]] == flags[p.id]  # MATH-V's verdicts, untouched
         assert [c["answer"] for c in row["candidates"]] == [c.answer for c in p.candidates]

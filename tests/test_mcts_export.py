@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -12,8 +11,8 @@ from mmprm.annotate.export import ExportConfig, export_examples, tree_paths, wri
 from mmprm.annotate.search import SearchConfig
 from mmprm.annotate.simulated import GOLD, SimulatedPolicy, random_problems
 from mmprm.data.schema import load_examples, write_jsonl
+from real_data import DATA
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 # root(0.5) -> A "a1","a2" (0.75) -> B "b" (0.0)              negative
 #                                  -> C "c" + answer 5 (1.0)   positive (complete solution)
@@ -146,7 +145,6 @@ def _reference_paths(node, labels=()):
     return out
 
 
-@pytest.mark.skipif(not (DATA / "openr_samples").exists(), reason="../shared/data absent")
 def test_paths_of_real_openr_mcts_trees_match_mm_prm_traverse():
     lines = (DATA / "openr_samples" / "samples_math-aps-tree.jsonl").read_text().splitlines()
     for line in lines:

@@ -16,16 +16,13 @@ from pathlib import Path
 import pytest
 
 from mmprm.scoring import metrics as M
+from real_data import DATA, reasoneval_files
 from toy_data import write_toy_prm_data
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "prm_eval.py"
 CONFIG = REPO / "recipes" / "configs" / "tiny" / "prm_eval.yaml"
-DATA = REPO.parent / "shared" / "data"
 PRMBENCH = DATA / "prmbench" / "target_data.jsonl"
-REASONEVAL = DATA / "reasoneval" / "mr-math_invalid_errors.json"
-needs_data = pytest.mark.skipif(not PRMBENCH.exists() or not REASONEVAL.exists(),
-                                reason="../shared/data prmbench/reasoneval absent")
 
 
 def recipe():
@@ -106,7 +103,6 @@ def test_shipped_config_parses():
     assert cfg.data.format == "prmbench" and cfg.data.dev_fraction > 0 and cfg.data.per_category == 3
 
 
-@needs_data
 def test_cli_on_prmbench_slice_with_dev_threshold(prm_dirs, tmp_path):
     # the real entry point as a user runs it, over 2 rows of each of PRMBench's 9 categories
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -128,18 +124,22 @@ def test_cli_on_prmbench_slice_with_dev_threshold(prm_dirs, tmp_path):
     assert set(report["by_category"]) == test_cats and len(test_cats) >= 5
 
 
-@needs_data
 def test_reasoneval_with_given_threshold(prm_dirs, tmp_path):
-    rc = recipe().main(["--config", str(CONFIG), "data.format=reasoneval", f"data.path={REASONEVAL}",
+    reasoneval, _, real = reasoneval_files(tmp_path / "reasoneval")
+    rc = recipe().main(["--config", str(CONFIG), "data.format=reasoneval", f"data.path={reasoneval}",
                         "data.per_category=null", "data.limit=10", "data.dev_fraction=0", "metrics.threshold=0.5",
                         f"scorer.prm_path={prm_dirs('qwen2')}", f"output.dir={tmp_path}"])
     assert rc == 0
     report, rows = check_against_scores(tmp_path)
     assert report["threshold"] == 0.5 and len(rows) == 10 and report["by_category"] == {}
-    # ids 3 and 4 of the invalid-errors file have their first error at step 2 (1-based)
     by_id = {r["id"]: r for r in rows}
-    assert by_id["reasoneval-invalid-3"]["first_error"] == 1 and by_id["reasoneval-invalid-0"]["first_error"] is None
-    assert by_id["reasoneval-invalid-3"]["labels"][1:] == [0.0] * (len(by_id["reasoneval-invalid-3"]["labels"]) - 1)
+    if real:  # ids 3 and 4 of the invalid-errors file have their first error at step 2 (1-based)
+        wrong, right, first = "reasoneval-invalid-3", "reasoneval-invalid-0", 1
+    else:  # made from PRMBench: 0 is prm_test_p1_0's original process, 1 its confidence version (errs at step 5)
+        wrong, right, first = "reasoneval-invalid-1", "reasoneval-invalid-0", 4
+    assert by_id[wrong]["first_error"] == first and by_id[right]["first_error"] is None
+    assert by_id[wrong]["labels"][first:] == [0.0] * (len(by_id[wrong]["labels"]) - first)
+    assert by_id[wrong]["labels"][:first] == [1.0] * first
 
 
 def test_multimodal_step_file_with_dev_file_and_soft_labels(prm_dirs, tmp_path):

@@ -67,7 +67,7 @@ def test_missing_id(tmp_path):
     row = _ok()
     del row["id"]
     (line,) = _errors(tmp_path, [row])
-    assert line.endswith(":1: id=None: id: missing (add a unique string id to every row)")
+    assert line.endswith(":1: id=?: id: missing (add a unique string id to every row)")
 
 
 def test_id_of_wrong_type(tmp_path):

@@ -112,3 +112,58 @@ def test_real_backbone_batch_arithmetic():
                 assert 2e-6 <= cfg.train.lr <= 4e-6 and cfg.data.label_mode == "soft"
             else:
                 assert cfg.train.lr == 4e-5
+
+
+def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += _leaf_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_help_lists_every_key_with_type_default_and_help(name, capsys):
+    cls = config_class(name)
+    with pytest.raises(SystemExit) as e:
+        recipe_module(name).main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python recipes/{name}.py --config FILE") or f"recipes/{name}.py --config FILE" in out
+    lines = out.splitlines()
+    for key in _leaf_keys(cls):
+        entry = next((i for i, line in enumerate(lines) if line.startswith(f"  {key}: ")), None)
+        assert entry is not None, f"recipes/{name}.py --help does not list {key}"
+        assert " = " in lines[entry], f"{key}: no default shown: {lines[entry]!r}"
+        help_line = lines[entry + 1].strip()
+        assert help_line and help_line != "(no help written)", (
+            f"{key}: no help; add it to the Attributes: section of {cls.__name__}'s docstring")
+
+
+def test_help_runs_as_a_script_without_a_config():
+    import subprocess
+
+    done = subprocess.run([sys.executable, "recipes/tree_eval.py", "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "scorer.prm_path: str | null = null" in done.stdout and "kind=prm: PRM directory" in done.stdout
+
+
+def test_a_missing_model_directory_names_its_key_before_any_loading(tmp_path):
+    from mmprm.config import ConfigError
+
+    config = str(CONFIGS / "tiny" / "prm_train.yaml")
+    with pytest.raises(ConfigError, match=r"^model\.name_or_path: /nonexistent/model does not exist \(a local"):
+        recipe_module("prm_train").main(["--config", config, "model.name_or_path=/nonexistent/model",
+                                         f"output_dir={tmp_path}"])
+    assert not any(tmp_path.iterdir())  # nothing written
+    # before hours of generation, not after
+    with pytest.raises(ConfigError, match=r"^generate\.policy: /nonexistent/policy does not exist"):
+        recipe_module("bon_rerank").main(["--config", str(CONFIGS / "tiny" / "bon_rerank.yaml"), "generate.enabled=true",
+                                          "generate.policy=/nonexistent/policy", f"output_dir={tmp_path / 'bon'}"])

@@ -10,6 +10,7 @@ from PIL import Image
 
 from mmprm.data.schema import DataError, load_examples, to_hf_dataset, validate_file, write_jsonl
 from mmprm.steps import STEP_TOKEN
+from real_data import DATA
 
 
 def _row(**kw):
@@ -107,6 +108,75 @@ def test_cli_validate_exit_codes(tmp_path):
     assert f"{bad}:1: id=a: labels: 1 labels for 2 steps" in fail.stdout
 
 
+def test_cli_validate_a_directory_checks_each_jsonl(tmp_path):
+    from mmprm.cli import main
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    good = _write(folder, [_row()], "good.jsonl")
+    bad = _write(folder, [_row(labels=[0.5])], "bad.jsonl")
+    (folder / "notes.txt").write_text("not data")
+    done = subprocess.run([sys.executable, "-m", "mmprm.cli", "validate", str(folder)], capture_output=True, text=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"{bad}:1: id=a: labels: 1 labels for 2 steps" in done.stdout and f"{good}: OK" in done.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["validate", str(empty)]) == 1
+    # the library call names the directory instead of raising IsADirectoryError
+    assert validate_file(folder)[1] == [f"{folder}: is a directory; give a JSONL file "
+                                        "(`mmprm validate DIR` checks each *.jsonl in DIR)"]
+    with pytest.raises(DataError, match="is a directory"):
+        from mmprm.data.problems import load_problems
+
+        load_problems(folder)
+
+
+def test_invalid_json_is_reported_at_its_real_column(tmp_path):
+    row = json.dumps(_row(question="What is the sum of 2, 3?"))
+    cut = row[: row.index(' "steps"')]  # cut off after a comma, 65 characters in (a crash mid-write)
+    inner = row.replace('"steps"', "'steps'")  # a quote error in the middle of the line
+    p = _write(tmp_path, [(cut + "\n").encode(), (inner + "\r\n").encode(), (row[:30] + "\n").encode()])
+    _, problems = validate_file(p)
+    assert len(cut) == 65 and problems[0] == (f"{p}:1: id=?: line: invalid JSON: Expecting property name enclosed "
+                                              "in double quotes at column 66 (fix the line so it holds one JSON object)")
+    col = inner.index("'steps'") + 1
+    assert problems[1].startswith(f"{p}:2: id=?: line: invalid JSON: ") and f"at column {col} " in problems[1]
+    assert "Unterminated string starting at column 27 " in problems[2]
+
+
+def test_a_row_without_id_reads_id_question_mark(tmp_path):
+    row = _row(labels=[2.0, 1.0])
+    del row["id"]
+    p = _write(tmp_path, [row, b"{oops\n"])
+    _, problems = validate_file(p)
+    assert problems and all(": id=?: " in line for line in problems) and not any("None" in line for line in problems)
+    from mmprm.data.benchmarks import read_reasoneval
+
+    bad = _write(tmp_path, [{"question": "q", "model_output_step_format": "x"}], "re.json")
+    with pytest.raises(DataError) as e:
+        read_reasoneval(bad)
+    assert e.value.problems[0].startswith(f"{bad}:1: id=?: model_output_step_format")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_outputs_get_normal_permissions(tmp_path, umask):
+    """Atomic writes give 0o666 less the umask (as open() does), not mkstemp's owner-only 0o600."""
+    import os
+    import stat
+
+    from mmprm.rerank.report import _atomic_write
+
+    old = os.umask(umask)
+    try:
+        write_jsonl(tmp_path / "prm_data.jsonl", [_row()])
+        _atomic_write(tmp_path / "report.json", "{}")
+    finally:
+        os.umask(old)
+    for name in ("prm_data.jsonl", "report.json"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask, name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prm_data.jsonl", "report.json"]  # no temp files left
+
+
 def test_write_jsonl_round_trip(tmp_path):
     ex = load_examples(_write(tmp_path, [_row()]))
     out = tmp_path / "sub" / "out.jsonl"
@@ -116,9 +186,7 @@ def test_write_jsonl_round_trip(tmp_path):
 
 
 def test_mathv_rows_with_placeholders_validate():
-    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "mathv"
-    if not data.exists():
-        pytest.skip("../shared/data absent")
+    data = DATA / "mathv"
     rows = [json.loads(l) for l in open(data / "testmini.jsonl")][:20]
     import tempfile
     with tempfile.TemporaryDirectory() as d:

@@ -4,7 +4,8 @@ The cluster (tests/slurm_cluster.py) is munged + slurmctld + two slurmd on 127.0
 node with 2 CPUs and 2 stand-in GPUs. Probe scripts check what the sbatch files hand to each
 rank (world size, machine rank, shard index, GPU binding) without the recipes; the recipe
 tests run the real recipes through the same files and turn on as soon as each recipe exists.
-All slow tier: `make test` runs them; skipped (with the reason) where Slurm cannot be installed.
+All slow tier, and run only when asked (`make test-cluster` or MMPRM_SYSTEM_TESTS=1, which let the
+fixture apt-get install slurm-wlm and munge); otherwise skipped with the reason.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ import json, os, sys
 rank = int(os.environ["SLURM_PROCID"])
 out = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("output_dir="))
 rec = {"rank": rank, "ntasks": int(os.environ["SLURM_NTASKS"]), "node": os.environ["SLURMD_NODENAME"],
-       "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "argv": sys.argv[1:]}
+       "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": os.environ.get("SLURM_CPUS_PER_TASK"),
+       "argv": sys.argv[1:]}
 with open(os.path.join(out, f"worker{rank}.json"), "w") as f:
     json.dump(rec, f)
 print("worker", rank, "done")
@@ -72,6 +74,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         pytest.skip(reason)
     with SlurmCluster(tmp_path_factory.mktemp("slurm")) as c:
         yield c
+
+
+# One worker per node with 1 CPU: the nodes here have 2, below the worker scripts' default of 8.
+TWO_WORKERS = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1"]
 
 
 def submit(cluster: SlurmCluster, script: str, sbatch_args: list[str], env: dict[str, str], tmp: Path,
@@ -176,11 +182,14 @@ def test_worker_scripts_give_each_rank_its_share_and_gpu(cluster, tmp_path, scri
     out_dir, logs = tmp_path / "out", tmp_path / "logs"
     env = {"RECIPE": str(probe), "CONFIG": str(config), "OUTPUT_DIR": str(out_dir), "LOG_DIR": str(logs),
            "MERGE": "0"}
-    res, out = submit(cluster, script, ["--nodes=2", "--ntasks-per-node=1"], env, tmp_path, args=["k=v"])
+    # the nodes here have 2 CPUs, below the scripts' default of 8 per worker: the flag overrides it
+    res, out = submit(cluster, script, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"], env, tmp_path,
+                      args=["k=v"])
     assert res.returncode == 0, report(res, out, logs)
     workers = [json.loads((out_dir / f"worker{r}.json").read_text()) for r in (0, 1)]
     assert [w["ntasks"] for w in workers] == [2, 2]
     assert {w["node"] for w in workers} == {"n1", "n2"} and all(w["gpus"] == "0" for w in workers)
+    assert all(w["cpus"] == "2" for w in workers)  # srun handed the job's --cpus-per-task to each worker
     for r, w in enumerate(workers):
         expected = ["--config", str(config), f"output_dir={out_dir}"]
         if script == "bon_rerank.sbatch":
@@ -196,7 +205,7 @@ def test_annotate_sbatch_failed_worker_fails_job_and_says_resume(cluster, tmp_pa
     config.write_text("x: 1\n")
     env = {"RECIPE": str(probe), "CONFIG": str(config), "OUTPUT_DIR": str(tmp_path / "out"),
            "LOG_DIR": str(tmp_path / "logs"), "PROBE_FAIL_RANK": "1"}
-    res, out = submit(cluster, "annotate.sbatch", ["--nodes=2", "--ntasks-per-node=1"], env, tmp_path)
+    res, out = submit(cluster, "annotate.sbatch", TWO_WORKERS, env, tmp_path)
     assert res.returncode == 1, report(res, out, tmp_path / "logs")
     assert "submit the same command again to resume" in out
     # The healthy worker still finished its share (no --kill-on-bad-exit), so a rerun redoes less.
@@ -309,7 +318,7 @@ def test_mcts_annotate_two_workers_merge_and_resume(cluster, tmp_path, tiny_inpu
     out_dir, logs = tmp_path / "annotate", tmp_path / "logs"
     env = {"RECIPE": str(REPO / "recipes" / "mcts_annotate.py"), "CONFIG": str(config),
            "OUTPUT_DIR": str(out_dir), "LOG_DIR": str(logs), "MMPRM_ROOT": str(workdir)}
-    res, out = submit(cluster, "annotate.sbatch", ["--nodes=2", "--ntasks-per-node=1"], env, tmp_path)
+    res, out = submit(cluster, "annotate.sbatch", TWO_WORKERS, env, tmp_path)
     assert res.returncode == 0, report(res, out, logs)
     from mmprm.annotate.engine import tree_file_name
 
@@ -319,7 +328,7 @@ def test_mcts_annotate_two_workers_merge_and_resume(cluster, tmp_path, tiny_inpu
     ids = [m["id"] for m in merged]
     assert len(ids) == len(set(ids)) == sum(len(s.read_text().splitlines()) for s in shards)
     # Resume: the same command again finds every problem done and adds nothing.
-    res, out = submit(cluster, "annotate.sbatch", ["--nodes=2", "--ntasks-per-node=1"], env, tmp_path)
+    res, out = submit(cluster, "annotate.sbatch", TWO_WORKERS, env, tmp_path)
     assert res.returncode == 0, report(res, out, logs)
     again = [json.loads(line)["id"] for line in (out_dir / "trees.jsonl").read_text().splitlines()]
     assert sorted(again) == sorted(ids)
@@ -332,7 +341,7 @@ def test_bon_rerank_two_shards_and_merge(cluster, tmp_path, tiny_inputs):
     out_dir, logs = tmp_path / "bon", tmp_path / "logs"
     env = {"RECIPE": str(REPO / "recipes" / "bon_rerank.py"), "CONFIG": str(config),
            "OUTPUT_DIR": str(out_dir), "LOG_DIR": str(logs), "MMPRM_ROOT": str(workdir)}
-    res, out = submit(cluster, "bon_rerank.sbatch", ["--nodes=2", "--ntasks-per-node=1"], env, tmp_path)
+    res, out = submit(cluster, "bon_rerank.sbatch", TWO_WORKERS, env, tmp_path)
     assert res.returncode == 0, report(res, out, logs)
     assert len(list(logs.glob("*-rank[01].log"))) == 2
     from mmprm.rerank.shards import shard_path

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from real_data import DATA
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tree_eval.py"
 CONFIG = REPO / "recipes" / "configs" / "tiny" / "tree_eval.yaml"
-DATA = REPO / ".." / "shared" / "data"
 RPTS_EN = DATA / "rpts_eval" / "texts_en.json"
 OPENR_TREES = DATA / "openr_samples" / "samples_math-aps-tree.jsonl"
-needs_rpts = pytest.mark.skipif(not RPTS_EN.exists(), reason="../shared/data/rpts_eval absent")
 
 
 def recipe():
@@ -41,7 +41,6 @@ def test_shipped_config_parses():
     assert cfg.data.format == "rpts" and cfg.scorer.kind == "constant"
 
 
-@needs_rpts
 def test_cli_on_rpts_eval_gold_with_constant_scores(tmp_path):
     # the real entry point, as a user launches it
     proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(CONFIG), f"output.dir={tmp_path}",
@@ -85,7 +84,6 @@ def test_shipped_config_takes_steps_without_naming_a_plot_item(tmp_path):
         run(tmp_path / "out2", f"data.path={steps}", "data.format=steps", "output.plot_item=7")
 
 
-@needs_rpts
 def test_low_constant_fails_nodes_and_filter(tmp_path):
     s = run(tmp_path, "scorer.constant=0.4", "data.limit=20", "output.plot_item=null")["summary"]
     assert s["items"] == 20
@@ -120,7 +118,6 @@ def test_think360_and_steps_inputs(tmp_path):
         run(tmp_path / "out3", f"data.path={steps}", "data.format=steps", "output.plot_item=zz")
 
 
-@pytest.mark.skipif(not OPENR_TREES.exists(), reason="../shared/data/openr_samples absent")
 def test_mc_trees_with_mc_scorer(tmp_path):
     report = run(tmp_path, f"data.path={OPENR_TREES}", "data.format=mc_tree", "scorer.kind=mc",
                  "output.plot_item=null")
@@ -136,7 +133,6 @@ def test_bad_config_is_reported(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@needs_rpts
 def test_recipe_with_tiny_prm(tmp_path):
     pytest.importorskip("mmprm.models.prm")
     from mmprm.models.loading import load_backbone

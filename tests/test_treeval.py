@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import random
-from pathlib import Path
 
 import pytest
 
@@ -14,12 +13,10 @@ from mmprm.treeval import (JudgeScorer, Node, Tree, constant_scores, filtered_ac
                            node_paths, path_scores, prm_scores, render_tree, rpts, set_scores, think360_depth,
                            think360_width)
 from mmprm.treeval.scorers import covering_paths, parse_verdict
+from real_data import DATA
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 RPTS_DIR = DATA / "rpts_eval"
 OPENR_TREES = DATA / "openr_samples" / "samples_math-aps-tree.jsonl"
-needs_rpts = pytest.mark.skipif(not (RPTS_DIR / "texts_en.json").exists(), reason="../shared/data/rpts_eval absent")
-needs_openr = pytest.mark.skipif(not OPENR_TREES.exists(), reason="../shared/data/openr_samples absent")
 
 # 4 forward Conclusion references + 1 Text index past the clues + 1 premise cited twice (410)
 QUIRKY_IDS = {155, 202, 203, 215, 265, 410}
@@ -47,7 +44,6 @@ def think_tree(scores: dict[str, float]) -> Tree:
 
 # ---------------------------------------------------------------- RPTS-Eval: parsing and heights
 
-@needs_rpts
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_every_rpts_eval_record_parses_and_quirks_become_warnings(lang):
     records = rpts_records(lang)
@@ -75,7 +71,6 @@ def test_premise_cited_twice_is_counted_once_with_a_warning():
     assert rpts(tree, lam=0.5, h_f=1) == pytest.approx(1 / 3)
 
 
-@needs_rpts
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_all_ones_scores_give_rpts_one_on_every_record(lang):
     for r in rpts_records(lang):
@@ -85,7 +80,6 @@ def test_all_ones_scores_give_rpts_one_on_every_record(lang):
         assert think360_width(tree) in (None, 1.0) and think360_depth(tree) == 1.0
 
 
-@needs_rpts
 def test_heights_match_hand_check():
     # id 2: Image0 -> C0; Text2 + Text3 -> C1; C0 + C1 -> C2; C2 + Text4 -> C3; C3 + Text0 -> C4
     h = from_rpts_record(record(2)).heights()
@@ -101,7 +95,6 @@ def test_heights_match_hand_check():
     assert tree.nodes["C3"].parents == ["C1", "C2"] and tree.nodes["C1"].parents == ["C0", "T1"]
 
 
-@needs_rpts
 def test_quirky_record_keeps_a_missing_premise():
     # id 155, line 2: "Conclusion1 + Conclusion2 -> ..." cites itself
     tree = from_rpts_record(record(155))
@@ -149,7 +142,6 @@ def test_rpts_hand_values():
         rpts(small_rpts_tree(1, 1, 1), lam=0.0)
 
 
-@needs_rpts
 def test_rpts_counts_a_reused_conclusion_once_per_path():
     # id 258: C0 (h1) is under C3 twice (via C1 and via C2); C1, C2 h2; C3 h3.
     tree = set_scores(from_rpts_record(record(258)), {"C0": 0.0, "C1": 1.0, "C2": 1.0, "C3": 1.0})
@@ -175,7 +167,6 @@ def reference_rpts(tree: Tree, lam: float, h_f: int) -> float:
     return s / w
 
 
-@needs_rpts
 def test_rpts_matches_reference_recursion_on_all_records_with_random_scores():
     rng = random.Random(0)
     for r in rpts_records("en"):
@@ -269,7 +260,6 @@ no path connects them.]
 
 # ---------------------------------------------------------------- annotation trees and MC scores
 
-@needs_openr
 def test_openr_mc_trees():
     rows = [json.loads(line) for line in OPENR_TREES.read_text().splitlines()]
     trees = [from_annotation_tree(r) for r in rows]
@@ -413,7 +403,6 @@ def test_render_tree_png(tmp_path):
 # ---------------------------------------------------------------- the real PRM (slow)
 
 @pytest.mark.slow
-@needs_rpts
 def test_prm_scores_with_real_tiny_prm(tmp_path):
     pytest.importorskip("mmprm.models.prm")
     from mmprm import load_prm

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mmprm.data.schema import DataError, iter_jsonl
+from mmprm.data.schema import DataError, iter_jsonl, row_id
 
 
 def _str_list(x: Any) -> bool:
@@ -41,7 +41,7 @@ def read_prmbench(path: str | Path) -> list[dict[str, Any]]:
         if err:
             problems.append(f"{path}:{lineno}: id=?: line: {err}")
             continue
-        rid = f"{obj.get('idx')}/{obj.get('classification')}"
+        rid = f"{row_id(obj, 'idx')}/{row_id(obj, 'classification')}"
         where = f"{path}:{lineno}: id={rid}"
         bad = False
         for fld, ok, what in (
@@ -104,7 +104,7 @@ def read_reasoneval(path: str | Path) -> list[dict[str, Any]]:
             continue
         fmt = obj.get("model_output_step_format")
         kind = "redundant" if "rating" in obj else "invalid"
-        where = f"{path}:{lineno}: id={obj.get('id')}"
+        where = f"{path}:{lineno}: id={row_id(obj)}"
         if not isinstance(fmt, list) or not fmt or not all(_str_list(s) for s in fmt):
             problems.append(f"{where}: model_output_step_format: missing or malformed "
                             "(must be a non-empty list of steps, each a list of line strings)")

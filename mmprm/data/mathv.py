@@ -40,7 +40,7 @@ def read_mathv(mathv_dir: str | Path) -> list[dict[str, Any]]:
     """MATH-V problems, in file order, each `{id, question, images, answer, choices, solution, meta}`.
 
     Args:
-        mathv_dir: folder holding `testmini.jsonl` and `images/` (e.g. `../shared/data/mathv`).
+        mathv_dir: folder holding `testmini.jsonl` and `images/` (e.g. `data/mathv`, the repo subset).
 
     `images` are absolute paths; `choices` is the options list or None for free-form answers.
     """

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mmprm.data.schema import DataError, check_base_fields, iter_jsonl
+from mmprm.data.schema import DataError, check_base_fields, iter_jsonl, row_id
 
 
 @dataclass
@@ -75,13 +75,13 @@ def load_problems(path: str | Path, check_images: bool = True) -> list[Problem]:
         if err:
             bad.append(f"{path}:{lineno}: id=?: line: {err}")
             continue
-        rid = obj.get("id")
+        rid = row_id(obj)
         errs, images = check_problem_fields(obj, path.parent, check_images, image_cache=cache)
         bad += [f"{path}:{lineno}: id={rid}: {fld}: {msg}" for fld, msg in errs]
         if errs:
             continue
-        if str(rid) in seen:
-            bad.append(f"{path}:{lineno}: id={rid}: id: duplicated (first on line {seen[str(rid)]}; make ids unique)")
+        if rid in seen:
+            bad.append(f"{path}:{lineno}: id={rid}: id: duplicated (first on line {seen[rid]}; make ids unique)")
             continue
         seen[str(rid)] = lineno
         problems.append(Problem(id=str(rid), question=obj["question"], answer=str(obj["answer"]), images=images,

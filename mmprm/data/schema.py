@@ -17,13 +17,14 @@ raises `DataError` listing every problem as `FILE:LINE: id=...: field: what is w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-import tempfile
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import IO, Any, Iterable, Iterator
 
 from mmprm.steps import STEP_TOKEN, count_image_placeholders
 
@@ -62,11 +63,20 @@ class DataError(ValueError):
         super().__init__(f"{len(problems)} problem(s) in input data:\n{shown}{more}")
 
 
+def row_id(obj: dict[str, Any], key: str = "id") -> str:
+    """A row's id for messages: its value, or "?" when it has none (as for a line that is not JSON)."""
+    value = obj.get(key)
+    return "?" if value is None or (isinstance(value, str) and not value.strip()) else str(value)
+
+
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
     """Yield (line number, parsed object or None, error or None) for each non-blank line.
 
     Bytes are decoded per line so one bad line is reported by number, not as a crash.
+    Raises DataError for a directory (a file is expected).
     """
+    if Path(path).is_dir():
+        raise DataError([f"{path}: is a directory; give a JSONL file"])
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
@@ -77,9 +87,11 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, s
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                # without its newline: an error at the end of a cut-off line would read "line 2 column 1"
+                obj = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
-                yield lineno, None, f"invalid JSON: {e.msg} at column {e.colno} (fix the line so it holds one JSON object)"
+                at = "" if e.msg.endswith(" at") else " at"  # "Unterminated string starting at"
+                yield lineno, None, f"invalid JSON: {e.msg}{at} column {e.colno} (fix the line so it holds one JSON object)"
                 continue
             if not isinstance(obj, dict):
                 yield lineno, None, "not a JSON object (each line must be one object like {\"id\": ..., \"question\": ...})"
@@ -217,6 +229,8 @@ def validate_file(path: str | Path, require_labels: bool = False,
     path = Path(path)
     if not path.exists():
         return [], [f"{path}: file not found (check data.* paths in your config)"]
+    if path.is_dir():
+        return [], [f"{path}: is a directory; give a JSONL file (`mmprm validate DIR` checks each *.jsonl in DIR)"]
     base = path.parent
     problems: list[str] = []
     examples: list[StepExample] = []
@@ -228,12 +242,12 @@ def validate_file(path: str | Path, require_labels: bool = False,
         if err:
             problems.append(f"{path}:{lineno}: id=?: line: {err}")
             continue
-        rid = obj.get("id")
+        rid = row_id(obj)
         errs, ex = check_row(obj, base, require_labels, check_images, cache)
         for fld, msg in errs:
             problems.append(f"{path}:{lineno}: id={rid}: {fld}: {msg}")
-        if rid is not None and not errs:
-            key = str(rid)
+        if not errs:
+            key = rid
             if key in seen:
                 problems.append(f"{path}:{lineno}: id={rid}: id: duplicated (first on line {seen[key]}; make ids unique)")
                 continue
@@ -253,26 +267,38 @@ def load_examples(path: str | Path, require_labels: bool = False, check_images: 
     return examples
 
 
-def write_jsonl(path: str | Path, rows: Iterable[dict[str, Any] | StepExample]) -> int:
-    """Write rows atomically (temp file + rename), so a crash never leaves half a file."""
+@contextlib.contextmanager
+def atomic_write(path: str | Path) -> Iterator[IO[str]]:
+    """Open PATH for writing text through a temp file beside it, renamed over PATH on success,
+    so a crash never leaves half a file.
+
+    The temp file is created like `open()` creates files (mode 0o666 less the umask): mkstemp's
+    0o600 would keep the outputs from teammates on a shared cluster.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    n = 0
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                if isinstance(row, StepExample):
-                    row = row.to_json()
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                n += 1
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def write_jsonl(path: str | Path, rows: Iterable[dict[str, Any] | StepExample]) -> int:
+    """Write rows atomically (`atomic_write`), so a crash never leaves half a file."""
+    n = 0
+    with atomic_write(path) as f:
+        for row in rows:
+            if isinstance(row, StepExample):
+                row = row.to_json()
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            n += 1
     return n
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from mmprm.answers import extract_answer
 from mmprm.chat import ChatClient, ChatConfig, ChatRequestError, messages_for
-from mmprm.data.schema import DataError, StepExample, check_row, iter_jsonl, write_jsonl
+from mmprm.data.schema import DataError, StepExample, check_row, iter_jsonl, row_id, write_jsonl
 from mmprm.steps import STEP_CLOSE, STEP_OPEN, parse_solution, render_solution
 
 _CALC = re.compile(r"<<[^<>]*>>")
@@ -171,7 +171,7 @@ def load_sft(path: str | Path, check_images: bool = True) -> list[StepExample]:
         if err:
             problems.append(f"{path}:{lineno}: id=?: line: {err}")
             continue
-        rid = obj.get("id")
+        rid = row_id(obj)
         errs, ex = check_row(obj, path.parent, check_images=check_images, image_cache=cache)
         answer = obj.get("answer")
         if not isinstance(answer, (str, int, float)) or isinstance(answer, bool) or not str(answer).strip():

@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 from mmprm.answers import answers_match, extract_answer
 from mmprm.data.problems import check_problem_fields, load_problems as load_problem_rows
-from mmprm.data.schema import DataError, iter_jsonl, write_jsonl
+from mmprm.data.schema import DataError, iter_jsonl, row_id, write_jsonl
 from mmprm.data.sft import FINAL_ANSWER_LINE, split_solution
 from mmprm.steps import STEP_TOKEN, parse_solution, prm_steps
 
@@ -213,7 +213,7 @@ def from_qwen_math_bon(path: str | Path, label: Label = "file") -> list[Problem]
             raise DataError([f"{path}:{lineno}: id=?: line: {err}"])
         responses, scores = obj.get("response"), obj.get("score")
         if not isinstance(responses, list) or not isinstance(scores, list) or len(responses) != len(scores):
-            raise DataError([f"{path}:{lineno}: id={obj.get('idx')}: response/score: need two lists of equal "
+            raise DataError([f"{path}:{lineno}: id={row_id(obj, 'idx')}: response/score: need two lists of equal "
                              "length (is this Qwen2.5-Math's eval_rm_maj_example format?)"])
         rm = obj.get("pred_score") or [None] * len(responses)
         candidates = [
@@ -238,7 +238,7 @@ def from_text_solutions(path: str | Path) -> list[Problem]:
         if err:
             bad.append(f"{path}:{lineno}: id=?: line: {err}")
             continue
-        rid = obj.get("id")
+        rid = row_id(obj)
         sols = obj.get("solutions")
         if not isinstance(sols, list) or not sols or not all(isinstance(s, str) for s in sols):
             bad.append(f"{path}:{lineno}: id={rid}: solutions: must be a non-empty list of solution strings")
@@ -329,7 +329,7 @@ def load_candidates(path: str | Path, check_images: bool = True) -> list[Problem
         if err:
             bad.append(f"{path}:{lineno}: id=?: line: {err}")
             continue
-        rid = obj.get("id")
+        rid = row_id(obj)
         errs, problem = _check_problem(obj, path.parent, check_images)
         bad += [f"{path}:{lineno}: id={rid}: {fld}: {msg}" for fld, msg in errs]
         if problem is None:

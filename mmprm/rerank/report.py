@@ -31,9 +31,7 @@ import argparse
 import itertools
 import json
 import math
-import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -345,10 +343,10 @@ def _plot(report: dict[str, Any], path: Path, title: str) -> None:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
+    from mmprm.data.schema import atomic_write
+
+    with atomic_write(path) as f:
         f.write(text)
-    os.replace(tmp, path)
 
 
 def write_report(
@@ -370,7 +368,7 @@ def read_candidates(path: str | Path) -> list[list[dict[str, Any]]]:
 
     Every line is checked first; raises `DataError` listing `FILE:LINE: id=...: field: what`.
     """
-    from mmprm.data.schema import DataError, iter_jsonl
+    from mmprm.data.schema import DataError, iter_jsonl, row_id
 
     problems: list[list[dict[str, Any]]] = []
     bad: list[str] = []
@@ -378,7 +376,7 @@ def read_candidates(path: str | Path) -> list[list[dict[str, Any]]]:
         if err:
             bad.append(f"{path}:{lineno}: id=?: line: {err}")
             continue
-        rid, cands = row.get("id"), row.get("candidates")
+        rid, cands = row_id(row), row.get("candidates")
         if not isinstance(cands, list) or not cands:
             bad.append(f"{path}:{lineno}: id={rid}: candidates: missing or empty (a list of "
                        "{step_probs, answer, correct} objects)")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Sequence
 
+from mmprm.data.schema import row_id
 from mmprm.treeval.tree import Node, Tree
 
 # Order matters: "context" contains "text", and 上下文 contains 文.
@@ -148,7 +149,7 @@ def from_rpts_record(record: Mapping[str, Any], image_dir: str | None = None, so
     images = [f"{image_dir}/{v}" if image_dir else v for v in visual]
     tree = from_rpts_lines(record.get("reasoning", []), textual_clues=clues, num_images=len(visual),
                            context=record.get("context"), question=rpts_question(record), images=images,
-                           source=source or f"id={record.get('id')}")
+                           source=source or f"id={row_id(record)}")
     tree.meta.update({"id": record.get("id"), "answer": record.get("answer")})
     return tree
 

@@ -39,7 +39,9 @@ class SamplingConfig:
 
     Attributes:
         temperature: 1.0 - sample the policy as it is, so MC values estimate its real success rate.
-        top_k: 50 and top_p: 0.9 - cut the long tail that only produces garbage steps.
+        top_k: keep the k most likely tokens (0 turns it off); 50 cuts the long tail that only
+            produces garbage steps.
+        top_p: nucleus sampling mass; 0.9, with top_k, cuts that tail too.
         max_new_tokens: 4096 (MM-PRM's value), the cap per rollout. A rollout cut there is
             unfinished: it counts as not correct in MC estimates but is never searched for an
             error (`mmprm.annotate.search`); records count such rollouts as `truncated_rollouts`.

@@ -1,0 +1,105 @@
+"""mmprm.config: field help from docstrings, the no-config message, early model-path checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from mmprm.config import ConfigError, config_help, field_help, load_config, parse_cli, require_model_dir
+
+
+@dataclasses.dataclass
+class Inner:
+    """A section.
+
+    Attributes:
+        mode: how it runs: fast | slow
+        width: columns, wrapped
+            over two lines
+    """
+
+    mode: str = "fast"
+    width: int | None = None
+
+
+@dataclasses.dataclass
+class Outer:
+    """Top.
+
+    Attributes:
+        name_or_path: the model; required
+        inner: the section
+    """
+
+    name_or_path: str = ""
+    inner: Inner = dataclasses.field(default_factory=Inner)
+
+    def validate(self) -> None:
+        if not self.name_or_path:
+            raise ValueError("name_or_path: required")
+
+
+def test_field_help_reads_the_attributes_section():
+    assert field_help(Inner) == {"mode": "how it runs: fast | slow", "width": "columns, wrapped over two lines"}
+    text = config_help(Outer)
+    assert '  name_or_path: str = ""\n      the model; required' in text
+    assert "inner:  the section" in text
+    assert "  inner.width: int | null = null\n      columns, wrapped over two lines" in text
+
+
+def test_help_flag_prints_and_exits_zero(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_cli(["--config", "x.yaml", "--help"], Outer)
+    assert e.value.code == 0 and 'inner.mode: str = "fast"' in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="--help to list every key"):
+        parse_cli(["--bogus"], Outer)
+
+
+def test_no_config_file_says_so():
+    with pytest.raises(ConfigError) as e:
+        load_config(Outer, None, [])
+    msg = str(e.value)
+    assert "name_or_path: required" in msg and "No config file was given" in msg and "--config FILE" in msg
+    assert "<defaults>" not in msg
+    assert load_config(Outer, None, ["name_or_path=m"]).name_or_path == "m"  # overrides alone are fine
+
+
+def _model_dir(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    return path
+
+
+def test_require_model_dir_names_the_key(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = Outer(name_or_path=str(_model_dir(tmp_path / "ok")))
+    require_model_dir(cfg, "name_or_path")  # a model directory passes
+    bad = {
+        "/x/y": "name_or_path: /x/y does not exist (a local directory expected; no hub access)",
+        "runs/tiny/policy": "name_or_path: runs/tiny/policy does not exist (relative to",
+        str(tmp_path): "has no config.json: not a Hugging Face model directory",
+    }
+    (tmp_path / "f.txt").write_text("x")
+    bad[str(tmp_path / "f.txt")] = "is a file; a model directory is expected"
+    for value, want in bad.items():
+        with pytest.raises(ConfigError) as e:
+            require_model_dir(Outer(name_or_path=value), "name_or_path")
+        assert want in str(e.value), str(e.value)
+    # A hub id is transformers' business, unless the hub is off and the cache has no copy.
+    require_model_dir(Outer(name_or_path="Qwen/Qwen2.5-VL-7B-Instruct"), "name_or_path")
+    with pytest.raises(ConfigError, match="inner.mode: Qwen/Qwen2.5-VL-7B-Instruct does not exist"):
+        require_model_dir(Outer(inner=Inner(mode="Qwen/Qwen2.5-VL-7B-Instruct")), "inner.mode", hub=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    with pytest.raises(ConfigError, match="HF_HUB_OFFLINE is set"):
+        require_model_dir(Outer(name_or_path="Qwen/Qwen2.5-VL-7B-Instruct"), "name_or_path")
+    # org/name whose org is a local folder is a local path, typo included
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(ConfigError, match="runs/prm does not exist"):
+        require_model_dir(Outer(name_or_path="runs/prm"), "name_or_path")
