@@ -55,47 +55,103 @@ from mmprm.treeval import (JudgeScorer, RPTSJudge, RPTSJudgeConfig, Tree, consta
 
 @dataclass
 class ProblemsConfig:
+    """The problems the model under test answers.
+
+    Attributes:
+        format: rpts (RPTS-Eval texts JSON) | mathv (MATH-V folder) | jsonl (our problems file)
+        path: rpts: the texts JSON; mathv: the folder; jsonl: the problems file
+        image_dir: rpts: folder of the visual_clue files; null: <path folder>/images
+        limit: first N problems only; null takes all
+    """
+
     format: Literal["rpts", "mathv", "jsonl"] = "rpts"
-    path: str = "data/rpts_eval/texts_en.json"  # rpts: texts JSON; mathv: the folder; jsonl: problems file
-    image_dir: str | None = None  # rpts: folder of visual_clue files (default: <path folder>/images)
-    limit: int | None = None  # first N problems
+    path: str = "data/rpts_eval/texts_en.json"
+    image_dir: str | None = None
+    limit: int | None = None
 
 
 @dataclass
 class AnswersConfig:
+    """Where the answers come from.
+
+    Attributes:
+        source: file (a JSONL of responses) | gold (the benchmark's own reasoning) | hf | vllm (the model
+            under test answers)
+        path: file: JSONL of {id, response, [correct], [model_answer]}
+        response_field: file: the field holding the response text
+        model: hf / vllm: the model under test (also the policy of scorer.kind=mc)
+        system_prompt: hf / vllm: system message of every prompt; null sends none
+        sampling: hf / vllm: sampling settings (section)
+        batch_size: hf: sequences per generate call
+        dtype: hf: torch dtype name or auto; vllm: its dtype option
+        vllm_gpu_memory_utilization: vllm: share of GPU memory the engine may take
+        vllm_max_model_len: vllm: context length; null takes the model's
+        tokenizer: count answer tokens with this tokenizer; null: the model's, else approximate
+    """
+
     source: Literal["file", "gold", "hf", "vllm"] = "gold"
-    path: str = ""  # file: JSONL {id, response, [correct], [model_answer]}
+    path: str = ""
     response_field: str = "response"
-    model: str = ""  # hf / vllm: the model under test (also the policy of scorer.kind=mc)
+    model: str = ""
     system_prompt: str | None = None
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.7, max_new_tokens=1024))
-    batch_size: int = 16  # hf: sequences per generate call
+    batch_size: int = 16
     dtype: str = "auto"
     vllm_gpu_memory_utilization: float = 0.9
     vllm_max_model_len: int | None = None
-    tokenizer: str | None = None  # count answer tokens with it (default: the model's, else approximate)
+    tokenizer: str | None = None
 
 
 @dataclass
 class TreeConfig:
+    """How an answer becomes a reasoning tree.
+
+    Attributes:
+        kind: think360 (an LLM extracts the tree) | rpts (premise + premise -> conclusion lines) | steps (a
+            chain of the answer's steps)
+        extractor: think360: the extracting LLM's endpoint (section)
+        retries: extra tries for an answer whose tree is unparseable or invalid
+        retry_temperature: sampling temperature of those extra tries
+        send_images: show the extractor the problem's images
+    """
+
     kind: Literal["think360", "rpts", "steps"] = "rpts"
-    extractor: ChatConfig = field(default_factory=ChatConfig)  # think360: the extracting LLM
-    retries: int = 2  # extra tries for an answer whose tree is unparseable or invalid
+    extractor: ChatConfig = field(default_factory=ChatConfig)
+    retries: int = 2
     retry_temperature: float = 0.7
-    send_images: bool = False  # show the extractor the problem's images
+    send_images: bool = False
 
 
 @dataclass
 class JudgeConfig(ChatConfig):
-    """The judge endpoint (mmprm.chat.ChatConfig) and its protocol."""
+    """The judge endpoint (keys as in mmprm.chat.ChatConfig) and its protocol.
 
-    protocol: Literal["auto", "think360", "graded", "rpts"] = "auto"  # auto: rpts for rpts trees, else think360
+    Attributes:
+        protocol: auto (rpts for rpts trees, else think360) | think360 | graded | rpts
+        send_images: send the problem's images with each question
+        parse_retries: extra asks for a reply that holds no verdict
+    """
+
+    protocol: Literal["auto", "think360", "graded", "rpts"] = "auto"
     send_images: bool = False
     parse_retries: int = 2
 
 
 @dataclass
 class ScorerConfig:
+    """What scores each node.
+
+    Attributes:
+        kind: judge (an LLM judge) | prm (our PRM) | mc (Monte Carlo rollouts of answers.model) | constant
+        judge: kind=judge: the judge (section)
+        rpts: the RPTS judge protocol's switches (section)
+        prm_path: kind=prm: the PRM directory
+        prm_batch_size: kind=prm: trees scored per forward batch
+        mc_rollouts: kind=mc: rollouts per node
+        constant: kind=constant: the score of every node
+        device: auto | cpu | cuda
+    """
+
     kind: Literal["judge", "prm", "mc", "constant"] = "judge"
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     rpts: RPTSJudgeConfig = field(default_factory=RPTSJudgeConfig)
@@ -108,20 +164,47 @@ class ScorerConfig:
 
 @dataclass
 class MetricsConfig:
-    threshold: float = 0.5  # a node is correct when its score >= threshold (width/depth)
+    """Tree metrics.
+
+    Attributes:
+        threshold: a node is correct when its score >= threshold (width/depth)
+        rpts_lambdas: RPTS height-decay values to report
+        rpts_h_fs: RPTS full-weight heights to report
+        filter_threshold: filtered accuracy counts a right answer only when its RPTS >= this
+    """
+
+    threshold: float = 0.5
     rpts_lambdas: list[float] = field(default_factory=lambda: [0.9, 0.5])
     rpts_h_fs: list[int] = field(default_factory=lambda: [1, 2])
-    filter_threshold: float = 0.5  # filtered accuracy: right answer AND RPTS >= this
+    filter_threshold: float = 0.5
 
 
 @dataclass
 class OutputConfig:
+    """Where results go.
+
+    Attributes:
+        dir: output folder (report.json, report.md, trees.jsonl, answers)
+        plots: one PNG per problem under trees/
+    """
+
     dir: str = "runs/reasoning_eval"
-    plots: bool = False  # one PNG per problem under trees/
+    plots: bool = False
 
 
 @dataclass
 class ReasoningEvalConfig:
+    """Evaluate a model's own reasoning: problems -> answers -> trees -> node scores -> report.
+
+    Attributes:
+        problems: the problems (section)
+        answers: where the answers come from (section)
+        tree: how answers become trees (section)
+        scorer: what scores each node (section)
+        metrics: tree metrics (section)
+        output: where results go (section)
+    """
+
     problems: ProblemsConfig = field(default_factory=ProblemsConfig)
     answers: AnswersConfig = field(default_factory=AnswersConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
@@ -207,7 +290,7 @@ def mean(values: list[float | None]) -> float | None:
 
 def main(argv: list[str]) -> int:
     try:
-        config_path, overrides = parse_cli(argv)
+        config_path, overrides = parse_cli(argv, ReasoningEvalConfig)
         cfg = load_config(ReasoningEvalConfig, config_path, overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

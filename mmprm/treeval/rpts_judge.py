@@ -70,13 +70,21 @@ Score:"""
 
 @dataclass
 class RPTSJudgeConfig:
-    """Switches of the RPTS protocol (see the module docstring)."""
+    """Switches of the RPTS protocol (see the module docstring).
 
-    compare_images: bool = True  # image-only steps vs the reference descriptions
-    correction: bool = True  # re-judge low inferences with every clue and earlier conclusion
+    Attributes:
+        compare_images: judge image-only steps against the reference descriptions of the image
+        correction: re-judge low inferences with every text clue and earlier conclusion as premises
+        correction_below: a first score under this triggers the correction pass
+        penalty: multiplies the re-judged score (kept: max(first, round(penalty * second, 1)))
+        parse_retries: extra asks for a reply that holds no score
+    """
+
+    compare_images: bool = True
+    correction: bool = True
     correction_below: float = 0.5
-    penalty: float = 0.8  # multiplies the re-judged score
-    parse_retries: int = 2  # extra asks for a reply that holds no score
+    penalty: float = 0.8
+    parse_retries: int = 2
 
     def validate(self) -> None:
         if not 0.0 <= self.penalty <= 1.0 or not 0.0 <= self.correction_below <= 1.0:
