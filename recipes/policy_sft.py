@@ -30,7 +30,8 @@ from mmprm.data.schema import DataError, load_examples, load_image
 from mmprm.models.loading import load_backbone, vision_tower_parameters
 from mmprm.models.prm import PER_TOKEN_KEYS, collate_model_inputs
 from mmprm.steps import parse_solution, prompt_text, render_solution
-from mmprm.training import BatchStream, TrainProgress, find_checkpoint, lr_factor, rank_share
+from mmprm.training import (BatchStream, TrainProgress, find_checkpoint, lr_factor, process_group_kwargs,
+                            rank_share)
 
 IGNORE = -100
 
@@ -208,7 +209,8 @@ def main(argv: list[str]) -> None:
     # Our LR schedule counts optimizer steps: accelerate's default steps it once per process.
     # gradient_accumulation_steps tells DeepSpeed which micro-batch closes a step (see the loop).
     accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", log_with=log_with, project_dir=str(out_dir),
-                              gradient_accumulation_steps=cfg.train.grad_accum, step_scheduler_with_optimizer=False)
+                              gradient_accumulation_steps=cfg.train.grad_accum, step_scheduler_with_optimizer=False,
+                              kwargs_handlers=process_group_kwargs())
     set_seed(cfg.train.seed)
     log = accelerator.print
 

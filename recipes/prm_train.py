@@ -29,11 +29,13 @@ from tqdm.auto import tqdm
 from mmprm.config import ConfigError, load_config, parse_cli, to_dict
 from mmprm.data.schema import DataError, load_examples, load_image
 from mmprm.models.loading import load_backbone, vision_tower_parameters
+from mmprm.models.sharding import partition_report, partition_summary
 from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, collate_steps, model_input_keys, save_prm
 from mmprm.scoring.losses import soft_bce_value, soft_ce_token_pair
 from mmprm.scoring.metrics import step_metrics
 from mmprm.steps import StepTokenError, tokenize_steps
-from mmprm.training import BatchStream, TrainProgress, find_checkpoint, lr_factor, rank_share
+from mmprm.training import (BatchStream, TrainProgress, find_checkpoint, lr_factor, process_group_kwargs,
+                            rank_share)
 
 
 @dataclass
@@ -183,7 +185,8 @@ def main(argv: list[str]) -> None:
     # Our LR schedule counts optimizer steps; gradient_accumulation_steps tells DeepSpeed which
     # micro-batch closes a step (see the loop).
     accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", log_with=log_with, project_dir=str(out_dir),
-                              gradient_accumulation_steps=cfg.train.grad_accum, step_scheduler_with_optimizer=False)
+                              gradient_accumulation_steps=cfg.train.grad_accum, step_scheduler_with_optimizer=False,
+                              kwargs_handlers=process_group_kwargs())
     set_seed(cfg.train.seed)
     log = accelerator.print
 
@@ -230,6 +233,14 @@ def main(argv: list[str]) -> None:
         ds.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
         ds.deepspeed_config["gradient_clipping"] = cfg.train.max_grad_norm
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    partitions = partition_report(accelerator.unwrap_model(model))
+    if any(r["partitioned"] for r in partitions):
+        # ZeRO-3: say what each rank really holds (weights under the persistence threshold stay whole)
+        log(partition_summary(accelerator.unwrap_model(model), partitions))
+        if accelerator.is_main_process:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "zero3_partitions.json").write_text(json.dumps(
+                {"num_processes": accelerator.num_processes, "rank": 0, "parameters": partitions}, indent=1))
     global_batch = cfg.train.batch_size * accelerator.num_processes
     stream = BatchStream([len(t.input_ids) for t in train_data], global_batch, cfg.train.seed, cfg.train.group_by_length)
     progress = TrainProgress()

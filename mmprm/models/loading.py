@@ -33,6 +33,7 @@ from transformers import (
 )
 from tokenizers import AddedToken
 
+from mmprm.models.sharding import full_shape
 from mmprm.steps import STEP_TOKEN
 
 __all__ = [
@@ -209,7 +210,9 @@ def add_step_token(processor: Any, model: nn.Module | None, token: str = STEP_TO
         tokenizer.add_special_tokens({"extra_special_tokens": [added]}, replace_extra_special_tokens=False)
     token_id = tokenizer.convert_tokens_to_ids(token)
     if model is not None:
-        rows = model.get_input_embeddings().weight.shape[0]
+        # full_shape: under ZeRO-3 `.shape` of a partitioned weight is (0,), which would resize
+        # (and shrink) every checkpoint with spare rows; `ds_shape` is the real size.
+        rows = full_shape(model.get_input_embeddings().weight)[0]
         if token_id >= rows:
             # mean_resizing: the new row starts at the mean embedding, not at random noise.
             model.resize_token_embeddings(len(tokenizer), mean_resizing=True)

@@ -90,12 +90,11 @@ class ProcessRewardModel(nn.Module):
             return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)  # (N,)
         base = self.backbone.get_base_model() if hasattr(self.backbone, "get_base_model") else self.backbone
         lm_head = base.get_output_embeddings()
-        # Only the two reward rows of the LM head: the same logits as the full vocab, a fraction of the cost.
-        weight = lm_head.weight[self.reward_ids]  # (2, H)
-        logits = hidden.to(weight.dtype) @ weight.T  # (N, 2)
-        if getattr(lm_head, "bias", None) is not None:
-            logits = logits + lm_head.bias[self.reward_ids]
-        return logits
+        # Call the module, never read lm_head.weight: under ZeRO-3 the weight is partitioned and
+        # DeepSpeed gathers it only inside the module's own forward. The full-vocab logits are
+        # for the N step tokens only, not the whole sequence: a small cost beside the decoder.
+        logits = lm_head(hidden.to(lm_head.weight.dtype))  # (N, V)
+        return logits[:, self.reward_ids]  # (N, 2)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, step_mask: torch.Tensor,
                 **model_inputs: Any) -> torch.Tensor:
