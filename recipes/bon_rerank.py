@@ -74,9 +74,16 @@ class ShardConfig:
 
 
 @dataclass
+class ModelConfig:
+    # Attention kernel of every model this recipe loads: sdpa | flash_attention_2 (mmprm[flash], CUDA) | eager | auto
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
 class Config:
     prm: str = ""  # a directory written by recipes/prm_train.py
     candidates_file: str | None = None  # our candidates JSONL (`mmprm convert-candidates`); unused when generating
+    model: ModelConfig = field(default_factory=ModelConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
@@ -86,6 +93,9 @@ class Config:
     def validate(self) -> None:
         if not self.prm:
             raise ValueError("prm: required (a PRM directory from recipes/prm_train.py)")
+        from mmprm.models.loading import resolve_attn_implementation
+
+        resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
         if not self.generate.enabled and not self.candidates_file:
             raise ValueError("candidates_file: required unless generate.enabled=true")
         if self.generate.enabled and not (self.generate.policy and self.generate.problems_file):
@@ -153,7 +163,8 @@ def make_backend(cfg: Config):
     from mmprm.annotate.backends.hf import HFBackend
 
     return HFBackend.from_pretrained(cfg.generate.policy, sampling, step_mode=cfg.generate.step_mode,
-                                     batch_size=cfg.generate.batch_size)
+                                     batch_size=cfg.generate.batch_size,
+                                     attn_implementation=cfg.model.attn_implementation)
 
 
 def main(argv: list[str]) -> None:
@@ -188,7 +199,8 @@ def main(argv: list[str]) -> None:
     from mmprm.steps import StepTokenError
 
     device = cfg.scoring.device if cfg.scoring.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    scorer = load_prm(cfg.prm, device=device, batch_size=cfg.scoring.batch_size, max_length=cfg.scoring.max_length)
+    scorer = load_prm(cfg.prm, device=device, batch_size=cfg.scoring.batch_size, max_length=cfg.scoring.max_length,
+                      attn_implementation=cfg.model.attn_implementation)
     # Steps are what the PRM scores (answer attached); a candidate with no steps is scored on its
     # whole text as one step, and one with no text either is left out (its score is 0).
     inputs = [[{**x, "id": f"{p.id}/candidates[{j}]"} for j, x in enumerate(p.prm_inputs())] for p in problems]

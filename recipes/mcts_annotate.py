@@ -51,6 +51,7 @@ class ModelConfig:
     name_or_path: str = ""
     backend: Literal["hf", "vllm"] = "hf"
     dtype: str = "auto"  # hf: torch dtype name or auto; vllm: its dtype option
+    attn_implementation: str = "sdpa"  # hf: sdpa | flash_attention_2 (mmprm[flash], CUDA) | eager | auto; vllm picks its own
     system_prompt: str | None = None
     hf_batch_size: int = 64  # hf: sequences per generate call
     vllm_gpu_memory_utilization: float = 0.9
@@ -92,6 +93,10 @@ class AnnotateConfig:
     world_size: int | None = None
 
     def validate(self) -> None:
+        from mmprm.models.loading import resolve_attn_implementation
+
+        if self.model.backend == "hf":
+            resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
         if not self.model.name_or_path:
             raise ValueError("model.name_or_path is required (the policy that writes rollouts)")
         if not self.data.problems_file:
@@ -144,7 +149,8 @@ def main(argv: list[str]) -> int:
         device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
         backend = HFBackend.from_pretrained(cfg.model.name_or_path, cfg.sampling, dtype=cfg.model.dtype,
                                             device=device, step_mode=cfg.engine.step_mode,
-                                            batch_size=cfg.model.hf_batch_size, system=cfg.model.system_prompt)
+                                            batch_size=cfg.model.hf_batch_size, system=cfg.model.system_prompt,
+                                            attn_implementation=cfg.model.attn_implementation)
     verify = rule_verifier
     if cfg.verify.judge:
         from mmprm.annotate.judge import LLMJudge, judged_verifier

@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 
 from mmprm.config import ConfigError, load_config, parse_cli, to_dict
 from mmprm.data.schema import DataError, load_examples, load_image
-from mmprm.models.loading import load_backbone, vision_tower_parameters
+from mmprm.models.loading import load_backbone, resolve_attn_implementation, vision_tower_parameters
+from mmprm.models.sharding import partition_report, partition_summary
 from mmprm.models.prm import PER_TOKEN_KEYS, collate_model_inputs
 from mmprm.steps import parse_solution, prompt_text, render_solution
 from mmprm.training import (BatchStream, TrainProgress, find_checkpoint, lr_factor, process_group_kwargs,
@@ -48,6 +49,7 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     name_or_path: str = ""
+    attn_implementation: str = "sdpa"  # sdpa | flash_attention_2 (mmprm[flash], CUDA) | eager | auto
     dtype: str = "float32"
     freeze_vision_tower: bool = True  # MM-PRM: LM updated, ViT frozen
     gradient_checkpointing: bool = False
@@ -94,6 +96,7 @@ class Config:
     resume_from_checkpoint: str | None = None
 
     def validate(self) -> None:
+        resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
         if not self.model.name_or_path:
             raise ValueError("model.name_or_path: required (a HF model directory or hub name)")
         if not self.data.train_file:
@@ -216,7 +219,8 @@ def main(argv: list[str]) -> None:
 
     # ---- model and data -------------------------------------------------------------------
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
-    model, processor = load_backbone(cfg.model.name_or_path, dtype=dtype)
+    model, processor = load_backbone(cfg.model.name_or_path, dtype=dtype,
+                                   attn_implementation=cfg.model.attn_implementation)
     if cfg.model.freeze_vision_tower:
         for p in vision_tower_parameters(model):
             p.requires_grad_(False)
@@ -258,6 +262,14 @@ def main(argv: list[str]) -> None:
         ds.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
         ds.deepspeed_config["gradient_clipping"] = cfg.train.max_grad_norm
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    partitions = partition_report(accelerator.unwrap_model(model))
+    if any(r["partitioned"] for r in partitions):
+        # ZeRO-3: say what each rank really holds (weights under the persistence threshold stay whole)
+        log(partition_summary(accelerator.unwrap_model(model), partitions))
+        if accelerator.is_main_process:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "zero3_partitions.json").write_text(json.dumps(
+                {"num_processes": accelerator.num_processes, "rank": 0, "parameters": partitions}, indent=1))
     global_batch = cfg.train.batch_size * accelerator.num_processes
     stream = BatchStream([len(t["input_ids"]) for t in train_data], global_batch, cfg.train.seed,
                          cfg.train.group_by_length)

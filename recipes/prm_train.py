@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from mmprm.config import ConfigError, load_config, parse_cli, to_dict
 from mmprm.data.schema import DataError, load_examples, load_image
-from mmprm.models.loading import load_backbone, vision_tower_parameters
+from mmprm.models.loading import load_backbone, resolve_attn_implementation, vision_tower_parameters
 from mmprm.models.sharding import partition_report, partition_summary
 from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, collate_steps, model_input_keys, save_prm
 from mmprm.scoring.losses import soft_bce_value, soft_ce_token_pair
@@ -50,6 +50,7 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     name_or_path: str = ""
+    attn_implementation: str = "sdpa"  # sdpa | flash_attention_2 (mmprm[flash], CUDA) | eager | auto
     dtype: str = "float32"  # weights dtype at load; use train.bf16 for mixed precision
     freeze_vision_tower: bool = True
     gradient_checkpointing: bool = False
@@ -104,6 +105,7 @@ class Config:
     resume_from_checkpoint: str | None = None
 
     def validate(self) -> None:
+        resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
         if not self.model.name_or_path:
             raise ValueError("model.name_or_path: required (a HF model directory or hub name)")
         if not self.data.train_file:
@@ -192,7 +194,8 @@ def main(argv: list[str]) -> None:
 
     # ---- model and data -------------------------------------------------------------------
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
-    backbone, processor = load_backbone(cfg.model.name_or_path, dtype=dtype)
+    backbone, processor = load_backbone(cfg.model.name_or_path, dtype=dtype,
+                                   attn_implementation=cfg.model.attn_implementation)
     spec = PRMSpec(head=cfg.prm.head, reward_tokens=list(cfg.prm.reward_tokens), system_prompt=cfg.prm.system_prompt)
     model = build_prm(backbone, processor, spec)
     if cfg.model.freeze_vision_tower:

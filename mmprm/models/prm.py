@@ -360,8 +360,13 @@ def save_prm(model: ProcessRewardModel, processor: Any, out_dir: str | Path, mer
 
 
 def load_prm(path: str | Path, device: str | torch.device = "cpu", batch_size: int = 8,
-             max_length: int | None = None, dtype: torch.dtype | None = None) -> PRMScorer:
-    """Restore a PRM saved by `save_prm` (or `recipes/prm_train.py`) as a `PRMScorer`."""
+             max_length: int | None = None, dtype: torch.dtype | None = None,
+             attn_implementation: str = "sdpa") -> PRMScorer:
+    """Restore a PRM saved by `save_prm` (or `recipes/prm_train.py`) as a `PRMScorer`.
+
+    `attn_implementation`: sdpa (default), flash_attention_2 (needs flash-attn and CUDA), eager
+    or auto; checked before any weight loads. Scores are float32 whatever `dtype` the model runs in.
+    """
     from safetensors.torch import load_file
 
     from mmprm.models.loading import load_backbone
@@ -372,7 +377,7 @@ def load_prm(path: str | Path, device: str | torch.device = "cpu", batch_size: i
         raise FileNotFoundError(f"{path}: no {SPEC_FILE}; this is not a PRM directory written by mmprm "
                                 "(train one with recipes/prm_train.py, or use PRMSpec with build_prm)")
     spec = PRMSpec(**json.loads(spec_file.read_text()))
-    backbone, processor = load_backbone(path, dtype=dtype)
+    backbone, processor = load_backbone(path, dtype=dtype, attn_implementation=attn_implementation)
     model = build_prm(backbone, processor, spec)
     if spec.head == "value":
         model.value_head.load_state_dict(load_file(str(path / VALUE_HEAD_FILE)))
