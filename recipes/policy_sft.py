@@ -15,6 +15,7 @@ steps + an answer) and answer accuracy with `mmprm.answers`.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -160,12 +161,18 @@ def generate_eval(model, processor, examples, cfg: Config, accelerator) -> dict[
     tokenizer = getattr(processor, "tokenizer", processor)
     model = accelerator.unwrap_model(model)
     model.eval()
-    mine = examples[: cfg.train.eval_generations][accelerator.process_index :: accelerator.num_processes]
+    chosen = examples[: cfg.train.eval_generations]
+    mine = chosen[accelerator.process_index :: accelerator.num_processes]
+    # Same number of generate calls on every rank (ZeRO-3 forwards are collective; transformers
+    # syncs the decoding steps within a call, not the number of calls).
+    n_chunks = math.ceil(math.ceil(len(chosen) / accelerator.num_processes) / cfg.train.eval_batch_size)
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     results = []
-    for start in range(0, len(mine), cfg.train.eval_batch_size):
-        chunk = mine[start : start + cfg.train.eval_batch_size]
+    for c in range(n_chunks):
+        chunk = mine[c * cfg.train.eval_batch_size : (c + 1) * cfg.train.eval_batch_size]
+        keep = bool(chunk)
+        chunk = chunk or chosen[:1]
         prompts = [prompt_text(processor, ex.question, len(ex.images), cfg.model.system_prompt) for ex in chunk]
         images = [load_image(p) for ex in chunk for p in ex.images]
         if images:
@@ -176,7 +183,7 @@ def generate_eval(model, processor, examples, cfg: Config, accelerator) -> dict[
         out = model.generate(**enc, do_sample=False, max_new_tokens=cfg.train.max_new_tokens,
                              pad_token_id=tokenizer.pad_token_id)
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        for ex, text in zip(chunk, texts):
+        for ex, text in zip(chunk if keep else [], texts):
             parsed = parse_solution(text)
             compliant = bool(parsed.steps) and parsed.complete
             correct = compliant and ex.answer is not None and answers_match(parsed.answer, ex.answer)
@@ -194,10 +201,14 @@ def eval_loss(model, data, pad_id, batch_size, accelerator) -> float:
     model.eval()
     total, count = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
     mine = data[accelerator.process_index :: accelerator.num_processes]
-    for start in range(0, len(mine), batch_size):
-        batch = {k: v.to(accelerator.device) for k, v in collate(mine[start : start + batch_size], pad_id).items()}
+    # Same number of forwards on every rank: a ZeRO-3 forward gathers weights from all of them.
+    n_batches = math.ceil(math.ceil(len(data) / accelerator.num_processes) / batch_size)
+    for b in range(n_batches):
+        items = mine[b * batch_size : (b + 1) * batch_size]
+        batch = {k: v.to(accelerator.device) for k, v in collate(items or data[:1], pad_id).items()}
         loss, n = token_loss_sum(model, batch)
-        total, count = total + loss, count + n
+        if items:  # a rank out of rows only keeps the others company
+            total, count = total + loss, count + n
     model.train()
     total, count = accelerator.reduce(total, "sum"), accelerator.reduce(count, "sum")
     return (total / count.clamp_min(1)).item()

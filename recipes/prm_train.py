@@ -151,26 +151,31 @@ def step_loss(head_logits: torch.Tensor, targets: torch.Tensor, weights: torch.T
 
 
 @torch.no_grad()
-def evaluate(model, data, pad_id, batch_size, accelerator) -> dict[str, float]:
-    """Step-level metrics on the eval split (each process scores its share, gathered on all)."""
+def evaluate(model, data, pad_id, batch_size, accelerator) -> tuple[dict[str, float], list[dict]]:
+    """Step-level metrics on the eval split (each process scores its share, gathered on all), and
+    the per-step scores by example id."""
     model.eval()
     mine = data[accelerator.process_index :: accelerator.num_processes]
-    scores, labels = [], []
-    for start in range(0, len(mine), batch_size):
-        items = mine[start : start + batch_size]
-        batch = {k: v.to(accelerator.device) for k, v in collate_steps(items, pad_id).items()}
+    # Every rank runs the same number of forwards: under ZeRO-3 each forward gathers weights from
+    # all ranks, so a rank with one batch fewer would leave the others waiting for ever.
+    n_batches = math.ceil(math.ceil(len(data) / accelerator.num_processes) / batch_size)
+    scores, labels, ids = [], [], []
+    for b in range(n_batches):
+        items = mine[b * batch_size : (b + 1) * batch_size]
+        batch = {k: v.to(accelerator.device) for k, v in collate_steps(items or data[:1], pad_id).items()}
         probs = ProcessRewardModel.probabilities(
             model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))).tolist()
         pos = 0
-        for t in items:
+        for t in items:  # nothing for a rank that only ran to keep the others company
             scores.append(probs[pos : pos + len(t.step_positions)])
             labels.append(t.labels)
+            ids.append(t.id)
             pos += len(t.step_positions)
     from accelerate.utils import gather_object
 
-    scores, labels = gather_object(scores), gather_object(labels)
+    scores, labels, ids = gather_object(scores), gather_object(labels), gather_object(ids)
     model.train()
-    return step_metrics(scores, labels, threshold=0.5)
+    return step_metrics(scores, labels, threshold=0.5), [{"id": i, "scores": s} for i, s in zip(ids, scores)]
 
 
 def main(argv: list[str]) -> None:
@@ -317,8 +322,10 @@ def main(argv: list[str]) -> None:
                            "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen / max(elapsed, 1e-9)})
             running = []
         if eval_data and (progress.step % cfg.train.eval_every == 0 or progress.step == cfg.train.max_steps):
-            metrics = evaluate(model, eval_data, pad_id, cfg.train.eval_batch_size, accelerator)
+            metrics, predictions = evaluate(model, eval_data, pad_id, cfg.train.eval_batch_size, accelerator)
             write_metrics({"split": "eval", "step": progress.step, **metrics})
+            if accelerator.is_main_process:  # the latest eval's step scores, for error analysis
+                (out_dir / "eval_predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in predictions))
             log(f"step {progress.step} eval: " + " ".join(
                 f"{k}={metrics[k]:.4f}" for k in ("bce", "brier", "step_accuracy", "first_error_f1") if k in metrics))
         stopping = progress.step == cfg.train.stop_at_step
