@@ -84,13 +84,14 @@ def train(stage: int, model: Path, train_file: Path, eval_file: Path, out: Path,
     env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     t0 = time.time()
     try:
-        res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+        res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout,
+                             check=False)
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"timed out after {args.timeout}s"}
     seconds = time.time() - t0
     if res.returncode != 0:
         return {"ok": False, "error": (res.stdout + res.stderr)[-1500:], "seconds": round(seconds, 1)}
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if r["split"] == "train"]
     k = max(1, len(losses) // 4)
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
@@ -116,7 +117,7 @@ def score(out: Path, eval_file: Path, device: str, attn: str, repeats: int) -> d
 
     scorer = mmprm.load_prm(out, device=device, dtype=torch.bfloat16, batch_size=16, attn_implementation=attn)
     examples = load_examples(eval_file)
-    memory = {r["id"]: r["scores"] for r in map(json.loads, open(out / "eval_predictions.jsonl"))}
+    memory = {r["id"]: r["scores"] for r in map(json.loads, (out / "eval_predictions.jsonl").read_text().splitlines())}
     scores = scorer.score(examples)
     diff = max(abs(a - b) for e, s in zip(examples, scores) for a, b in zip(s, memory[e.id]))
     if device.startswith("cuda"):
@@ -152,7 +153,7 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed
     except ImportError:
         print("gpu-check: deepspeed is not installed: pip install 'mmprm[deepspeed]'", file=sys.stderr)
         return 2
@@ -168,7 +169,8 @@ def main(argv: list[str]) -> int:
     eval_file = write_step_data(root / "data", 32, 1, "eval")
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "processes": args.processes,
-        "torch": torch.__version__, "deepspeed": deepspeed.__version__, "attn_implementation": attn, "steps": args.steps}
+        "torch": torch.__version__, "deepspeed": deepspeed.__version__, "attn_implementation": attn,
+        "steps": args.steps}
     for stage in (2, 3):
         result[f"zero{stage}"] = train(stage, model, train_file, eval_file, root / f"zero{stage}", args, attn)
     if result["zero3"]["ok"]:

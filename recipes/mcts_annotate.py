@@ -51,7 +51,8 @@ class ModelConfig:
     name_or_path: str = ""
     backend: Literal["hf", "vllm"] = "hf"
     dtype: str = "auto"  # hf: torch dtype name or auto; vllm: its dtype option
-    attn_implementation: str = "sdpa"  # hf: sdpa | flash_attention_2 (mmprm[flash], CUDA) | eager | auto; vllm picks its own
+    # hf: sdpa | flash_attention_2 (mmprm[flash], CUDA) | eager | auto; vllm chooses its own kernels
+    attn_implementation: str = "sdpa"
     system_prompt: str | None = None
     hf_batch_size: int = 64  # hf: sequences per generate call
     vllm_gpu_memory_utilization: float = 0.9

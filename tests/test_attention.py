@@ -73,6 +73,6 @@ RECIPE_ARGS = {
 def test_every_recipe_names_the_key_when_flash_attn_is_missing(recipe):
     cmd = [sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *RECIPE_ARGS[recipe],
            "model.attn_implementation=flash_attention_2"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "model.attn_implementation=flash_attention_2 but flash-attn is not installed" in res.stderr

@@ -15,11 +15,11 @@ import torch
 
 deepspeed = pytest.importorskip("deepspeed")
 
-from mmprm.models.loading import add_step_token, load_backbone  # noqa: E402
-from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, collate_steps  # noqa: E402
-from mmprm.models.sharding import full_shape, gathered, partition_report  # noqa: E402
-from mmprm.models.tiny import build_tiny_model  # noqa: E402
-from mmprm.steps import tokenize_steps  # noqa: E402
+from mmprm.models.loading import add_step_token, load_backbone
+from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, collate_steps
+from mmprm.models.sharding import full_shape, gathered, partition_report
+from mmprm.models.tiny import build_tiny_model
+from mmprm.steps import tokenize_steps
 
 ZERO3 = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100_000}}

@@ -15,13 +15,20 @@ deepspeed is imported only when a parameter is partitioned (which means it is in
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["full_shape", "gathered", "is_partitioned", "partition_report", "partition_summary",
-           "embedding_parameter_names"]
+__all__ = [
+    "embedding_parameter_names",
+    "full_shape",
+    "gathered",
+    "is_partitioned",
+    "partition_report",
+    "partition_summary",
+]
 
 
 def is_partitioned(param: torch.Tensor) -> bool:
