@@ -68,11 +68,43 @@ RECIPE_ARGS = {
 }
 
 
+def recipe_main(name: str):
+    """recipes/<name>.py's main, loaded by path (the `recipes` package raises on import by design)."""
+    key = f"_attn_recipe_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, REPO / "recipes" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module  # dataclasses resolve string annotations through sys.modules
+        spec.loader.exec_module(module)
+    return sys.modules[key].main
+
+
 @pytest.mark.skipif(HAS_FLASH, reason="flash-attn installed: the missing-package error cannot happen")
 @pytest.mark.parametrize("recipe", sorted(RECIPE_ARGS))
-def test_every_recipe_names_the_key_when_flash_attn_is_missing(recipe):
-    cmd = [sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *RECIPE_ARGS[recipe],
-           "model.attn_implementation=flash_attention_2"]
+def test_every_recipe_names_the_key_when_flash_attn_is_missing(recipe, monkeypatch, capsys):
+    from mmprm.models import loading
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the attention kernel was checked")
+
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", no_loading)
+    monkeypatch.setattr(loading.AutoModelForImageTextToText, "from_pretrained", no_loading)
+    # main raises the ConfigError (its __main__ block prints it and exits 2), or prints it and returns 2
+    try:
+        code = recipe_main(recipe)([*RECIPE_ARGS[recipe], "model.attn_implementation=flash_attention_2"])
+    except ConfigError as e:
+        code, message = 2, str(e)
+    else:
+        message = capsys.readouterr().err
+    assert code == 2, f"{recipe} accepted model.attn_implementation=flash_attention_2 without flash-attn"
+    assert "model.attn_implementation=flash_attention_2 but flash-attn is not installed: pip install 'mmprm[flash]'" \
+        in message
+
+
+@pytest.mark.skipif(HAS_FLASH, reason="flash-attn installed: the missing-package error cannot happen")
+def test_recipe_exits_2_with_the_message():
+    cmd = [sys.executable, str(REPO / "recipes" / "prm_train.py"), "model.attn_implementation=flash_attention_2"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
     assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.startswith("prm_train: ")
     assert "model.attn_implementation=flash_attention_2 but flash-attn is not installed" in res.stderr
