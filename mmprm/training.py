@@ -107,3 +107,24 @@ def find_checkpoint(output_dir: str | Path, resume: str | None) -> Path | None:
         raise FileNotFoundError(f"resume_from_checkpoint={resume}: no such checkpoint directory "
                                 "(use 'latest' or a path under OUTPUT_DIR/checkpoints)")
     return path
+
+
+def process_group_kwargs() -> list:
+    """`kwargs_handlers` for `Accelerator` so DeepSpeed ranks on a machine without GPUs form one group.
+
+    Without a GPU, accelerate gives DeepSpeed no backend and counts one process per rank: two
+    processes of `accelerate launch --num_processes 2 --config_file deepspeed_zero3.yaml` each
+    train alone on all the data. Naming gloo makes them one group (world size 2). With GPUs, and
+    outside a DeepSpeed launch, this returns nothing and accelerate chooses as usual.
+    """
+    import os
+
+    import torch
+
+    launched = os.environ.get("LOCAL_RANK") is not None
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if not (launched and deepspeed) or torch.cuda.is_available():
+        return []
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return [InitProcessGroupKwargs(backend="gloo")]

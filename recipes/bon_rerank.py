@@ -131,12 +131,25 @@ class ShardConfig:
 
 
 @dataclass
+class ModelConfig:
+    """Model loading.
+
+    Attributes:
+        attn_implementation: attention kernel of every model this recipe loads: sdpa | flash_attention_2
+            (mmprm[flash], CUDA) | eager | auto (flash-attn when installed and a GPU is visible, else sdpa)
+    """
+
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
 class Config:
     """bon_rerank settings.
 
     Attributes:
         prm: PRM directory written by recipes/prm_train.py; required
         candidates_file: our candidates JSONL (`mmprm convert-candidates`); unused when generate.enabled
+        model: model loading (section)
         generate: generation (section)
         scoring: scoring (section)
         report: report (section)
@@ -146,6 +159,7 @@ class Config:
 
     prm: str = ""
     candidates_file: str | None = None
+    model: ModelConfig = field(default_factory=ModelConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
@@ -155,6 +169,9 @@ class Config:
     def validate(self) -> None:
         if not self.prm:
             raise ValueError("prm: required (a PRM directory from recipes/prm_train.py)")
+        from mmprm.models.loading import resolve_attn_implementation
+
+        resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
         if not self.generate.enabled and not self.candidates_file:
             raise ValueError("candidates_file: required unless generate.enabled=true")
         if self.generate.enabled and not (self.generate.policy and self.generate.problems_file):
@@ -231,7 +248,8 @@ def make_backend(cfg: Config):
     from mmprm.annotate.backends.hf import HFBackend
 
     return HFBackend.from_pretrained(cfg.generate.policy, sampling, step_mode=step_mode,
-                                     batch_size=cfg.generate.batch_size, system=system)
+                                     batch_size=cfg.generate.batch_size, system=system,
+                                     attn_implementation=cfg.model.attn_implementation)
 
 
 def main(argv: list[str]) -> None:
@@ -270,7 +288,8 @@ def main(argv: list[str]) -> None:
 
     device = cfg.scoring.device if cfg.scoring.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     require_model_dir(cfg, "prm", hub=False)
-    scorer = load_prm(cfg.prm, device=device, batch_size=cfg.scoring.batch_size, max_length=cfg.scoring.max_length)
+    scorer = load_prm(cfg.prm, device=device, batch_size=cfg.scoring.batch_size, max_length=cfg.scoring.max_length,
+                      attn_implementation=cfg.model.attn_implementation)
     # Steps are what the PRM scores (answer attached); a candidate with no steps is scored on its
     # whole text as one step, and one with no text either is left out (its score is 0).
     inputs = [[{**x, "id": f"{p.id}/candidates[{j}]"} for j, x in enumerate(p.prm_inputs())] for p in problems]

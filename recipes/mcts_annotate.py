@@ -61,6 +61,8 @@ class ModelConfig:
         name_or_path: policy: a model directory (e.g. recipes/policy_sft.py's output) or hub id; required
         backend: hf (transformers generate, CPU or GPU) | vllm (one engine per GPU)
         dtype: hf: torch dtype name or auto; vllm: its dtype option
+        attn_implementation: hf: sdpa | flash_attention_2 (mmprm[flash], CUDA) | eager | auto; vllm chooses
+            its own kernels
         system_prompt: system message of every rollout prompt; null: as saved with the policy
             (mmprm_policy.json), "" sends none
         hf_batch_size: hf: sequences per generate call
@@ -71,6 +73,7 @@ class ModelConfig:
     name_or_path: str = ""
     backend: Literal["hf", "vllm"] = "hf"
     dtype: str = "auto"
+    attn_implementation: str = "sdpa"
     system_prompt: str | None = None
     hf_batch_size: int = 64
     vllm_gpu_memory_utilization: float = 0.9
@@ -150,6 +153,10 @@ class AnnotateConfig:
     world_size: int | None = None
 
     def validate(self) -> None:
+        from mmprm.models.loading import resolve_attn_implementation
+
+        if self.model.backend == "hf":
+            resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
         if not self.model.name_or_path:
             raise ValueError("model.name_or_path is required (the policy that writes rollouts)")
         if not self.data.problems_file:
@@ -187,7 +194,8 @@ def make_backend(cfg: AnnotateConfig, rank: int = 0):
 
     device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
     return HFBackend.from_pretrained(cfg.model.name_or_path, sampling, dtype=cfg.model.dtype, device=device,
-                                     step_mode=step_mode, batch_size=cfg.model.hf_batch_size, system=system)
+                                     step_mode=step_mode, batch_size=cfg.model.hf_batch_size, system=system,
+                                     attn_implementation=cfg.model.attn_implementation)
 
 
 def main(argv: list[str]) -> int:

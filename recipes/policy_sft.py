@@ -17,6 +17,7 @@ and Best-of-N generation read it, so they prompt the policy exactly as it was tr
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,11 +30,13 @@ from tqdm.auto import tqdm
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.data.schema import DataError, load_examples, load_image
-from mmprm.models.loading import load_backbone, vision_tower_parameters
+from mmprm.models.loading import load_backbone, resolve_attn_implementation, vision_tower_parameters
+from mmprm.models.sharding import partition_report, partition_summary
 from mmprm.models.prm import PER_TOKEN_KEYS, collate_model_inputs
 from mmprm.policy import PolicySpec, save_policy_spec
 from mmprm.steps import assistant_start, parse_solution, prompt_text, render_solution
-from mmprm.training import BatchStream, TrainProgress, find_checkpoint, lr_factor, rank_share
+from mmprm.training import (BatchStream, TrainProgress, find_checkpoint, lr_factor, process_group_kwargs,
+                            rank_share)
 
 IGNORE = -100
 
@@ -64,6 +67,8 @@ class ModelConfig:
     Attributes:
         name_or_path: base model: a Hugging Face model directory (or hub id where the hub is reachable);
             required
+        attn_implementation: attention kernel: sdpa | flash_attention_2 (mmprm[flash], CUDA) | eager | auto
+            (flash-attn when installed and a GPU is visible, else sdpa)
         dtype: weights dtype at load (float32, bfloat16, float16); use train.bf16 for mixed precision
         freeze_vision_tower: keep the vision encoder frozen (MM-PRM: language model updated, ViT frozen)
         gradient_checkpointing: recompute activations in the backward pass: less memory, ~30% slower
@@ -72,6 +77,7 @@ class ModelConfig:
     """
 
     name_or_path: str = ""
+    attn_implementation: str = "sdpa"
     dtype: str = "float32"
     freeze_vision_tower: bool = True
     gradient_checkpointing: bool = False
@@ -162,6 +168,7 @@ class Config:
     resume_from_checkpoint: str | None = None
 
     def validate(self) -> None:
+        resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
         if not self.model.name_or_path:
             raise ValueError("model.name_or_path: required (a HF model directory or hub name)")
         if not self.data.train_file:
@@ -226,14 +233,20 @@ def generate_eval(model, processor, examples, cfg: Config, accelerator) -> dict[
     tokenizer = getattr(processor, "tokenizer", processor)
     model = accelerator.unwrap_model(model)
     model.eval()
-    mine = examples[: cfg.train.eval_generations][accelerator.process_index :: accelerator.num_processes]
+    chosen = examples[: cfg.train.eval_generations]
+    mine = chosen[accelerator.process_index :: accelerator.num_processes]
+    # Same number of generate calls on every rank (ZeRO-3 forwards are collective; transformers
+    # syncs the decoding steps within a call, not the number of calls).
+    n_chunks = math.ceil(math.ceil(len(chosen) / accelerator.num_processes) / cfg.train.eval_batch_size)
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:  # Llama 3 ships without one; padded columns are masked out anyway
         tokenizer.pad_token = tokenizer.eos_token
     results = []
-    for start in range(0, len(mine), cfg.train.eval_batch_size):
-        chunk = mine[start : start + cfg.train.eval_batch_size]
+    for c in range(n_chunks):
+        chunk = mine[c * cfg.train.eval_batch_size : (c + 1) * cfg.train.eval_batch_size]
+        keep = bool(chunk)
+        chunk = chunk or chosen[:1]
         prompts = [prompt_text(processor, ex.question, len(ex.images), cfg.model.system_prompt) for ex in chunk]
         images = [load_image(p) for ex in chunk for p in ex.images]
         if images:
@@ -244,7 +257,7 @@ def generate_eval(model, processor, examples, cfg: Config, accelerator) -> dict[
         out = model.generate(**enc, do_sample=False, max_new_tokens=cfg.train.max_new_tokens,
                              pad_token_id=tokenizer.pad_token_id)
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        for ex, text in zip(chunk, texts):
+        for ex, text in zip(chunk if keep else [], texts):
             parsed = parse_solution(text)
             compliant = bool(parsed.steps) and parsed.complete
             correct = compliant and ex.answer is not None and answers_match(parsed.answer, ex.answer)
@@ -262,10 +275,14 @@ def eval_loss(model, data, pad_id, batch_size, accelerator) -> float:
     model.eval()
     total, count = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
     mine = data[accelerator.process_index :: accelerator.num_processes]
-    for start in range(0, len(mine), batch_size):
-        batch = {k: v.to(accelerator.device) for k, v in collate(mine[start : start + batch_size], pad_id).items()}
+    # Same number of forwards on every rank: a ZeRO-3 forward gathers weights from all of them.
+    n_batches = math.ceil(math.ceil(len(data) / accelerator.num_processes) / batch_size)
+    for b in range(n_batches):
+        items = mine[b * batch_size : (b + 1) * batch_size]
+        batch = {k: v.to(accelerator.device) for k, v in collate(items or data[:1], pad_id).items()}
         loss, n = token_loss_sum(model, batch)
-        total, count = total + loss, count + n
+        if items:  # a rank out of rows only keeps the others company
+            total, count = total + loss, count + n
     model.train()
     total, count = accelerator.reduce(total, "sum"), accelerator.reduce(count, "sum")
     return (total / count.clamp_min(1)).item()
@@ -281,13 +298,15 @@ def main(argv: list[str]) -> None:
     # Our LR schedule counts optimizer steps: accelerate's default steps it once per process.
     # gradient_accumulation_steps tells DeepSpeed which micro-batch closes a step (see the loop).
     accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", log_with=log_with, project_dir=str(out_dir),
-                              gradient_accumulation_steps=cfg.train.grad_accum, step_scheduler_with_optimizer=False)
+                              gradient_accumulation_steps=cfg.train.grad_accum, step_scheduler_with_optimizer=False,
+                              kwargs_handlers=process_group_kwargs())
     set_seed(cfg.train.seed)
     log = accelerator.print
 
     # ---- model and data -------------------------------------------------------------------
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
-    model, processor = load_backbone(cfg.model.name_or_path, dtype=dtype)
+    model, processor = load_backbone(cfg.model.name_or_path, dtype=dtype,
+                                   attn_implementation=cfg.model.attn_implementation)
     if cfg.model.freeze_vision_tower:
         for p in vision_tower_parameters(model):
             p.requires_grad_(False)
@@ -329,6 +348,14 @@ def main(argv: list[str]) -> None:
         ds.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
         ds.deepspeed_config["gradient_clipping"] = cfg.train.max_grad_norm
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    partitions = partition_report(accelerator.unwrap_model(model))
+    if any(r["partitioned"] for r in partitions):
+        # ZeRO-3: say what each rank really holds (weights under the persistence threshold stay whole)
+        log(partition_summary(accelerator.unwrap_model(model), partitions))
+        if accelerator.is_main_process:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "zero3_partitions.json").write_text(json.dumps(
+                {"num_processes": accelerator.num_processes, "rank": 0, "parameters": partitions}, indent=1))
     global_batch = cfg.train.batch_size * accelerator.num_processes
     stream = BatchStream([len(t["input_ids"]) for t in train_data], global_batch, cfg.train.seed,
                          cfg.train.group_by_length)

@@ -105,6 +105,18 @@ class OutputConfig:
 
 
 @dataclass
+class ModelConfig:
+    """Model loading.
+
+    Attributes:
+        attn_implementation: attention kernel of every model this recipe loads: sdpa | flash_attention_2 (mmprm[flash],
+            CUDA) | eager | auto (flash-attn when installed and a GPU is visible, else sdpa)
+    """
+
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
 class PRMEvalConfig:
     """prm_eval settings.
 
@@ -117,6 +129,7 @@ class PRMEvalConfig:
 
     data: DataConfig = field(default_factory=DataConfig)
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     metrics: MetricConfig = field(default_factory=MetricConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -125,6 +138,9 @@ class PRMEvalConfig:
             raise ValueError("data.path: required (step-labelled JSONL, or a PRMBench / ReasonEval file)")
         if not self.scorer.prm_path:
             raise ValueError("scorer.prm_path: required (a PRM directory from recipes/prm_train.py)")
+        from mmprm.models.loading import resolve_attn_implementation
+
+        resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
         if not 0.0 <= self.data.dev_fraction < 1.0:
             raise ValueError(f"data.dev_fraction: {self.data.dev_fraction} must be in [0, 1)")
         if self.data.dev_file and self.data.dev_fraction > 0:
@@ -255,7 +271,7 @@ def main(argv: list[str]) -> int:
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.scorer.device == "auto" else cfg.scorer.device
     scorer = load_prm(cfg.scorer.prm_path, device=device, batch_size=cfg.scorer.batch_size,
-                      max_length=cfg.scorer.max_length)
+                      max_length=cfg.scorer.max_length, attn_implementation=cfg.model.attn_implementation)
 
     # ---- score; truncated steps come back NaN and their examples leave the metrics (counted)
     def score(split: str, exs: list[StepExample]) -> list[dict[str, Any]]:

@@ -27,12 +27,14 @@ from tqdm.auto import tqdm
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.data.schema import DataError, load_examples, load_image
-from mmprm.models.loading import load_backbone, vision_tower_parameters
+from mmprm.models.loading import load_backbone, resolve_attn_implementation, vision_tower_parameters
+from mmprm.models.sharding import partition_report, partition_summary
 from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, collate_steps, model_input_keys, save_prm
 from mmprm.scoring.losses import soft_bce_value, soft_ce_token_pair
 from mmprm.scoring.metrics import step_metrics
 from mmprm.steps import StepTokenError, tokenize_steps
-from mmprm.training import BatchStream, TrainProgress, find_checkpoint, lr_factor, rank_share
+from mmprm.training import (BatchStream, TrainProgress, find_checkpoint, lr_factor, process_group_kwargs,
+                            rank_share)
 
 
 @dataclass
@@ -60,6 +62,8 @@ class ModelConfig:
 
     Attributes:
         name_or_path: backbone: a Hugging Face model directory (or hub id where the hub is reachable); required
+        attn_implementation: attention kernel: sdpa | flash_attention_2 (mmprm[flash], CUDA) | eager | auto
+            (flash-attn when installed and a GPU is visible, else sdpa)
         dtype: weights dtype at load (float32, bfloat16, float16); use train.bf16 for mixed precision
         freeze_vision_tower: keep the vision encoder frozen (MM-PRM trains only the language model)
         gradient_checkpointing: recompute activations in the backward pass: less memory, ~30% slower
@@ -67,6 +71,7 @@ class ModelConfig:
     """
 
     name_or_path: str = ""
+    attn_implementation: str = "sdpa"
     dtype: str = "float32"
     freeze_vision_tower: bool = True
     gradient_checkpointing: bool = False
@@ -175,6 +180,7 @@ class Config:
     resume_from_checkpoint: str | None = None
 
     def validate(self) -> None:
+        resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
         if not self.model.name_or_path:
             raise ValueError("model.name_or_path: required (a HF model directory or hub name)")
         if not self.data.train_file:
@@ -220,26 +226,31 @@ def step_loss(head_logits: torch.Tensor, targets: torch.Tensor, weights: torch.T
 
 
 @torch.no_grad()
-def evaluate(model, data, pad_id, batch_size, accelerator) -> dict[str, float]:
-    """Step-level metrics on the eval split (each process scores its share, gathered on all)."""
+def evaluate(model, data, pad_id, batch_size, accelerator) -> tuple[dict[str, float], list[dict]]:
+    """Step-level metrics on the eval split (each process scores its share, gathered on all), and
+    the per-step scores by example id."""
     model.eval()
     mine = data[accelerator.process_index :: accelerator.num_processes]
-    scores, labels = [], []
-    for start in range(0, len(mine), batch_size):
-        items = mine[start : start + batch_size]
-        batch = {k: v.to(accelerator.device) for k, v in collate_steps(items, pad_id).items()}
+    # Every rank runs the same number of forwards: under ZeRO-3 each forward gathers weights from
+    # all ranks, so a rank with one batch fewer would leave the others waiting for ever.
+    n_batches = math.ceil(math.ceil(len(data) / accelerator.num_processes) / batch_size)
+    scores, labels, ids = [], [], []
+    for b in range(n_batches):
+        items = mine[b * batch_size : (b + 1) * batch_size]
+        batch = {k: v.to(accelerator.device) for k, v in collate_steps(items or data[:1], pad_id).items()}
         probs = ProcessRewardModel.probabilities(
             model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))).tolist()
         pos = 0
-        for t in items:
+        for t in items:  # nothing for a rank that only ran to keep the others company
             scores.append(probs[pos : pos + len(t.step_positions)])
             labels.append(t.labels)
+            ids.append(t.id)
             pos += len(t.step_positions)
     from accelerate.utils import gather_object
 
-    scores, labels = gather_object(scores), gather_object(labels)
+    scores, labels, ids = gather_object(scores), gather_object(labels), gather_object(ids)
     model.train()
-    return step_metrics(scores, labels, threshold=0.5)
+    return step_metrics(scores, labels, threshold=0.5), [{"id": i, "scores": s} for i, s in zip(ids, scores)]
 
 
 def main(argv: list[str]) -> None:
@@ -257,13 +268,15 @@ def main(argv: list[str]) -> None:
     # Our LR schedule counts optimizer steps; gradient_accumulation_steps tells DeepSpeed which
     # micro-batch closes a step (see the loop).
     accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", log_with=log_with, project_dir=str(out_dir),
-                              gradient_accumulation_steps=cfg.train.grad_accum, step_scheduler_with_optimizer=False)
+                              gradient_accumulation_steps=cfg.train.grad_accum, step_scheduler_with_optimizer=False,
+                              kwargs_handlers=process_group_kwargs())
     set_seed(cfg.train.seed)
     log = accelerator.print
 
     # ---- model and data -------------------------------------------------------------------
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
-    backbone, processor = load_backbone(cfg.model.name_or_path, dtype=dtype)
+    backbone, processor = load_backbone(cfg.model.name_or_path, dtype=dtype,
+                                   attn_implementation=cfg.model.attn_implementation)
     spec = PRMSpec(head=cfg.prm.head, reward_tokens=list(cfg.prm.reward_tokens), system_prompt=cfg.prm.system_prompt)
     model = build_prm(backbone, processor, spec)
     if cfg.model.freeze_vision_tower:
@@ -304,6 +317,14 @@ def main(argv: list[str]) -> None:
         ds.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
         ds.deepspeed_config["gradient_clipping"] = cfg.train.max_grad_norm
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    partitions = partition_report(accelerator.unwrap_model(model))
+    if any(r["partitioned"] for r in partitions):
+        # ZeRO-3: say what each rank really holds (weights under the persistence threshold stay whole)
+        log(partition_summary(accelerator.unwrap_model(model), partitions))
+        if accelerator.is_main_process:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "zero3_partitions.json").write_text(json.dumps(
+                {"num_processes": accelerator.num_processes, "rank": 0, "parameters": partitions}, indent=1))
     global_batch = cfg.train.batch_size * accelerator.num_processes
     stream = BatchStream([len(t.input_ids) for t in train_data], global_batch, cfg.train.seed, cfg.train.group_by_length)
     progress = TrainProgress()
@@ -377,8 +398,10 @@ def main(argv: list[str]) -> None:
                            "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen / max(elapsed, 1e-9)})
             running = []
         if eval_data and (progress.step % cfg.train.eval_every == 0 or progress.step == cfg.train.max_steps):
-            metrics = evaluate(model, eval_data, pad_id, cfg.train.eval_batch_size, accelerator)
+            metrics, predictions = evaluate(model, eval_data, pad_id, cfg.train.eval_batch_size, accelerator)
             write_metrics({"split": "eval", "step": progress.step, **metrics})
+            if accelerator.is_main_process:  # the latest eval's step scores, for error analysis
+                (out_dir / "eval_predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in predictions))
             log(f"step {progress.step} eval: " + " ".join(
                 f"{k}={metrics[k]:.4f}" for k in ("bce", "brier", "step_accuracy", "first_error_f1") if k in metrics))
         stopping = progress.step == cfg.train.stop_at_step

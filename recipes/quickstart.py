@@ -59,6 +59,18 @@ class TaskConfig:
 
 
 @dataclass
+class ModelConfig:
+    """Model loading.
+
+    Attributes:
+        attn_implementation: attention kernel of every model the demo loads (passed to each stage): sdpa | flash_attention_2
+            (mmprm[flash], CUDA) | eager | auto (flash-attn when installed and a GPU is visible, else sdpa)
+    """
+
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
 class Config:
     """quickstart settings: the whole pipeline on a tiny model, stage by stage.
 
@@ -70,6 +82,7 @@ class Config:
         hidden_size: tiny model hidden size
         num_layers: tiny model layers
         task: the synthetic task (section)
+        model: model loading, passed to every stage (section)
         n: candidates per test problem
         threads: intra-op threads per stage: tiny models gain nothing from more, and lose to contention
         sft: extra key=value overrides for the policy_sft stage
@@ -85,6 +98,7 @@ class Config:
     hidden_size: int = 128
     num_layers: int = 2
     task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     n: int = 8
     threads: int = 1
     sft: list[str] = field(default_factory=list)
@@ -127,6 +141,9 @@ def run(*args: str) -> None:
 def main(argv: list[str]) -> None:
     config_path, overrides = parse_cli(argv, Config)
     cfg = load_config(Config, config_path, overrides)
+    from mmprm.models.loading import resolve_attn_implementation
+
+    resolve_attn_implementation(cfg.model.attn_implementation)  # fail before the first stage, not in it
     os.environ.setdefault("MMPRM_THREADS", str(cfg.threads))
     import torch
 
@@ -138,6 +155,7 @@ def main(argv: list[str]) -> None:
     data, model_dir, policy, mcts, prm, bon = (out / "data", out / "tiny_model", out / "policy", out / "mcts",
                                                out / "prm", out / "bon")
     timings: list[tuple[str, float, str]] = []
+    attn = f"model.attn_implementation={cfg.model.attn_implementation}"  # every stage loads with this kernel
 
     # ---- 1. data ---------------------------------------------------------------------------
     def make_data() -> None:
@@ -170,38 +188,38 @@ def main(argv: list[str]) -> None:
         "recipes/policy_sft.py", "--config", "recipes/configs/tiny/policy_sft.yaml",
         f"model.name_or_path={model_dir}", f"data.train_file={data / 'train_sft.jsonl'}",
         f"data.eval_file={data / 'test_sft.jsonl'}", f"output_dir={policy}", f"train.seed={cfg.seed}",
-        "train.report_to=none", *cfg.sft))
+        "train.report_to=none", attn, *cfg.sft))
 
     # ---- 4. MCTS annotation ----------------------------------------------------------------
     stage("annotate", mcts / "prm_data.jsonl", out, cfg.force, timings, lambda: run(
         "recipes/mcts_annotate.py", "--config", "recipes/configs/tiny/mcts_annotate.yaml",
         f"model.name_or_path={policy}", f"data.problems_file={data / 'annotate_problems.jsonl'}",
-        f"output_dir={mcts}", f"sampling.seed={cfg.seed}", *cfg.annotate))
+        f"output_dir={mcts}", f"sampling.seed={cfg.seed}", attn, *cfg.annotate))
 
     # ---- 5. PRM training (initialised from the policy, as MM-PRM does from its base) ---------
     stage("prm", prm / "mmprm_prm.json", out, cfg.force, timings, lambda: run(
         "recipes/prm_train.py", "--config", "recipes/configs/tiny/prm_train.yaml",
         f"model.name_or_path={policy}", f"data.train_file={mcts / 'prm_data.jsonl'}", "data.eval_file=null",
-        f"output_dir={prm}", f"train.seed={cfg.seed}", "train.report_to=none", *cfg.prm))
+        f"output_dir={prm}", f"train.seed={cfg.seed}", "train.report_to=none", attn, *cfg.prm))
 
     # ---- 6. Best-of-N on held-out problems -------------------------------------------------
     stage("bon", bon / "report.json", out, cfg.force, timings, lambda: run(
         "recipes/bon_rerank.py", "--config", "recipes/configs/tiny/bon_rerank.yaml", f"prm={prm}",
         "candidates_file=null", "generate.enabled=true", f"generate.policy={policy}",
         f"generate.problems_file={data / 'test_problems.jsonl'}", f"generate.n={cfg.n}",
-        f"generate.sampling.seed={cfg.seed}", f"output_dir={bon}", f"report.seed={cfg.seed}", *cfg.bon))
+        f"generate.sampling.seed={cfg.seed}", f"output_dir={bon}", f"report.seed={cfg.seed}", attn, *cfg.bon))
 
     # ---- 7. ground-truth step evaluation and the report -------------------------------------
     print("==> [report] ...", flush=True)
     t0 = time.time()
-    step_eval = evaluate_steps(data, bon, prm, policy)
+    step_eval = evaluate_steps(data, bon, prm, policy, cfg.model.attn_implementation)
     timings.append(("step eval", time.time() - t0, "ran"))
     write_demo_report(out, cfg, data, policy, mcts, bon, step_eval, timings,
                       sum(t for _, t, _ in timings if t == t))  # NaN-safe sum of stage times
     print(f"==> [report] {out / 'report.md'}", flush=True)
 
 
-def evaluate_steps(data: Path, bon: Path, prm: Path, policy: Path) -> dict:
+def evaluate_steps(data: Path, bon: Path, prm: Path, policy: Path, attn_implementation: str = "sdpa") -> dict:
     """Step-level AUROC on the test candidates against exact labels: trained PRM vs untrained."""
     import torch
 
@@ -225,7 +243,7 @@ def evaluate_steps(data: Path, bon: Path, prm: Path, policy: Path) -> dict:
             truth.append([1.0 if ok else 0.0 for ok in check_steps(tiles, c["steps"], c["answer"], gold)])
             trained.append(s["step_probs"])
             strata.extend((pid, k) for k in range(len(c["steps"])))
-    backbone, processor = load_backbone(policy)
+    backbone, processor = load_backbone(policy, attn_implementation=attn_implementation)
     torch.manual_seed(0)
     untrained = PRMScorer(build_prm(backbone, processor, PRMSpec()), processor, batch_size=16).score(examples)
     flat = [x for t in truth for x in t]

@@ -132,6 +132,18 @@ class OutputConfig:
 
 
 @dataclass
+class ModelConfig:
+    """Model loading.
+
+    Attributes:
+        attn_implementation: attention kernel of the PRM (scorer.kind=prm): sdpa | flash_attention_2 (mmprm[flash],
+            CUDA) | eager | auto (flash-attn when installed and a GPU is visible, else sdpa)
+    """
+
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
 class TreeEvalConfig:
     """tree_eval settings.
 
@@ -144,12 +156,17 @@ class TreeEvalConfig:
 
     data: DataConfig = field(default_factory=DataConfig)
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     metrics: MetricConfig = field(default_factory=MetricConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def validate(self) -> None:
         if self.scorer.kind == "prm" and not self.scorer.prm_path:
             raise ValueError("scorer.prm_path: set it to a PRM directory when scorer.kind=prm")
+        if self.scorer.kind == "prm":
+            from mmprm.models.loading import resolve_attn_implementation
+
+            resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
         if self.scorer.kind == "judge" and not self.scorer.judge.model:
             raise ValueError("scorer.judge.model: set the judge's model name when scorer.kind=judge")
         if self.scorer.kind == "mc" and self.data.format != "mc_tree":
@@ -253,7 +270,8 @@ def main(argv: list[str]) -> int:
         from mmprm import load_prm
 
         device = ("cuda" if torch.cuda.is_available() else "cpu") if sc.device == "auto" else sc.device
-        prm = load_prm(sc.prm_path, device=device, batch_size=sc.batch_size, max_length=sc.max_length)
+        prm = load_prm(sc.prm_path, device=device, batch_size=sc.batch_size, max_length=sc.max_length,
+                       attn_implementation=cfg.model.attn_implementation)
     elif sc.kind == "judge":
         j = sc.judge
         client = ChatClient(j, config_key="scorer.judge", cache_path=out_dir / "judge_cache.jsonl")

@@ -45,3 +45,36 @@ def test_prm_train_throughput_quick():
     # --quick is exactly one epoch (32 rows, 4 steps of 8) on both sides: the same non-pad tokens
     assert res["ours"]["non_pad_tokens"] == res["trl"]["non_pad_tokens"]
     assert res["ratio_tokens_per_s"] > 0 and res["ratio_peak_rss"] > 0
+
+
+# ---- benchmarks/gpu_check.py (make gpu-check) -------------------------------------------------
+
+def test_gpu_check_without_cuda_says_so_and_checks_nothing():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: make gpu-check really runs here")
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "gpu-check: no CUDA GPU visible" in proc.stderr and "nothing was checked" in proc.stderr
+
+
+@pytest.mark.slow
+def test_gpu_check_logic_on_cpu():
+    """The same script end to end on CPU (small model, few steps): every path a GPU run takes."""
+    pytest.importorskip("deepspeed")
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
+    env.update(TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--allow-cpu", "--steps", "4",
+                           "--rows", "32", "--hidden-size", "128", "--timeout", "600"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = json.loads(lines[0])
+    assert res["attn_implementation"] == "sdpa"  # auto without flash-attn / CUDA
+    for stage in ("zero2", "zero3"):
+        assert res[stage]["finite"] and "loss_first" in res[stage], res[stage]
+    assert res["zero3"]["lm_head"] == {"numel": 1025 * 128, "local_numel": 1025 * 128, "partitioned": True}
+    assert res["scorer"]["probabilities_dtype"] == "float32" and res["scorer"]["round_trip_max_diff"] <= 2e-2
+    assert res["scorer"]["steps_per_s"] > 0

@@ -34,9 +34,11 @@ from transformers import (
 )
 from tokenizers import AddedToken
 
+from mmprm.models.sharding import full_shape
 from mmprm.steps import STEP_TOKEN
 
 __all__ = [
+    "ATTN_IMPLEMENTATIONS",
     "IMAGE_ONLY_PROCESSORS",
     "InternVLImageOnlyProcessor",
     "LlavaOnevisionImageOnlyProcessor",
@@ -46,6 +48,7 @@ __all__ = [
     "is_multimodal",
     "load_backbone",
     "load_processor",
+    "resolve_attn_implementation",
     "vision_tower_parameters",
 ]
 
@@ -187,18 +190,56 @@ def load_processor(path: str | Path) -> Any:
     return AutoProcessor.from_pretrained(str(path))
 
 
-def load_backbone(path: str | Path, dtype: torch.dtype | str | None = None) -> tuple[nn.Module, Any]:
+# Attention kernels a recipe may name in `model.attn_implementation`; "auto" picks flash-attn
+# when it is installed and a GPU is present, else PyTorch's SDPA (which runs everywhere).
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager", "auto")
+
+
+def resolve_attn_implementation(name: str, key: str = "model.attn_implementation") -> str:
+    """The attention kernel to load with, checked before any weight is read.
+
+    Args:
+        name: one of `ATTN_IMPLEMENTATIONS`.
+        key: the config key the value came from, named in errors.
+
+    Raises:
+        ConfigError: unknown name, or flash_attention_2 without flash-attn installed or without CUDA.
+    """
+    import importlib.util
+
+    from mmprm.config import ConfigError
+
+    if name not in ATTN_IMPLEMENTATIONS:
+        raise ConfigError(f"{key}: {name!r} is not one of {list(ATTN_IMPLEMENTATIONS)}")
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    if name == "auto":
+        return "flash_attention_2" if has_flash and torch.cuda.is_available() else "sdpa"
+    if name == "flash_attention_2" and not has_flash:
+        raise ConfigError(f"{key}=flash_attention_2 but flash-attn is not installed: pip install 'mmprm[flash]' "
+                          f"(on a CUDA machine), or set {key}=sdpa")
+    if name == "flash_attention_2" and not torch.cuda.is_available():
+        raise ConfigError(f"{key}=flash_attention_2 needs a CUDA GPU and none is visible: set {key}=sdpa")
+    return name
+
+
+def load_backbone(path: str | Path, dtype: torch.dtype | str | None = None, attn_implementation: str = "sdpa",
+                  attn_key: str = "model.attn_implementation") -> tuple[nn.Module, Any]:
     """Load model and processor from a checkpoint directory (or hub id) with `from_pretrained`.
 
     Args:
         path: checkpoint directory (real or a `mmprm.models.tiny` preset).
         dtype: e.g. `torch.bfloat16` or "auto"; None keeps transformers' default.
+        attn_implementation: "sdpa" (default), "flash_attention_2", "eager" or "auto"; checked by
+            `resolve_attn_implementation` before loading. Vision towers get the same kernel.
+        attn_key: the config key of `attn_implementation`, named in errors.
 
     Returns:
         (model, processor): `AutoModelForImageTextToText` for VLMs, `AutoModelForCausalLM` for
         text-only models; the processor as `load_processor` returns it.
     """
-    kwargs: dict[str, Any] = {} if dtype is None else {"dtype": dtype}
+    kwargs: dict[str, Any] = {"attn_implementation": resolve_attn_implementation(attn_implementation, attn_key)}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
     auto_cls = AutoModelForImageTextToText if is_multimodal(str(path)) else AutoModelForCausalLM
     model = auto_cls.from_pretrained(str(path), **kwargs)
     return model, load_processor(path)
@@ -225,7 +266,9 @@ def add_step_token(processor: Any, model: nn.Module | None, token: str = STEP_TO
         tokenizer.add_special_tokens({"extra_special_tokens": [added]}, replace_extra_special_tokens=False)
     token_id = tokenizer.convert_tokens_to_ids(token)
     if model is not None:
-        rows = model.get_input_embeddings().weight.shape[0]
+        # full_shape: under ZeRO-3 `.shape` of a partitioned weight is (0,), which would resize
+        # (and shrink) every checkpoint with spare rows; `ds_shape` is the real size.
+        rows = full_shape(model.get_input_embeddings().weight)[0]
         if token_id >= rows:
             # mean_resizing: the new row starts at the mean embedding, not at random noise.
             model.resize_token_embeddings(len(tokenizer), mean_resizing=True)

@@ -90,12 +90,11 @@ class ProcessRewardModel(nn.Module):
             return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)  # (N,)
         base = self.backbone.get_base_model() if hasattr(self.backbone, "get_base_model") else self.backbone
         lm_head = base.get_output_embeddings()
-        # Only the two reward rows of the LM head: the same logits as the full vocab, a fraction of the cost.
-        weight = lm_head.weight[self.reward_ids]  # (2, H)
-        logits = hidden.to(weight.dtype) @ weight.T  # (N, 2)
-        if getattr(lm_head, "bias", None) is not None:
-            logits = logits + lm_head.bias[self.reward_ids]
-        return logits
+        # Call the module, never read lm_head.weight: under ZeRO-3 the weight is partitioned and
+        # DeepSpeed gathers it only inside the module's own forward. The full-vocab logits are
+        # for the N step tokens only, not the whole sequence: a small cost beside the decoder.
+        logits = lm_head(hidden.to(lm_head.weight.dtype))  # (N, V)
+        return logits[:, self.reward_ids]  # (N, 2)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, step_mask: torch.Tensor,
                 **model_inputs: Any) -> torch.Tensor:
@@ -361,8 +360,13 @@ def save_prm(model: ProcessRewardModel, processor: Any, out_dir: str | Path, mer
 
 
 def load_prm(path: str | Path, device: str | torch.device = "cpu", batch_size: int = 8,
-             max_length: int | None = None, dtype: torch.dtype | None = None) -> PRMScorer:
-    """Restore a PRM saved by `save_prm` (or `recipes/prm_train.py`) as a `PRMScorer`."""
+             max_length: int | None = None, dtype: torch.dtype | None = None,
+             attn_implementation: str = "sdpa") -> PRMScorer:
+    """Restore a PRM saved by `save_prm` (or `recipes/prm_train.py`) as a `PRMScorer`.
+
+    `attn_implementation`: sdpa (default), flash_attention_2 (needs flash-attn and CUDA), eager
+    or auto; checked before any weight loads. Scores are float32 whatever `dtype` the model runs in.
+    """
     from safetensors.torch import load_file
 
     from mmprm.models.loading import load_backbone
@@ -373,7 +377,7 @@ def load_prm(path: str | Path, device: str | torch.device = "cpu", batch_size: i
         raise FileNotFoundError(f"{path}: no {SPEC_FILE}; this is not a PRM directory written by mmprm "
                                 "(train one with recipes/prm_train.py, or use PRMSpec with build_prm)")
     spec = PRMSpec(**json.loads(spec_file.read_text()))
-    backbone, processor = load_backbone(path, dtype=dtype)
+    backbone, processor = load_backbone(path, dtype=dtype, attn_implementation=attn_implementation)
     model = build_prm(backbone, processor, spec)
     if spec.head == "value":
         model.value_head.load_state_dict(load_file(str(path / VALUE_HEAD_FILE)))

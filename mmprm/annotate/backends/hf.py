@@ -66,12 +66,17 @@ class HFBackend:
 
     @classmethod
     def from_pretrained(cls, path: str, sampling: SamplingConfig, dtype: str | None = None,
-                        device: str | None = None, **kwargs: Any) -> "HFBackend":
-        """Load with `mmprm.models.loading.load_backbone`; device defaults to cuda when present."""
+                        device: str | None = None, attn_implementation: str = "sdpa",
+                        **kwargs: Any) -> "HFBackend":
+        """Load with `mmprm.models.loading.load_backbone`; device defaults to cuda when present.
+
+        `attn_implementation` is the recipe's `model.attn_implementation` (sdpa, flash_attention_2,
+        eager or auto), checked before loading.
+        """
         from mmprm.models.loading import load_backbone
 
         torch_dtype = None if dtype in (None, "auto") else getattr(torch, dtype)
-        model, processor = load_backbone(path, dtype=torch_dtype)
+        model, processor = load_backbone(path, dtype=torch_dtype, attn_implementation=attn_implementation)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         return cls(model.to(device), processor, sampling, **kwargs)
 

@@ -1,0 +1,110 @@
+"""`model.attn_implementation`: one loading function takes it, every recipe checks it before loading,
+and scores come back as float32 whatever dtype the PRM runs in."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmprm.config import ConfigError
+from mmprm.models.loading import load_backbone, resolve_attn_implementation
+
+REPO = Path(__file__).resolve().parents[1]
+HAS_FLASH = importlib.util.find_spec("flash_attn") is not None
+
+
+def test_resolve_attn_implementation():
+    assert resolve_attn_implementation("sdpa") == "sdpa"
+    assert resolve_attn_implementation("eager") == "eager"
+    if not torch.cuda.is_available():
+        assert resolve_attn_implementation("auto") == "sdpa"
+    with pytest.raises(ConfigError, match=r"scorer\.attn: 'flash' is not one of \['sdpa', 'flash_attention_2'"):
+        resolve_attn_implementation("flash", key="scorer.attn")
+
+
+@pytest.mark.skipif(HAS_FLASH and torch.cuda.is_available(), reason="flash-attn usable here")
+def test_flash_attention_without_flash_attn_or_cuda_is_a_clear_error():
+    with pytest.raises(ConfigError, match=r"model\.attn_implementation=flash_attention_2 .*set "
+                                          r"model\.attn_implementation=sdpa"):
+        resolve_attn_implementation("flash_attention_2")
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_load_backbone_loads_language_model_and_vision_tower_with_the_kernel(tiny_models, kernel):
+    model, _ = load_backbone(tiny_models("qwen2_vl"), attn_implementation=kernel)
+    assert model.config.get_text_config()._attn_implementation == kernel
+    assert model.config.vision_config._attn_implementation == kernel
+
+
+def test_load_prm_passes_the_kernel_and_scores_float32_in_bf16(tiny_models, tmp_path):
+    from mmprm import load_prm
+    from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, save_prm
+
+    backbone, processor = load_backbone(tiny_models("qwen2_vl"))
+    save_prm(build_prm(backbone, processor, PRMSpec()), processor, tmp_path / "prm")
+    examples = [{"question": "What is 2 + 3?", "steps": ["2 + 3 = 5.", "The answer is 5."]}]
+    fp32 = load_prm(tmp_path / "prm", attn_implementation="eager")
+    assert fp32.model.backbone.config.get_text_config()._attn_implementation == "eager"
+    bf16 = load_prm(tmp_path / "prm", dtype=torch.bfloat16)
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16
+    assert ProcessRewardModel.probabilities(torch.zeros(3, 2, dtype=torch.bfloat16)).dtype == torch.float32
+    a, b = fp32.score(examples)[0], bf16.score(examples)[0]
+    assert len(a) == len(b) == 2 and all(isinstance(x, float) for x in b)
+    assert max(abs(x - y) for x, y in zip(a, b)) < 2e-2  # bf16 rounding, not a different model
+
+
+# Each recipe with just enough keys to reach the check; it must fail there, before loading anything.
+RECIPE_ARGS = {
+    "prm_train": [],
+    "policy_sft": [],
+    "mcts_annotate": [],
+    "bon_rerank": ["prm=nowhere"],
+    "prm_eval": ["data.path=nowhere", "scorer.prm_path=nowhere"],
+    "tree_eval": ["scorer.kind=prm", "scorer.prm_path=nowhere"],
+    "quickstart": ["output_dir=/nonexistent/never-written"],
+}
+
+
+def recipe_main(name: str):
+    """recipes/<name>.py's main, loaded by path (the `recipes` package raises on import by design)."""
+    key = f"_attn_recipe_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, REPO / "recipes" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module  # dataclasses resolve string annotations through sys.modules
+        spec.loader.exec_module(module)
+    return sys.modules[key].main
+
+
+@pytest.mark.skipif(HAS_FLASH, reason="flash-attn installed: the missing-package error cannot happen")
+@pytest.mark.parametrize("recipe", sorted(RECIPE_ARGS))
+def test_every_recipe_names_the_key_when_flash_attn_is_missing(recipe, monkeypatch, capsys):
+    from mmprm.models import loading
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the attention kernel was checked")
+
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", no_loading)
+    monkeypatch.setattr(loading.AutoModelForImageTextToText, "from_pretrained", no_loading)
+    # main raises the ConfigError (its __main__ block prints it and exits 2), or prints it and returns 2
+    try:
+        code = recipe_main(recipe)([*RECIPE_ARGS[recipe], "model.attn_implementation=flash_attention_2"])
+    except ConfigError as e:
+        code, message = 2, str(e)
+    else:
+        message = capsys.readouterr().err
+    assert code == 2, f"{recipe} accepted model.attn_implementation=flash_attention_2 without flash-attn"
+    assert "model.attn_implementation=flash_attention_2 but flash-attn is not installed: pip install 'mmprm[flash]'" \
+        in message
+
+
+@pytest.mark.skipif(HAS_FLASH, reason="flash-attn installed: the missing-package error cannot happen")
+def test_recipe_exits_2_with_the_message():
+    cmd = [sys.executable, str(REPO / "recipes" / "prm_train.py"), "model.attn_implementation=flash_attention_2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.startswith("prm_train: ")
+    assert "model.attn_implementation=flash_attention_2 but flash-attn is not installed" in res.stderr

@@ -1,0 +1,190 @@
+"""DeepSpeed ZeRO-2/3 for real: prm_train and policy_sft through `accelerate launch` with the shipped
+launch/accelerate/deepspeed_zero{2,3}.yaml, 1 and 2 CPU processes (gloo), plus resume and bf16.
+
+The model is the tiny qwen2_vl at hidden 128: its embeddings and LM head (1025 x 128 = 131,200
+elements with the step token) pass ZeRO-3's `stage3_param_persistence_threshold` (1e5), so they
+are really partitioned - each of 2 ranks holds 65,600 elements of each. Two processes are one
+group: `mmprm.training.process_group_kwargs` names gloo, without which accelerate starts two
+separate one-rank DeepSpeed runs on a machine without GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from toy_data import write_toy_prm_data
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("deepspeed")
+
+REPO = Path(__file__).resolve().parents[1]
+EMBED = "backbone.model.language_model.embed_tokens.weight"
+LM_HEAD = "backbone.lm_head.weight"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(recipe: str, stage: int, processes: int, *overrides: str, bf16: bool = False) -> str:
+    """`accelerate launch --config_file launch/accelerate/deepspeed_zeroN.yaml` as a user types it."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           f"launch/accelerate/deepspeed_zero{stage}.yaml", "--num_processes", str(processes),
+           "--main_process_port", str(free_port()), "--mixed_precision", "bf16" if bf16 else "no",
+           "--dynamo_backend", "no", f"recipes/{recipe}.py", *overrides]
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}  # that flag turns DeepSpeed off
+    env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    t0 = time.time()
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env, check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    print(f"\n[{recipe} zero{stage} x{processes}{' bf16' if bf16 else ''}] {time.time() - t0:.1f}s")
+    return res.stdout + res.stderr
+
+
+def rows(out: Path, split: str) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
+
+
+def check_partitions(out: Path, stage: int, processes: int, names: list[str], numel: int) -> None:
+    """ZeRO-3 really partitioned the embeddings and the LM head; ZeRO-2 keeps whole weights."""
+    report = out / "zero3_partitions.json"
+    if stage == 2:
+        assert not report.exists()
+        return
+    data = json.loads(report.read_text())
+    assert data["num_processes"] == processes
+    by_name = {r["name"]: r for r in data["parameters"]}
+    for name in names:
+        r = by_name[name]
+        assert r["partitioned"] and r["numel"] == numel, r
+        assert r["local_numel"] == math.ceil(numel / processes), r
+        print(f"  {name} {r['shape']}: {r['local_numel']} of {r['numel']} on rank 0")
+
+
+@pytest.fixture(scope="module")
+def model_128(tmp_path_factory) -> Path:
+    from mmprm.models.tiny import build_tiny_model
+
+    return build_tiny_model("qwen2_vl", tmp_path_factory.mktemp("qwen2_vl_128"), seed=0, hidden_size=128)
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    d = tmp_path_factory.mktemp("toy")
+    # 9 eval rows over 2 ranks with eval batches of 4: rank 0 has 2 batches, rank 1 only 1 - under
+    # ZeRO-3 the ranks must still run the same number of forwards.
+    return write_toy_prm_data(d, 32, 0), write_toy_prm_data(d, 9, 1, name="eval.jsonl")
+
+
+def prm_args(model: Path, toy, out: Path, steps: int) -> list[str]:
+    train, ev = toy
+    return [f"model.name_or_path={model}", f"data.train_file={train}", f"data.eval_file={ev}", f"output_dir={out}",
+            f"train.max_steps={steps}", "train.lr=1e-3", "train.batch_size=4", "train.log_every=1",
+            f"train.eval_every={steps}", f"train.save_every={steps}", "train.eval_batch_size=4",
+            "data.max_length=256", "train.report_to=none", "train.warmup_steps=0"]
+
+
+def round_trip_diff(out: Path, eval_file: Path, dtype: torch.dtype | None = None) -> float:
+    """Largest |score| difference between the in-memory model's last eval and `load_prm(out)`."""
+    import mmprm
+    from mmprm.data.schema import load_examples
+
+    lines = (out / "eval_predictions.jsonl").read_text().splitlines()
+    predictions = {r["id"]: r["scores"] for r in map(json.loads, lines)}
+    examples = load_examples(eval_file)
+    assert sorted(predictions) == sorted(e.id for e in examples)  # each row once, none from padding
+    scored = mmprm.load_prm(out, dtype=dtype).score(examples)
+    return max(abs(a - b) for e, s in zip(examples, scored) for a, b in zip(s, predictions[e.id]))
+
+
+@pytest.mark.parametrize("stage,processes", [(2, 1), (2, 2), (3, 1), (3, 2)])
+def test_prm_train_under_deepspeed(model_128, toy, tmp_path, stage, processes):
+    out = tmp_path / "prm"
+    log = launch("prm_train", stage, processes, *prm_args(model_128, toy, out, steps=12))
+    assert json.loads((out / "config.resolved.json").read_text())["num_processes"] == processes
+    train = rows(out, "train")
+    first, last = sum(r["loss"] for r in train[:4]) / 4, sum(r["loss"] for r in train[-4:]) / 4
+    print(f"  loss {first:.4f} -> {last:.4f}")
+    assert last < first, f"loss did not go down ({first:.4f} -> {last:.4f})"
+    check_partitions(out, stage, processes, [EMBED, LM_HEAD], 1025 * 128)
+    if stage == 3:
+        assert "ZeRO-3: " in log and f"{LM_HEAD} [1025, 128]" in log
+    # the saved PRM scores the eval rows exactly as the trained model did in memory
+    diff = round_trip_diff(out, toy[1])
+    print(f"  load_prm round trip max |diff| = {diff:.2e}")
+    assert diff <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory):
+    from mmprm.data.synthetic import cli_synthetic
+
+    d = tmp_path_factory.mktemp("sft")
+    assert cli_synthetic(["--out", str(d), "--train", "24", "--test", "9", "--seed", "0"]) == 0
+    return d / "train_sft.jsonl", d / "test_sft.jsonl"
+
+
+@pytest.mark.parametrize("stage,processes", [(2, 1), (2, 2), (3, 1), (3, 2)])
+def test_policy_sft_under_deepspeed(model_128, sft_data, tmp_path, stage, processes):
+    from mmprm.models.loading import load_backbone
+
+    train, ev = sft_data
+    out = tmp_path / "policy"
+    # 9 eval rows, batches of 4: uneven over 2 ranks for the eval loss and for generation alike
+    launch("policy_sft", stage, processes, f"model.name_or_path={model_128}", f"data.train_file={train}",
+           f"data.eval_file={ev}", f"output_dir={out}", "train.max_steps=8", "train.lr=3e-3", "train.batch_size=4",
+           "train.log_every=1", "train.eval_every=8", "train.save_every=8", "train.eval_batch_size=4",
+           "train.eval_generations=9", "train.max_new_tokens=8", "data.max_length=256", "train.report_to=none")
+    evals = rows(out, "eval")
+    print(f"  eval loss {evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}")
+    assert evals[-1]["loss"] < evals[0]["loss"] and evals[-1]["generated"] == 9
+    check_partitions(out, stage, processes, ["model.language_model.embed_tokens.weight", "lm_head.weight"],
+                     1024 * 128)
+    model, _ = load_backbone(out)  # whole weights were gathered for the save
+    assert model.get_input_embeddings().weight.shape == (1024, 128)
+    start, _ = load_backbone(model_128)
+    moved = (model.lm_head.weight - start.lm_head.weight).abs().max().item()
+    assert moved > 0
+
+
+def test_zero2_resume_continues_exactly(model_128, toy, tmp_path):
+    """Stop at step 6 of 12 and resume: the same weights as the straight run (tolerance of the
+    plain-DDP resume test in test_prm_train.py)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    extra = ["train.save_every=100", "train.warmup_steps=3", "train.grad_accum=2", "data.eval_file=null"]
+    launch("prm_train", 2, 2, *prm_args(model_128, toy, straight, steps=12), *extra)
+    launch("prm_train", 2, 2, *prm_args(model_128, toy, resumed, steps=12), *extra, "train.stop_at_step=6")
+    assert not (resumed / "model.safetensors").exists()
+    launch("prm_train", 2, 2, *prm_args(model_128, toy, resumed, steps=12), *extra, "resume_from_checkpoint=latest")
+    a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert a.keys() == b.keys()
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    print(f"  resumed vs straight max |diff| = {worst:.2e}")
+    assert worst <= 1e-6, f"resumed run differs from straight run by {worst}"
+
+
+def test_bf16_prm_train_zero2(model_128, toy, tmp_path):
+    """The dtype path of every GPU run (bf16 weights, bf16 autocast, DeepSpeed bf16) on CPU."""
+    out = tmp_path / "bf16"
+    launch("prm_train", 2, 1, *prm_args(model_128, toy, out, steps=12), "model.dtype=bfloat16", "train.bf16=true",
+           bf16=True)
+    train = rows(out, "train")
+    first, last = sum(r["loss"] for r in train[:4]) / 4, sum(r["loss"] for r in train[-4:]) / 4
+    print(f"  bf16 loss {first:.4f} -> {last:.4f}")
+    assert all(math.isfinite(r["loss"]) for r in train) and last < first
+    assert load_file(out / "model.safetensors")["lm_head.weight"].dtype == torch.bfloat16
+    diff = round_trip_diff(out, toy[1], dtype=torch.bfloat16)
+    print(f"  bf16 load_prm round trip max |diff| = {diff:.2e}")
+    assert diff <= 1e-2  # same bf16 weights; CPU bf16 kernels may round differently per batch shape
