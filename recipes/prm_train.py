@@ -27,13 +27,14 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from mmprm.config import ConfigError, load_config, parse_cli, to_dict
-from mmprm.data.schema import DataError, load_examples, load_image
+from mmprm.data.schema import DataError
 from mmprm.models.loading import load_backbone, vision_tower_parameters
-from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, collate_steps, model_input_keys, save_prm
+from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, model_input_keys, save_prm
 from mmprm.scoring.losses import soft_bce_value, soft_ce_token_pair
 from mmprm.scoring.metrics import step_metrics
-from mmprm.steps import StepTokenError, tokenize_steps
-from mmprm.training import BatchStream, TrainProgress, find_checkpoint, lr_factor, rank_share
+from mmprm.steps import StepTokenError
+from mmprm.training import BatchStream, TrainProgress, eval_share, find_checkpoint, lr_factor, rank_share, wrap_padding
+from mmprm.training_data import PRMCollator, load_tokenized
 
 
 @dataclass
@@ -69,6 +70,8 @@ class DataConfig:
     label_mode: str = "soft"  # soft | hard (MM-PRM's ablation: label >= hard_threshold -> 1 else 0)
     hard_threshold: float = 0.5
     balance: bool = False  # weight positive/negative steps (label >= 0.5 or not) to equal total weight
+    num_proc: int | None = None  # tokenization workers (default: the CPUs, at most 16)
+    cache_dir: str | None = None  # tokenized-data cache (default $MMPRM_CACHE or ~/.cache/mmprm/tokenized)
 
 
 @dataclass
@@ -114,31 +117,6 @@ class Config:
             raise ValueError(f"train.schedule: {self.train.schedule!r} is not one of ['cosine', 'linear', 'constant']")
 
 
-def tokenize_file(path, processor, cfg: Config, spec: PRMSpec, accelerator) -> tuple[list, dict]:
-    """Validate the whole file first, then tokenize; counts what truncation dropped."""
-    examples = load_examples(path, require_labels=True)
-    if not hasattr(processor, "image_processor"):
-        with_images = [e.id for e in examples if e.images]
-        if with_images:
-            raise DataError([f"{path}: id={with_images[0]}: images: this model is text-only but "
-                             f"{len(with_images)} rows have images (use a VLM, or drop the images)"])
-    out, stats = [], {"examples": len(examples), "dropped_examples": 0, "dropped_steps": 0}
-    for ex in tqdm(examples, desc=f"tokenizing {Path(path).name}", disable=not accelerator.is_main_process):
-        labels = ex.labels
-        if cfg.data.label_mode == "hard":
-            labels = [1.0 if x >= cfg.data.hard_threshold else 0.0 for x in labels]
-        images = [load_image(p) for p in ex.images]
-        tok = tokenize_steps(processor, ex.question, ex.steps, images, labels, cfg.data.max_length,
-                             spec.step_token, spec.system_prompt)
-        if tok is None:
-            stats["dropped_examples"] += 1
-            continue
-        stats["dropped_steps"] += tok.dropped_steps
-        tok.id = ex.id
-        out.append(tok)
-    return out, stats
-
-
 def step_loss(head_logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """Mean soft cross-entropy over the step tokens of a micro-batch (weighted when balancing)."""
     if head_logits.ndim == 2:
@@ -147,14 +125,14 @@ def step_loss(head_logits: torch.Tensor, targets: torch.Tensor, weights: torch.T
 
 
 @torch.no_grad()
-def evaluate(model, data, pad_id, batch_size, accelerator) -> dict[str, float]:
-    """Step-level metrics on the eval split (each process scores its share, gathered on all)."""
+def evaluate(model, collate: PRMCollator, batch_size, accelerator) -> dict[str, float]:
+    """Step-level metrics on the eval split (each process scores an even share, gathered on all)."""
     model.eval()
-    mine = data[accelerator.process_index :: accelerator.num_processes]
+    mine, count = eval_share(len(collate.data), accelerator.process_index, accelerator.num_processes)
     scores, labels = [], []
     for start in range(0, len(mine), batch_size):
-        items = mine[start : start + batch_size]
-        batch = {k: v.to(accelerator.device) for k, v in collate_steps(items, pad_id).items()}
+        batch, items = collate(mine[start : start + batch_size])
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         probs = ProcessRewardModel.probabilities(
             model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))).tolist()
         pos = 0
@@ -164,7 +142,8 @@ def evaluate(model, data, pad_id, batch_size, accelerator) -> dict[str, float]:
             pos += len(t.step_positions)
     from accelerate.utils import gather_object
 
-    scores, labels = gather_object(scores), gather_object(labels)
+    # wrap-around rows that only even out the forward passes are not counted
+    scores, labels = gather_object(scores[:count]), gather_object(labels[:count])
     model.train()
     return step_metrics(scores, labels, threshold=0.5)
 
@@ -206,18 +185,31 @@ def main(argv: list[str]) -> None:
     tokenizer = getattr(processor, "tokenizer", processor)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    train_data, train_stats = tokenize_file(cfg.data.train_file, processor, cfg, spec, accelerator)
-    eval_data = tokenize_file(cfg.data.eval_file, processor, cfg, spec, accelerator)[0] if cfg.data.eval_file else []
-    log(f"train: {train_stats['examples']} examples, {len(train_data)} kept; truncation dropped "
-        f"{train_stats['dropped_examples']} examples and {train_stats['dropped_steps']} trailing steps "
-        f"(max_length={cfg.data.max_length})")
-    labels_all = torch.tensor([x for t in train_data for x in t.labels])
+    # Text tokenized once into an on-disk cache (rank 0 builds, the others wait and reuse it);
+    # images are opened per micro-batch by the collator, so memory does not grow with the data.
+    settings = {"max_length": cfg.data.max_length, "step_token": spec.step_token, "system": spec.system_prompt,
+                "label_mode": cfg.data.label_mode, "hard_threshold": cfg.data.hard_threshold}
+
+    def tokenized(path: str) -> tuple[PRMCollator, dict]:
+        data, stats = load_tokenized(path, "prm", processor, settings, cfg.data.cache_dir, cfg.data.num_proc,
+                                     accelerator)
+        return PRMCollator(data, processor, pad_id, source=path, **settings), stats
+
+    collate, train_stats = tokenized(cfg.data.train_file)
+    eval_collate = tokenized(cfg.data.eval_file)[0] if cfg.data.eval_file else None
+    train_data = collate.data
+    log(f"train: {train_stats['examples']} examples, {train_stats['kept']} kept "
+        f"({'reused' if train_stats['reused'] else 'built'} cache {train_stats['cache']}); truncation to "
+        f"max_length={cfg.data.max_length} cut {train_stats['dropped_steps']} trailing steps and dropped "
+        f"{train_stats['dropped_prompt_too_long']} rows whose prompt and first step do not fit and "
+        f"{train_stats['dropped_error_step_truncated']} negative rows whose first error step would be cut")
+    n_steps = list(train_data["n_steps"])  # step tokens per row, for the loss normaliser
+    n_pos, n_all = sum(train_data["n_pos"]), sum(n_steps)
     pos_weight = neg_weight = 1.0
     if cfg.data.balance:
-        n_pos = int((labels_all >= 0.5).sum())
-        n_neg = len(labels_all) - n_pos
-        pos_weight = len(labels_all) / (2 * max(1, n_pos))
-        neg_weight = len(labels_all) / (2 * max(1, n_neg))
+        n_neg = n_all - n_pos
+        pos_weight = n_all / (2 * max(1, n_pos))
+        neg_weight = n_all / (2 * max(1, n_neg))
         log(f"balancing: {n_pos} positive / {n_neg} negative steps -> weights {pos_weight:.3f} / {neg_weight:.3f}")
 
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -231,7 +223,10 @@ def main(argv: list[str]) -> None:
         ds.deepspeed_config["gradient_clipping"] = cfg.train.max_grad_norm
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     global_batch = cfg.train.batch_size * accelerator.num_processes
-    stream = BatchStream([len(t.input_ids) for t in train_data], global_batch, cfg.train.seed, cfg.train.group_by_length)
+    stream = BatchStream(list(train_data["length"]), global_batch, cfg.train.seed, cfg.train.group_by_length)
+    if padded := wrap_padding(len(train_data), global_batch):
+        log(f"{len(train_data)} rows do not fill whole global batches of {global_batch}: each epoch's last batch "
+            f"repeats {padded} rows from the epoch's start, so every process gets {cfg.train.batch_size} rows")
     progress = TrainProgress()
     accelerator.register_for_checkpointing(stream, progress)
 
@@ -254,6 +249,9 @@ def main(argv: list[str]) -> None:
         accelerator.log({f"{row['split']}/{k}": v for k, v in row.items() if isinstance(v, (int, float))},
                         step=row["step"])
 
+    if progress.step == 0:  # what tokenization kept and dropped, beside the losses it explains
+        write_metrics({"split": "data", "step": 0, **{k: v for k, v in train_stats.items() if isinstance(v, int)}})
+
     # ---- training loop --------------------------------------------------------------------
     model.train()
     bar = tqdm(total=cfg.train.max_steps, initial=progress.step, desc="prm_train",
@@ -263,11 +261,11 @@ def main(argv: list[str]) -> None:
         micro_batches = [rank_share(stream.next(), accelerator.process_index, accelerator.num_processes)
                          for _ in range(cfg.train.grad_accum)]
         # average per step token over the whole accumulation window, not per micro-batch
-        n_steps_total = sum(len(train_data[i].step_positions) for mb in micro_batches for i in mb)
+        n_steps_total = sum(n_steps[i] for mb in micro_batches for i in mb)
         step_loss_sum = 0.0
         for k, idx in enumerate(micro_batches):
-            items = [train_data[i] for i in idx]
-            batch = {key: v.to(accelerator.device) for key, v in collate_steps(items, pad_id).items()}
+            batch, items = collate(idx)
+            batch = {key: v.to(accelerator.device) for key, v in batch.items()}
             # accumulate() syncs (DDP all-reduce, DeepSpeed step) on the last of grad_accum micro-batches only
             with accelerator.accumulate(model):
                 with accelerator.autocast():
@@ -300,10 +298,11 @@ def main(argv: list[str]) -> None:
         if progress.step % cfg.train.log_every == 0 or progress.step == cfg.train.max_steps:
             elapsed = time.time() - t0
             write_metrics({"split": "train", "step": progress.step, "loss": sum(running) / len(running),
-                           "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen / max(elapsed, 1e-9)})
+                           "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen / max(elapsed, 1e-9),
+                           "seconds": elapsed})
             running = []
-        if eval_data and (progress.step % cfg.train.eval_every == 0 or progress.step == cfg.train.max_steps):
-            metrics = evaluate(model, eval_data, pad_id, cfg.train.eval_batch_size, accelerator)
+        if eval_collate and (progress.step % cfg.train.eval_every == 0 or progress.step == cfg.train.max_steps):
+            metrics = evaluate(model, eval_collate, cfg.train.eval_batch_size, accelerator)
             write_metrics({"split": "eval", "step": progress.step, **metrics})
             log(f"step {progress.step} eval: " + " ".join(
                 f"{k}={metrics[k]:.4f}" for k in ("bce", "brier", "step_accuracy", "first_error_f1") if k in metrics))
