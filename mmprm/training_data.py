@@ -191,6 +191,8 @@ class _SizeMemo:
         return copy.copy(self.memo[key])  # processors may pop keys from what they get
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("image_processor", "memo", "bytes", "max_bytes"):
+            raise AttributeError(name)  # not yet set while unpickling in a worker: no recursion
         return getattr(self.image_processor, name)
 
 

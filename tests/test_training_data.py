@@ -33,11 +33,12 @@ def write_rows(folder: Path, n: int, images: bool = True, name: str = "rows.json
     rows = []
     for i in range(n):
         imgs = []
-        if images:
+        if images:  # one file per size, shared by path like a question's image across its rows
             w, h = SIZES[i % len(SIZES)]
-            img = Image.frombytes("RGB", (w, h), bytes(rng.getrandbits(8) for _ in range(w * h * 3)))
-            img.save(folder / f"img{i}.png")
-            imgs = [f"img{i}.png"]
+            image = f"img{i % len(SIZES)}.png"
+            if not (folder / image).exists():
+                Image.frombytes("RGB", (w, h), rng.randbytes(w * h * 3)).save(folder / image)
+            imgs = [image]
         n_steps = 1 + i % 3
         labels = [1.0] * n_steps if i % 2 else [1.0] * (n_steps - 1) + [0.25]
         row = {"id": f"r{i}", "images": imgs, "question": f"What is {i} + {i}?",
@@ -104,9 +105,11 @@ def test_streamed_sft_batch_equals_eager_batch(tiny_models, tmp_path, arch):
 
 def test_cache_is_reused_and_keyed_by_file_processor_and_settings(tiny_models, tmp_path):
     processor = prm_processor(tiny_models, "qwen2_vl")
-    path = write_rows(tmp_path, 6)
+    path = write_rows(tmp_path, 130)  # enough rows for 2 tokenization workers
     cache = tmp_path / "cache"
     data, first = load_tokenized(path, "prm", processor, SETTINGS, cache_dir=cache, num_proc=2)
+    assert first["kept"] == 130 and list(data["id"]) == [f"r{i}" for i in range(130)]  # order kept
+    PRMCollator(data, processor, 0, **SETTINGS)([0, 64, 127, 129])  # workers' ids match the real images'
     again, second = load_tokenized(path, "prm", processor, SETTINGS, cache_dir=cache, num_proc=2)
     assert not first["reused"] and second["reused"] and first["cache"] == second["cache"]
     assert list(again["input_ids"]) == list(data["input_ids"])
