@@ -34,6 +34,7 @@ import json
 import os
 import shutil
 import socket
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence
@@ -346,10 +347,12 @@ def load_tokenized(path: str | Path, kind: Kind, processor: Any, settings: dict[
         (dataset, stats): kept rows only, with columns id, line, question, steps, images,
         labels, answer, input_ids, length (+ step_positions, n_steps, n_pos, dropped_steps for
         prm; n_prompt, n_targets for sft); stats counts examples, kept, the rows dropped by reason,
-        trailing steps cut, whether the cache was reused, and the cache folder.
+        trailing steps cut, whether the cache was reused, the cache folder, and the seconds this
+        call took (tokenizing, or opening the cache).
     """
     import datasets
 
+    started = time.perf_counter()
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     settings = {"kind": kind, **settings}
     folder = root / cache_key(path, processor_fingerprint(processor), settings)
@@ -363,8 +366,8 @@ def load_tokenized(path: str | Path, kind: Kind, processor: Any, settings: dict[
     elif not reused:
         _build(path, kind, processor, settings, folder, num_proc or default_num_proc())
     stats = json.loads((folder / "stats.json").read_text())
-    stats.update(reused=reused, cache=str(folder))
     data = datasets.load_from_disk(str(folder / "data"))
+    stats.update(reused=reused, cache=str(folder), seconds=round(time.perf_counter() - started, 3))
     if not is_main:
         datasets.disable_progress_bars()
     return data, stats
@@ -414,7 +417,8 @@ def _build(path: str | Path, kind: Kind, processor: Any, settings: dict[str, Any
                  "dropped_error_step_truncated": drops.count("error_step_truncated"),
                  "dropped_steps": int(sum(kept["dropped_steps"])) if kind == "prm" else 0,
                  "settings": settings}
-        kept.save_to_disk(str(tmp / "data"))
+        # written by the workers: the main process never pages the whole cache in
+        kept.save_to_disk(str(tmp / "data"), num_proc=num_proc if num_proc > 1 else None)
         shutil.rmtree(tmp / "raw", ignore_errors=True)
         shutil.rmtree(tmp / "map", ignore_errors=True)
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2))

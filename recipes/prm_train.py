@@ -250,7 +250,8 @@ def main(argv: list[str]) -> None:
                         step=row["step"])
 
     if progress.step == 0:  # what tokenization kept and dropped, beside the losses it explains
-        write_metrics({"split": "data", "step": 0, **{k: v for k, v in train_stats.items() if isinstance(v, int)}})
+        write_metrics({"split": "data", "step": 0,
+                       **{k: v for k, v in train_stats.items() if isinstance(v, (int, float))}})
 
     # ---- training loop --------------------------------------------------------------------
     model.train()
