@@ -117,8 +117,10 @@ def generate_eval(model, processor, data, cfg: Config, accelerator) -> dict[str,
     tokenizer = getattr(processor, "tokenizer", processor)
     model = accelerator.unwrap_model(model)
     model.eval()
-    n = min(cfg.train.eval_generations, len(data))
-    mine = [data[i] for i in range(accelerator.process_index, n, accelerator.num_processes)]
+    # an even share per process (generate() under ZeRO-3 needs every rank); wrapped rows not counted
+    idx, count = eval_share(min(cfg.train.eval_generations, len(data)), accelerator.process_index,
+                            accelerator.num_processes)
+    mine = [data[i] for i in idx]
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     results = []
@@ -141,7 +143,7 @@ def generate_eval(model, processor, data, cfg: Config, accelerator) -> dict[str,
             results.append((compliant, correct))
     tokenizer.padding_side = side
     model.train()
-    results = gather_object(results)
+    results = gather_object(results[:count])
     n = max(1, len(results))
     return {"format_compliance": sum(c for c, _ in results) / n, "answer_accuracy": sum(a for _, a in results) / n,
             "generated": len(results)}
