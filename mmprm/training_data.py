@@ -208,8 +208,9 @@ def _blank_image_processor(processor: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=8192)
-def _image_size(path: str) -> tuple[int, int]:
-    """(width, height) from the file header; cached, since the rows of one question share its image."""
+def _image_size(path: str, mtime_ns: int) -> tuple[int, int]:
+    """(width, height) from the file header; cached (the rows of one question share its image)
+    per modification time, so a file rewritten in a long-lived process is read again."""
     from PIL import Image
 
     with Image.open(path) as im:
@@ -220,7 +221,7 @@ def _blank_images(paths: Sequence[str]) -> list[Any]:
     """Black RGB images of each file's size; only the header is read."""
     from PIL import Image
 
-    return [Image.new("RGB", _image_size(p)) for p in paths]
+    return [Image.new("RGB", _image_size(p, os.stat(p).st_mtime_ns)) for p in paths]
 
 
 def _where(source: str, row: dict[str, Any]) -> str:
