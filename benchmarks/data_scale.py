@@ -1,6 +1,6 @@
 """PRM training at growing data sizes: does memory stay flat, and does a rerun skip tokenization?
 
-    python benchmarks/data_scale.py              # 2k and 32k rows (~5 min on 2 CPU cores)
+    python benchmarks/data_scale.py              # 2k and 32k rows (12 min here: 2 cores shared at load ~10)
     python benchmarks/data_scale.py --quick      # smoke test (200 and 800 rows)
     python benchmarks/data_scale.py --num-proc 8 --sizes 2000,32000,256000
 
@@ -10,9 +10,11 @@ each row's image itself), builds the tiny Qwen2-VL preset, and for each size run
 `recipes/prm_train.py` as a subprocess twice: a first run that builds the tokenization cache, then
 a rerun on the same cache. For each it reports, side by side:
 
-  peak RSS      of the training process (psutil, polled every 20 ms), and of its whole process
-                tree (tokenization workers included)
+  peak RSS      of the training process (psutil, polled every 20 ms); `peak_rss_tree_mib` adds
+                its tokenization workers (forked: pages they share with it count once per process)
   first step    seconds from launching the process to its first optimizer step (metrics.jsonl)
+  data_s        of which the data phase: tokenizing into the cache, or opening it (the recipe's
+                `data` metrics row)
   steps/s       optimizer steps per second after the first (images opened per micro-batch)
 
 Baseline: the eager data path the recipe had before (`--eager-sizes`, smaller sizes, as it holds

@@ -45,3 +45,14 @@ def test_prm_train_throughput_quick():
     # --quick is exactly one epoch (32 rows, 4 steps of 8) on both sides: the same non-pad tokens
     assert res["ours"]["non_pad_tokens"] == res["trl"]["non_pad_tokens"]
     assert res["ratio_tokens_per_s"] > 0 and res["ratio_peak_rss"] > 0
+
+
+@pytest.mark.slow
+def test_data_scale_quick():
+    res = run_benchmark("data_scale.py")
+    for n in ("200", "800"):
+        first, again = res["streamed"][n]["first_run"], res["streamed"][n]["cached_rerun"]
+        assert not first["cache_reused"] and again["cache_reused"] and first["rows_kept"] == int(n)
+        assert first["peak_rss_mib"] > 0 and first["steps_per_s"] > 0 and again["data_s"] < first["data_s"]
+    assert res["ratio_peak_rss_largest_vs_smallest"] > 0 and res["ratio_first_step_cached_vs_first_run"] > 0
+    assert set(res["eager_baseline"]) >= {"100", "200"}
