@@ -40,8 +40,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-WORDS = ("we add the two numbers then multiply by three so the total is and the answer follows since each "
-         "side of the square has length four which gives area perimeter bar chart shows").split()
+WORDS = (
+    "we add the two numbers then multiply by three so the total is and the answer follows since each "
+    "side of the square has length four which gives area perimeter bar chart shows"
+).split()
 
 
 def write_images(folder: Path, count: int, size: tuple[int, int], seed: int = 0) -> list[Path]:
@@ -56,7 +58,7 @@ def write_images(folder: Path, count: int, size: tuple[int, int], seed: int = 0)
     paths = []
     for i in range(count):
         base = rng.uniform(0, 255, 3)
-        grad = (xx[..., None] * rng.uniform(-0.2, 0.2, 3) + yy[..., None] * rng.uniform(-0.2, 0.2, 3))
+        grad = xx[..., None] * rng.uniform(-0.2, 0.2, 3) + yy[..., None] * rng.uniform(-0.2, 0.2, 3)
         pixels = np.clip(base + grad + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8)
         path = folder / f"img_{i:03d}.jpg"
         Image.fromarray(pixels).save(path, quality=90)
@@ -70,13 +72,24 @@ def write_rows(path: Path, n: int, images: list[Path], seed: int = 0) -> Path:
     with open(path, "w") as f:
         for i in range(n):
             k = rng.randint(2, 6)
-            steps = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 24))) + f" = {rng.randint(0, 99)}."
-                     for _ in range(k)]
+            steps = [
+                " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 24))) + f" = {rng.randint(0, 99)}."
+                for _ in range(k)
+            ]
             wrong = rng.randrange(k) if i % 2 else None
             labels = [round(rng.uniform(0.0, 0.3), 2) if wrong is not None and j >= wrong else 1.0 for j in range(k)]
-            f.write(json.dumps({"id": f"r{i}", "images": [str(images[i % len(images)])],
-                                "question": f"Problem {i}: " + " ".join(rng.sample(WORDS, 10)) + "?",
-                                "steps": steps, "labels": labels}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"r{i}",
+                        "images": [str(images[i % len(images)])],
+                        "question": f"Problem {i}: " + " ".join(rng.sample(WORDS, 10)) + "?",
+                        "steps": steps,
+                        "labels": labels,
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -107,20 +120,37 @@ def watch(cmd: list[str], env: dict[str, str], metrics: Path, log: Path) -> dict
     data = next((r for r in rows if r["split"] == "data"), {})
     # steps/s after the first step (which pays one-off warm-up), from the recipe's own clock
     rate = (train[-1]["step"] - train[0]["step"]) / max(1e-9, train[-1]["seconds"] - train[0]["seconds"])
-    return {"peak_rss_mib": round(peak / 2**20), "peak_rss_tree_mib": round(peak_tree / 2**20),
-            "first_step_s": round(first_step if first_step is not None else time.perf_counter() - t0, 2),
-            "steps_per_s": round(rate, 3), "wall_s": round(time.perf_counter() - t0, 1),
-            "data_s": data.get("seconds"), "cache_reused": bool(data.get("reused")), "rows_kept": data.get("kept")}
+    return {
+        "peak_rss_mib": round(peak / 2**20),
+        "peak_rss_tree_mib": round(peak_tree / 2**20),
+        "first_step_s": round(first_step if first_step is not None else time.perf_counter() - t0, 2),
+        "steps_per_s": round(rate, 3),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "data_s": data.get("seconds"),
+        "cache_reused": bool(data.get("reused")),
+        "rows_kept": data.get("kept"),
+    }
 
 
-def run_recipe(model: Path, data: Path, out: Path, cache: Path, a: argparse.Namespace,
-               env: dict[str, str]) -> dict[str, Any]:
+def run_recipe(
+    model: Path, data: Path, out: Path, cache: Path, a: argparse.Namespace, env: dict[str, str]
+) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(REPO / "recipes" / "prm_train.py"), f"model.name_or_path={model}",
-           f"data.train_file={data}", f"output_dir={out}", f"train.max_steps={a.steps}",
-           f"train.batch_size={a.batch_size}", "train.log_every=1", f"train.save_every={10**9}",
-           "train.report_to=none", f"data.max_length={a.max_length}", f"data.num_proc={a.num_proc}",
-           f"data.cache_dir={cache}"]
+    cmd = [
+        sys.executable,
+        str(REPO / "recipes" / "prm_train.py"),
+        f"model.name_or_path={model}",
+        f"data.train_file={data}",
+        f"output_dir={out}",
+        f"train.max_steps={a.steps}",
+        f"train.batch_size={a.batch_size}",
+        "train.log_every=1",
+        f"train.save_every={10**9}",
+        "train.report_to=none",
+        f"data.max_length={a.max_length}",
+        f"data.num_proc={a.num_proc}",
+        f"data.cache_dir={cache}",
+    ]
     res = watch(cmd, env, out / "metrics.jsonl", out / "log.txt")
     return res
 
@@ -141,8 +171,9 @@ def eager_child(a: argparse.Namespace) -> None:
     model = build_prm(backbone, processor, PRMSpec())
     data = []
     for ex in load_examples(a.data, require_labels=True):
-        tok = tokenize_steps(processor, ex.question, ex.steps, [load_image(p) for p in ex.images], ex.labels,
-                             a.max_length)
+        tok = tokenize_steps(
+            processor, ex.question, ex.steps, [load_image(p) for p in ex.images], ex.labels, a.max_length
+        )
         if tok is not None:
             data.append(tok)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
@@ -157,8 +188,19 @@ def run_eager(model: Path, data: Path, out: Path, a: argparse.Namespace, env: di
     import psutil
 
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, __file__, "--_eager", "--model", str(model), "--data", str(data),
-           "--batch-size", str(a.batch_size), "--max-length", str(a.max_length)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--_eager",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--batch-size",
+        str(a.batch_size),
+        "--max-length",
+        str(a.max_length),
+    ]
     t0 = time.perf_counter()
     log = out / "log.txt"
     with open(log, "w") as f:
@@ -198,8 +240,14 @@ def main() -> None:
     sizes = [int(s) for s in a.sizes.split(",")]
     eager_sizes = [int(s) for s in a.eager_sizes.split(",") if s]
     w, h = (int(x) for x in a.image_size.split("x"))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONWARNINGS": "ignore"}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "PYTHONWARNINGS": "ignore",
+    }
 
     from mmprm.models.tiny import build_tiny_model
 
@@ -227,17 +275,24 @@ def main() -> None:
 
     small, large = results[str(sizes[0])], results[str(sizes[-1])]
     out: dict[str, Any] = {
-        "benchmark": "data_scale", "model": "tiny qwen2_vl", "image_size": a.image_size,
-        "steps": a.steps, "batch_size": a.batch_size, "num_proc": a.num_proc, "streamed": results,
+        "benchmark": "data_scale",
+        "model": "tiny qwen2_vl",
+        "image_size": a.image_size,
+        "steps": a.steps,
+        "batch_size": a.batch_size,
+        "num_proc": a.num_proc,
+        "streamed": results,
         "ratio_peak_rss_largest_vs_smallest": round(
-            large["first_run"]["peak_rss_mib"] / small["first_run"]["peak_rss_mib"], 3),
+            large["first_run"]["peak_rss_mib"] / small["first_run"]["peak_rss_mib"], 3
+        ),
         "ratio_peak_rss_cached_largest_vs_smallest": round(
-            large["cached_rerun"]["peak_rss_mib"] / small["cached_rerun"]["peak_rss_mib"], 3),
+            large["cached_rerun"]["peak_rss_mib"] / small["cached_rerun"]["peak_rss_mib"], 3
+        ),
         "ratio_first_step_cached_vs_first_run": round(
-            large["cached_rerun"]["first_step_s"] / large["first_run"]["first_step_s"], 3),
+            large["cached_rerun"]["first_step_s"] / large["first_run"]["first_step_s"], 3
+        ),
         # the data phase alone (tokenizing vs opening the cache), without interpreter and imports
-        "ratio_data_s_cached_vs_first_run": round(
-            large["cached_rerun"]["data_s"] / large["first_run"]["data_s"], 4),
+        "ratio_data_s_cached_vs_first_run": round(large["cached_rerun"]["data_s"] / large["first_run"]["data_s"], 4),
         "aims": {"ratio_peak_rss_largest_vs_smallest": "<= 1.25", "ratio_first_step_cached_vs_first_run": "< 0.10"},
     }
     if eager:
@@ -247,7 +302,8 @@ def main() -> None:
         same = str(eager_sizes[-1])
         if same in results:  # same rows, both paths: the eager path's peak over the streamed one's
             out["ratio_peak_rss_eager_vs_streamed_at_" + same] = round(
-                eager[same]["peak_rss_mib"] / results[same]["first_run"]["peak_rss_mib"], 3)
+                eager[same]["peak_rss_mib"] / results[same]["first_run"]["peak_rss_mib"], 3
+            )
     print(json.dumps(out))
 
 

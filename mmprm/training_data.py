@@ -72,17 +72,27 @@ def processor_fingerprint(processor: Any) -> str:
     tok = getattr(processor, "tokenizer", processor)
     backend = getattr(tok, "backend_tokenizer", None)
     vocab = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
-    parts = [type(processor).__qualname__, type(tok).__qualname__, vocab,
-             str(getattr(processor, "chat_template", None) or getattr(tok, "chat_template", None)),
-             processor.to_json_string() if hasattr(processor, "image_processor") else ""]
+    parts = [
+        type(processor).__qualname__,
+        type(tok).__qualname__,
+        vocab,
+        str(getattr(processor, "chat_template", None) or getattr(tok, "chat_template", None)),
+        processor.to_json_string() if hasattr(processor, "image_processor") else "",
+    ]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
 
 
 def cache_key(path: str | Path, processor_hash: str, settings: dict[str, Any]) -> str:
     """Cache folder name for one input file, processor and settings."""
     st = Path(path).stat()
-    ident = {"file": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-             "processor": processor_hash, "settings": settings, "format": CACHE_FORMAT}
+    ident = {
+        "file": str(Path(path).resolve()),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "processor": processor_hash,
+        "settings": settings,
+        "format": CACHE_FORMAT,
+    }
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -125,8 +135,18 @@ def _scan(path: Path, kind: Kind) -> Iterator[tuple[str | None, dict[str, Any] |
             yield f"{path}:{lineno}: id={ex.id}: id: duplicated (first on line {seen[ex.id]}; make ids unique)", None
             continue
         seen[ex.id] = lineno
-        yield None, {"id": ex.id, "line": lineno, "question": ex.question, "steps": ex.steps, "images": ex.images,
-                     "labels": ex.labels, "answer": ex.answer}
+        yield (
+            None,
+            {
+                "id": ex.id,
+                "line": lineno,
+                "question": ex.question,
+                "steps": ex.steps,
+                "images": ex.images,
+                "labels": ex.labels,
+                "answer": ex.answer,
+            },
+        )
 
 
 def check_file(path: str | Path, kind: Kind, allow_images: bool = True) -> int:
@@ -151,8 +171,10 @@ def check_file(path: str | Path, kind: Kind, allow_images: bool = True) -> int:
     if n_rows == 0 and not problems:
         problems.append(f"{path}:0: id=?: file: no rows (the file is empty)")
     if with_images and not allow_images:
-        problems.append(f"{path}: id={first_with_images}: images: this model is text-only but {with_images} rows "
-                        "have images (use a VLM, or drop the images)")
+        problems.append(
+            f"{path}: id={first_with_images}: images: this model is text-only but {with_images} rows "
+            "have images (use a VLM, or drop the images)"
+        )
     if problems:
         raise DataError(problems)
     return n_rows
@@ -235,18 +257,36 @@ def prm_labels(labels: Sequence[float], label_mode: str, hard_threshold: float) 
     return [float(x) for x in labels]
 
 
-def _tokenize_prm_row(row: dict[str, Any], processor: Any, source: str, max_length: int, step_token: str,
-                      system: str | None, label_mode: str, hard_threshold: float) -> dict[str, Any]:
-    out = {"labels": prm_labels(row["labels"], label_mode, hard_threshold), "input_ids": [], "step_positions": [],
-           "length": 0, "n_steps": 0, "n_pos": 0, "dropped_steps": 0, "drop": None, "error": None}
+def _tokenize_prm_row(
+    row: dict[str, Any],
+    processor: Any,
+    source: str,
+    max_length: int,
+    step_token: str,
+    system: str | None,
+    label_mode: str,
+    hard_threshold: float,
+) -> dict[str, Any]:
+    out = {
+        "labels": prm_labels(row["labels"], label_mode, hard_threshold),
+        "input_ids": [],
+        "step_positions": [],
+        "length": 0,
+        "n_steps": 0,
+        "n_pos": 0,
+        "dropped_steps": 0,
+        "drop": None,
+        "error": None,
+    }
     try:
         images = _blank_images(row["images"])
     except (OSError, ValueError) as e:  # PIL raises several types for missing or broken files
         out["error"] = f"{_where(source, row)}: images: {type(e).__name__}: {e} (fix or replace the file)"
         return out
     try:
-        tok = tokenize_steps(processor, row["question"], row["steps"], images, out["labels"], max_length,
-                             step_token, system)
+        tok = tokenize_steps(
+            processor, row["question"], row["steps"], images, out["labels"], max_length, step_token, system
+        )
     except (StepTokenError, ValueError) as e:
         out["error"] = f"{_where(source, row)}: steps: {e}"
         return out
@@ -255,14 +295,20 @@ def _tokenize_prm_row(row: dict[str, Any], processor: Any, source: str, max_leng
     elif not truncation_keeps_row(out["labels"], len(tok.step_positions)):
         out["drop"] = "error_step_truncated"
     else:
-        out.update(input_ids=tok.input_ids, step_positions=tok.step_positions, length=len(tok.input_ids),
-                   n_steps=len(tok.step_positions), n_pos=sum(x >= NEGATIVE_BELOW for x in tok.labels),
-                   dropped_steps=tok.dropped_steps)
+        out.update(
+            input_ids=tok.input_ids,
+            step_positions=tok.step_positions,
+            length=len(tok.input_ids),
+            n_steps=len(tok.step_positions),
+            n_pos=sum(x >= NEGATIVE_BELOW for x in tok.labels),
+            dropped_steps=tok.dropped_steps,
+        )
     return out
 
 
-def _tokenize_sft_row(row: dict[str, Any], processor: Any, source: str, max_length: int,
-                      system: str | None) -> dict[str, Any]:
+def _tokenize_sft_row(
+    row: dict[str, Any], processor: Any, source: str, max_length: int, system: str | None
+) -> dict[str, Any]:
     out = {"input_ids": [], "n_prompt": 0, "length": 0, "n_targets": 0, "drop": None, "error": None}
     try:
         images = _blank_images(row["images"])
@@ -273,17 +319,28 @@ def _tokenize_sft_row(row: dict[str, Any], processor: Any, source: str, max_leng
     if tok is None:
         out["drop"] = "prompt_too_long"
     else:
-        out.update(input_ids=tok["input_ids"], n_prompt=tok["n_prompt"], length=len(tok["input_ids"]),
-                   n_targets=tok["n_targets"])
+        out.update(
+            input_ids=tok["input_ids"],
+            n_prompt=tok["n_prompt"],
+            length=len(tok["input_ids"]),
+            n_targets=tok["n_targets"],
+        )
     return out
 
 
 # ---------------------------------------------------------------- SFT tokenization
 
 
-def tokenize_sft(processor: Any, question: str, steps: Sequence[str], answer: str | None, images: Sequence[Any] = (),
-                 max_length: int = 2048, system: str | None = None,
-                 n_prompt: int | None = None) -> dict[str, Any] | None:
+def tokenize_sft(
+    processor: Any,
+    question: str,
+    steps: Sequence[str],
+    answer: str | None,
+    images: Sequence[Any] = (),
+    max_length: int = 2048,
+    system: str | None = None,
+    n_prompt: int | None = None,
+) -> dict[str, Any] | None:
     """Ids and loss labels of one SFT example: prompt tokens masked with IGNORE, the solution learned.
 
     The target is `render_solution(steps, answer)` plus EOS after the chat-templated prompt.
@@ -314,8 +371,13 @@ def tokenize_sft(processor: Any, question: str, steps: Sequence[str], answer: st
     for key in PER_TOKEN_KEYS:
         if key in extra:
             extra[key] = extra[key][:, :max_length]
-    return {"input_ids": ids, "labels": labels, "extra": extra, "n_prompt": n_prompt,
-            "n_targets": sum(x != IGNORE for x in labels[1:])}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "extra": extra,
+        "n_prompt": n_prompt,
+        "n_targets": sum(x != IGNORE for x in labels[1:]),
+    }
 
 
 def collate_sft(items: Sequence[dict[str, Any]], pad_id: int) -> dict[str, Any]:
@@ -327,16 +389,26 @@ def collate_sft(items: Sequence[dict[str, Any]], pad_id: int) -> dict[str, Any]:
     for i, t in enumerate(items):
         n = len(t["input_ids"])
         ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(t["input_ids"]), torch.tensor(t["labels"]), 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels,
-            **collate_model_inputs([t["extra"] for t in items], width)}
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": labels,
+        **collate_model_inputs([t["extra"] for t in items], width),
+    }
 
 
 # ---------------------------------------------------------------- the cache
 
 
-def load_tokenized(path: str | Path, kind: Kind, processor: Any, settings: dict[str, Any],
-                   cache_dir: str | Path | None = None, num_proc: int | None = None,
-                   accelerator: Any = None) -> tuple[Any, dict[str, Any]]:
+def load_tokenized(
+    path: str | Path,
+    kind: Kind,
+    processor: Any,
+    settings: dict[str, Any],
+    cache_dir: str | Path | None = None,
+    num_proc: int | None = None,
+    accelerator: Any = None,
+) -> tuple[Any, dict[str, Any]]:
     """The tokenized rows of a JSONL file as a memory-mapped `datasets.Dataset`, plus counts.
 
     Args:
@@ -363,6 +435,8 @@ def load_tokenized(path: str | Path, kind: Kind, processor: Any, settings: dict[
     settings = {"kind": kind, **settings}
     folder = root / cache_key(path, processor_fingerprint(processor), settings)
     is_main = accelerator is None or accelerator.is_main_process
+    if not is_main:
+        datasets.disable_progress_bars()  # one set of bars, the main process's
     reused = (folder / "stats.json").is_file()
     if not reused and accelerator is not None and accelerator.num_processes > 1:
         # rank 0 builds while the others wait at the barrier, then they open what it wrote
@@ -374,13 +448,10 @@ def load_tokenized(path: str | Path, kind: Kind, processor: Any, settings: dict[
     stats = json.loads((folder / "stats.json").read_text())
     data = datasets.load_from_disk(str(folder / "data"))
     stats.update(reused=reused, cache=str(folder), seconds=round(time.perf_counter() - started, 3))
-    if not is_main:
-        datasets.disable_progress_bars()
     return data, stats
 
 
-def _build(path: str | Path, kind: Kind, processor: Any, settings: dict[str, Any], folder: Path,
-           num_proc: int) -> None:
+def _build(path: str | Path, kind: Kind, processor: Any, settings: dict[str, Any], folder: Path, num_proc: int) -> None:
     import datasets
 
     source = str(path)
@@ -390,39 +461,67 @@ def _build(path: str | Path, kind: Kind, processor: Any, settings: dict[str, Any
     try:
         allow_images = hasattr(processor, "image_processor")
         check_file(path, kind, allow_images)  # every problem of the file, before any work
-        row_features = {"id": datasets.Value("string"), "line": datasets.Value("int64"),
-                        "question": datasets.Value("string"), "steps": datasets.List(datasets.Value("string")),
-                        "images": datasets.List(datasets.Value("string")),
-                        "labels": datasets.List(datasets.Value("float64")), "answer": datasets.Value("string")}
-        raw = datasets.Dataset.from_generator(iter_rows, gen_kwargs={"path": str(path), "kind": kind},
-                                              features=datasets.Features(row_features), cache_dir=str(tmp / "raw"))
+        row_features = {
+            "id": datasets.Value("string"),
+            "line": datasets.Value("int64"),
+            "question": datasets.Value("string"),
+            "steps": datasets.List(datasets.Value("string")),
+            "images": datasets.List(datasets.Value("string")),
+            "labels": datasets.List(datasets.Value("float64")),
+            "answer": datasets.Value("string"),
+        }
+        raw = datasets.Dataset.from_generator(
+            iter_rows,
+            gen_kwargs={"path": str(path), "kind": kind},
+            features=datasets.Features(row_features),
+            cache_dir=str(tmp / "raw"),
+        )
         n_rows = len(raw)
         num_proc = max(1, min(num_proc, n_rows // 64 or 1))  # a worker per few rows only costs start-up
         ids = datasets.List(datasets.Value("int32"))
-        common = {"input_ids": ids, "length": datasets.Value("int32"), "drop": datasets.Value("string"),
-                  "error": datasets.Value("string")}
+        common = {
+            "input_ids": ids,
+            "length": datasets.Value("int32"),
+            "drop": datasets.Value("string"),
+            "error": datasets.Value("string"),
+        }
         args = {k: v for k, v in settings.items() if k != "kind"}
         if kind == "prm":
-            fn, extra = _tokenize_prm_row, {"step_positions": ids, "n_steps": datasets.Value("int32"),
-                                            "n_pos": datasets.Value("int32"), "dropped_steps": datasets.Value("int32")}
+            fn, extra = (
+                _tokenize_prm_row,
+                {
+                    "step_positions": ids,
+                    "n_steps": datasets.Value("int32"),
+                    "n_pos": datasets.Value("int32"),
+                    "dropped_steps": datasets.Value("int32"),
+                },
+            )
         else:
             fn, extra = _tokenize_sft_row, {"n_prompt": datasets.Value("int32"), "n_targets": datasets.Value("int32")}
-        mapped = raw.map(fn, fn_kwargs={"processor": _blank_image_processor(processor), "source": source, **args},
-                         num_proc=num_proc if num_proc > 1 else None, features=datasets.Features(
-                             {**row_features, **common, **extra}),
-                         cache_file_name=str(tmp / "map" / "rows.arrow"), new_fingerprint=folder.name,
-                         desc=f"tokenizing {Path(path).name} ({num_proc} proc)")
+        mapped = raw.map(
+            fn,
+            fn_kwargs={"processor": _blank_image_processor(processor), "source": source, **args},
+            num_proc=num_proc if num_proc > 1 else None,
+            features=datasets.Features({**row_features, **common, **extra}),
+            cache_file_name=str(tmp / "map" / "rows.arrow"),
+            new_fingerprint=folder.name,
+            desc=f"tokenizing {Path(path).name}",
+        )
         errors = [e for e in mapped["error"] if e]
         if errors:
             raise DataError(errors)
         drops = [d for d in mapped["drop"] if d]
         kept = mapped.filter(lambda d: d is None, input_columns="drop", desc="keeping rows that fit")
         kept = kept.remove_columns(["drop", "error"])
-        stats = {"examples": n_rows, "kept": len(kept), "dropped_examples": len(drops),
-                 "dropped_prompt_too_long": drops.count("prompt_too_long"),
-                 "dropped_error_step_truncated": drops.count("error_step_truncated"),
-                 "dropped_steps": int(sum(kept["dropped_steps"])) if kind == "prm" else 0,
-                 "settings": settings}
+        stats = {
+            "examples": n_rows,
+            "kept": len(kept),
+            "dropped_examples": len(drops),
+            "dropped_prompt_too_long": drops.count("prompt_too_long"),
+            "dropped_error_step_truncated": drops.count("error_step_truncated"),
+            "dropped_steps": int(sum(kept["dropped_steps"])) if kind == "prm" else 0,
+            "settings": settings,
+        }
         # One process: save_to_disk(num_proc=2) was ~300x slower here (42 rows/s). Reading the
         # mapped rows pages them into this process (~1 KB per row), which the kernel can reclaim.
         kept.save_to_disk(str(tmp / "data"))
@@ -454,9 +553,13 @@ class _Collator:
         return [{k: cols[k][i] for k in cols} for i in range(len(indices))]
 
     def mismatch(self, row: dict[str, Any], what: str) -> DataError:
-        return DataError([f"{self.source}:{row['line']}: id={row['id']}: {what} differ from the tokenization cache: an "
-                          "image or the processor changed after the cache was built; delete the cache folder "
-                          "(data.cache_dir) and rerun"])
+        return DataError(
+            [
+                f"{self.source}:{row['line']}: id={row['id']}: {what} differ from the tokenization cache: an "
+                "image or the processor changed after the cache was built; delete the cache folder "
+                "(data.cache_dir) and rerun"
+            ]
+        )
 
 
 class PRMCollator(_Collator):
@@ -466,8 +569,17 @@ class PRMCollator(_Collator):
     for losses and error messages. Pixels live only as long as the batch.
     """
 
-    def __init__(self, data: Any, processor: Any, pad_id: int, max_length: int, step_token: str = STEP_TOKEN,
-                 system: str | None = None, source: str = "", **_: Any):
+    def __init__(
+        self,
+        data: Any,
+        processor: Any,
+        pad_id: int,
+        max_length: int,
+        step_token: str = STEP_TOKEN,
+        system: str | None = None,
+        source: str = "",
+        **_: Any,
+    ):
         super().__init__(data, processor, pad_id, source)
         self.max_length, self.step_token, self.system = max_length, step_token, system
 
@@ -475,8 +587,16 @@ class PRMCollator(_Collator):
         out = []
         for row in self.rows(indices):
             images = [load_image(p) for p in row["images"]]
-            tok = tokenize_steps(self.processor, row["question"], row["steps"], images, row["labels"],
-                                 self.max_length, self.step_token, self.system)
+            tok = tokenize_steps(
+                self.processor,
+                row["question"],
+                row["steps"],
+                images,
+                row["labels"],
+                self.max_length,
+                self.step_token,
+                self.system,
+            )
             if tok is None or tok.input_ids != row["input_ids"]:
                 raise self.mismatch(row, "token ids")
             if tok.step_positions != row["step_positions"]:
@@ -493,8 +613,16 @@ class PRMCollator(_Collator):
 class SFTCollator(_Collator):
     """Cached SFT rows -> a batch (input_ids, attention_mask, labels, image tensors) via `tokenize_sft`."""
 
-    def __init__(self, data: Any, processor: Any, pad_id: int, max_length: int, system: str | None = None,
-                 source: str = "", **_: Any):
+    def __init__(
+        self,
+        data: Any,
+        processor: Any,
+        pad_id: int,
+        max_length: int,
+        system: str | None = None,
+        source: str = "",
+        **_: Any,
+    ):
         super().__init__(data, processor, pad_id, source)
         self.max_length, self.system = max_length, system
 
@@ -502,8 +630,16 @@ class SFTCollator(_Collator):
         out = []
         for row in self.rows(indices):
             images = [load_image(p) for p in row["images"]]
-            tok = tokenize_sft(self.processor, row["question"], row["steps"], row["answer"], images,
-                               self.max_length, self.system, n_prompt=row["n_prompt"])
+            tok = tokenize_sft(
+                self.processor,
+                row["question"],
+                row["steps"],
+                row["answer"],
+                images,
+                self.max_length,
+                self.system,
+                n_prompt=row["n_prompt"],
+            )
             if tok is None or tok["input_ids"] != row["input_ids"]:
                 raise self.mismatch(row, "token ids")
             tok["id"] = row["id"]

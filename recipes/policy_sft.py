@@ -9,7 +9,8 @@
 
 The rendering is `mmprm.steps.render_solution`, the very format MCTS annotation parses. Loss is on
 assistant tokens only; eval reports loss, format compliance (greedy generations that parse into
-steps + an answer) and answer accuracy with `mmprm.answers`.
+steps + an answer) and answer accuracy with `mmprm.answers`. Rows are tokenized once into an
+on-disk cache and their images opened per micro-batch (`mmprm.training_data`), as in prm_train.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@
 The head is read at the step token after every step (`mmprm.steps.tokenize_steps`) and trained
 with cross-entropy against the float label; eval metrics go to OUTPUT_DIR/metrics.jsonl and the
 trackers; the final PRM is a standard HF directory in OUTPUT_DIR that `mmprm.load_prm` restores.
+Rows are tokenized once into an on-disk cache (`data.cache_dir`, `data.num_proc` workers) and
+their images opened per micro-batch (`mmprm.training_data`), so memory does not grow with the data.
 """
 
 from __future__ import annotations

@@ -18,8 +18,14 @@ from mmprm.models.loading import add_step_token, load_processor
 from mmprm.models.prm import collate_steps
 from mmprm.steps import tokenize_steps
 from mmprm.training import BatchStream, epoch_batches, eval_share, rank_share, wrap_padding
-from mmprm.training_data import (PRMCollator, SFTCollator, collate_sft, load_tokenized, tokenize_sft,
-                                 truncation_keeps_row)
+from mmprm.training_data import (
+    PRMCollator,
+    SFTCollator,
+    collate_sft,
+    load_tokenized,
+    tokenize_sft,
+    truncation_keeps_row,
+)
 
 ARCHS = ["qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2"]
 # Sizes whose processed token counts differ (Qwen grids, InternVL tiles); LLaVA is fixed.
@@ -41,8 +47,13 @@ def write_rows(folder: Path, n: int, images: bool = True, name: str = "rows.json
             imgs = [image]
         n_steps = 1 + i % 3
         labels = [1.0] * n_steps if i % 2 else [1.0] * (n_steps - 1) + [0.25]
-        row = {"id": f"r{i}", "images": imgs, "question": f"What is {i} + {i}?",
-               "steps": [f"Step {k}: {i} + {k} = {i + k}." for k in range(n_steps)], "labels": labels}
+        row = {
+            "id": f"r{i}",
+            "images": imgs,
+            "question": f"What is {i} + {i}?",
+            "steps": [f"Step {k}: {i} + {k} = {i + k}." for k in range(n_steps)],
+            "labels": labels,
+        }
         if answer:
             row["answer"] = str(2 * i)
         rows.append(row)
@@ -57,8 +68,13 @@ def prm_processor(tiny_models, arch):
     return processor
 
 
-SETTINGS = {"max_length": 512, "step_token": "<|prm_step|>", "system": None, "label_mode": "soft",
-            "hard_threshold": 0.5}
+SETTINGS = {
+    "max_length": 512,
+    "step_token": "<|prm_step|>",
+    "system": None,
+    "label_mode": "soft",
+    "hard_threshold": 0.5,
+}
 
 
 def assert_batches_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -76,8 +92,10 @@ def test_streamed_prm_batch_equals_eager_batch(tiny_models, tmp_path, arch):
     collate = PRMCollator(data, processor, pad_id=0, source=str(path), **SETTINGS)
 
     examples = load_examples(path, require_labels=True)  # the old eager path: everything up front
-    eager = [tokenize_steps(processor, e.question, e.steps, [load_image(p) for p in e.images], e.labels, 512)
-             for e in examples]
+    eager = [
+        tokenize_steps(processor, e.question, e.steps, [load_image(p) for p in e.images], e.labels, 512)
+        for e in examples
+    ]
     for idx in ([0, 1, 2, 3], [9, 4, 7], [5, 6, 8]):
         batch, items = collate(idx)
         assert_batches_equal(batch, collate_steps([eager[i] for i in idx], pad_id=0))
@@ -96,8 +114,10 @@ def test_streamed_sft_batch_equals_eager_batch(tiny_models, tmp_path, arch):
     data, stats = load_tokenized(path, "sft", processor, settings, cache_dir=tmp_path / "cache", num_proc=1)
     collate = SFTCollator(data, processor, pad_id=0, **settings)
     examples = load_examples(path)
-    eager = [tokenize_sft(processor, e.question, e.steps, e.answer, [load_image(p) for p in e.images], 512, "Solve.")
-             for e in examples]
+    eager = [
+        tokenize_sft(processor, e.question, e.steps, e.answer, [load_image(p) for p in e.images], 512, "Solve.")
+        for e in examples
+    ]
     batch, _ = collate([5, 0, 3])
     assert_batches_equal(batch, collate_sft([eager[i] for i in (5, 0, 3)], pad_id=0))
     assert list(data["n_targets"]) == [sum(x != -100 for x in t["labels"][1:]) for t in eager]
@@ -119,8 +139,9 @@ def test_cache_is_reused_and_keyed_by_file_processor_and_settings(tiny_models, t
     _, grown = load_tokenized(path, "prm", processor, SETTINGS, cache_dir=cache, num_proc=1)
     assert not grown["reused"] and grown["cache"] != first["cache"]
     os.utime(path, ns=(0, 0))  # the file changed (mtime): tokenized again
-    _, touched = load_tokenized(path, "prm", prm_processor(tiny_models, "qwen2_vl"), SETTINGS, cache_dir=cache,
-                                num_proc=1)
+    _, touched = load_tokenized(
+        path, "prm", prm_processor(tiny_models, "qwen2_vl"), SETTINGS, cache_dir=cache, num_proc=1
+    )
     assert not touched["reused"] and touched["cache"] != first["cache"]
     assert not list(cache.glob("*.tmp-*"))  # builds are renamed into place, nothing half-written left
 
@@ -173,8 +194,9 @@ def test_truncated_error_step_drops_the_row_and_counts_it(tiny_models, tmp_path)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     full = tokenize_steps(processor, "1+1?", rows[0]["steps"], labels=rows[0]["labels"])
     max_length = full.step_positions[0] + 1  # room for the first step only
-    data, stats = load_tokenized(path, "prm", processor, {**SETTINGS, "max_length": max_length},
-                                 cache_dir=tmp_path / "cache", num_proc=1)
+    data, stats = load_tokenized(
+        path, "prm", processor, {**SETTINGS, "max_length": max_length}, cache_dir=tmp_path / "cache", num_proc=1
+    )
     assert list(data["id"]) == ["pos", "neg-early"]
     assert stats["dropped_error_step_truncated"] == 1 and stats["dropped_prompt_too_long"] == 0
     assert stats["dropped_steps"] == 4  # two trailing steps cut from each kept row
