@@ -14,12 +14,14 @@ from typing import Sequence
 
 
 def epoch_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int,
-                  group_by_length: bool = True, drop_last: bool = False) -> list[list[int]]:
+                  group_by_length: bool = True, drop_last: bool = False, pad_last: bool = False) -> list[list[int]]:
     """Global batches (lists of example indices) for one epoch.
 
     With `group_by_length`, a shuffled order is cut into mega-batches of 32 batches and each is
     sorted by length before cutting batches, so padding stays small while order stays random; the
-    batches are then shuffled so long ones are not all at the end.
+    batches are then shuffled so long ones are not all at the end. With `pad_last`, a short last
+    batch is filled by wrap-around from the start of the epoch's order (rows seen twice that epoch),
+    so every global batch splits into equal shares for all processes (see `rank_share`).
     """
     rng = random.Random(seed * 1_000_003 + epoch)
     order = list(range(len(lengths)))
@@ -31,30 +33,62 @@ def epoch_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int
     batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
     if drop_last and batches and len(batches[-1]) < batch_size:
         batches.pop()
+    elif pad_last and batches and len(batches[-1]) < batch_size:
+        short = batch_size - len(batches[-1])
+        batches[-1] = batches[-1] + [order[k % len(order)] for k in range(short)]
     if group_by_length:
         rng.shuffle(batches)
     return batches
 
 
+def wrap_padding(n_rows: int, global_batch: int) -> int:
+    """Rows each epoch repeats to fill its last global batch (0 when `n_rows` divides evenly)."""
+    return -n_rows % global_batch
+
+
 def rank_share(batch: Sequence[int], rank: int, world: int) -> list[int]:
-    """This process's slice of a global batch (strided, so every rank gets similar lengths)."""
-    return list(batch[rank::world])
+    """This process's slice of a global batch (strided, so every rank gets similar lengths).
+
+    Never empty: a rank without rows would fail in the collator, or hang a collective while the
+    others train. Batches from `BatchStream` are full, so every rank gets batch_size rows.
+    """
+    share = list(batch[rank::world])
+    if not share:
+        raise ValueError(f"global batch of {len(batch)} rows leaves process {rank} of {world} without a row: "
+                         "pad the batch (epoch_batches(pad_last=True))")
+    return share
+
+
+def eval_share(n_rows: int, rank: int, world: int) -> tuple[list[int], int]:
+    """This process's eval rows, evened out: (indices, how many of them count).
+
+    Every process gets ceil(n_rows / world) rows, so all run the same number of forward passes
+    (ZeRO-3 gathers weights collectively); rows past `n_rows` wrap around to the start and are
+    scored but left out of the metrics (the first `count` indices are the real ones).
+    """
+    per_rank = -(-n_rows // world)
+    positions = range(rank, per_rank * world, world)
+    return [p % n_rows for p in positions], sum(p < n_rows for p in positions)
 
 
 class BatchStream:
-    """Endless stream of global batches over epochs; `position` (epoch, index) is resumable."""
+    """Endless stream of full global batches over epochs; `position` (epoch, index) is resumable."""
 
     def __init__(self, lengths: Sequence[int], batch_size: int, seed: int, group_by_length: bool = True):
         if not lengths:
             raise ValueError("no training examples left after tokenization; check data.train_file and max_length")
         self.lengths, self.batch_size, self.seed, self.group = list(lengths), batch_size, seed, group_by_length
         self.epoch, self.index = 0, 0
-        self._batches = epoch_batches(self.lengths, batch_size, seed, 0, group_by_length)
+        self._batches = self._epoch(0)
+
+    def _epoch(self, epoch: int) -> list[list[int]]:
+        # full batches only, so every process gets its share (see rank_share)
+        return epoch_batches(self.lengths, self.batch_size, self.seed, epoch, self.group, pad_last=True)
 
     def next(self) -> list[int]:
         if self.index >= len(self._batches):
             self.epoch, self.index = self.epoch + 1, 0
-            self._batches = epoch_batches(self.lengths, self.batch_size, self.seed, self.epoch, self.group)
+            self._batches = self._epoch(self.epoch)
         batch = self._batches[self.index]
         self.index += 1
         return batch
@@ -64,7 +98,7 @@ class BatchStream:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
-        self._batches = epoch_batches(self.lengths, self.batch_size, self.seed, self.epoch, self.group)
+        self._batches = self._epoch(self.epoch)
 
 
 @dataclass

@@ -9,15 +9,16 @@ r"""Teach a (multimodal) policy to solve in tagged steps: `<step>...</step>` per
 
 The rendering is `mmprm.steps.render_solution`, the very format MCTS annotation parses. Loss is on
 assistant tokens only; eval reports loss, format compliance (greedy generations that parse into
-steps + an answer) and answer accuracy with `mmprm.answers`. The prompt format (system prompt,
-step mode) is saved beside the weights as `mmprm_policy.json` (`mmprm.policy`), and annotation
-and Best-of-N generation read it, so they prompt the policy exactly as it was trained.
+steps + an answer) and answer accuracy with `mmprm.answers`. Rows are tokenized once into an
+on-disk cache and their images opened per micro-batch (`mmprm.training_data`), as in prm_train.
+The prompt format (system prompt, step mode) is saved beside the weights as `mmprm_policy.json`
+(`mmprm.policy`), and annotation and Best-of-N generation read it, so they prompt the policy
+exactly as it was trained.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,16 +30,14 @@ from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
-from mmprm.data.schema import DataError, load_examples, load_image
+from mmprm.data.schema import DataError, load_image
 from mmprm.models.loading import load_backbone, resolve_attn_implementation, vision_tower_parameters
 from mmprm.models.sharding import partition_report, partition_summary
-from mmprm.models.prm import PER_TOKEN_KEYS, collate_model_inputs
 from mmprm.policy import PolicySpec, save_policy_spec
-from mmprm.steps import assistant_start, parse_solution, prompt_text, render_solution
-from mmprm.training import (BatchStream, TrainProgress, find_checkpoint, lr_factor, process_group_kwargs,
-                            rank_share)
-
-IGNORE = -100
+from mmprm.steps import parse_solution, prompt_text
+from mmprm.training import (BatchStream, TrainProgress, eval_share, find_checkpoint, lr_factor, process_group_kwargs,
+                            rank_share, wrap_padding)
+from mmprm.training_data import IGNORE, SFTCollator, load_tokenized
 
 
 @dataclass
@@ -98,6 +97,8 @@ class DataConfig:
     train_file: str = ""
     eval_file: str | None = None
     max_length: int = 2048
+    num_proc: int | None = None  # tokenization workers (default: the CPUs, at most 16)
+    cache_dir: str | None = None  # tokenized-data cache (default $MMPRM_CACHE or ~/.cache/mmprm/tokenized)
 
 
 @dataclass
@@ -175,46 +176,6 @@ class Config:
             raise ValueError("data.train_file: required (SFT JSONL: id, images, question, steps, answer)")
 
 
-def tokenize_sft(processor, ex, max_length: int, system: str | None):
-    """ids + loss labels for one example: prompt tokens are masked, the rendered solution is learned.
-
-    Returns None when truncation leaves no assistant token (the example is dropped and counted).
-    """
-    tokenizer = getattr(processor, "tokenizer", processor)
-    images = [load_image(p) for p in ex.images]
-    prompt, lead = assistant_start(processor, ex.question, len(images), system)
-    # The lead (" " after LLaVA-1.5's "ASSISTANT:") is learned with the answer, as the model generates it.
-    answer = lead + render_solution(ex.steps, ex.answer) + (tokenizer.eos_token or "")
-    if images:
-        enc = processor(text=[prompt + answer], images=images, return_tensors="pt")
-        n_prompt = len(processor(text=[prompt], images=images, return_tensors="pt")["input_ids"][0])
-    else:
-        enc = tokenizer([prompt + answer], return_tensors="pt", add_special_tokens=False)
-        n_prompt = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    ids = enc["input_ids"][0].tolist()
-    if n_prompt >= min(len(ids), max_length):
-        return None
-    ids = ids[:max_length]
-    labels = [IGNORE] * n_prompt + ids[n_prompt:]
-    extra = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
-    for key in PER_TOKEN_KEYS:
-        if key in extra:
-            extra[key] = extra[key][:, :max_length]
-    return {"id": ex.id, "input_ids": ids, "labels": labels, "extra": extra}
-
-
-def collate(items, pad_id: int) -> dict[str, torch.Tensor]:
-    width = max(len(t["input_ids"]) for t in items)
-    ids = torch.full((len(items), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(items), width), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(items), width), dtype=torch.long)
-    for i, t in enumerate(items):
-        n = len(t["input_ids"])
-        ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(t["input_ids"]), torch.tensor(t["labels"]), 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels,
-            **collate_model_inputs([t["extra"] for t in items], width)}
-
-
 def token_loss_sum(model, batch) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropy over assistant tokens, and their count."""
     labels = batch.pop("labels")
@@ -226,29 +187,26 @@ def token_loss_sum(model, batch) -> tuple[torch.Tensor, int]:
 
 
 @torch.no_grad()
-def generate_eval(model, processor, examples, cfg: Config, accelerator) -> dict[str, float]:
-    """Greedy solutions for eval examples: format compliance and answer accuracy."""
+def generate_eval(model, processor, data, cfg: Config, accelerator) -> dict[str, float]:
+    """Greedy solutions for the first eval rows: format compliance and answer accuracy."""
     from mmprm.answers import answers_match
 
     tokenizer = getattr(processor, "tokenizer", processor)
     model = accelerator.unwrap_model(model)
     model.eval()
-    chosen = examples[: cfg.train.eval_generations]
-    mine = chosen[accelerator.process_index :: accelerator.num_processes]
-    # Same number of generate calls on every rank (ZeRO-3 forwards are collective; transformers
-    # syncs the decoding steps within a call, not the number of calls).
-    n_chunks = math.ceil(math.ceil(len(chosen) / accelerator.num_processes) / cfg.train.eval_batch_size)
+    # an even share per process (generate() under ZeRO-3 needs every rank); wrapped rows not counted
+    idx, count = eval_share(min(cfg.train.eval_generations, len(data)), accelerator.process_index,
+                            accelerator.num_processes)
+    mine = [data[i] for i in idx]
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:  # Llama 3 ships without one; padded columns are masked out anyway
         tokenizer.pad_token = tokenizer.eos_token
     results = []
-    for c in range(n_chunks):
-        chunk = mine[c * cfg.train.eval_batch_size : (c + 1) * cfg.train.eval_batch_size]
-        keep = bool(chunk)
-        chunk = chunk or chosen[:1]
-        prompts = [prompt_text(processor, ex.question, len(ex.images), cfg.model.system_prompt) for ex in chunk]
-        images = [load_image(p) for ex in chunk for p in ex.images]
+    for start in range(0, len(mine), cfg.train.eval_batch_size):
+        chunk = mine[start : start + cfg.train.eval_batch_size]
+        prompts = [prompt_text(processor, ex["question"], len(ex["images"]), cfg.model.system_prompt) for ex in chunk]
+        images = [load_image(p) for ex in chunk for p in ex["images"]]
         if images:
             enc = processor(text=prompts, images=images, return_tensors="pt", padding=True)
         else:
@@ -257,32 +215,32 @@ def generate_eval(model, processor, examples, cfg: Config, accelerator) -> dict[
         out = model.generate(**enc, do_sample=False, max_new_tokens=cfg.train.max_new_tokens,
                              pad_token_id=tokenizer.pad_token_id)
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        for ex, text in zip(chunk if keep else [], texts):
+        for ex, text in zip(chunk, texts):
             parsed = parse_solution(text)
             compliant = bool(parsed.steps) and parsed.complete
-            correct = compliant and ex.answer is not None and answers_match(parsed.answer, ex.answer)
+            correct = compliant and ex["answer"] is not None and answers_match(parsed.answer, ex["answer"])
             results.append((compliant, correct))
     tokenizer.padding_side = side
     model.train()
-    results = gather_object(results)
+    results = gather_object(results[:count])
     n = max(1, len(results))
     return {"format_compliance": sum(c for c, _ in results) / n, "answer_accuracy": sum(a for _, a in results) / n,
             "generated": len(results)}
 
 
 @torch.no_grad()
-def eval_loss(model, data, pad_id, batch_size, accelerator) -> float:
+def eval_loss(model, collate: SFTCollator, batch_size, accelerator) -> float:
+    """Mean token loss on the eval split (each process an even share; wrap-around rows not counted)."""
     model.eval()
     total, count = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
-    mine = data[accelerator.process_index :: accelerator.num_processes]
-    # Same number of forwards on every rank: a ZeRO-3 forward gathers weights from all of them.
-    n_batches = math.ceil(math.ceil(len(data) / accelerator.num_processes) / batch_size)
-    for b in range(n_batches):
-        items = mine[b * batch_size : (b + 1) * batch_size]
-        batch = {k: v.to(accelerator.device) for k, v in collate(items or data[:1], pad_id).items()}
+    mine, n_real = eval_share(len(collate.data), accelerator.process_index, accelerator.num_processes)
+    for start in range(0, len(mine), batch_size):
+        batch = {k: v.to(accelerator.device) for k, v in collate(mine[start : start + batch_size])[0].items()}
+        if start + batch_size > n_real:  # padding rows: forward them (even passes), count nothing
+            keep = torch.arange(batch["labels"].shape[0], device=accelerator.device) < n_real - start
+            batch["labels"] = torch.where(keep[:, None], batch["labels"], IGNORE)
         loss, n = token_loss_sum(model, batch)
-        if items:  # a rank out of rows only keeps the others company
-            total, count = total + loss, count + n
+        total, count = total + loss, count + n
     model.train()
     total, count = accelerator.reduce(total, "sum"), accelerator.reduce(count, "sum")
     return (total / count.clamp_min(1)).item()
@@ -321,22 +279,22 @@ def main(argv: list[str]) -> None:
     tokenizer = getattr(processor, "tokenizer", processor)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    def load(path):
-        examples = load_examples(path)
-        missing = [e.id for e in examples if e.answer is None]
-        if missing:
-            raise DataError([f"{path}: id={i}: answer: missing (SFT rows need the final answer)" for i in missing])
-        rows = [tokenize_sft(processor, e, cfg.data.max_length, cfg.model.system_prompt)
-                for e in tqdm(examples, desc=f"tokenizing {Path(path).name}", disable=not accelerator.is_main_process)]
-        kept = [r for r in rows if r is not None]
-        return examples, kept, len(rows) - len(kept)
+    # Text tokenized once into an on-disk cache (rank 0 builds, the others wait and reuse it);
+    # images are opened per micro-batch by the collator, so memory does not grow with the data.
+    settings = {"max_length": cfg.data.max_length, "system": cfg.model.system_prompt}
 
-    _, train_data, dropped = load(cfg.data.train_file)
-    log(f"train: {len(train_data)} examples kept, {dropped} dropped (no assistant token left within "
-        f"max_length={cfg.data.max_length})")
-    eval_examples, eval_data = ([], [])
-    if cfg.data.eval_file:
-        eval_examples, eval_data, _ = load(cfg.data.eval_file)
+    def tokenized(path: str) -> tuple[SFTCollator, dict]:
+        data, stats = load_tokenized(path, "sft", processor, settings, cfg.data.cache_dir, cfg.data.num_proc,
+                                     accelerator)
+        return SFTCollator(data, processor, pad_id, source=path, **settings), stats
+
+    collate, train_stats = tokenized(cfg.data.train_file)
+    train_data = collate.data
+    log(f"train: {train_stats['kept']} examples kept, {train_stats['dropped_examples']} dropped (no assistant token "
+        f"left within max_length={cfg.data.max_length}); {'reused' if train_stats['reused'] else 'built'} cache "
+        f"{train_stats['cache']}")
+    eval_collate = tokenized(cfg.data.eval_file)[0] if cfg.data.eval_file else None
+    n_targets = list(train_data["n_targets"])  # loss tokens per row, for the loss normaliser
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
@@ -357,8 +315,10 @@ def main(argv: list[str]) -> None:
             (out_dir / "zero3_partitions.json").write_text(json.dumps(
                 {"num_processes": accelerator.num_processes, "rank": 0, "parameters": partitions}, indent=1))
     global_batch = cfg.train.batch_size * accelerator.num_processes
-    stream = BatchStream([len(t["input_ids"]) for t in train_data], global_batch, cfg.train.seed,
-                         cfg.train.group_by_length)
+    stream = BatchStream(list(train_data["length"]), global_batch, cfg.train.seed, cfg.train.group_by_length)
+    if padded := wrap_padding(len(train_data), global_batch):
+        log(f"{len(train_data)} rows do not fill whole global batches of {global_batch}: each epoch's last batch "
+            f"repeats {padded} rows from the epoch's start, so every process gets {cfg.train.batch_size} rows")
     progress = TrainProgress()
     accelerator.register_for_checkpointing(stream, progress)
     ckpt = find_checkpoint(out_dir, cfg.resume_from_checkpoint)
@@ -379,14 +339,14 @@ def main(argv: list[str]) -> None:
                         step=row["step"])
 
     def run_eval() -> None:
-        row = {"split": "eval", "step": progress.step, "loss": eval_loss(model, eval_data, pad_id,
-                                                                         cfg.train.eval_batch_size, accelerator)}
+        row = {"split": "eval", "step": progress.step,
+               "loss": eval_loss(model, eval_collate, cfg.train.eval_batch_size, accelerator)}
         if cfg.train.eval_generations > 0:
-            row.update(generate_eval(model, processor, eval_examples, cfg, accelerator))
+            row.update(generate_eval(model, processor, eval_collate.data, cfg, accelerator))
         write_metrics(row)
         log(f"step {progress.step} eval: " + " ".join(f"{k}={v:.4f}" for k, v in row.items() if isinstance(v, float)))
 
-    if eval_data and progress.step == 0:
+    if eval_collate and progress.step == 0:
         run_eval()  # the untrained policy's numbers, to compare against
 
     # ---- training loop --------------------------------------------------------------------
@@ -398,17 +358,18 @@ def main(argv: list[str]) -> None:
         micro_batches = [rank_share(stream.next(), accelerator.process_index, accelerator.num_processes)
                          for _ in range(cfg.train.grad_accum)]
         # mean over assistant tokens of the whole accumulation window
-        n_tokens = sum(sum(l != IGNORE for l in train_data[i]["labels"][1:]) for mb in micro_batches for i in mb)
+        n_tokens = sum(n_targets[i] for mb in micro_batches for i in mb)
         step_loss = 0.0
         for k, idx in enumerate(micro_batches):
-            batch = {key: v.to(accelerator.device) for key, v in collate([train_data[i] for i in idx], pad_id).items()}
+            batch, items = collate(idx)
+            batch = {key: v.to(accelerator.device) for key, v in batch.items()}
             # accumulate() syncs (DDP all-reduce, DeepSpeed step) on the last of grad_accum micro-batches only
             with accelerator.accumulate(model):
                 with accelerator.autocast():
                     loss_sum, _ = token_loss_sum(model, batch)
                 if not torch.isfinite(loss_sum):
                     raise FloatingPointError(f"non-finite loss at step {progress.step}, micro-batch {k}, example ids "
-                                             f"{[train_data[i]['id'] for i in idx]}: lower train.lr or check these rows")
+                                             f"{[t['id'] for t in items]}: lower train.lr or check these rows")
                 # backward() divides by grad_accum; the loss is already a mean over the window's tokens
                 accelerator.backward(loss_sum * cfg.train.grad_accum / max(1, n_tokens))
             step_loss += loss_sum.item() / max(1, n_tokens)
@@ -426,7 +387,7 @@ def main(argv: list[str]) -> None:
             write_metrics({"split": "train", "step": progress.step, "loss": sum(running) / len(running),
                            "lr": scheduler.get_last_lr()[0], "seconds": time.time() - t0})
             running = []
-        if eval_data and (progress.step % cfg.train.eval_every == 0 or progress.step == cfg.train.max_steps):
+        if eval_collate and (progress.step % cfg.train.eval_every == 0 or progress.step == cfg.train.max_steps):
             run_eval()
         stopping = progress.step == cfg.train.stop_at_step
         if progress.step % cfg.train.save_every == 0 or progress.step == cfg.train.max_steps or stopping:

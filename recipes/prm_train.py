@@ -10,6 +10,8 @@ r"""Train a (multimodal) process reward model with soft Monte-Carlo labels.
 The head is read at the step token after every step (`mmprm.steps.tokenize_steps`) and trained
 with cross-entropy against the float label; eval metrics go to OUTPUT_DIR/metrics.jsonl and the
 trackers; the final PRM is a standard HF directory in OUTPUT_DIR that `mmprm.load_prm` restores.
+Rows are tokenized once into an on-disk cache (`data.cache_dir`, `data.num_proc` workers) and
+their images opened per micro-batch (`mmprm.training_data`), so memory does not grow with the data.
 """
 
 from __future__ import annotations
@@ -26,15 +28,16 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
-from mmprm.data.schema import DataError, load_examples, load_image
+from mmprm.data.schema import DataError
 from mmprm.models.loading import load_backbone, resolve_attn_implementation, vision_tower_parameters
+from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, model_input_keys, save_prm
 from mmprm.models.sharding import partition_report, partition_summary
-from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, collate_steps, model_input_keys, save_prm
 from mmprm.scoring.losses import soft_bce_value, soft_ce_token_pair
 from mmprm.scoring.metrics import step_metrics
-from mmprm.steps import StepTokenError, tokenize_steps
-from mmprm.training import (BatchStream, TrainProgress, find_checkpoint, lr_factor, process_group_kwargs,
-                            rank_share)
+from mmprm.steps import StepTokenError
+from mmprm.training import (BatchStream, TrainProgress, eval_share, find_checkpoint, lr_factor, process_group_kwargs,
+                            rank_share, wrap_padding)
+from mmprm.training_data import PRMCollator, load_tokenized
 
 
 @dataclass
@@ -100,10 +103,13 @@ class DataConfig:
     Attributes:
         train_file: training rows, e.g. prm_data.jsonl from recipes/mcts_annotate.py; required
         eval_file: held-out rows for eval metrics; null skips evaluation
-        max_length: tokens per example; trailing steps past it are dropped (counted in the log)
+        max_length: tokens per example; trailing steps past it are dropped, and a negative row whose
+            first error step would be cut is dropped whole (both counted in the log and metrics.jsonl)
         label_mode: soft (the MC value is the target) | hard (label >= hard_threshold -> 1 else 0)
         hard_threshold: label_mode=hard: the cut between good and bad steps
         balance: weight positive and negative steps (label >= 0.5 or not) to equal total weight
+        num_proc: tokenization workers; null: the CPUs, at most 16
+        cache_dir: tokenized-data cache (Arrow); null: $MMPRM_CACHE, else ~/.cache/mmprm/tokenized
     """
 
     train_file: str = ""
@@ -112,6 +118,8 @@ class DataConfig:
     label_mode: str = "soft"
     hard_threshold: float = 0.5
     balance: bool = False
+    num_proc: int | None = None
+    cache_dir: str | None = None
 
 
 @dataclass
@@ -193,31 +201,6 @@ class Config:
             raise ValueError(f"train.schedule: {self.train.schedule!r} is not one of ['cosine', 'linear', 'constant']")
 
 
-def tokenize_file(path, processor, cfg: Config, spec: PRMSpec, accelerator) -> tuple[list, dict]:
-    """Validate the whole file first, then tokenize; counts what truncation dropped."""
-    examples = load_examples(path, require_labels=True)
-    if not hasattr(processor, "image_processor"):
-        with_images = [e.id for e in examples if e.images]
-        if with_images:
-            raise DataError([f"{path}: id={with_images[0]}: images: this model is text-only but "
-                             f"{len(with_images)} rows have images (use a VLM, or drop the images)"])
-    out, stats = [], {"examples": len(examples), "dropped_examples": 0, "dropped_steps": 0}
-    for ex in tqdm(examples, desc=f"tokenizing {Path(path).name}", disable=not accelerator.is_main_process):
-        labels = ex.labels
-        if cfg.data.label_mode == "hard":
-            labels = [1.0 if x >= cfg.data.hard_threshold else 0.0 for x in labels]
-        images = [load_image(p) for p in ex.images]
-        tok = tokenize_steps(processor, ex.question, ex.steps, images, labels, cfg.data.max_length,
-                             spec.step_token, spec.system_prompt)
-        if tok is None:
-            stats["dropped_examples"] += 1
-            continue
-        stats["dropped_steps"] += tok.dropped_steps
-        tok.id = ex.id
-        out.append(tok)
-    return out, stats
-
-
 def step_loss(head_logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """Mean soft cross-entropy over the step tokens of a micro-batch (weighted when balancing)."""
     if head_logits.ndim == 2:
@@ -226,18 +209,17 @@ def step_loss(head_logits: torch.Tensor, targets: torch.Tensor, weights: torch.T
 
 
 @torch.no_grad()
-def evaluate(model, data, pad_id, batch_size, accelerator) -> tuple[dict[str, float], list[dict]]:
-    """Step-level metrics on the eval split (each process scores its share, gathered on all), and
+def evaluate(model, collate: PRMCollator, batch_size, accelerator) -> tuple[dict[str, float], list[dict]]:
+    """Step-level metrics on the eval split (each process scores an even share, gathered on all), and
     the per-step scores by example id."""
     model.eval()
-    mine = data[accelerator.process_index :: accelerator.num_processes]
-    # Every rank runs the same number of forwards: under ZeRO-3 each forward gathers weights from
-    # all ranks, so a rank with one batch fewer would leave the others waiting for ever.
-    n_batches = math.ceil(math.ceil(len(data) / accelerator.num_processes) / batch_size)
+    # An even share: under ZeRO-3 each forward gathers weights from all ranks, so a rank with one
+    # batch fewer would leave the others waiting for ever.
+    mine, count = eval_share(len(collate.data), accelerator.process_index, accelerator.num_processes)
     scores, labels, ids = [], [], []
-    for b in range(n_batches):
-        items = mine[b * batch_size : (b + 1) * batch_size]
-        batch = {k: v.to(accelerator.device) for k, v in collate_steps(items or data[:1], pad_id).items()}
+    for start in range(0, len(mine), batch_size):
+        batch, items = collate(mine[start : start + batch_size])
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         probs = ProcessRewardModel.probabilities(
             model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))).tolist()
         pos = 0
@@ -248,7 +230,8 @@ def evaluate(model, data, pad_id, batch_size, accelerator) -> tuple[dict[str, fl
             pos += len(t.step_positions)
     from accelerate.utils import gather_object
 
-    scores, labels, ids = gather_object(scores), gather_object(labels), gather_object(ids)
+    # wrap-around rows that only even out the forward passes are not counted
+    scores, labels, ids = gather_object(scores[:count]), gather_object(labels[:count]), gather_object(ids[:count])
     model.train()
     return step_metrics(scores, labels, threshold=0.5), [{"id": i, "scores": s} for i, s in zip(ids, scores)]
 
@@ -293,18 +276,31 @@ def main(argv: list[str]) -> None:
     tokenizer = getattr(processor, "tokenizer", processor)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    train_data, train_stats = tokenize_file(cfg.data.train_file, processor, cfg, spec, accelerator)
-    eval_data = tokenize_file(cfg.data.eval_file, processor, cfg, spec, accelerator)[0] if cfg.data.eval_file else []
-    log(f"train: {train_stats['examples']} examples, {len(train_data)} kept; truncation dropped "
-        f"{train_stats['dropped_examples']} examples and {train_stats['dropped_steps']} trailing steps "
-        f"(max_length={cfg.data.max_length})")
-    labels_all = torch.tensor([x for t in train_data for x in t.labels])
+    # Text tokenized once into an on-disk cache (rank 0 builds, the others wait and reuse it);
+    # images are opened per micro-batch by the collator, so memory does not grow with the data.
+    settings = {"max_length": cfg.data.max_length, "step_token": spec.step_token, "system": spec.system_prompt,
+                "label_mode": cfg.data.label_mode, "hard_threshold": cfg.data.hard_threshold}
+
+    def tokenized(path: str) -> tuple[PRMCollator, dict]:
+        data, stats = load_tokenized(path, "prm", processor, settings, cfg.data.cache_dir, cfg.data.num_proc,
+                                     accelerator)
+        return PRMCollator(data, processor, pad_id, source=path, **settings), stats
+
+    collate, train_stats = tokenized(cfg.data.train_file)
+    eval_collate = tokenized(cfg.data.eval_file)[0] if cfg.data.eval_file else None
+    train_data = collate.data
+    log(f"train: {train_stats['examples']} examples, {train_stats['kept']} kept "
+        f"({'reused' if train_stats['reused'] else 'built'} cache {train_stats['cache']}); truncation to "
+        f"max_length={cfg.data.max_length} cut {train_stats['dropped_steps']} trailing steps and dropped "
+        f"{train_stats['dropped_prompt_too_long']} rows whose prompt and first step do not fit and "
+        f"{train_stats['dropped_error_step_truncated']} negative rows whose first error step would be cut")
+    n_steps = list(train_data["n_steps"])  # step tokens per row, for the loss normaliser
+    n_pos, n_all = sum(train_data["n_pos"]), sum(n_steps)
     pos_weight = neg_weight = 1.0
     if cfg.data.balance:
-        n_pos = int((labels_all >= 0.5).sum())
-        n_neg = len(labels_all) - n_pos
-        pos_weight = len(labels_all) / (2 * max(1, n_pos))
-        neg_weight = len(labels_all) / (2 * max(1, n_neg))
+        n_neg = n_all - n_pos
+        pos_weight = n_all / (2 * max(1, n_pos))
+        neg_weight = n_all / (2 * max(1, n_neg))
         log(f"balancing: {n_pos} positive / {n_neg} negative steps -> weights {pos_weight:.3f} / {neg_weight:.3f}")
 
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -326,7 +322,10 @@ def main(argv: list[str]) -> None:
             (out_dir / "zero3_partitions.json").write_text(json.dumps(
                 {"num_processes": accelerator.num_processes, "rank": 0, "parameters": partitions}, indent=1))
     global_batch = cfg.train.batch_size * accelerator.num_processes
-    stream = BatchStream([len(t.input_ids) for t in train_data], global_batch, cfg.train.seed, cfg.train.group_by_length)
+    stream = BatchStream(list(train_data["length"]), global_batch, cfg.train.seed, cfg.train.group_by_length)
+    if padded := wrap_padding(len(train_data), global_batch):
+        log(f"{len(train_data)} rows do not fill whole global batches of {global_batch}: each epoch's last batch "
+            f"repeats {padded} rows from the epoch's start, so every process gets {cfg.train.batch_size} rows")
     progress = TrainProgress()
     accelerator.register_for_checkpointing(stream, progress)
 
@@ -349,6 +348,10 @@ def main(argv: list[str]) -> None:
         accelerator.log({f"{row['split']}/{k}": v for k, v in row.items() if isinstance(v, (int, float))},
                         step=row["step"])
 
+    if progress.step == 0:  # what tokenization kept and dropped, beside the losses it explains
+        write_metrics({"split": "data", "step": 0,
+                       **{k: v for k, v in train_stats.items() if isinstance(v, (int, float))}})
+
     # ---- training loop --------------------------------------------------------------------
     model.train()
     bar = tqdm(total=cfg.train.max_steps, initial=progress.step, desc="prm_train",
@@ -358,11 +361,11 @@ def main(argv: list[str]) -> None:
         micro_batches = [rank_share(stream.next(), accelerator.process_index, accelerator.num_processes)
                          for _ in range(cfg.train.grad_accum)]
         # average per step token over the whole accumulation window, not per micro-batch
-        n_steps_total = sum(len(train_data[i].step_positions) for mb in micro_batches for i in mb)
+        n_steps_total = sum(n_steps[i] for mb in micro_batches for i in mb)
         step_loss_sum = 0.0
         for k, idx in enumerate(micro_batches):
-            items = [train_data[i] for i in idx]
-            batch = {key: v.to(accelerator.device) for key, v in collate_steps(items, pad_id).items()}
+            batch, items = collate(idx)
+            batch = {key: v.to(accelerator.device) for key, v in batch.items()}
             # accumulate() syncs (DDP all-reduce, DeepSpeed step) on the last of grad_accum micro-batches only
             with accelerator.accumulate(model):
                 with accelerator.autocast():
@@ -395,10 +398,11 @@ def main(argv: list[str]) -> None:
         if progress.step % cfg.train.log_every == 0 or progress.step == cfg.train.max_steps:
             elapsed = time.time() - t0
             write_metrics({"split": "train", "step": progress.step, "loss": sum(running) / len(running),
-                           "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen / max(elapsed, 1e-9)})
+                           "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen / max(elapsed, 1e-9),
+                           "seconds": elapsed})
             running = []
-        if eval_data and (progress.step % cfg.train.eval_every == 0 or progress.step == cfg.train.max_steps):
-            metrics, predictions = evaluate(model, eval_data, pad_id, cfg.train.eval_batch_size, accelerator)
+        if eval_collate and (progress.step % cfg.train.eval_every == 0 or progress.step == cfg.train.max_steps):
+            metrics, predictions = evaluate(model, eval_collate, cfg.train.eval_batch_size, accelerator)
             write_metrics({"split": "eval", "step": progress.step, **metrics})
             if accelerator.is_main_process:  # the latest eval's step scores, for error analysis
                 (out_dir / "eval_predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in predictions))

@@ -21,6 +21,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 
+@pytest.fixture(scope="session", autouse=True)
+def tokenized_data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Recipes run by tests cache tokenized data in a session folder, not in ~/.cache."""
+    folder = tmp_path_factory.mktemp("mmprm_cache")
+    os.environ["MMPRM_CACHE"] = str(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Factory arch -> directory of that tiny model (seed 0), built at most once per session.

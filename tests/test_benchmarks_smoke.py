@@ -78,3 +78,13 @@ def test_gpu_check_logic_on_cpu():
     assert res["zero3"]["lm_head"] == {"numel": 1025 * 128, "local_numel": 1025 * 128, "partitioned": True}
     assert res["scorer"]["probabilities_dtype"] == "float32" and res["scorer"]["round_trip_max_diff"] <= 2e-2
     assert res["scorer"]["steps_per_s"] > 0
+
+@pytest.mark.slow
+def test_data_scale_quick():
+    res = run_benchmark("data_scale.py")
+    for n in ("200", "800"):
+        first, again = res["streamed"][n]["first_run"], res["streamed"][n]["cached_rerun"]
+        assert not first["cache_reused"] and again["cache_reused"] and first["rows_kept"] == int(n)
+        assert first["peak_rss_mib"] > 0 and first["steps_per_s"] > 0 and again["data_s"] < first["data_s"]
+    assert res["ratio_peak_rss_largest_vs_smallest"] > 0 and res["ratio_first_step_cached_vs_first_run"] > 0
+    assert set(res["eager_baseline"]) >= {"100", "200"}

@@ -1,7 +1,6 @@
 """policy_sft: assistant-only loss masking token by token, the real entry point on two tiny
 architectures, dropped-example accounting, exact resume, and format compliance after training."""
 
-import importlib.util
 import json
 import math
 import os
@@ -17,17 +16,6 @@ from mmprm.training import lr_factor
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "policy_sft.py"
 IGNORE = -100
-
-
-def load_recipe():
-    """The recipe as a module, by path: `import recipes.policy_sft` raises on purpose."""
-    name = "policy_sft_recipe"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, RECIPE)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses resolve string annotations through sys.modules
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def run_recipe(*overrides, timeout=600):
@@ -71,8 +59,8 @@ def test_loss_mask_is_exactly_the_rendered_solution(tiny_models, synthetic, arch
     from mmprm.data.schema import load_examples
     from mmprm.models.loading import load_processor
     from mmprm.steps import prompt_text, render_solution
+    from mmprm.training_data import tokenize_sft
 
-    recipe = load_recipe()
     processor = load_processor(tiny_models(arch))
     tok = getattr(processor, "tokenizer", processor)
     ex = load_examples(synthetic[0])[0]
@@ -80,12 +68,12 @@ def test_loss_mask_is_exactly_the_rendered_solution(tiny_models, synthetic, arch
         ex.images = []
     system = "Solve step by step."
 
-    row = recipe.tokenize_sft(processor, ex, max_length=1024, system=system)
+    images = [Image.open(p).convert("RGB") for p in ex.images]
+    row = tokenize_sft(processor, ex.question, ex.steps, ex.answer, images, max_length=1024, system=system)
 
     # Expected: the prompt exactly as the processor expands it (image tokens included), then
     # the policy-format solution and EOS, tokenized on their own.
     prompt = prompt_text(processor, ex.question, len(ex.images), system)
-    images = [Image.open(p).convert("RGB") for p in ex.images]
     if images:
         prompt_ids = processor(text=[prompt], images=images, return_tensors="pt")["input_ids"][0].tolist()
     else:
@@ -103,21 +91,24 @@ def test_loss_mask_is_exactly_the_rendered_solution(tiny_models, synthetic, arch
         assert "pixel_values" in row["extra"]
 
     # Truncation keeps the whole prompt and the first solution tokens, labels still aligned.
-    cut = recipe.tokenize_sft(processor, ex, max_length=len(prompt_ids) + 3, system=system)
+    cut = tokenize_sft(processor, ex.question, ex.steps, ex.answer, images, max_length=len(prompt_ids) + 3,
+                       system=system)
     assert cut["input_ids"] == prompt_ids + solution_ids[:3]
     assert cut["labels"] == [IGNORE] * len(prompt_ids) + solution_ids[:3]
     # No assistant token left -> dropped (None), never a row with zero loss tokens.
-    assert recipe.tokenize_sft(processor, ex, max_length=len(prompt_ids), system=system) is None
+    assert tokenize_sft(processor, ex.question, ex.steps, ex.answer, images, max_length=len(prompt_ids),
+                        system=system) is None
 
 
 def test_collate_pads_labels_with_ignore(tiny_models, synthetic):
-    from mmprm.data.schema import load_examples
+    from mmprm.data.schema import load_examples, load_image
     from mmprm.models.loading import load_processor
+    from mmprm.training_data import collate_sft, tokenize_sft
 
-    recipe = load_recipe()
     processor = load_processor(tiny_models("qwen2_vl"))
-    rows = [recipe.tokenize_sft(processor, ex, 1024, None) for ex in load_examples(synthetic[0])[:3]]
-    batch = recipe.collate(rows, pad_id=processor.tokenizer.pad_token_id)
+    rows = [tokenize_sft(processor, ex.question, ex.steps, ex.answer, [load_image(p) for p in ex.images], 1024)
+            for ex in load_examples(synthetic[0])[:3]]
+    batch = collate_sft(rows, pad_id=processor.tokenizer.pad_token_id)
     width = max(len(r["input_ids"]) for r in rows)
     assert batch["input_ids"].shape == batch["labels"].shape == (3, width)
     for i, r in enumerate(rows):

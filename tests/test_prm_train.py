@@ -108,6 +108,27 @@ def test_two_process_ddp(tiny_models, toy, tmp_path):
     assert ev_rows and math.isfinite(ev_rows[-1]["bce"])
 
 
+@pytest.mark.slow
+def test_two_processes_with_a_row_count_that_used_to_starve_a_rank(tiny_models, tmp_path):
+    # 9 rows, 2 processes x batch 4: the epoch's second global batch held 1 row, so rank 1 got an
+    # empty list and collate_steps([]) failed. Now that batch repeats 7 rows from the epoch's start.
+    train = write_toy_prm_data(tmp_path / "d", 9, 0)
+    ev = write_toy_prm_data(tmp_path / "d", 3, 1, name="eval.jsonl")  # 3 eval rows on 2 ranks: 2 + 1 (+1 wrapped)
+    out = tmp_path / "starve"
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29519"]
+    res = run_recipe(*common(tiny_models("qwen2_vl"), train, ev, out, steps=4), launcher=launcher,
+                     extra_env={"ACCELERATE_USE_CPU": "true"})
+    assert json.loads((out / "config.resolved.json").read_text())["num_processes"] == 2
+    assert "9 rows do not fill whole global batches of 8: each epoch's last batch repeats 7 rows" in res.stdout
+    rows = metrics(out)
+    assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2, 3, 4]  # two full epochs
+    assert all(math.isfinite(r["loss"]) for r in rows if r["split"] == "train")
+    ev_rows = [r for r in rows if r["split"] == "eval"]
+    assert ev_rows and math.isfinite(ev_rows[-1]["bce"])
+    assert (out / "mmprm_prm.json").exists()
+
+
 def test_bad_data_fails_before_training_with_row_named(tiny_models, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "x1", "question": "q", "steps": ["a", "b"], "labels": [1.0]}) + "\n")

@@ -155,6 +155,19 @@ def sft_from_mathv(mathv_dir: str | Path) -> list[StepExample]:
     return out
 
 
+def sft_row_problems(obj: dict[str, Any]) -> list[tuple[str, str]]:
+    """What an SFT row needs beyond the step-example schema: an answer, and plain step texts."""
+    errs = []
+    answer = obj.get("answer")
+    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool) or not str(answer).strip():
+        errs.append(("answer", "missing or empty (SFT targets end in <answer>...</answer>; add the final answer)"))
+    for s in obj.get("steps") or []:
+        if isinstance(s, str) and (STEP_OPEN in s or STEP_CLOSE in s):
+            errs.append(("steps", f"a step contains {STEP_OPEN!r}/{STEP_CLOSE!r} (give plain step texts)"))
+            break
+    return errs
+
+
 def load_sft(path: str | Path, check_images: bool = True) -> list[StepExample]:
     """Load and validate an SFT JSONL file; raise DataError listing every problem.
 
@@ -173,13 +186,7 @@ def load_sft(path: str | Path, check_images: bool = True) -> list[StepExample]:
             continue
         rid = row_id(obj)
         errs, ex = check_row(obj, path.parent, check_images=check_images, image_cache=cache)
-        answer = obj.get("answer")
-        if not isinstance(answer, (str, int, float)) or isinstance(answer, bool) or not str(answer).strip():
-            errs.append(("answer", "missing or empty (SFT targets end in <answer>...</answer>; add the final answer)"))
-        for s in obj.get("steps") or []:
-            if isinstance(s, str) and (STEP_OPEN in s or STEP_CLOSE in s):
-                errs.append(("steps", f"a step contains {STEP_OPEN!r}/{STEP_CLOSE!r} (give plain step texts)"))
-                break
+        errs += sft_row_problems(obj)
         problems += [f"{path}:{lineno}: id={rid}: {fld}: {msg}" for fld, msg in errs]
         if ex is not None and not errs:
             if ex.id in seen:

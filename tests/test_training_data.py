@@ -1,0 +1,232 @@
+"""The streamed training data path: cached tokenization equals the eager path batch for batch on
+every architecture, the cache is reused and keyed, images are checked per batch, truncation
+never turns a negative path positive, and every rank gets a full share."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from mmprm.data.schema import DataError, load_examples, load_image
+from mmprm.models.loading import add_step_token, load_processor
+from mmprm.models.prm import collate_steps
+from mmprm.steps import tokenize_steps
+from mmprm.training import BatchStream, epoch_batches, eval_share, rank_share, wrap_padding
+from mmprm.training_data import (
+    PRMCollator,
+    SFTCollator,
+    collate_sft,
+    load_tokenized,
+    tokenize_sft,
+    truncation_keeps_row,
+)
+
+ARCHS = ["qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2"]
+# Sizes whose processed token counts differ (Qwen grids, InternVL tiles); LLaVA is fixed.
+SIZES = [(640, 480), (28, 28), (300, 90), (90, 300), (200, 200)]
+
+
+def write_rows(folder: Path, n: int, images: bool = True, name: str = "rows.jsonl", answer: bool = False) -> Path:
+    """n labelled rows with noisy images of varied sizes (blank-image tokenization must not care)."""
+    rng = random.Random(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        imgs = []
+        if images:  # one file per size, shared by path like a question's image across its rows
+            w, h = SIZES[i % len(SIZES)]
+            image = f"img{i % len(SIZES)}.png"
+            if not (folder / image).exists():
+                Image.frombytes("RGB", (w, h), rng.randbytes(w * h * 3)).save(folder / image)
+            imgs = [image]
+        n_steps = 1 + i % 3
+        labels = [1.0] * n_steps if i % 2 else [1.0] * (n_steps - 1) + [0.25]
+        row = {
+            "id": f"r{i}",
+            "images": imgs,
+            "question": f"What is {i} + {i}?",
+            "steps": [f"Step {k}: {i} + {k} = {i + k}." for k in range(n_steps)],
+            "labels": labels,
+        }
+        if answer:
+            row["answer"] = str(2 * i)
+        rows.append(row)
+    path = folder / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def prm_processor(tiny_models, arch):
+    processor = load_processor(tiny_models(arch))
+    add_step_token(processor, None)
+    return processor
+
+
+SETTINGS = {
+    "max_length": 512,
+    "step_token": "<|prm_step|>",
+    "system": None,
+    "label_mode": "soft",
+    "hard_threshold": 0.5,
+}
+
+
+def assert_batches_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_streamed_prm_batch_equals_eager_batch(tiny_models, tmp_path, arch):
+    processor = prm_processor(tiny_models, arch)
+    path = write_rows(tmp_path, 10, images=arch != "qwen2")
+    data, stats = load_tokenized(path, "prm", processor, SETTINGS, cache_dir=tmp_path / "cache", num_proc=1)
+    assert stats["kept"] == 10 and not stats["reused"]
+    collate = PRMCollator(data, processor, pad_id=0, source=str(path), **SETTINGS)
+
+    examples = load_examples(path, require_labels=True)  # the old eager path: everything up front
+    eager = [
+        tokenize_steps(processor, e.question, e.steps, [load_image(p) for p in e.images], e.labels, 512)
+        for e in examples
+    ]
+    for idx in ([0, 1, 2, 3], [9, 4, 7], [5, 6, 8]):
+        batch, items = collate(idx)
+        assert_batches_equal(batch, collate_steps([eager[i] for i in idx], pad_id=0))
+        assert [t.id for t in items] == [examples[i].id for i in idx]
+        # same ids, same step positions as the one step tokenization
+        assert [t.step_positions for t in items] == [eager[i].step_positions for i in idx]
+    if arch != "qwen2":
+        assert "pixel_values" in batch
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "internvl", "qwen2"])
+def test_streamed_sft_batch_equals_eager_batch(tiny_models, tmp_path, arch):
+    processor = load_processor(tiny_models(arch))
+    path = write_rows(tmp_path, 6, images=arch != "qwen2", answer=True)
+    settings = {"max_length": 512, "system": "Solve."}
+    data, stats = load_tokenized(path, "sft", processor, settings, cache_dir=tmp_path / "cache", num_proc=1)
+    collate = SFTCollator(data, processor, pad_id=0, **settings)
+    examples = load_examples(path)
+    eager = [
+        tokenize_sft(processor, e.question, e.steps, e.answer, [load_image(p) for p in e.images], 512, "Solve.")
+        for e in examples
+    ]
+    batch, _ = collate([5, 0, 3])
+    assert_batches_equal(batch, collate_sft([eager[i] for i in (5, 0, 3)], pad_id=0))
+    assert list(data["n_targets"]) == [sum(x != -100 for x in t["labels"][1:]) for t in eager]
+
+
+def test_cache_is_reused_and_keyed_by_file_processor_and_settings(tiny_models, tmp_path):
+    processor = prm_processor(tiny_models, "qwen2_vl")
+    path = write_rows(tmp_path, 130)  # enough rows for 2 tokenization workers
+    cache = tmp_path / "cache"
+    data, first = load_tokenized(path, "prm", processor, SETTINGS, cache_dir=cache, num_proc=2)
+    assert first["kept"] == 130 and list(data["id"]) == [f"r{i}" for i in range(130)]  # order kept
+    PRMCollator(data, processor, 0, **SETTINGS)([0, 64, 127, 129])  # workers' ids match the real images'
+    again, second = load_tokenized(path, "prm", processor, SETTINGS, cache_dir=cache, num_proc=2)
+    assert not first["reused"] and second["reused"] and first["cache"] == second["cache"]
+    assert list(again["input_ids"]) == list(data["input_ids"])
+    _, other = load_tokenized(path, "prm", processor, {**SETTINGS, "max_length": 64}, cache_dir=cache, num_proc=1)
+    assert not other["reused"] and other["cache"] != first["cache"]
+    add_step_token(processor, None, token="<|other_step|>")  # a different vocabulary: a different cache
+    _, grown = load_tokenized(path, "prm", processor, SETTINGS, cache_dir=cache, num_proc=1)
+    assert not grown["reused"] and grown["cache"] != first["cache"]
+    os.utime(path, ns=(0, 0))  # the file changed (mtime): tokenized again
+    _, touched = load_tokenized(
+        path, "prm", prm_processor(tiny_models, "qwen2_vl"), SETTINGS, cache_dir=cache, num_proc=1
+    )
+    assert not touched["reused"] and touched["cache"] != first["cache"]
+    assert not list(cache.glob("*.tmp-*"))  # builds are renamed into place, nothing half-written left
+
+
+def test_image_changed_after_caching_is_caught_by_the_collator(tiny_models, tmp_path):
+    processor = prm_processor(tiny_models, "qwen2_vl")
+    path = write_rows(tmp_path, 3)
+    data, _ = load_tokenized(path, "prm", processor, SETTINGS, cache_dir=tmp_path / "cache", num_proc=1)
+    Image.new("RGB", (28, 28)).save(tmp_path / "img0.png")  # was 640x480: fewer image tokens now
+    with pytest.raises(DataError, match=r"rows.jsonl:1: id=r0: token ids differ from the tokenization cache"):
+        PRMCollator(data, processor, 0, source=str(path), **SETTINGS)([0, 1])
+
+
+def test_bad_rows_are_all_reported_before_tokenizing(tiny_models, tmp_path):
+    processor = prm_processor(tiny_models, "qwen2_vl")
+    path = write_rows(tmp_path, 3)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[1]["labels"] = [2.0] * len(rows[1]["steps"])
+    rows[2]["images"] = ["missing.png"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"rows.jsonl:2: id=r1: labels\[0\]: 2.0 is outside \[0,1\]"):
+        load_tokenized(path, "prm", processor, SETTINGS, cache_dir=tmp_path / "cache", num_proc=1)
+    rows[1]["labels"] = [1.0] * len(rows[1]["steps"])
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"rows.jsonl:3: id=r2: images: FileNotFoundError"):
+        load_tokenized(path, "prm", processor, SETTINGS, cache_dir=tmp_path / "cache", num_proc=1)
+    assert not list((tmp_path / "cache").glob("*"))  # a failed build leaves no cache behind
+
+
+# ---- truncation: a negative path never trains as a positive one -------------------------------
+
+
+def test_truncation_policy_by_hand():
+    assert truncation_keeps_row([1.0, 1.0, 1.0], kept=1)  # positive path: a shorter positive path
+    assert not truncation_keeps_row([1.0, 1.0, 0.0], kept=2)  # the only error step would go
+    assert truncation_keeps_row([1.0, 0.0, 0.0], kept=2)  # first error kept, later steps cut
+    assert not truncation_keeps_row([1.0, 0.4, 1.0], kept=1)  # soft label 0.4 < 0.5 is an error step
+    assert truncation_keeps_row([1.0, 0.6], kept=1)  # 0.6 is not
+
+
+def test_truncated_error_step_drops_the_row_and_counts_it(tiny_models, tmp_path):
+    processor = prm_processor(tiny_models, "qwen2")
+    long_step = "Then " + " ".join(["we add the numbers again carefully."] * 12)
+    rows = [  # hand-built: steps 2-3 fall past max_length in both rows
+        {"id": "neg", "question": "1+1?", "steps": ["1+1=2.", long_step, "So 3."], "labels": [1.0, 1.0, 0.0]},
+        {"id": "pos", "question": "1+1?", "steps": ["1+1=2.", long_step, "So 2."], "labels": [1.0, 1.0, 1.0]},
+        {"id": "neg-early", "question": "1+1?", "steps": ["1+1=3.", long_step, "So 3."], "labels": [0.0, 0.0, 0.0]},
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    full = tokenize_steps(processor, "1+1?", rows[0]["steps"], labels=rows[0]["labels"])
+    max_length = full.step_positions[0] + 1  # room for the first step only
+    data, stats = load_tokenized(
+        path, "prm", processor, {**SETTINGS, "max_length": max_length}, cache_dir=tmp_path / "cache", num_proc=1
+    )
+    assert list(data["id"]) == ["pos", "neg-early"]
+    assert stats["dropped_error_step_truncated"] == 1 and stats["dropped_prompt_too_long"] == 0
+    assert stats["dropped_steps"] == 4  # two trailing steps cut from each kept row
+    batch, items = PRMCollator(data, processor, 0, **{**SETTINGS, "max_length": max_length})([0, 1])
+    assert [t.labels for t in items] == [[1.0], [0.0]]  # the early error step still trains as one
+    assert batch["targets"].tolist() == [1.0, 0.0]
+
+
+# ---- every rank fed ---------------------------------------------------------------------------
+
+
+def test_last_global_batch_is_padded_by_wrap_around():
+    lengths = list(range(9))
+    batches = epoch_batches(lengths, 8, seed=0, epoch=0, group_by_length=False, pad_last=True)
+    assert [len(b) for b in batches] == [8, 8]
+    order = batches[0] + batches[1][:1]
+    assert sorted(order) == lengths and batches[1][1:] == batches[0][:7]  # wrap-around from the start
+    for batch in batches:  # 2 ranks x batch size 4: both ranks get 4 rows in every batch
+        assert [len(rank_share(batch, r, 2)) for r in (0, 1)] == [4, 4]
+    assert wrap_padding(9, 8) == 7 and wrap_padding(16, 8) == 0
+    tiny = epoch_batches([5, 6], 8, seed=0, epoch=0, pad_last=True)  # fewer rows than one batch
+    assert len(tiny) == 1 and len(tiny[0]) == 8 and set(tiny[0]) == {0, 1}
+    stream = BatchStream(lengths, 8, seed=0)
+    assert all(len(stream.next()) == 8 for _ in range(5))
+    with pytest.raises(ValueError, match="without a row"):
+        rank_share([3], 1, 2)
+
+
+def test_eval_share_gives_every_rank_the_same_count():
+    shares = [eval_share(5, r, 2) for r in (0, 1)]
+    assert shares == [([0, 2, 4], 3), ([1, 3, 0], 2)]  # rank 1 scores row 0 again, counts 2
+    assert sorted(i for idx, n in shares for i in idx[:n]) == [0, 1, 2, 3, 4]
+    assert eval_share(1, 1, 4) == ([0], 0)
