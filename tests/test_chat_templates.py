@@ -449,9 +449,9 @@ def test_string_concatenating_template_on_a_text_only_model(checkpoint):
     add_step_token(processor, model)
     ts = tokenize_steps(processor, TEXT_QUESTION, STEPS, labels=LABELS)  # prm_train, prm scoring, export
     assert len(ts.step_positions) == len(STEPS)
-    sft = _load_recipe("policy_sft").tokenize_sft(  # policy_sft
-        processor, SimpleNamespace(id="q0", question=TEXT_QUESTION, images=[], steps=STEPS[:2], answer="12"),
-        512, None)
+    from mmprm.training_data import tokenize_sft
+
+    sft = tokenize_sft(processor, TEXT_QUESTION, STEPS[:2], "12", [], 512, None)  # policy_sft
     assert sft is not None and any(label != -100 for label in sft["labels"])
     backend = HFBackend(model, processor, SamplingConfig(max_new_tokens=3), batch_size=4)  # mcts_annotate, HF
     assert len(backend.generate([RolloutRequest("q0", TEXT_QUESTION, [], STEPS[:1], 2)])[0]) == 2
@@ -468,7 +468,7 @@ def test_policy_sft_eval_generation_without_a_pad_token(checkpoint):
     assert processor.pad_token is None
     cfg = recipe.Config()
     cfg.train.eval_generations, cfg.train.eval_batch_size, cfg.train.max_new_tokens = 2, 2, 4
-    examples = [SimpleNamespace(id=f"q{i}", question=q, images=[], steps=STEPS[:1], answer="12")
+    examples = [{"id": f"q{i}", "question": q, "images": [], "answer": "12"}
                 for i, q in enumerate([TEXT_QUESTION, "What is 2 + 2?"])]
     stats = recipe.generate_eval(model, processor, examples, cfg, Accelerator(cpu=True))
     assert stats["generated"] == 2 and processor.pad_token == processor.eos_token

@@ -1,6 +1,7 @@
 """policy_sft: assistant-only loss masking token by token, the real entry point on two tiny
 architectures, dropped-example accounting, exact resume, and format compliance after training."""
 
+import importlib.util
 import json
 import math
 import os
@@ -279,7 +280,9 @@ def test_annotation_and_generation_prompt_the_policy_exactly_as_sft_trained_it(t
 
     processor = load_processor(out)
     ex = load_examples(train)[0]
-    row = load_recipe().tokenize_sft(processor, ex, 4096, system)
+    from mmprm.training_data import IGNORE, tokenize_sft
+
+    row = tokenize_sft(processor, ex.question, ex.steps, ex.answer, [load_image(p) for p in ex.images], 4096, system)
     n_prompt = next(i for i, label in enumerate(row["labels"]) if label != IGNORE)
     sft_prompt = row["input_ids"][:n_prompt]
 
