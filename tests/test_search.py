@@ -184,3 +184,12 @@ def test_config_errors_are_clear():
     with pytest.raises(ValueError, match="method"):
         SearchConfig(method="mcts").validate()  # type: ignore[arg-type]
     assert SearchConfig("beam", 4, 2).label() == "beam W4xM2"
+
+
+def test_beam_keeps_distinct_paths_only():
+    policy = ScriptedPolicy({(): [("A", None), ("A", None), ("A", None), ("B", None)]})
+    [tree] = run_search([PROBLEM], policy, ScriptedPRM({"A": 0.9, "B": 0.2}), SearchConfig("beam", width=2, expansions=2))
+    assert [n.kept for n in tree.nodes[1:]] == [True, False, False, True]  # the copies of A give way to B
+    [dup] = run_search([PROBLEM], ScriptedPolicy(policy.script), ScriptedPRM({"A": 0.9, "B": 0.2}),
+                       SearchConfig("beam", width=2, expansions=2, distinct=False))
+    assert [n.kept for n in dup.nodes[1:]] == [True, True, False, False]

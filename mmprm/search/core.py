@@ -53,6 +53,8 @@ class SearchConfig:
         aggregator: name in `mmprm.scoring.AGGREGATORS` that turns a path's step probabilities
             into its score.
         max_expansions: best_first only: node expansions per problem before it stops.
+        distinct: beam and best_first keep one node per distinct path (same steps and answer);
+            a sampled duplicate would spend a beam on a prefix already kept.
     """
 
     method: Method = "beam"
@@ -61,6 +63,7 @@ class SearchConfig:
     max_steps: int = 12
     aggregator: str = "min"
     max_expansions: int = 64
+    distinct: bool = True
 
     def validate(self) -> None:
         if self.method not in ("beam", "dvts", "best_first"):
@@ -255,6 +258,18 @@ class _Search:
     def _expandable(self, node: SearchNode) -> bool:
         return node.status == "open" and node.depth < self.cfg.max_steps
 
+    def _distinct(self, nodes: list[SearchNode]) -> list[SearchNode]:
+        """`nodes` without later copies of an earlier node's path (when `distinct` is on)."""
+        if not self.cfg.distinct:
+            return nodes
+        seen, out = set(), []
+        for n in nodes:
+            key = (tuple(self.tree.steps(n)), n.answer)
+            if key not in seen:
+                seen.add(key)
+                out.append(n)
+        return out
+
 
 class _BeamSearch(_Search):
     def __init__(self, tree: SearchTree, cfg: SearchConfig):
@@ -268,7 +283,7 @@ class _BeamSearch(_Search):
 
     def update(self, children: list[list[SearchNode]]) -> None:
         alive = [c for kids in children for c in kids if c.status != "dead"]
-        kept = sorted(alive, key=lambda n: (-n.score, n.id))[: self.cfg.width]
+        kept = self._distinct(sorted(alive, key=lambda n: (-n.score, n.id)))[: self.cfg.width]
         for n in kept:
             n.kept = True
         self.active = [n for n in kept if self._expandable(n)]
@@ -327,8 +342,8 @@ class _BestFirstSearch(_Search):
             self.expanded = 1
         self.frontier += [c for kids in children for c in kids if c.status != "dead"]
         # Nodes at the depth limit can never grow: only finished ones may stay as answers.
-        self.frontier = sorted((n for n in self.frontier if n.status == "finished" or self._expandable(n)),
-                               key=lambda n: (-n.score, n.id))
+        self.frontier = self._distinct(sorted(
+            (n for n in self.frontier if n.status == "finished" or self._expandable(n)), key=lambda n: (-n.score, n.id)))
         self.round += 1
         top = self.frontier[0] if self.frontier else None
         self.done = (top is None or top.status == "finished" or self.expanded >= self.cfg.max_expansions

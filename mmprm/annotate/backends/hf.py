@@ -21,8 +21,8 @@ from mmprm.annotate.backends.base import (
     RolloutRequest,
     SamplingConfig,
     StepMode,
+    request_stops,
     rollout_prompt,
-    stop_strings,
 )
 from mmprm.data.schema import load_image
 from mmprm.steps import needs_special_tokens
@@ -116,7 +116,7 @@ class HFBackend:
             gen = self.model.generate(
                 **enc, do_sample=True, temperature=self.sampling.temperature, top_k=self.sampling.top_k,  # 0 = off
                 top_p=self.sampling.top_p, max_new_tokens=self.sampling.max_new_tokens,
-                pad_token_id=self.tokenizer.pad_token_id, stop_strings=stop_strings(self.step_mode) or None,
+                pad_token_id=self.tokenizer.pad_token_id, stop_strings=request_stops(self.step_mode, requests) or None,
                 tokenizer=self.tokenizer,
             )
             new = gen[:, enc["input_ids"].shape[1]:].tolist()  # (rows, new tokens)

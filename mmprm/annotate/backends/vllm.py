@@ -112,7 +112,7 @@ class VLLMBackend:
                 n=req.n, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=s.max_new_tokens,
                 # A distinct seed per request and call: reproducible, yet no two probes share samples.
                 seed=s.seed + 1_000_003 * self.stats.calls + i,
-                stop=stop_strings(self.step_mode) or None, include_stop_str_in_output=True)
+                stop=(stop_strings(self.step_mode) + (req.stop or [])) or None, include_stop_str_in_output=True)
             for i, req in enumerate(requests)
         ]
         # A BOS only where the chat template did not write one (LLaVA-1.5's does not; Llama 3's does).
