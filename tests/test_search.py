@@ -193,3 +193,28 @@ def test_beam_keeps_distinct_paths_only():
     [dup] = run_search([PROBLEM], ScriptedPolicy(policy.script), ScriptedPRM({"A": 0.9, "B": 0.2}),
                        SearchConfig("beam", width=2, expansions=2, distinct=False))
     assert [n.kept for n in dup.nodes[1:]] == [True, True, False, False]
+
+
+def test_equal_budget_report_by_hand(tmp_path):
+    from mmprm.search.report import search_report, write_search_report
+
+    search = [{"id": "p1", "correct": True, "complete": True, "stats": {"generated_tokens": 10, "prm_sequences": 4, "seconds": 1.0}},
+              {"id": "p2", "correct": False, "complete": True, "stats": {"generated_tokens": 20, "prm_sequences": 6, "seconds": 3.0}}]
+    bon = [{"id": "p2", "candidates": [{"step_probs": [0.1], "answer": "3", "correct": False, "tokens": 4},
+                                       {"step_probs": [0.8], "answer": "4", "correct": True, "tokens": 6}]},
+           {"id": "p1", "candidates": [{"step_probs": [0.9], "answer": "1", "correct": True, "tokens": 5},
+                                       {"step_probs": [0.2], "answer": "2", "correct": False, "tokens": 7}]}]
+    r = search_report({"beam W1xM2": search}, bon, bon_ns=(1, 2), aggregator="min", n_resamples=200)
+    m = r["methods"]
+    assert m["beam W1xM2"]["mean"] == 0.5 and m["beam W1xM2"]["tokens_per_problem"] == 15.0
+    # N=2: min picks .9 (right) for p1 and .8 (right) for p2; tokens 2 x mean per candidate = 12 and 10
+    assert m["Best-of-N (PRM min) N=2"]["mean"] == 1.0 and m["Best-of-N (PRM min) N=2"]["tokens_per_problem"] == 11.0
+    # N=1: each candidate alone, half right per problem; majority of two different answers: a coin flip
+    assert m["Best-of-N (PRM min) N=1"]["mean"] == 0.5 and m["majority vote N=2"]["mean"] == 0.5
+    assert m["one sample"]["mean"] == 0.5 and m["one sample"]["tokens_per_problem"] == 5.5
+    [match] = r["matched"]  # 15 tokens: log-closest to N=2 (11), not N=1 (5.5)
+    assert match["bon"] == "Best-of-N (PRM min) N=2" and match["diff"] == pytest.approx(-0.5)
+    md = write_search_report(r, tmp_path, "t")
+    assert "| beam W1xM2 | 15 |" in md.read_text() and (tmp_path / "search_vs_bon.png").exists()
+    with pytest.raises(ValueError, match="other problems"):
+        search_report({"a": search, "b": search[:1]})

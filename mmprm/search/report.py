@@ -46,7 +46,8 @@ def bon_points(bon_rows: Sequence[Mapping[str, Any]], ns: Sequence[int], aggrega
                seed: int = 0) -> dict[str, dict[int, dict[str, np.ndarray]]]:
     """Per-problem accuracy and generated tokens of PRM Best-of-N and majority vote at each N.
 
-    Returns {"bon_prm": {N: {"acc": (P,), "tokens": (P,)}}, "majority": {...}} in the row order.
+    Returns {"bon_prm": {N: {"acc": (P,), "tokens": (P,)}}, "majority": {...}, "single": {1: ...}}
+    in the row order; "single" is one sampled solution (the expected accuracy of a random pick).
     """
     from mmprm.answers import answers_match
     from mmprm.rerank.report import bon_curve
@@ -56,7 +57,8 @@ def bon_points(bon_rows: Sequence[Mapping[str, Any]], ns: Sequence[int], aggrega
     curve = bon_curve(problems, n_max=n_max, n_subsets=n_subsets, seed=seed, weighted_by="min",
                       same=lambda a, b: answers_match(a, b))
     per_candidate = np.asarray([np.mean([c["tokens"] for c in cands]) for cands in problems])  # (P,)
-    out: dict[str, dict[int, dict[str, np.ndarray]]] = {"bon_prm": {}, "majority": {}}
+    out: dict[str, dict[int, dict[str, np.ndarray]]] = {
+        "bon_prm": {}, "majority": {}, "single": {1: {"acc": curve.per_problem["random"][n_max], "tokens": per_candidate}}}
     for n in ns:
         n_eff = n if n in curve.per_problem[aggregator] else n_max
         out["bon_prm"][n] = {"acc": curve.per_problem[aggregator][n_eff], "tokens": per_candidate * n}
@@ -103,7 +105,8 @@ def search_report(search_runs: Mapping[str, Sequence[Mapping[str, Any]]],
         bon_rows = aligned(bon_rows, "Best-of-N rows")
         for kind, by_n in bon_points(bon_rows, bon_ns, aggregator, seed=seed).items():
             for n, pts in by_n.items():
-                label = f"{'Best-of-N (PRM ' + aggregator + ')' if kind == 'bon_prm' else 'majority vote'} N={n}"
+                label = {"bon_prm": f"Best-of-N (PRM {aggregator}) N={n}", "majority": f"majority vote N={n}",
+                         "single": "one sample"}[kind]
                 per_problem[label] = pts["acc"]
                 methods[label] = {"kind": kind, "n": n, **bootstrap_mean(pts["acc"], n_resamples, seed),
                                   "tokens_per_problem": float(pts["tokens"].mean()),
@@ -157,14 +160,14 @@ def _plot(report: dict[str, Any], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     methods = report["methods"]
     for kind, style, name in (("bon_prm", "o-", f"Best-of-N (PRM, {report['aggregator']})"),
-                              ("majority", "s--", "majority vote")):
+                              ("majority", "s--", "majority vote"), ("single", "kx", "one sample")):
         pts = sorted((m for m in methods.values() if m["kind"] == kind), key=lambda m: m["tokens_per_problem"])
         if pts:
             x = [m["tokens_per_problem"] for m in pts]
             y = [m["mean"] for m in pts]
             err = [[m["mean"] - m["ci95"][0] for m in pts], [m["ci95"][1] - m["mean"] for m in pts]]
             ax.errorbar(x, y, yerr=err, fmt=style, capsize=3, label=name)
-            for m, xi, yi in zip(pts, x, y):
+            for m, xi, yi in zip(pts, x, y) if kind != "single" else ():
                 ax.annotate(f"N={m['n']}", (xi, yi), textcoords="offset points", xytext=(4, -12), fontsize=7)
     markers = {"beam": "^", "dvts": "D", "best_first": "*"}
     for label, m in methods.items():
