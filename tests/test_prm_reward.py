@@ -37,9 +37,10 @@ def test_reward_parses_steps_attaches_the_answer_and_aggregates():
 
 
 def test_reward_scores_with_a_real_prm_sharing_the_prompt(tiny_models):
+    from PIL import Image
+
     from mmprm.models.loading import load_backbone
     from mmprm.models.prm import PRMScorer, PRMSpec, build_prm
-    from PIL import Image
 
     backbone, processor = load_backbone(tiny_models("qwen2_vl"))
     scorer = PRMScorer(build_prm(backbone, processor, PRMSpec()), processor)

@@ -20,6 +20,7 @@ of `mmprm.scoring.AGGREGATORS`. A completion with no step at all gets `empty_rew
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 from mmprm.annotate.backends.base import StepMode
@@ -90,7 +91,7 @@ class PRMReward:
         rewards = [float(self.empty_reward)] * n
         if examples:
             for i, probs in zip(where, self.scorer.score(examples)):
-                kept = [p for p in probs if p == p]  # NaN = a step cut by the PRM's max_length
+                kept = [p for p in probs if not math.isnan(p)]  # NaN: a step cut by the PRM's max_length
                 rewards[i] = float(AGGREGATORS[self.aggregator](kept)) if kept else float(self.empty_reward)
         self.calls += 1
         return rewards
