@@ -211,7 +211,7 @@ def main(argv: list[str]) -> None:
                             for p, cs in zip(chunk, cands) for c in cs if c["steps"]]
                 probs = iter(scorer.score(examples))
                 for p, cs in zip(chunk, cands):
-                    rows = [{"step_probs": next(probs) if c["steps"] else [], "answer": c["answer"],
+                    rows = [{"steps": c["steps"], "step_probs": next(probs) if c["steps"] else [], "answer": c["answer"],
                              "correct": answers_match(c["answer"], p.answer, p.choices), "tokens": c["tokens"],
                              "complete": c["complete"]} for c in cs]
                     store.append_row(f, {"id": p.id, "candidates": rows})
