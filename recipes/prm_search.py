@@ -161,6 +161,7 @@ def main(argv: list[str]) -> None:
     from mmprm.models.prm import load_prm
     from mmprm.search.core import run_search
     from mmprm.search.policy import BackendProposer, sample_solutions
+    from mmprm.treeval import think360_depth, think360_width
 
     device = cfg.scoring.device if cfg.scoring.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     scorer = load_prm(cfg.prm, device=device, batch_size=cfg.scoring.batch_size, max_length=cfg.scoring.max_length)
@@ -180,8 +181,6 @@ def main(argv: list[str]) -> None:
                 for p, tree in zip(chunk, run_search(chunk, proposer, scorer, search)):
                     node = tree.nodes[tree.chosen]
                     tv = tree.to_treeval() if len(tree.nodes) > 1 else None
-                    from mmprm.treeval import think360_depth, think360_width
-
                     store.append_row(f, {
                         "id": p.id, "answer": node.answer, "gold": p.answer, "complete": node.status == "finished",
                         "correct": bool(node.status == "finished" and answers_match(node.answer, p.answer, p.choices)),
@@ -199,14 +198,13 @@ def main(argv: list[str]) -> None:
         todo = [p for p in problems if p.id not in done]
         n_max = max(cfg.bon.n)
         print(f"[Best-of-N] {len(done)} problems already done, {len(todo)} to sample x {n_max}", flush=True)
-        bon_backend = backend
-        bon_backend.sampling.max_new_tokens = cfg.bon.max_new_tokens  # whole solutions, not one step
+        backend.sampling.max_new_tokens = cfg.bon.max_new_tokens  # whole solutions now, not one step
         t0 = time.time()
         per_call = max(1, cfg.policy.batch_size // n_max)
         with store.open_append(path) as f:
             for lo in range(0, len(todo), per_call):
                 chunk = todo[lo: lo + per_call]
-                cands = sample_solutions(bon_backend, chunk, n_max, cfg.policy.step_mode, cfg.policy.batch_size)
+                cands = sample_solutions(backend, chunk, n_max, cfg.policy.step_mode, cfg.policy.batch_size)
                 examples = [{"question": p.question, "images": p.images, "steps": c["steps"]}
                             for p, cs in zip(chunk, cands) for c in cs if c["steps"]]
                 probs = iter(scorer.score(examples))
