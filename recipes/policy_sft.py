@@ -92,13 +92,15 @@ class DataConfig:
         train_file: training rows (JSONL); required
         eval_file: held-out rows for loss, format compliance and accuracy; null skips evaluation
         max_length: tokens per example (prompt + target); longer examples are dropped and counted
+        num_proc: tokenization workers; null: the CPUs, at most 16
+        cache_dir: tokenized-data cache (Arrow); null: $MMPRM_CACHE, else ~/.cache/mmprm/tokenized
     """
 
     train_file: str = ""
     eval_file: str | None = None
     max_length: int = 2048
-    num_proc: int | None = None  # tokenization workers (default: the CPUs, at most 16)
-    cache_dir: str | None = None  # tokenized-data cache (default $MMPRM_CACHE or ~/.cache/mmprm/tokenized)
+    num_proc: int | None = None
+    cache_dir: str | None = None
 
 
 @dataclass

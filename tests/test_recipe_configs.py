@@ -13,7 +13,7 @@ from mmprm.config import load_config
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "recipes" / "configs"
 RECIPES = ("prm_train", "policy_sft", "bon_rerank", "mcts_annotate", "tree_eval", "prm_eval", "quickstart",
-           "reasoning_eval")
+           "reasoning_eval", "prm_search")
 YAMLS = sorted(CONFIGS.rglob("*.yaml"))
 CONFIG_FILE = re.compile(r"--config_file[ =]+(\S+)")
 

@@ -24,6 +24,8 @@ class RolloutRequest:
     """Sample `n` continuations of a partial solution.
 
     images are absolute paths; prefix_steps are the steps so far (the start of the assistant turn).
+    stop: extra stop strings (PRM-guided search stops at the end of one step); the requests of one
+    `generate` call must share them.
     """
 
     problem_id: str
@@ -31,6 +33,7 @@ class RolloutRequest:
     images: list[str]
     prefix_steps: list[str]
     n: int
+    stop: list[str] | None = None
 
 
 @dataclass
@@ -163,3 +166,11 @@ def rollout_prompt(processor: Any, question: str, num_images: int, prefix_steps:
 def stop_strings(step_mode: StepMode) -> list[str]:
     """Text that ends a rollout early: the closing answer tag (tags mode); EOS otherwise."""
     return [ANSWER_CLOSE] if step_mode == "tags" else []
+
+
+def request_stops(step_mode: StepMode, requests: Sequence[RolloutRequest]) -> list[str]:
+    """Stop strings of one batched call: the mode's plus the requests' shared extra ones."""
+    extra = {tuple(r.stop or ()) for r in requests}
+    if len(extra) > 1:
+        raise ValueError("requests of one generate call have different stop strings: send them in separate calls")
+    return stop_strings(step_mode) + list(extra.pop() if extra else ())

@@ -22,8 +22,8 @@ from mmprm.annotate.backends.base import (
     RolloutRequest,
     SamplingConfig,
     StepMode,
+    request_stops,
     rollout_prompt,
-    stop_strings,
 )
 from mmprm.data.schema import load_image
 from mmprm.steps import needs_special_tokens
@@ -122,12 +122,12 @@ class HFBackend:
             gen = self.model.generate(
                 **enc, do_sample=True, temperature=self.sampling.temperature, top_k=self.sampling.top_k,  # 0 = off
                 top_p=self.sampling.top_p, max_new_tokens=self.sampling.max_new_tokens,
-                pad_token_id=self.tokenizer.pad_token_id, stop_strings=stop_strings(self.step_mode) or None,
+                pad_token_id=self.tokenizer.pad_token_id, stop_strings=request_stops(self.step_mode, requests) or None,
                 tokenizer=self.tokenizer,
             )
             new = gen[:, enc["input_ids"].shape[1]:].tolist()  # (rows, new tokens)
-            stops = stop_strings(self.step_mode)
             for (i, _, _), ids in zip(chunk, new):
+                stops = stop_strings(self.step_mode) + (requests[i].stop or [])
                 ended = next((k + 1 for k, t in enumerate(ids) if t in self._stop_ids), None)
                 self.stats.generated_tokens += ended or len(ids)
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)

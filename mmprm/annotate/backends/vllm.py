@@ -117,7 +117,8 @@ class VLLMBackend:
         params = [
             self._vllm.SamplingParams(
                 n=req.n, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=s.max_new_tokens,
-                seed=seed, stop=stop_strings(self.step_mode) or None, include_stop_str_in_output=True)
+                seed=seed, stop=(stop_strings(self.step_mode) + (req.stop or [])) or None,
+                include_stop_str_in_output=True)
             for req, seed in zip(requests, seeds)
         ]
         # A BOS only where the chat template did not write one (LLaVA-1.5's does not; Llama 3's does).

@@ -1,0 +1,249 @@
+"""PRM-guided search: step-level beam search / diverse verifier tree search / best-first search,
+each step scored by the PRM, compared with Best-of-N and majority vote at equal generation budget.
+
+    python recipes/prm_search.py --config recipes/configs/tiny/prm_search.yaml
+    # 7B on one GPU with vLLM (one process per GPU; shard the problems across GPUs/nodes):
+    python recipes/prm_search.py --config recipes/configs/qwen2_5_vl_7b/prm_search.yaml shard.index=0 shard.count=8
+    # (the last shard to finish writes the report; or rerun any shard afterwards: done work is skipped)
+
+Writes to OUTPUT_DIR, per search setting (folder named after it, e.g. `beam_W4xM4/`):
+results.shardI-of-C.jsonl, one row per problem - the chosen solution (steps, answer, step
+probabilities, score), whether it is correct, the whole search tree, its Think360 width/depth and
+its cost (generated tokens, PRM-scored sequences, seconds). With `bon.enabled`, `bon/` holds N
+sampled solutions per problem with PRM step scores and token counts. When every shard is done:
+report.json, report.md and search_vs_bon.png (accuracy vs generated tokens, 95% bootstrap intervals)
+and trees/*.png (the first problems' search trees). Rows are appended and fsync'ed one problem at a
+time, so a run killed at any point (kill -9 included) resumes where it stopped when rerun.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from mmprm.config import ConfigError, load_config, parse_cli
+from mmprm.data.schema import DataError
+from mmprm.search.core import SearchConfig
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 0.9
+    max_new_tokens: int = 128  # per step for the search; per solution for Best-of-N (bon.max_new_tokens)
+    seed: int = 0
+
+
+@dataclass
+class PolicyConfig:
+    path: str = ""
+    backend: Literal["hf", "vllm"] = "hf"
+    step_mode: Literal["tags", "blank_lines"] = "tags"
+    batch_size: int = 64  # HF: sequences per generate call
+    dtype: str | None = None  # HF: torch dtype name ("bfloat16"); None keeps the checkpoint's
+    gpu_memory_utilization: float = 0.5  # vLLM, leaving room for the PRM on the same GPU
+    max_model_len: int | None = None  # vLLM
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class ScoringConfig:
+    batch_size: int = 16
+    max_length: int | None = None
+    device: str = "auto"
+
+
+@dataclass
+class BonConfig:
+    enabled: bool = False
+    n: list[int] = field(default_factory=lambda: [4, 8, 16])
+    max_new_tokens: int = 1024  # per whole solution
+
+
+@dataclass
+class ReportConfig:
+    resamples: int = 1000
+    seed: int = 0
+    trees: int = 2  # search trees drawn to trees/*.png (first problems of the first setting)
+    title: str = "PRM-guided search vs Best-of-N"
+
+
+@dataclass
+class ShardConfig:
+    index: int = 0
+    count: int = 1
+
+
+@dataclass
+class Config:
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    prm: str = ""  # a directory written by recipes/prm_train.py
+    problems_file: str = ""  # JSONL of {id, images, question, answer, choices?}
+    limit: int | None = None  # first problems only
+    searches: list[SearchConfig] = field(default_factory=lambda: [SearchConfig()])
+    batch_problems: int = 8  # problems searched in lockstep (one generate call per round for all)
+    bon: BonConfig = field(default_factory=BonConfig)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
+    output_dir: str = "runs/prm_search"
+
+    def validate(self) -> None:
+        if not (self.policy.path and self.prm and self.problems_file):
+            raise ValueError("policy.path, prm and problems_file: all required")
+        if not self.searches:
+            raise ValueError("searches: give at least one search setting")
+        labels = [s.label() for s in self.searches]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"searches: two settings are the same ({labels}): drop one")
+        if self.bon.enabled and (not self.bon.n or min(self.bon.n) < 1):
+            raise ValueError("bon.n: a list of sizes >= 1, e.g. [4, 8, 16]")
+        if not 0 <= self.shard.index < self.shard.count:
+            raise ValueError(f"shard.index={self.shard.index} must be in [0, shard.count={self.shard.count})")
+        if self.batch_problems < 1:
+            raise ValueError("batch_problems: must be >= 1")
+
+
+def slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")
+
+
+def make_backend(cfg: Config, max_new_tokens: int):
+    from mmprm.annotate.backends.base import SamplingConfig as BackendSampling
+
+    s = cfg.policy.sampling
+    # Each shard samples its own stream (seed + shard index), like bon_rerank.
+    sampling = BackendSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                               max_new_tokens=max_new_tokens, seed=s.seed + cfg.shard.index)
+    if cfg.policy.backend == "vllm":
+        from mmprm.annotate.backends.vllm import VLLMBackend
+
+        return VLLMBackend(cfg.policy.path, sampling, step_mode=cfg.policy.step_mode,
+                           gpu_memory_utilization=cfg.policy.gpu_memory_utilization,
+                           max_model_len=cfg.policy.max_model_len)
+    from mmprm.annotate.backends.hf import HFBackend
+
+    return HFBackend.from_pretrained(cfg.policy.path, sampling, dtype=cfg.policy.dtype,
+                                     step_mode=cfg.policy.step_mode, batch_size=cfg.policy.batch_size)
+
+
+def progress(what: str, done: int, total: int, t0: float, already: int) -> None:
+    rate = (done - already) / max(time.time() - t0, 1e-9)
+    eta = (total - done) / rate if rate > 0 else float("nan")
+    print(f"{what}: {done}/{total} problems, {time.time() - t0:.0f}s (ETA {eta:.0f}s)", flush=True)
+
+
+def main(argv: list[str]) -> None:
+    config_path, overrides = parse_cli(argv)
+    cfg = load_config(Config, config_path, overrides)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sh = cfg.shard
+
+    # ---- problems of this shard ------------------------------------------------------------
+    from mmprm.answers import answers_match
+    from mmprm.rerank.candidates import load_problems
+    from mmprm.rerank.shards import take_shard
+    from mmprm.search import store
+
+    problems = load_problems(cfg.problems_file)[: cfg.limit]
+    problems = take_shard(problems, sh.index, sh.count)
+    print(f"shard {sh.index}/{sh.count}: {len(problems)} problems")
+
+    # ---- models: the policy behind a rollout backend, the PRM scorer -------------------------
+    import torch
+
+    from mmprm.models.prm import load_prm
+    from mmprm.search.core import run_search
+    from mmprm.search.policy import BackendProposer, sample_solutions
+    from mmprm.treeval import think360_depth, think360_width
+
+    device = cfg.scoring.device if cfg.scoring.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    scorer = load_prm(cfg.prm, device=device, batch_size=cfg.scoring.batch_size, max_length=cfg.scoring.max_length)
+    backend = make_backend(cfg, cfg.policy.sampling.max_new_tokens)
+    proposer = BackendProposer(backend, cfg.policy.step_mode)
+
+    # ---- each search setting: problems in lockstep batches, one row per finished problem -----
+    for search in cfg.searches:
+        path = store.shard_file(out / slug(search.label()), "results", sh.index, sh.count)
+        done = store.ids_of(store.repair(path))
+        todo = [p for p in problems if p.id not in done]
+        print(f"[{search.label()}] {len(done)} problems already done, {len(todo)} to search", flush=True)
+        t0 = time.time()
+        with store.open_append(path) as f:
+            for lo in range(0, len(todo), cfg.batch_problems):
+                chunk = todo[lo: lo + cfg.batch_problems]
+                for p, tree in zip(chunk, run_search(chunk, proposer, scorer, search)):
+                    node = tree.nodes[tree.chosen]
+                    tv = tree.to_treeval() if len(tree.nodes) > 1 else None
+                    store.append_row(f, {
+                        "id": p.id, "answer": node.answer, "gold": p.answer, "complete": node.status == "finished",
+                        "correct": bool(node.status == "finished" and answers_match(node.answer, p.answer, p.choices)),
+                        "steps": tree.steps(node), "step_probs": node.probs, "score": node.score,
+                        "think360": {"width": think360_width(tv) if tv else None,
+                                     "depth": think360_depth(tv) if tv else None},
+                        "stats": tree.stats, "tree": tree.to_json()})
+                progress(f"[{search.label()}]", len(done) + lo + len(chunk), len(problems), t0, len(done))
+        store.mark_done(path)
+
+    # ---- Best-of-N at the largest budget, same policy and PRM -----------------------------
+    if cfg.bon.enabled:
+        path = store.shard_file(out / "bon", "candidates", sh.index, sh.count)
+        done = store.ids_of(store.repair(path))
+        todo = [p for p in problems if p.id not in done]
+        n_max = max(cfg.bon.n)
+        print(f"[Best-of-N] {len(done)} problems already done, {len(todo)} to sample x {n_max}", flush=True)
+        backend.sampling.max_new_tokens = cfg.bon.max_new_tokens  # whole solutions now, not one step
+        t0 = time.time()
+        per_call = max(1, cfg.policy.batch_size // n_max)
+        with store.open_append(path) as f:
+            for lo in range(0, len(todo), per_call):
+                chunk = todo[lo: lo + per_call]
+                cands = sample_solutions(backend, chunk, n_max, cfg.policy.step_mode, cfg.policy.batch_size)
+                examples = [{"question": p.question, "images": p.images, "steps": c["steps"]}
+                            for p, cs in zip(chunk, cands) for c in cs if c["steps"]]
+                probs = iter(scorer.score(examples))
+                for p, cs in zip(chunk, cands):
+                    rows = [{"steps": c["steps"], "step_probs": next(probs) if c["steps"] else [], "answer": c["answer"],
+                             "correct": answers_match(c["answer"], p.answer, p.choices), "tokens": c["tokens"],
+                             "complete": c["complete"]} for c in cs]
+                    store.append_row(f, {"id": p.id, "candidates": rows})
+                progress("[Best-of-N]", len(done) + lo + len(chunk), len(problems), t0, len(done))
+        store.mark_done(path)
+
+    # ---- report once every shard of every setting is in -----------------------------------
+    from mmprm.search.core import SearchTree
+    from mmprm.search.report import search_report, write_search_report
+    from mmprm.treeval import render_tree
+
+    runs = {s.label(): store.merge_shards(out / slug(s.label()), "results", sh.count) for s in cfg.searches}
+    bon_rows = store.merge_shards(out / "bon", "candidates", sh.count) if cfg.bon.enabled else None
+    if any(r is None for r in runs.values()) or (cfg.bon.enabled and bon_rows is None):
+        print(f"shard {sh.index} done; the report is written when all {sh.count} shards are (rerun any shard then)")
+        return
+    report = search_report(runs, bon_rows, sorted(cfg.bon.n), cfg.searches[0].aggregator,
+                           cfg.report.resamples, cfg.report.seed)
+    first = cfg.searches[0].label()
+    for row in runs[first][: cfg.report.trees]:
+        tree = SearchTree.from_json(row["tree"])
+        if len(tree.nodes) > 1:
+            render_tree(tree.to_treeval(), out / "trees" / f"{slug(str(row['id']))}.png",
+                        title=f"{first} on {row['id']}: {'right' if row['correct'] else 'wrong'} answer {row['answer']}")
+    md = write_search_report(report, out, cfg.report.title)
+    for m in report["matched"]:
+        print(f"{m['search']} ({m['search_tokens']:.0f} tok) vs {m['bon']} ({m['bon_tokens']:.0f} tok): "
+              f"{m['search_acc']:.3f} vs {m['bon_acc']:.3f}, diff {m['diff']:+.3f} {m['ci95']}")
+    print(f"wrote {md} and {out / 'search_vs_bon.png'}")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, DataError, FileNotFoundError) as e:
+        print(f"prm_search: {e}", file=sys.stderr)
+        sys.exit(2)

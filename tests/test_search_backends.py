@@ -1,0 +1,110 @@
+"""The search on real generation backends: HF generate (default tier) and vLLM vs HF (vllm tier).
+
+A toy policy (a tiny preset taught our step format, `mmprm.annotate.simulated.train_toy_policy`)
+decoded greedily (top_k=1) is deterministic, so the tree it grows is known: every expansion of a
+node is the same step, and step-by-step search must rebuild exactly the solution one greedy
+`generate` writes in one go - which checks that each step continues the assistant message the way
+annotation rollouts do.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from mmprm.search.core import SearchConfig, SearchTree, run_search
+
+QUESTION = "The bar shows 2 and then 3 more. What is the total?"
+
+
+def tree_shape(tree: SearchTree) -> list[tuple]:
+    return [(n.parent, n.step, n.answer, n.status, n.kept) for n in tree.nodes]
+
+
+@pytest.fixture(scope="module")
+def toy_policy(tmp_path_factory):
+    from mmprm.annotate.simulated import train_toy_policy
+    from mmprm.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("search_policy")
+    base = build_tiny_model("qwen2", root / "base", seed=0)
+    return train_toy_policy(str(base), str(root / "policy"), steps=150)
+
+
+@pytest.fixture(scope="module")
+def prm(toy_policy):
+    import torch
+
+    from mmprm.models.loading import load_backbone
+    from mmprm.models.prm import PRMScorer, PRMSpec, build_prm
+
+    torch.manual_seed(0)
+    backbone, processor = load_backbone(toy_policy)
+    return PRMScorer(build_prm(backbone, processor, PRMSpec()), processor, batch_size=16)
+
+
+@pytest.mark.slow
+def test_hf_greedy_search_rebuilds_the_greedy_solution(toy_policy, prm):
+    from mmprm.annotate.backends.base import SamplingConfig
+    from mmprm.annotate.backends.hf import HFBackend
+    from mmprm.search.policy import BackendProposer, sample_solutions
+
+    greedy = SamplingConfig(top_k=1, max_new_tokens=96, seed=0)
+    backend = HFBackend.from_pretrained(toy_policy, greedy, device="cpu", batch_size=32)
+    problems = [{"id": f"p{i}", "question": QUESTION, "images": []} for i in range(2)]
+    [one_go] = sample_solutions(backend, problems[:1], n=1)
+    assert one_go[0]["complete"], one_go  # the toy policy writes steps and an answer
+
+    backend.sampling.max_new_tokens = 32  # one step at a time
+    proposer = BackendProposer(backend)
+    cfg = SearchConfig("beam", width=2, expansions=3, max_steps=6)
+    trees = run_search(problems, proposer, prm, cfg)
+    for tree in trees:
+        chosen = tree.nodes[tree.chosen]
+        # greedy: the expansions of a node are one step three times; distinct paths keep one per round
+        for parent in {n.parent for n in tree.nodes[1:]}:
+            kids = [n for n in tree.nodes if n.parent == parent]
+            assert len({(k.step, k.answer) for k in kids}) == 1 and sum(k.kept for k in kids) == 1
+        assert chosen.status == "finished"
+        assert tree.prm_path(chosen) == one_go[0]["steps"] and chosen.answer == one_go[0]["answer"]
+        assert tree.stats["generated_tokens"] > 0 and tree.stats["prm_sequences"] == len(tree.nodes) - 1
+    assert tree_shape(trees[0]) == tree_shape(trees[1])  # same question, same greedy tree
+    again = run_search(problems[:1], BackendProposer(backend), prm, cfg)
+    assert tree_shape(again[0]) == tree_shape(trees[0])
+    assert [p for n in again[0].nodes for p in n.probs] == pytest.approx([p for n in trees[0].nodes for p in n.probs])
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vllm is not installed: `make test-vllm` runs this tier in .venv-vllm")
+def test_vllm_and_hf_grow_the_same_greedy_tree(request, tmp_path):
+    """Both backends, greedy, the same toy policy and PRM: the same search tree node for node."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from mmprm.annotate.backends.base import SamplingConfig
+    from mmprm.annotate.backends.hf import HFBackend
+    from mmprm.annotate.backends.vllm import VLLMBackend
+    from mmprm.models.loading import load_backbone
+    from mmprm.models.prm import PRMScorer, PRMSpec, build_prm
+    from mmprm.search.policy import BackendProposer
+
+    try:  # the vllm tier's toy policies (head_dim 64, which vLLM's CPU kernels need)
+        path = str(request.getfixturevalue("vllm_toy_policy")("qwen2"))
+    except pytest.FixtureLookupError:
+        pytest.skip("needs the vllm tier's `vllm_toy_policy` fixture (tests/conftest.py)")
+    backbone, processor = load_backbone(path)
+    prm = PRMScorer(build_prm(backbone, processor, PRMSpec()), processor, batch_size=16)
+    greedy = SamplingConfig(top_k=1, max_new_tokens=32, seed=0)
+    problems = [{"id": "p0", "question": QUESTION, "images": []}]
+    cfg = SearchConfig("beam", width=2, expansions=2, max_steps=6)
+    hf = HFBackend.from_pretrained(path, greedy, dtype="float32", device="cpu")
+    vllm = VLLMBackend(path, greedy, dtype="float32", enforce_eager=True, max_model_len=1024)
+    try:
+        [t_hf] = run_search(problems, BackendProposer(hf), prm, cfg)
+        [t_vllm] = run_search(problems, BackendProposer(vllm), prm, cfg)
+    finally:
+        vllm.llm.llm_engine.engine_core.shutdown()
+    assert tree_shape(t_vllm) == tree_shape(t_hf)
+    assert t_hf.nodes[t_hf.chosen].status == "finished"
+    assert [n.score for n in t_vllm.nodes] == pytest.approx([n.score for n in t_hf.nodes])
