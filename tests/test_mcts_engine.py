@@ -28,7 +28,7 @@ from mmprm.annotate.engine import (
     shard,
     tree_file_name,
 )
-from mmprm.annotate.judge import JudgeError
+from mmprm.chat import EndpointUnavailable
 from mmprm.annotate.search import SearchConfig
 from mmprm.annotate.simulated import GOLD, SimProblem, SimulatedPolicy, random_problems
 from mmprm.data.problems import load_problems
@@ -406,7 +406,7 @@ def test_transient_errors_are_retried_on_resume_and_permanent_ones_are_final(tmp
 
     def verify(pred, gold, choices=None):
         if flaky["down"] and verify.problem == "flaky":
-            raise JudgeError("judge at http://judge/v1 failed 3 times: URLError: connection refused")
+            raise EndpointUnavailable("judge at http://judge/v1 failed 3 times: URLError: connection refused")
         return pred == gold
 
     class Engine(AnnotationEngine):  # tell the verifier which problem asks (a judge sees the question)
@@ -440,12 +440,12 @@ def test_an_outage_stops_the_run_instead_of_emptying_it():
     problems = random_problems(40, seed=4)
 
     def judge_down(pred, gold, choices=None):
-        raise JudgeError("judge at http://judge/v1 failed 3 times: URLError: connection refused")
+        raise EndpointUnavailable("judge at http://judge/v1 failed 3 times: URLError: connection refused")
 
     records = []
     engine = AnnotationEngine(SimulatedPolicy(problems), SearchConfig(max_rollouts=100), judge_down, concurrency=8,
                               max_consecutive_failures=5)
-    with pytest.raises(AnnotationOutage, match=r"5 problems in a row failed .*JudgeError.*rerun the same command"):
+    with pytest.raises(AnnotationOutage, match=r"5 problems in a row failed .*EndpointUnavailable.*rerun the same command"):
         engine.run([Problem(pid, "q", GOLD) for pid in problems], records.append)
     assert len(records) == 5 and all(r["error_kind"] == "transient" for r in records)
 
