@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from mmprm.config import ConfigError, load_config, parse_cli
 from mmprm.data.schema import DataError, write_jsonl
@@ -48,6 +48,7 @@ class GenerateConfig:
     batch_size: int = 64  # HF: sequences per generate call
     step_mode: Literal["tags", "blank_lines"] = "tags"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # vllm.LLM args, e.g. {enforce_eager: true}
 
 
 @dataclass
@@ -149,7 +150,8 @@ def make_backend(cfg: Config):
     if cfg.generate.backend == "vllm":
         from mmprm.annotate.backends.vllm import VLLMBackend
 
-        return VLLMBackend(cfg.generate.policy, sampling, step_mode=cfg.generate.step_mode)
+        return VLLMBackend(cfg.generate.policy, sampling, step_mode=cfg.generate.step_mode,
+                           **cfg.generate.vllm_kwargs)
     from mmprm.annotate.backends.hf import HFBackend
 
     return HFBackend.from_pretrained(cfg.generate.policy, sampling, step_mode=cfg.generate.step_mode,

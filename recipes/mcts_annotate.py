@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from tqdm.auto import tqdm
 
@@ -55,6 +55,7 @@ class ModelConfig:
     hf_batch_size: int = 64  # hf: sequences per generate call
     vllm_gpu_memory_utilization: float = 0.9
     vllm_max_model_len: int | None = None
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # more vllm.LLM args, e.g. {enforce_eager: true}
 
 
 @dataclass
@@ -134,6 +135,7 @@ def main(argv: list[str]) -> int:
         llm_kwargs = {"gpu_memory_utilization": cfg.model.vllm_gpu_memory_utilization, "dtype": cfg.model.dtype}
         if cfg.model.vllm_max_model_len:
             llm_kwargs["max_model_len"] = cfg.model.vllm_max_model_len
+        llm_kwargs.update(cfg.model.vllm_kwargs)
         backend = VLLMBackend(cfg.model.name_or_path, cfg.sampling, cfg.engine.step_mode, cfg.model.system_prompt,
                               **llm_kwargs)
     else:
