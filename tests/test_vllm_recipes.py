@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from json_schema import schema_differences
 
 pytestmark = [
     pytest.mark.vllm,
@@ -43,15 +44,6 @@ def run(recipe: str, *args: str) -> subprocess.CompletedProcess:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def key_paths(value: Any, prefix: str = "") -> set[str]:
-    """Every key path of a JSON value (`a.b`, list items as `[]`), the schema two runs must share."""
-    if isinstance(value, dict):
-        return {prefix + k for k in value} | {p for k, v in value.items() for p in key_paths(v, prefix + k + ".")}
-    if isinstance(value, list):
-        return {p for v in value for p in key_paths(v, prefix + "[].")}
-    return set()
 
 
 def problems_file(tmp_path: Path, images: bool) -> Path:
@@ -82,9 +74,9 @@ def test_mcts_annotate_with_vllm_writes_the_hf_runs_records(vllm_toy_policy, tmp
         assert summary["generated_tokens"] > 0 and summary["engine"]["rollouts"] > 0
     # The toy policy errs at step 2 about a third of the time: the searches find mixed rollouts.
     assert any(r["status"] == "annotated" for r in trees["vllm"]), [r["status"] for r in trees["vllm"]]
-    assert key_paths(trees["vllm"]) == key_paths(trees["hf"])
+    assert schema_differences(trees["vllm"], trees["hf"]) == []
     rows = {b: read_jsonl(o / "prm_data.jsonl") for b, o in outs.items()}
-    assert rows["vllm"] and key_paths(rows["vllm"]) == key_paths(rows["hf"])
+    assert rows["vllm"] and schema_differences(rows["vllm"], rows["hf"]) == []
     assert (outs["vllm"] / "export_report.json").exists() and (outs["vllm"] / "export_report.png").exists()
 
 
@@ -116,6 +108,6 @@ def test_bon_generation_with_vllm_writes_the_hf_runs_candidates(vllm_toy_policy,
     assert len(parsed) >= 9, [c["text"] for c in vllm_cands]
     assert all(c["steps"] and c["answer"] is not None for c in parsed)
     assert any(c["correct"] for c in vllm_cands)
-    assert key_paths(cands["vllm"]) == key_paths(cands["hf"])
+    assert schema_differences(cands["vllm"], cands["hf"]) == []
     report = json.loads((outs["vllm"] / "report.json").read_text())
     assert report["n_max"] == 4
