@@ -37,7 +37,7 @@ VALID_STATUSES = {"annotated", "screened_all_correct", "screened_all_wrong"}
 
 def run(recipe: str, *args: str) -> subprocess.CompletedProcess:
     res = subprocess.run([sys.executable, str(REPO / "recipes" / recipe), *args], capture_output=True, text=True,
-                         cwd=REPO, env=ENV, timeout=900)
+                         cwd=REPO, env=ENV, timeout=900, check=False)
     assert res.returncode == 0, f"{recipe} {' '.join(args)}\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
     return res
 
