@@ -113,3 +113,14 @@ def test_bon_generation_with_vllm_writes_the_hf_runs_candidates(vllm_toy_policy,
     assert schema_differences(cands["vllm"], cands["hf"]) == []
     report = json.loads((outs["vllm"] / "report.json").read_text())
     assert report["n_max"] == 4
+
+
+def test_a_policy_saved_through_load_backbone_keeps_its_video_processor(vllm_toy_policy):
+    # The toy policy is loaded with load_backbone, trained and saved again, as policy_sft does:
+    # where torchvision imports the processor loads whole, so vLLM can load what was saved.
+    from mmprm.models.loading import load_processor
+
+    policy = vllm_toy_policy("qwen2_vl")
+    saved = json.loads((policy / "processor_config.json").read_text())
+    assert "video_processor" in saved or (policy / "video_preprocessor_config.json").exists()
+    assert not type(load_processor(policy)).__name__.endswith("ImageOnlyProcessor")
