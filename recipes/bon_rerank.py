@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir
 from mmprm.data.schema import DataError, write_jsonl
@@ -68,6 +68,7 @@ class GenerateConfig:
             takes the policy's saved spec (mmprm_policy.json from recipes/policy_sft.py), else tags
         system_prompt: system prompt sent to the policy; unset takes the saved spec, "" sends none
         sampling: sampling settings (section)
+        vllm_kwargs: vllm: extra vllm.LLM arguments, e.g. {enforce_eager: true}
     """
 
     enabled: bool = False
@@ -79,6 +80,7 @@ class GenerateConfig:
     step_mode: Literal["tags", "blank_lines"] | None = None
     system_prompt: str | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -244,7 +246,8 @@ def make_backend(cfg: Config):
     if cfg.generate.backend == "vllm":
         from mmprm.annotate.backends.vllm import VLLMBackend
 
-        return VLLMBackend(cfg.generate.policy, sampling, step_mode=step_mode, system=system)
+        return VLLMBackend(cfg.generate.policy, sampling, step_mode=step_mode, system=system,
+                           **cfg.generate.vllm_kwargs)
     from mmprm.annotate.backends.hf import HFBackend
 
     return HFBackend.from_pretrained(cfg.generate.policy, sampling, step_mode=step_mode,

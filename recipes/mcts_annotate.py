@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from tqdm.auto import tqdm
 
@@ -68,6 +68,7 @@ class ModelConfig:
         hf_batch_size: hf: sequences per generate call
         vllm_gpu_memory_utilization: vllm: share of GPU memory the engine may take
         vllm_max_model_len: vllm: context length (prompt + rollout); null takes the model's
+        vllm_kwargs: vllm: more vllm.LLM arguments, e.g. {enforce_eager: true}
     """
 
     name_or_path: str = ""
@@ -78,6 +79,7 @@ class ModelConfig:
     hf_batch_size: int = 64
     vllm_gpu_memory_utilization: float = 0.9
     vllm_max_model_len: int | None = None
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -187,6 +189,7 @@ def make_backend(cfg: AnnotateConfig, rank: int = 0):
         llm_kwargs = {"gpu_memory_utilization": cfg.model.vllm_gpu_memory_utilization, "dtype": cfg.model.dtype}
         if cfg.model.vllm_max_model_len:
             llm_kwargs["max_model_len"] = cfg.model.vllm_max_model_len
+        llm_kwargs.update(cfg.model.vllm_kwargs)
         return VLLMBackend(cfg.model.name_or_path, sampling, step_mode, system, **llm_kwargs)
     import torch
 

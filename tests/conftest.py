@@ -80,3 +80,22 @@ def mathv_images(real_data: Path) -> Callable[..., list]:
         return images
 
     return load
+
+
+@pytest.fixture(scope="session")
+def vllm_toy_policy(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Factory arch -> a vLLM-ready toy policy (the vLLM tier): tiny preset at head_dim 64 with its
+    full processor, taught our step format (`train_toy_policy`), built at most once per session."""
+    from mmprm.annotate.simulated import train_toy_policy
+    from mmprm.models.tiny import VLLM_HEAD_DIM, build_tiny_model
+
+    root = tmp_path_factory.mktemp("vllm_policies")
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            base = build_tiny_model(arch, root / f"{arch}_base", head_dim=VLLM_HEAD_DIM, vllm_ready=True)
+            built[arch] = Path(train_toy_policy(str(base), str(root / arch)))
+        return built[arch]
+
+    return get

@@ -276,3 +276,33 @@ def test_image_processors_are_small(tiny_models):
         text = _prompts(processor, ["Describe <image1>."])
         batch = processor(text=text, images=[big], return_tensors="pt")
         assert (batch["input_ids"] == _tokenizer(processor).convert_tokens_to_ids(IMAGE_TOKEN[arch])).sum() <= 20
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_head_dim_64_for_vllm_forwards(tmp_path, arch):
+    # vLLM's attention kernels refuse 16-dim heads; the vLLM tier builds every preset at 64.
+    model, processor = load_backbone(build_tiny_model(arch, tmp_path / arch, head_dim=64, hidden_size=128))
+    text = model.config.get_text_config()
+    assert (text.head_dim, text.num_attention_heads, text.hidden_size) == (64, 2, 128)
+    if arch.startswith("qwen2_"):  # M-RoPE sections must cover head_dim / 2 rotary pairs
+        assert sum(text.rope_parameters["mrope_section"]) == 32
+    if arch == "qwen2":
+        batch = processor(_prompts_text(processor, ["1+1?"]), return_tensors="pt")
+    else:
+        batch = processor(text=_prompts(processor, ["How many digits in <image1>?"]),
+                          images=[Image.new("RGB", (56, 42), "teal")], return_tensors="pt")
+    with torch.no_grad():
+        assert torch.isfinite(model(**batch).logits).all()
+
+
+def test_head_dim_and_vllm_variant_errors(tmp_path, capsys):
+    with pytest.raises(ValueError, match="head_dim=24: use a multiple of 16"):
+        build_tiny_model("qwen2", tmp_path / "a", head_dim=24)
+    with pytest.raises(ValueError, match="hidden_size=96: use a positive multiple of head_dim=64"):
+        build_tiny_model("qwen2", tmp_path / "b", hidden_size=96, head_dim=64)
+    if not _has_torchvision():
+        with pytest.raises(ValueError, match="video processor, which needs torchvision"):
+            build_tiny_model("qwen2_vl", tmp_path / "c", head_dim=64, vllm_ready=True)
+    # text-only: nothing to add, so the vLLM variant builds anywhere
+    assert cli_tiny_model(["--arch", "qwen2", "--out", str(tmp_path / "d"), "--vllm"]) == 0
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["head_dim"] == 64

@@ -6,8 +6,10 @@
 The same functions serve real checkpoints and the tiny presets of `mmprm.models.tiny`, so a test
 exercises the very classes a user trains. Two environment facts shape this file:
 
-- Qwen2-VL, Qwen2.5-VL, InternVL and LLaVA-OneVision processors carry a video processor, which needs torchvision;
-  a PRM never sees video, so those model types load through image-only subclasses below.
+- Qwen2-VL, Qwen2.5-VL, InternVL and LLaVA-OneVision processors carry a video processor, which
+  needs torchvision; a PRM never sees video, so without torchvision those model types load through
+  image-only subclasses below. Where torchvision imports (GPU machines, the vLLM environment) a
+  checkpoint that has its video processor loads whole, so what we save from it stays loadable by vLLM.
 - Without torchvision, transformers' `AutoImageProcessor` falls back to the PIL backend
   (`*ImageProcessorPil`) on its own; nothing here forces a backend.
 """
@@ -170,20 +172,32 @@ def _image_only_class(path: Path, model_type: str | None) -> type | None:
     return None
 
 
+def _has_video_processor(path: Path) -> bool:
+    """True when a checkpoint (a hub id: assumed) saved a video processor, in either file layout."""
+    if not path.is_dir():
+        return True
+    return (path / "video_preprocessor_config.json").is_file() or \
+        _read_json_field(path / "processor_config.json", "video_processor") is not None
+
+
 def load_processor(path: str | Path) -> Any:
     """Load the processor of a checkpoint directory (or hub id): tokenizer for text-only models.
 
-    Qwen2-VL, Qwen2.5-VL, InternVL and LLaVA-OneVision load through their image-only subclasses; other VLMs
-    through `AutoProcessor`; text-only models (config without `vision_config`) return the
+    Qwen2-VL, Qwen2.5-VL, InternVL and LLaVA-OneVision load through their image-only subclasses
+    unless torchvision imports and the checkpoint has its video processor (then whole, via
+    `AutoProcessor`); other VLMs through `AutoProcessor`; text-only models (config without
+    `vision_config`) return the
     tokenizer itself, which `mmprm.steps` accepts wherever it takes a processor.
     """
+    from transformers.utils import is_torchvision_available
+
     local = Path(path)
     if local.is_dir():
         model_type = _read_json_field(local / "config.json", "model_type")
     else:
         model_type = AutoConfig.from_pretrained(str(path)).model_type
     image_only = _image_only_class(local, model_type)
-    if image_only is not None:
+    if image_only is not None and not (is_torchvision_available() and _has_video_processor(local)):
         return image_only.from_pretrained(str(path))
     if model_type is not None and not is_multimodal(str(path)):
         return AutoTokenizer.from_pretrained(str(path))

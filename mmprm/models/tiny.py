@@ -17,6 +17,10 @@ the processor. Nothing is downloaded. mmprm's own STEP_TOKEN is deliberately abs
 | internvl   | InternVLForConditionalGeneration   | 4 per 56 px tile; 1-4 tiles (+ thumbnail)     |
 | llava      | LlavaForConditionalGeneration      | 16 (CLIP at 56 px, CLS dropped)               |
 | qwen2      | Qwen2ForCausalLM (text only)       | -                                             |
+
+For vLLM, build with `head_dim=64, vllm_ready=True` (`mmprm tiny-model --vllm`): vLLM's attention
+kernels refuse 16-dim heads, and it loads the standard processor, video processor included (which
+needs torchvision, so the vLLM-ready variant builds only where torchvision imports).
 """
 
 from __future__ import annotations
@@ -29,12 +33,18 @@ from typing import Any
 import torch
 
 TINY_ARCHS = ("qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2")
+# Archs whose standard processor carries a video processor (saved only by the vLLM-ready variant).
+IMAGE_ONLY_ARCHS = ("qwen2_vl", "qwen2_5_vl", "internvl")
 
 VOCAB_SIZE = 1024
-# Language model heads are always 16 dims (hidden 64 -> 4 heads, 128 -> 8), so Qwen's M-RoPE
-# sections keep summing to head_dim / 2 = 8 at every size.
+# Language-model heads are 16 dims by default (hidden 64 -> 4 heads, 128 -> 8); vLLM needs 64.
 HEAD_DIM = 16
-_MROPE_SECTION = [2, 3, 3]
+VLLM_HEAD_DIM = 64
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    """Qwen's M-RoPE (temporal, height, width) split of head_dim / 2 rotary pairs: [2, 3, 3] per 16 dims."""
+    return [2 * head_dim // 16, 3 * head_dim // 16, 3 * head_dim // 16]
 
 _CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Named multimodal tokens each arch's processor reads from its tokenizer (tokenizer.<name>).
@@ -147,17 +157,23 @@ def _train_tokenizer(arch: str) -> Any:
     )
 
 
-def _text_config(tok: Any, hidden_size: int, num_layers: int, **extra: Any) -> dict[str, Any]:
-    heads = hidden_size // HEAD_DIM
+def _text_config(tok: Any, hidden_size: int, num_layers: int, head_dim: int, **extra: Any) -> dict[str, Any]:
+    heads = hidden_size // head_dim
     size = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-                num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=4096)
+                num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=head_dim,
+                max_position_embeddings=4096)
     ids = dict(vocab_size=len(tok), bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                pad_token_id=tok.pad_token_id)
     return {**size, **ids, **extra}
 
 
-def _build(arch: str, tok: Any, hidden_size: int = 64, num_layers: int = 2) -> tuple[Any, Any]:
-    """(model, processor) of `arch` with every special-token id taken from `tok`."""
+def _build(arch: str, tok: Any, hidden_size: int = 64, num_layers: int = 2, head_dim: int = HEAD_DIM,
+           vllm_ready: bool = False) -> tuple[Any, Any]:
+    """(model, processor) of `arch` with every special-token id taken from `tok`.
+
+    vllm_ready: the standard processor with its video processor (vLLM loads nothing less);
+    otherwise the image-only subclass, which needs no torchvision.
+    """
     import transformers as tf
 
     from mmprm.models.loading import IMAGE_ONLY_PROCESSORS
@@ -165,10 +181,10 @@ def _build(arch: str, tok: Any, hidden_size: int = 64, num_layers: int = 2) -> t
     tid = tok.convert_tokens_to_ids
     template = tok.chat_template or chat_template(arch)
     if arch == "qwen2":
-        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**_text_config(tok, hidden_size, num_layers))), tok
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**_text_config(tok, hidden_size, num_layers, head_dim))), tok
     if arch in ("qwen2_vl", "qwen2_5_vl"):
-        rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": _MROPE_SECTION}
-        text = _text_config(tok, hidden_size, num_layers, rope_parameters=rope)
+        rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": _mrope_section(head_dim)}
+        text = _text_config(tok, hidden_size, num_layers, head_dim, rope_parameters=rope)
         ids = dict(image_token_id=tid("<|image_pad|>"), video_token_id=tid("<|video_pad|>"),
                    vision_start_token_id=tid("<|vision_start|>"), vision_end_token_id=tid("<|vision_end|>"))
         vision = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
@@ -182,8 +198,12 @@ def _build(arch: str, tok: Any, hidden_size: int = 64, num_layers: int = 2) -> t
             model = tf.Qwen2_5_VLForConditionalGeneration(
                 tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
         # Images are resized to 28*28..56*56 px (multiples of 28): 1-4 merged 28 px patches, 1-4 tokens.
-        image_processor = tf.Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14,
-                                                      merge_size=2, temporal_patch_size=2)
+        sizes = dict(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2)
+        image_processor = tf.Qwen2VLImageProcessorPil(**sizes)
+        if vllm_ready:
+            full = tf.Qwen2VLProcessor if arch == "qwen2_vl" else tf.Qwen2_5_VLProcessor
+            return model, full(image_processor=image_processor, tokenizer=tok, chat_template=template,
+                               video_processor=tf.Qwen2VLVideoProcessor(**sizes))
         processor = IMAGE_ONLY_PROCESSORS[arch](image_processor=image_processor, tokenizer=tok,
                                                 chat_template=template)
         return model, processor
@@ -191,11 +211,15 @@ def _build(arch: str, tok: Any, hidden_size: int = 64, num_layers: int = 2) -> t
         # 56 px tile = 4x4 patches of 14 px; pixel shuffle (0.5) leaves 2x2 = 4 tokens per tile.
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       image_size=[56, 56], patch_size=[14, 14])
-        config = tf.InternVLConfig(text_config={"model_type": "qwen2", **_text_config(tok, hidden_size, num_layers)}, vision_config=vision,
+        config = tf.InternVLConfig(text_config={"model_type": "qwen2", **_text_config(tok, hidden_size, num_layers, head_dim)}, vision_config=vision,
                                    image_token_id=tid("<IMG_CONTEXT>"), image_seq_length=4, downsample_ratio=0.5)
         model = tf.InternVLForConditionalGeneration(config)
         image_processor = tf.GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}, crop_to_patches=True,
                                                       min_patches=1, max_patches=4)
+        if vllm_ready:
+            video_processor = tf.InternVLVideoProcessor(size={"height": 56, "width": 56})
+            return model, tf.InternVLProcessor(image_processor=image_processor, tokenizer=tok, image_seq_length=4,
+                                               video_processor=video_processor, chat_template=template)
         processor = IMAGE_ONLY_PROCESSORS[arch](image_processor=image_processor, tokenizer=tok,
                                                 image_seq_length=4, chat_template=template)
         return model, processor
@@ -203,8 +227,7 @@ def _build(arch: str, tok: Any, hidden_size: int = 64, num_layers: int = 2) -> t
         # CLIP at 56 px: 4x4 patches + CLS; the "default" strategy drops CLS -> 16 image tokens.
         vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, image_size=56, patch_size=14, projection_dim=32)
-        config = tf.LlavaConfig(text_config={"model_type": "llama", "head_dim": HEAD_DIM,
-                                             **_text_config(tok, hidden_size, num_layers)},
+        config = tf.LlavaConfig(text_config={"model_type": "llama", **_text_config(tok, hidden_size, num_layers, head_dim)},
                                 vision_config=vision, image_token_index=tid("<image>"), image_seq_length=16,
                                 vision_feature_layer=-2, vision_feature_select_strategy="default")
         model = tf.LlavaForConditionalGeneration(config)
@@ -217,7 +240,8 @@ def _build(arch: str, tok: Any, hidden_size: int = 64, num_layers: int = 2) -> t
 
 
 def build_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, hidden_size: int = 64,
-                     num_layers: int = 2, tokenizer: Any | None = None) -> Path:
+                     num_layers: int = 2, head_dim: int = HEAD_DIM, vllm_ready: bool = False,
+                     tokenizer: Any | None = None) -> Path:
     """Build, save and return the directory of a tiny random-init model of `arch`.
 
     Args:
@@ -225,9 +249,12 @@ def build_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, hidden_size:
         out_dir: created if missing; existing files of the same names are overwritten.
         seed: weight init seed; the same seed gives identical weights (the caller's RNG state is
             left untouched).
-        hidden_size: language-model width, a multiple of 16 (heads of 16 dims); 64 for tests,
-            128-256 learns the synthetic demo task faster.
+        hidden_size: language-model width, a multiple of head_dim; 64 for tests, 128-256 learns
+            the synthetic demo task faster.
         num_layers: language-model decoder layers.
+        head_dim: language-model head width, a multiple of 16; vLLM needs 64 (`VLLM_HEAD_DIM`).
+        vllm_ready: save the standard processor with its video processor, which vLLM requires of
+            Qwen2-VL, Qwen2.5-VL and InternVL (needs torchvision); LLaVA and qwen2 are unchanged.
         tokenizer: a tokenizer to use instead of the one trained here (tests of real chat templates
             and special-token settings); it must hold this arch's named tokens (`_ARCH_TOKENS`), and
             its chat template, when set, becomes the processor's.
@@ -239,16 +266,25 @@ def build_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, hidden_size:
 
     if arch not in TINY_ARCHS:
         raise ValueError(f"unknown tiny arch {arch!r}: choose one of {', '.join(TINY_ARCHS)}")
-    if hidden_size < HEAD_DIM or hidden_size % HEAD_DIM:
-        raise ValueError(f"tiny hidden_size={hidden_size}: use a positive multiple of {HEAD_DIM} (e.g. 64, 128, 256)")
+    if head_dim < 16 or head_dim % 16:
+        raise ValueError(f"tiny head_dim={head_dim}: use a multiple of 16 (16 by default; vLLM needs {VLLM_HEAD_DIM})")
+    if hidden_size < head_dim or hidden_size % head_dim:
+        raise ValueError(f"tiny hidden_size={hidden_size}: use a positive multiple of head_dim={head_dim} "
+                         f"(e.g. {head_dim}, {2 * head_dim}, {4 * head_dim})")
     if num_layers < 1:
         raise ValueError(f"tiny num_layers={num_layers}: use 1 or more")
+    if vllm_ready and arch in IMAGE_ONLY_ARCHS:
+        from transformers.utils import is_torchvision_available
+
+        if not is_torchvision_available():
+            raise ValueError(f"a vLLM-ready tiny {arch} saves its video processor, which needs torchvision; it does "
+                             "not import here: build it in the vLLM environment (make test-vllm sets one up)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = tokenizer if tokenizer is not None else _train_tokenizer(arch)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model, processor = _build(arch, tok, hidden_size, num_layers)
+        model, processor = _build(arch, tok, hidden_size, num_layers, head_dim, vllm_ready)
     model.generation_config = GenerationConfig(
         bos_token_id=tok.pad_token_id, pad_token_id=tok.pad_token_id,
         eos_token_id=[i for i in dict.fromkeys([tok.eos_token_id, tok.pad_token_id]) if i is not None],
@@ -259,7 +295,8 @@ def build_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, hidden_size:
 
 
 def cli_tiny_model(argv: list[str]) -> int:
-    """`mmprm tiny-model --arch ARCH --out DIR [--seed N] [--hidden-size H] [--layers L]`: build one tiny preset."""
+    """`mmprm tiny-model --arch ARCH --out DIR [--seed N] [--hidden-size H] [--layers L] [--head-dim D] [--vllm]`:
+    build one tiny preset."""
     parser = argparse.ArgumentParser(prog="mmprm tiny-model", description=cli_tiny_model.__doc__)
     parser.add_argument("--arch", required=True, choices=TINY_ARCHS)
     parser.add_argument("--out", required=True, help="output directory")
@@ -267,10 +304,16 @@ def cli_tiny_model(argv: list[str]) -> int:
     parser.add_argument("--hidden-size", type=int, default=64,
                         help="language-model width, a multiple of 16 (default 64; 128-256 for the demo)")
     parser.add_argument("--layers", type=int, default=2, help="language-model layers (default 2)")
+    parser.add_argument("--head-dim", type=int, default=None,
+                        help=f"language-model head width, a multiple of 16 (default {HEAD_DIM}; {VLLM_HEAD_DIM} with --vllm)")
+    parser.add_argument("--vllm", action="store_true",
+                        help=f"vLLM-ready: head_dim {VLLM_HEAD_DIM} unless given, full processor with its video "
+                             "processor (needs torchvision)")
     args = parser.parse_args(argv)
+    head_dim = args.head_dim or (VLLM_HEAD_DIM if args.vllm else HEAD_DIM)
     try:
         path = build_tiny_model(args.arch, args.out, seed=args.seed, hidden_size=args.hidden_size,
-                                num_layers=args.layers)
+                                num_layers=args.layers, head_dim=head_dim, vllm_ready=args.vllm)
     except ValueError as e:
         parser.error(str(e))
     print(f"tiny {args.arch} model written to {path}")

