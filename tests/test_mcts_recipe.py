@@ -162,10 +162,13 @@ def test_a_second_worker_on_the_same_output_dir_and_rank_stops_at_once(tmp_path,
     problems.write_text("".join(json.dumps({"id": str(i), "question": "1 + 1?", "answer": "2"}) + "\n"
                                 for i in range(4)))
     out = tmp_path / "out"
+    policy = tmp_path / "policy"  # passes the path check; the lock stops the run before any weight loads
+    policy.mkdir()
+    (policy / "config.json").write_text("{}")
     first = TreeFile(out / tree_file_name(0, 1))  # a live worker (a double submission, a requeue)
     try:
         code = mod.main(["--config", str(YAML), f"data.problems_file={problems}", f"output_dir={out}",
-                         "model.name_or_path=/nonexistent/policy"])
+                         f"model.name_or_path={policy}"])
     finally:
         first.close()
     err = capsys.readouterr().err
