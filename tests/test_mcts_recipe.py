@@ -136,24 +136,6 @@ def test_tiny_vlm_end_to_end_kill_resume_and_prm_train_accepts_the_output(tmp_pa
     assert (tmp_path / "prm" / "model.safetensors").exists()
 
 
-@pytest.mark.vllm
-def test_vllm_backend_samples_n_continuations(tmp_path):
-    pytest.importorskip("vllm")
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("the vLLM backend is exercised on a GPU")
-    from mmprm.annotate.backends.base import RolloutRequest, SamplingConfig
-    from mmprm.annotate.backends.vllm import VLLMBackend
-    from mmprm.models.tiny import build_tiny_model
-
-    path = build_tiny_model("qwen2", tmp_path / "qwen2")
-    backend = VLLMBackend(str(path), SamplingConfig(max_new_tokens=8, seed=1), gpu_memory_utilization=0.3,
-                          max_model_len=512, enforce_eager=True)
-    out = backend.generate([RolloutRequest("a", "What is 2 + 3?", [], ["Two plus three."], 4),
-                            RolloutRequest("b", "What is 1 + 1?", [], [], 2)])
-    assert [len(o) for o in out] == [4, 2] and backend.stats.generated_tokens > 0
-
-
 def test_a_second_worker_on_the_same_output_dir_and_rank_stops_at_once(tmp_path, capsys):
     from mmprm.annotate.engine import TreeFile, tree_file_name
 
