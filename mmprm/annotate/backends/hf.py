@@ -23,6 +23,7 @@ from mmprm.annotate.backends.base import (
     SamplingConfig,
     StepMode,
     request_stops,
+    stop_strings,
     rollout_prompt,
 )
 from mmprm.data.schema import load_image
