@@ -36,7 +36,10 @@ def parse_cli(argv: list[str], config_cls: type | None = None) -> tuple[str | No
     then exits 0.
     """
     if config_cls is not None and any(a in ("-h", "--help") for a in argv):
-        print(config_help(config_cls))
+        try:
+            print(config_help(config_cls), flush=True)
+        except BrokenPipeError:  # `--help | head` closed the pipe: not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so exit's flush cannot fail again
         raise SystemExit(0)
     config_path, overrides = None, []
     it = iter(argv)
@@ -142,8 +145,13 @@ def _type_name(tp: Any) -> str:
 
 
 def _yaml_value(value: Any) -> str:
+    def as_mapping(item: Any) -> dict[str, Any]:  # a dataclass item, e.g. of a list of search settings
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):
+            return dataclasses.asdict(item)
+        raise TypeError(f"{type(item).__name__} is not JSON serializable")
+
     try:
-        return json.dumps(value, ensure_ascii=False)  # null, true, "text", [..] as YAML reads them
+        return json.dumps(value, ensure_ascii=False, default=as_mapping)  # null, true, "text", [..] as YAML reads them
     except TypeError:
         return repr(value)
 

@@ -25,34 +25,68 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from mmprm.config import ConfigError, load_config, parse_cli
+from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir
 from mmprm.data.schema import DataError
 from mmprm.search.core import SearchConfig
 
 
 @dataclass
 class SamplingConfig:
+    """How the policy samples, for the search's steps and Best-of-N's solutions alike.
+
+    Attributes:
+        temperature: sampling temperature (> 0: the expansions of a node must differ)
+        top_k: keep the k most likely tokens (0 turns it off)
+        top_p: nucleus sampling mass
+        max_new_tokens: token cap of ONE step in the search (Best-of-N's whole solutions: bon.max_new_tokens)
+        seed: base seed; each shard samples its own stream (worker_seed(seed, shard.index))
+    """
+
     temperature: float = 1.0
     top_k: int = 50
     top_p: float = 0.9
-    max_new_tokens: int = 128  # per step for the search; per solution for Best-of-N (bon.max_new_tokens)
+    max_new_tokens: int = 128
     seed: int = 0
 
 
 @dataclass
 class PolicyConfig:
+    """The policy that proposes steps (and samples Best-of-N's solutions).
+
+    Attributes:
+        path: policy model directory (e.g. recipes/policy_sft.py's output) or hub id; required
+        backend: hf (transformers generate, CPU or GPU) | vllm (one engine per GPU)
+        step_mode: how steps are written and read: tags (SFT'd policy) | blank_lines; unset (null)
+            takes the policy's saved spec (mmprm_policy.json from recipes/policy_sft.py), else tags
+        system_prompt: system prompt sent to the policy; unset (null) takes the saved spec, "" sends none
+        batch_size: hf: sequences per generate call (Best-of-N: problems per call = batch_size // max(bon.n))
+        dtype: torch dtype name of the policy (e.g. bfloat16); null keeps the checkpoint's
+        gpu_memory_utilization: vllm: share of GPU memory the engine may take (leave room for the PRM)
+        max_model_len: vllm: context length (prompt + generated); null takes the model's
+        sampling: sampling (section)
+    """
+
     path: str = ""
     backend: Literal["hf", "vllm"] = "hf"
-    step_mode: Literal["tags", "blank_lines"] = "tags"
-    batch_size: int = 64  # HF: sequences per generate call
-    dtype: str | None = None  # HF: torch dtype name ("bfloat16"); None keeps the checkpoint's
-    gpu_memory_utilization: float = 0.5  # vLLM, leaving room for the PRM on the same GPU
-    max_model_len: int | None = None  # vLLM
+    step_mode: Literal["tags", "blank_lines"] | None = None
+    system_prompt: str | None = None
+    batch_size: int = 64
+    dtype: str | None = None
+    gpu_memory_utilization: float = 0.5
+    max_model_len: int | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
 @dataclass
 class ScoringConfig:
+    """How the PRM scores search paths and Best-of-N solutions.
+
+    Attributes:
+        batch_size: sequences per PRM forward
+        max_length: tokens per scored sequence; null: no truncation
+        device: auto (cuda when available, else cpu), cpu, cuda or cuda:N
+    """
+
     batch_size: int = 16
     max_length: int | None = None
     device: str = "auto"
@@ -60,42 +94,101 @@ class ScoringConfig:
 
 @dataclass
 class BonConfig:
+    """Best-of-N and majority vote with the same policy and PRM, the search's baselines.
+
+    Attributes:
+        enabled: sample max(n) solutions per problem and compare at equal generated tokens
+        n: the N values reported (subsets of the max(n) samples)
+        max_new_tokens: token cap of one whole solution (a cut-off solution has no answer: wrong)
+    """
+
     enabled: bool = False
     n: list[int] = field(default_factory=lambda: [4, 8, 16])
-    max_new_tokens: int = 1024  # per whole solution
+    max_new_tokens: int = 4096  # MM-PRM's cap, as in annotation and bon_rerank
 
 
 @dataclass
 class ReportConfig:
+    """The search vs Best-of-N report.
+
+    Attributes:
+        resamples: bootstrap resamples over problems for the 95% intervals
+        seed: seed of the resamples
+        trees: search trees drawn to trees/*.png (first problems of the first setting)
+        title: title of report.md and the plot
+    """
+
     resamples: int = 1000
     seed: int = 0
-    trees: int = 2  # search trees drawn to trees/*.png (first problems of the first setting)
+    trees: int = 2
     title: str = "PRM-guided search vs Best-of-N"
 
 
 @dataclass
 class ShardConfig:
+    """This process's share of the problems (contiguous blocks).
+
+    Attributes:
+        index: this shard, 0 <= index < count
+        count: number of shards; the last one to finish writes the report
+    """
+
     index: int = 0
     count: int = 1
 
 
 @dataclass
+class ModelConfig:
+    """Model loading.
+
+    Attributes:
+        attn_implementation: attention kernel of the PRM and of an hf policy: sdpa | flash_attention_2
+            (mmprm[flash], CUDA) | eager | auto (flash-attn when installed and a GPU is visible, else sdpa);
+            vllm chooses its own kernels
+    """
+
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
 class Config:
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    prm: str = ""  # a directory written by recipes/prm_train.py
-    problems_file: str = ""  # JSONL of {id, images, question, answer, choices?}
-    limit: int | None = None  # first problems only
+    """prm_search settings.
+
+    Attributes:
+        prm: PRM directory written by recipes/prm_train.py; required
+        problems_file: JSONL of {id, images, question, answer, choices?}; required
+        limit: first N problems only (before sharding); null takes all
+        searches: search settings, each run on every problem: a list of {method: beam | dvts | best_first,
+            width, expansions, max_steps, aggregator, max_expansions, distinct} (mmprm.search.SearchConfig)
+        batch_problems: problems searched in lockstep (one generate call per round for all of them)
+        output_dir: where per-setting results, bon/, report.json/.md, search_vs_bon.png and trees/ go
+        model: model loading (section)
+        policy: the policy (section)
+        bon: Best-of-N baseline (section)
+        scoring: PRM scoring (section)
+        report: report (section)
+        shard: sharding (section)
+    """
+
+    prm: str = ""
+    problems_file: str = ""
+    limit: int | None = None
     searches: list[SearchConfig] = field(default_factory=lambda: [SearchConfig()])
-    batch_problems: int = 8  # problems searched in lockstep (one generate call per round for all)
+    batch_problems: int = 8
+    output_dir: str = "runs/prm_search"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     bon: BonConfig = field(default_factory=BonConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)
-    output_dir: str = "runs/prm_search"
 
     def validate(self) -> None:
         if not (self.policy.path and self.prm and self.problems_file):
             raise ValueError("policy.path, prm and problems_file: all required")
+        from mmprm.models.loading import resolve_attn_implementation
+
+        resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
         if not self.searches:
             raise ValueError("searches: give at least one search setting")
         labels = [s.label() for s in self.searches]
@@ -114,22 +207,32 @@ def slug(label: str) -> str:
 
 
 def make_backend(cfg: Config, max_new_tokens: int):
+    """The policy's rollout backend, prompting it as its SFT saved it (`mmprm_policy.json`)
+    unless `policy.system_prompt` / `policy.step_mode` say otherwise (then with a warning)."""
     from mmprm.annotate.backends.base import SamplingConfig as BackendSampling
+    from mmprm.annotate.backends.base import worker_seed
+    from mmprm.policy import resolve_prompt_format
 
     s = cfg.policy.sampling
-    # Each shard samples its own stream (seed + shard index), like bon_rerank.
+    # Each shard samples its own stream; a rerun of the same shard samples the same steps.
     sampling = BackendSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                               max_new_tokens=max_new_tokens, seed=s.seed + cfg.shard.index)
+                               max_new_tokens=max_new_tokens, seed=worker_seed(s.seed, cfg.shard.index))
+    try:
+        system, step_mode = resolve_prompt_format(cfg.policy.path, cfg.policy.system_prompt, cfg.policy.step_mode,
+                                                  where="prm_search policy")
+    except ValueError as e:  # a broken mmprm_policy.json
+        raise ConfigError(f"policy.path: {e}") from None
     if cfg.policy.backend == "vllm":
         from mmprm.annotate.backends.vllm import VLLMBackend
 
-        return VLLMBackend(cfg.policy.path, sampling, step_mode=cfg.policy.step_mode,
+        return VLLMBackend(cfg.policy.path, sampling, step_mode=step_mode, system=system,
                            gpu_memory_utilization=cfg.policy.gpu_memory_utilization,
-                           max_model_len=cfg.policy.max_model_len)
+                           max_model_len=cfg.policy.max_model_len, dtype=cfg.policy.dtype or "auto")
     from mmprm.annotate.backends.hf import HFBackend
 
-    return HFBackend.from_pretrained(cfg.policy.path, sampling, dtype=cfg.policy.dtype,
-                                     step_mode=cfg.policy.step_mode, batch_size=cfg.policy.batch_size)
+    return HFBackend.from_pretrained(cfg.policy.path, sampling, dtype=cfg.policy.dtype, step_mode=step_mode,
+                                     batch_size=cfg.policy.batch_size, system=system,
+                                     attn_implementation=cfg.model.attn_implementation)
 
 
 def progress(what: str, done: int, total: int, t0: float, already: int) -> None:
@@ -139,8 +242,11 @@ def progress(what: str, done: int, total: int, t0: float, already: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    config_path, overrides = parse_cli(argv)
+    config_path, overrides = parse_cli(argv, Config)
     cfg = load_config(Config, config_path, overrides)
+    # The search runs for hours: a typo in either path must fail now, before anything is written.
+    require_model_dir(cfg, "policy.path")
+    require_model_dir(cfg, "prm", hub=False)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     sh = cfg.shard
@@ -164,9 +270,11 @@ def main(argv: list[str]) -> None:
     from mmprm.treeval import think360_depth, think360_width
 
     device = cfg.scoring.device if cfg.scoring.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    scorer = load_prm(cfg.prm, device=device, batch_size=cfg.scoring.batch_size, max_length=cfg.scoring.max_length)
+    scorer = load_prm(cfg.prm, device=device, batch_size=cfg.scoring.batch_size, max_length=cfg.scoring.max_length,
+                      attn_implementation=cfg.model.attn_implementation)
     backend = make_backend(cfg, cfg.policy.sampling.max_new_tokens)
-    proposer = BackendProposer(backend, cfg.policy.step_mode)
+    step_mode = backend.step_mode  # as resolved from the config and the policy's saved spec
+    proposer = BackendProposer(backend, step_mode)
 
     # ---- each search setting: problems in lockstep batches, one row per finished problem -----
     for search in cfg.searches:
@@ -204,7 +312,7 @@ def main(argv: list[str]) -> None:
         with store.open_append(path) as f:
             for lo in range(0, len(todo), per_call):
                 chunk = todo[lo: lo + per_call]
-                cands = sample_solutions(backend, chunk, n_max, cfg.policy.step_mode, cfg.policy.batch_size)
+                cands = sample_solutions(backend, chunk, n_max, step_mode, cfg.policy.batch_size)
                 examples = [{"question": p.question, "images": p.images, "steps": c["steps"]}
                             for p, cs in zip(chunk, cands) for c in cs if c["steps"]]
                 probs = iter(scorer.score(examples))

@@ -21,7 +21,7 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
 
 def run(args, timeout=600):
     res = subprocess.run([sys.executable, str(RECIPE), *args], capture_output=True, text=True, cwd=REPO, env=ENV,
-                         timeout=timeout)
+                         timeout=timeout, check=False)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-4000:]
     return res
 
@@ -44,9 +44,56 @@ def inputs(tiny_models, tmp_path_factory):
 
 
 def test_bad_config_fails_before_models_load(tmp_path):
-    res = subprocess.run([sys.executable, str(RECIPE), "--config", str(YAML), "searches=[{method: beam, "
-                          "aggregator: mean}]"], capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120)
+    res = subprocess.run([sys.executable, str(RECIPE), "--config", str(YAML), "searches=[{method: beam, aggregator: mean}]"],
+                         capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120, check=False)
     assert res.returncode == 2 and "aggregator" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_missing_model_directory_and_bad_kernel_are_named_before_loading(tmp_path):
+    model = tmp_path / "model"  # passes the early check (a config.json), never loaded: the other key fails first
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    out = tmp_path / "out"
+    for overrides, message in (
+        (["policy.path=/nonexistent/policy", f"prm={model}"], "policy.path: /nonexistent/policy does not exist"),
+        ([f"policy.path={model}", "prm=/nonexistent/prm"], "prm: /nonexistent/prm does not exist"),
+        ([f"policy.path={model}", f"prm={model}", "model.attn_implementation=flash"],
+         "model.attn_implementation: 'flash' is not one of"),
+    ):
+        res = subprocess.run([sys.executable, str(RECIPE), "--config", str(YAML), *overrides, f"output_dir={out}"],
+                             capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120, check=False)
+        assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+        assert not out.exists()  # nothing written
+
+
+def test_backend_takes_the_policy_prompt_format_and_a_shard_seed_stream(tiny_models, tmp_path):
+    import importlib.util
+    import shutil
+
+    from mmprm.annotate.backends.base import worker_seed
+    from mmprm.config import load_config
+    from mmprm.policy import PolicySpec, save_policy_spec
+
+    spec = importlib.util.spec_from_file_location("_recipe_prm_search_backend", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(recipe)
+    policy = shutil.copytree(tiny_models("qwen2_vl"), tmp_path / "policy")
+    save_policy_spec(policy, PolicySpec(system_prompt="Solve it in short steps.", step_mode="blank_lines"))
+    base = [f"policy.path={policy}", f"prm={tmp_path}", "shard.index=1", "shard.count=2"]
+
+    cfg = load_config(recipe.Config, YAML, base)
+    backend = recipe.make_backend(cfg, 16)
+    assert (backend.system, backend.step_mode) == ("Solve it in short steps.", "blank_lines")  # saved with the policy
+    assert backend.sampling.seed == worker_seed(cfg.policy.sampling.seed, 1) != cfg.policy.sampling.seed + 1
+    assert backend.sampling.max_new_tokens == 16
+    # the config wins, with a warning naming the saved value; "" sends no system turn
+    cfg = load_config(recipe.Config, YAML, [*base, "policy.step_mode=tags", "policy.system_prompt=''"])
+    with pytest.warns(UserWarning) as caught:
+        backend = recipe.make_backend(cfg, 16)
+    warned = " ".join(str(w.message) for w in caught)
+    assert "step_mode='tags' overrides 'blank_lines'" in warned and "system_prompt='' overrides" in warned
+    assert (backend.system, backend.step_mode) == (None, "tags")
 
 
 @pytest.mark.slow

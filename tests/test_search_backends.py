@@ -108,3 +108,26 @@ def test_vllm_and_hf_grow_the_same_greedy_tree(request, tmp_path):
     assert tree_shape(t_vllm) == tree_shape(t_hf)
     assert t_hf.nodes[t_hf.chosen].status == "finished"
     assert [n.score for n in t_vllm.nodes] == pytest.approx([n.score for n in t_hf.nodes])
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vllm is not installed: `make test-vllm` runs this tier in .venv-vllm")
+def test_vllm_engine_starts_with_a_later_shards_seed(request):
+    """Shard/rank >= 1 samples from worker_seed(seed, i) >= 2**40; vLLM seeds numpy with the engine
+    seed, which takes < 2**32 only - the engine used to die at start on every shard but the first."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from mmprm.annotate.backends.base import RolloutRequest, SamplingConfig, worker_seed
+    from mmprm.annotate.backends.vllm import VLLMBackend
+
+    try:
+        path = str(request.getfixturevalue("vllm_toy_policy")("qwen2"))
+    except pytest.FixtureLookupError:
+        pytest.skip("needs the vllm tier's `vllm_toy_policy` fixture (tests/conftest.py)")
+    sampling = SamplingConfig(max_new_tokens=8, seed=worker_seed(0, 1))
+    backend = VLLMBackend(path, sampling, dtype="float32", enforce_eager=True, max_model_len=512)
+    try:
+        [outs] = backend.generate([RolloutRequest("p0", QUESTION, [], [], 2)])
+    finally:
+        backend.llm.llm_engine.engine_core.shutdown()
+    assert len(outs) == 2

@@ -96,8 +96,10 @@ class VLLMBackend:
             # prefill ("CPU Generator does not use offset"), and every rollout is seeded:
             # schedule each prompt whole.
             llm_kwargs.setdefault("enable_chunked_prefill", False)
+        # The engine seeds numpy with it, which takes < 2**32 only; worker_seed streams (rank or shard
+        # >= 1) are larger. Sampling is seeded per request (request_seeds), so the fold changes no sample.
         with _independent_engine():
-            self.llm = vllm.LLM(model=model_path, enable_prefix_caching=True, seed=sampling.seed,
+            self.llm = vllm.LLM(model=model_path, enable_prefix_caching=True, seed=sampling.seed % (1 << 32),
                                 limit_mm_per_prompt={"image": max_images_per_prompt}, **llm_kwargs)
         self.stats = GenerationStats()
 
