@@ -18,10 +18,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PYTHON) recipes/quickstart.py --config recipes/configs/tiny/quickstart.yaml
 
-test: $(STAMP)
+# ruff (configured in pyproject.toml): lint and format check of the whole tree; both test targets run it first.
+lint: $(STAMP)
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+test: lint
 	$(PYTHON) -m pytest -q --timeout=1800 tests
 
-test-fast: $(STAMP)
+test-fast: lint
 	$(PYTHON) -m pytest -q --timeout=600 -m "not slow" tests
 
 test-slow: $(STAMP)

@@ -19,8 +19,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -74,11 +74,18 @@ def agreement(cases, show: int) -> dict:
         ours_true += ours
         flag_true += flag
         if ours != flag and len(disagreements) < show:
-            disagreements.append({"id": case_id, "flag": flag, "ours": ours,
-                                  "extracted": extract_answer(text), "gold": gold})
-    return {"n": n, "agreement": round(agree / max(n, 1), 4), "disagree": n - agree,
-            "flag_correct": flag_true, "ours_correct": ours_true,
-            "seconds": round(time.perf_counter() - start, 2), "disagreements": disagreements}
+            disagreements.append(
+                {"id": case_id, "flag": flag, "ours": ours, "extracted": extract_answer(text), "gold": gold}
+            )
+    return {
+        "n": n,
+        "agreement": round(agree / max(n, 1), 4),
+        "disagree": n - agree,
+        "flag_correct": flag_true,
+        "ours_correct": ours_true,
+        "seconds": round(time.perf_counter() - start, 2),
+        "disagreements": disagreements,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--show", type=int, default=20, help="disagreements listed per dataset")
     ap.add_argument("--only", choices=sorted(DATASETS), action="append", help="datasets to run")
     args = ap.parse_args(argv)
-    report = {name: agreement(DATASETS[name](args.data), args.show)
-              for name in (args.only or DATASETS)}
+    report = {name: agreement(DATASETS[name](args.data), args.show) for name in (args.only or DATASETS)}
     print(json.dumps(report))
     return 0
 

@@ -56,8 +56,15 @@ def write_step_data(folder: Path, n: int, seed: int, name: str) -> Path:
             ok = ok and wrong_at != k
             steps.append(f"{x} + {y} = {x + y + (0 if wrong_at != k else rng.randint(1, 3))}.")
             labels.append(1.0 if ok else 0.0)
-        rows.append({"id": f"{name}-{i}", "images": [str(image)], "question": "Add the numbers.", "steps": steps,
-                     "labels": labels})
+        rows.append(
+            {
+                "id": f"{name}-{i}",
+                "images": [str(image)],
+                "question": "Add the numbers.",
+                "steps": steps,
+                "labels": labels,
+            }
+        )
     path = folder / f"{name}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -69,23 +76,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(stage: int, model: Path, train_file: Path, eval_file: Path, out: Path, args: argparse.Namespace,
-          attn: str) -> dict[str, Any]:
+def train(
+    stage: int, model: Path, train_file: Path, eval_file: Path, out: Path, args: argparse.Namespace, attn: str
+) -> dict[str, Any]:
     """One bf16 prm_train run under ZeRO-`stage`; its losses, time and (ZeRO-3) partition sizes."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           f"launch/accelerate/deepspeed_zero{stage}.yaml", "--num_processes", str(args.processes),
-           "--main_process_port", str(free_port()), "--mixed_precision", "bf16", "--dynamo_backend", "no",
-           "recipes/prm_train.py", f"model.name_or_path={model}", f"data.train_file={train_file}",
-           f"data.eval_file={eval_file}", f"output_dir={out}", f"train.max_steps={args.steps}", "train.lr=5e-4",
-           "train.batch_size=8", "train.log_every=1", f"train.eval_every={args.steps}",
-           f"train.save_every={args.steps}", "train.warmup_steps=2", "train.report_to=none", "train.bf16=true",
-           "model.dtype=bfloat16", f"model.attn_implementation={attn}", "data.max_length=512"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        f"launch/accelerate/deepspeed_zero{stage}.yaml",
+        "--num_processes",
+        str(args.processes),
+        "--main_process_port",
+        str(free_port()),
+        "--mixed_precision",
+        "bf16",
+        "--dynamo_backend",
+        "no",
+        "recipes/prm_train.py",
+        f"model.name_or_path={model}",
+        f"data.train_file={train_file}",
+        f"data.eval_file={eval_file}",
+        f"output_dir={out}",
+        f"train.max_steps={args.steps}",
+        "train.lr=5e-4",
+        "train.batch_size=8",
+        "train.log_every=1",
+        f"train.eval_every={args.steps}",
+        f"train.save_every={args.steps}",
+        "train.warmup_steps=2",
+        "train.report_to=none",
+        "train.bf16=true",
+        "model.dtype=bfloat16",
+        f"model.attn_implementation={attn}",
+        "data.max_length=512",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
     env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     t0 = time.time()
     try:
-        res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout,
-                             check=False)
+        res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"timed out after {args.timeout}s"}
     seconds = time.time() - t0
@@ -95,15 +126,22 @@ def train(stage: int, model: Path, train_file: Path, eval_file: Path, out: Path,
     losses = [r["loss"] for r in rows if r["split"] == "train"]
     k = max(1, len(losses) // 4)
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    result: dict[str, Any] = {"seconds": round(seconds, 1), "loss_first": round(first, 4), "loss_last": round(last, 4),
-                              "finite": all(math.isfinite(x) for x in losses)}
+    result: dict[str, Any] = {
+        "seconds": round(seconds, 1),
+        "loss_first": round(first, 4),
+        "loss_last": round(last, 4),
+        "finite": all(math.isfinite(x) for x in losses),
+    }
     result["ok"] = result["finite"] and last < first
     if stage == 3:
         report = out / "zero3_partitions.json"
         parts = json.loads(report.read_text())["parameters"] if report.exists() else []
         head = next((p for p in parts if p["name"].endswith("lm_head.weight")), None)
-        result["lm_head"] = head and {"numel": head["numel"], "local_numel": head["local_numel"],
-                                      "partitioned": head["partitioned"]}
+        result["lm_head"] = head and {
+            "numel": head["numel"],
+            "local_numel": head["local_numel"],
+            "partitioned": head["partitioned"],
+        }
         result["ok"] = result["ok"] and bool(head and head["partitioned"])
     return result
 
@@ -130,8 +168,12 @@ def score(out: Path, eval_file: Path, device: str, attn: str, repeats: int) -> d
     steps = repeats * sum(len(e.steps) for e in examples)
     with torch.no_grad():  # the probabilities the scorer returns come from this cast
         probs = mmprm.models.prm.ProcessRewardModel.probabilities(torch.zeros(1, 2, dtype=torch.bfloat16))
-    return {"round_trip_max_diff": diff, "probabilities_dtype": str(probs.dtype).replace("torch.", ""),
-            "steps_per_s": round(steps / (time.time() - t0), 1), "ok": diff <= 2e-2 and probs.dtype == torch.float32}
+    return {
+        "round_trip_max_diff": diff,
+        "probabilities_dtype": str(probs.dtype).replace("torch.", ""),
+        "steps_per_s": round(steps / (time.time() - t0), 1),
+        "ok": diff <= 2e-2 and probs.dtype == torch.float32,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -148,9 +190,11 @@ def main(argv: list[str]) -> int:
     import torch
 
     if not torch.cuda.is_available() and not args.allow_cpu:
-        print(f"gpu-check: no CUDA GPU visible (torch {torch.__version__}, torch.cuda.is_available() is False). "
-              "Run `make gpu-check` on a GPU machine with a CUDA build of torch; nothing was checked.",
-              file=sys.stderr)
+        print(
+            f"gpu-check: no CUDA GPU visible (torch {torch.__version__}, torch.cuda.is_available() is False). "
+            "Run `make gpu-check` on a GPU machine with a CUDA build of torch; nothing was checked.",
+            file=sys.stderr,
+        )
         return 2
     try:
         import deepspeed
@@ -168,9 +212,13 @@ def main(argv: list[str]) -> int:
     train_file = write_step_data(root / "data", args.rows, 0, "train")
     eval_file = write_step_data(root / "data", 32, 1, "eval")
     result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "processes": args.processes,
-        "torch": torch.__version__, "deepspeed": deepspeed.__version__, "attn_implementation": attn,
-        "steps": args.steps}
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "processes": args.processes,
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "attn_implementation": attn,
+        "steps": args.steps,
+    }
     for stage in (2, 3):
         result[f"zero{stage}"] = train(stage, model, train_file, eval_file, root / f"zero{stage}", args, attn)
     if result["zero3"]["ok"]:

@@ -99,29 +99,54 @@ def part_a(n_problems: int, seed: int) -> dict:
     cfg = SearchConfig()  # MM-PRM defaults: k=16, 200 searches, 1000 rollouts
     problems = random_problems(n_problems, 8, 16, seed=seed)
     out = {}
-    for name, fn in [("omegaprm", lambda pol, pid: ours(pol, pid, cfg)),
-                     ("per_step_mc", lambda pol, pid: per_step_mc(pol, pid, cfg.rollouts_per_estimate,
-                                                                  cfg.max_rollouts, early_stop=False)),
-                     ("per_step_mc_early_stop", lambda pol, pid: per_step_mc(pol, pid, cfg.rollouts_per_estimate,
-                                                                             cfg.max_rollouts, early_stop=True))]:
+    for name, fn in [
+        ("omegaprm", lambda pol, pid: ours(pol, pid, cfg)),
+        (
+            "per_step_mc",
+            lambda pol, pid: per_step_mc(pol, pid, cfg.rollouts_per_estimate, cfg.max_rollouts, early_stop=False),
+        ),
+        (
+            "per_step_mc_early_stop",
+            lambda pol, pid: per_step_mc(pol, pid, cfg.rollouts_per_estimate, cfg.max_rollouts, early_stop=True),
+        ),
+    ]:
         policy = SimulatedPolicy(problems, seed=seed)
         spent = errors = correct = 0
         for pid in problems:
             s, e, c = fn(policy, pid)
             spent, errors, correct = spent + s, errors + e, correct + c
-        out[name] = {"rollouts": spent, "localised": errors, "correct": correct,
-                     "precision": round(correct / max(errors, 1), 4),
-                     "rollouts_per_correct_error": round(spent / max(correct, 1), 2)}
+        out[name] = {
+            "rollouts": spent,
+            "localised": errors,
+            "correct": correct,
+            "precision": round(correct / max(errors, 1), 4),
+            "rollouts_per_correct_error": round(spent / max(correct, 1), 2),
+        }
     ours_cost = out["omegaprm"]["rollouts_per_correct_error"]
-    return {"benchmark": "rollouts_per_localised_error", "problems": n_problems, "steps": "8-16",
-            "k": cfg.rollouts_per_estimate, "budget_per_problem": cfg.max_rollouts, **out,
-            "advantage_vs_per_step_mc": round(out["per_step_mc"]["rollouts_per_correct_error"] / ours_cost, 2),
-            "advantage_vs_per_step_mc_early_stop": round(
-                out["per_step_mc_early_stop"]["rollouts_per_correct_error"] / ours_cost, 2)}
+    return {
+        "benchmark": "rollouts_per_localised_error",
+        "problems": n_problems,
+        "steps": "8-16",
+        "k": cfg.rollouts_per_estimate,
+        "budget_per_problem": cfg.max_rollouts,
+        **out,
+        "advantage_vs_per_step_mc": round(out["per_step_mc"]["rollouts_per_correct_error"] / ours_cost, 2),
+        "advantage_vs_per_step_mc_early_stop": round(
+            out["per_step_mc_early_stop"]["rollouts_per_correct_error"] / ours_cost, 2
+        ),
+    }
 
 
-def part_b(arch: str, n_problems: int, k: int, max_rollouts: int, batch_size: int, max_new_tokens: int,
-           repeats: int, threads: int | None) -> dict:
+def part_b(
+    arch: str,
+    n_problems: int,
+    k: int,
+    max_rollouts: int,
+    batch_size: int,
+    max_new_tokens: int,
+    repeats: int,
+    threads: int | None,
+) -> dict:
     import statistics
 
     import torch
@@ -141,8 +166,9 @@ def part_b(arch: str, n_problems: int, k: int, max_rollouts: int, batch_size: in
     policy_dir = train_toy_policy(str(base), str(tmp / "policy"))
     problems = load_problems(write_toy_problems(str(tmp / "problems"), n_problems, images=is_multimodal(base)))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    backend = HFBackend.from_pretrained(policy_dir, SamplingConfig(max_new_tokens=max_new_tokens, seed=0),
-                                        device=device, batch_size=batch_size)
+    backend = HFBackend.from_pretrained(
+        policy_dir, SamplingConfig(max_new_tokens=max_new_tokens, seed=0), device=device, batch_size=batch_size
+    )
     search = SearchConfig(rollouts_per_estimate=k, max_rollouts=max_rollouts, max_searches=50)
 
     def timed(fn) -> dict:
@@ -151,13 +177,22 @@ def part_b(arch: str, n_problems: int, k: int, max_rollouts: int, batch_size: in
         extra = fn()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         tokens = backend.stats.generated_tokens - tokens
-        return {"sequences": backend.stats.sequences - sequences, "tokens": tokens, "seconds": round(wall, 3),
-                "tokens_per_s": round(tokens / wall, 1), "tokens_per_cpu_s": round(tokens / cpu, 1), **extra}
+        return {
+            "sequences": backend.stats.sequences - sequences,
+            "tokens": tokens,
+            "seconds": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 1),
+            "tokens_per_cpu_s": round(tokens / cpu, 1),
+            **extra,
+        }
 
     def mcts(concurrency: int):
         def run() -> dict:
-            stats = AnnotationEngine(backend, search, rule_verifier, concurrency=concurrency).run(problems, lambda r: None)
+            stats = AnnotationEngine(backend, search, rule_verifier, concurrency=concurrency).run(
+                problems, lambda r: None
+            )
             return {"mean_sequences_per_call": round(stats.summary()["mean_sequences_per_call"], 1)}
+
         return run
 
     def plain(sequences: int):
@@ -169,19 +204,33 @@ def part_b(arch: str, n_problems: int, k: int, max_rollouts: int, batch_size: in
     runs: dict[str, list[dict]] = {"mcts": [], "plain_generate": [], "mcts_concurrency_1": []}
     work = timed(mcts(n_problems))  # warm-up, and the amount of work plain generate repeats
     for r in range(repeats):
-        arms = [("mcts", mcts(n_problems)), ("plain_generate", plain(work["sequences"])),
-                ("mcts_concurrency_1", mcts(1))]
-        for name, fn in arms[r % 3:] + arms[: r % 3]:
+        arms = [
+            ("mcts", mcts(n_problems)),
+            ("plain_generate", plain(work["sequences"])),
+            ("mcts_concurrency_1", mcts(1)),
+        ]
+        for name, fn in arms[r % 3 :] + arms[: r % 3]:
             runs[name].append(timed(fn))
     # On a shared CPU box wall clock mostly measures the other jobs; this process's CPU time
     # measures the work (one torch thread, so no spinning threads inflate it). On GPU: wall clock.
     key = "tokens_per_s" if device == "cuda" else "tokens_per_cpu_s"
     med = {name: statistics.median(x[key] for x in xs) for name, xs in runs.items()}
-    return {"benchmark": "generation_throughput", "arch": arch, "device": device, "problems": n_problems, "k": k,
-            "max_rollouts": max_rollouts, "hf_batch_size": batch_size, "repeats": repeats, "measure": key,
-            "torch_threads": torch.get_num_threads(), "median": med, "runs": runs,
-            "ratio_mcts_vs_plain": round(med["mcts"] / med["plain_generate"], 3),
-            "ratio_concurrency_1_vs_plain": round(med["mcts_concurrency_1"] / med["plain_generate"], 3)}
+    return {
+        "benchmark": "generation_throughput",
+        "arch": arch,
+        "device": device,
+        "problems": n_problems,
+        "k": k,
+        "max_rollouts": max_rollouts,
+        "hf_batch_size": batch_size,
+        "repeats": repeats,
+        "measure": key,
+        "torch_threads": torch.get_num_threads(),
+        "median": med,
+        "runs": runs,
+        "ratio_mcts_vs_plain": round(med["mcts"] / med["plain_generate"], 3),
+        "ratio_concurrency_1_vs_plain": round(med["mcts_concurrency_1"] / med["plain_generate"], 3),
+    }
 
 
 def part_vllm(arch: str, n_problems: int, k: int, max_rollouts: int, max_new_tokens: int, repeats: int) -> dict:
@@ -201,8 +250,13 @@ def part_vllm(arch: str, n_problems: int, k: int, max_rollouts: int, max_new_tok
     base = build_tiny_model(arch, tmp / "base", head_dim=VLLM_HEAD_DIM, vllm_ready=True)
     policy_dir = train_toy_policy(str(base), str(tmp / "policy"))
     problems = load_problems(write_toy_problems(str(tmp / "problems"), n_problems, images=is_multimodal(base)))
-    backend = VLLMBackend(policy_dir, SamplingConfig(max_new_tokens=max_new_tokens, seed=0), dtype="float32",
-                          enforce_eager=True, max_model_len=1024)
+    backend = VLLMBackend(
+        policy_dir,
+        SamplingConfig(max_new_tokens=max_new_tokens, seed=0),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+    )
     search = SearchConfig(rollouts_per_estimate=k, max_rollouts=max_rollouts, max_searches=50)
     engine_generate = backend.llm.generate
     calls: list[tuple[list, list]] = []  # (prompts, params) of every engine call the search made
@@ -222,8 +276,13 @@ def part_vllm(arch: str, n_problems: int, k: int, max_rollouts: int, max_new_tok
             del backend.llm.generate
         wall = time.perf_counter() - t0
         tokens = backend.stats.generated_tokens - tokens
-        return {"calls": len(calls), "sequences": sum(p.n for _, ps in calls for p in ps), "tokens": tokens,
-                "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1)}
+        return {
+            "calls": len(calls),
+            "sequences": sum(p.n for _, ps in calls for p in ps),
+            "tokens": tokens,
+            "seconds": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 1),
+        }
 
     def plain(recorded: list[tuple[list, list]]) -> dict:
         # Every request of the search at once: the engine schedules them as it likes.
@@ -233,8 +292,13 @@ def part_vllm(arch: str, n_problems: int, k: int, max_rollouts: int, max_new_tok
         outs = engine_generate(prompts, params, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False})
         wall = time.perf_counter() - t0
         tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        return {"calls": 1, "sequences": sum(p.n for p in params), "tokens": tokens, "seconds": round(wall, 3),
-                "tokens_per_s": round(tokens / wall, 1)}
+        return {
+            "calls": 1,
+            "sequences": sum(p.n for p in params),
+            "tokens": tokens,
+            "seconds": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 1),
+        }
 
     mcts()  # warm-up: the engine's first-call costs, and the requests the first plain round replays
     runs: dict[str, list[dict]] = {"mcts": [], "plain_generate": []}
@@ -250,16 +314,30 @@ def part_vllm(arch: str, n_problems: int, k: int, max_rollouts: int, max_new_tok
     med = {name: statistics.median(x["tokens_per_s"] for x in xs) for name, xs in runs.items()}
     import vllm
 
-    return {"benchmark": "generation_throughput_vllm", "arch": arch, "vllm": vllm.__version__,
-            "problems": n_problems, "k": k, "max_rollouts": max_rollouts, "max_new_tokens": max_new_tokens,
-            "repeats": repeats, "measure": "tokens_per_s (wall clock)", "median": med, "runs": runs,
-            "ratio_mcts_vs_plain": round(med["mcts"] / med["plain_generate"], 3)}
+    return {
+        "benchmark": "generation_throughput_vllm",
+        "arch": arch,
+        "vllm": vllm.__version__,
+        "problems": n_problems,
+        "k": k,
+        "max_rollouts": max_rollouts,
+        "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
+        "measure": "tokens_per_s (wall clock)",
+        "median": med,
+        "runs": runs,
+        "ratio_mcts_vs_plain": round(med["mcts"] / med["plain_generate"], 3),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["a", "b", "vllm", "all"], default="all",
-                        help="all = a and b; vllm runs alone (it needs vllm installed)")
+    parser.add_argument(
+        "--part",
+        choices=["a", "b", "vllm", "all"],
+        default="all",
+        help="all = a and b; vllm runs alone (it needs vllm installed)",
+    )
     parser.add_argument("--problems", type=int, default=None, help="a: 100, b and vllm: 16 by default")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arch", default="qwen2_vl", help="tiny preset for parts b and vllm")
@@ -273,11 +351,28 @@ def main() -> None:
     if args.part in ("a", "all"):
         print(json.dumps(part_a(args.problems or 100, args.seed)), flush=True)
     if args.part in ("b", "all"):
-        print(json.dumps(part_b(args.arch, args.problems or 16, args.k, args.max_rollouts, args.batch_size,
-                                args.max_new_tokens, args.repeats, args.threads or None)), flush=True)
+        print(
+            json.dumps(
+                part_b(
+                    args.arch,
+                    args.problems or 16,
+                    args.k,
+                    args.max_rollouts,
+                    args.batch_size,
+                    args.max_new_tokens,
+                    args.repeats,
+                    args.threads or None,
+                )
+            ),
+            flush=True,
+        )
     if args.part == "vllm":
-        print(json.dumps(part_vllm(args.arch, args.problems or 16, args.k, args.max_rollouts, args.max_new_tokens,
-                                   args.repeats)), flush=True)
+        print(
+            json.dumps(
+                part_vllm(args.arch, args.problems or 16, args.k, args.max_rollouts, args.max_new_tokens, args.repeats)
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -29,17 +29,21 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-WORDS = ("the area of each region is equal so we add both parts and then divide by two which gives "
-         "angle side length triangle square circle radius total count blue red tiles row column").split()
+WORDS = (
+    "the area of each region is equal so we add both parts and then divide by two which gives "
+    "angle side length triangle square circle radius total count blue red tiles row column"
+).split()
 
 
-def make_problems(n_problems: int, n_candidates: int, steps: int, step_words: int, question_words: int,
-                  image_px: int, seed: int = 0) -> list[list[dict[str, Any]]]:
+def make_problems(
+    n_problems: int, n_candidates: int, steps: int, step_words: int, question_words: int, image_px: int, seed: int = 0
+) -> list[list[dict[str, Any]]]:
     """Per problem, `n_candidates` dicts sharing one question and one image, with different steps."""
     from PIL import Image
 
@@ -52,11 +56,22 @@ def make_problems(n_problems: int, n_candidates: int, steps: int, step_words: in
         path = folder / f"p{p}.png"
         img.save(path)
         question = f"Problem {p}: " + " ".join(rng.choice(WORDS) for _ in range(question_words)) + "?"
-        problems.append([
-            {"id": f"p{p}-c{c}", "question": question, "images": [str(path)],
-             "steps": [f"{k + 1}) " + " ".join(rng.choice(WORDS) for _ in range(step_words)) + f" = {rng.randint(1, 99)}."
-                       for k in range(steps)]}
-            for c in range(n_candidates)])
+        problems.append(
+            [
+                {
+                    "id": f"p{p}-c{c}",
+                    "question": question,
+                    "images": [str(path)],
+                    "steps": [
+                        f"{k + 1}) "
+                        + " ".join(rng.choice(WORDS) for _ in range(step_words))
+                        + f" = {rng.randint(1, 99)}."
+                        for k in range(steps)
+                    ],
+                }
+                for c in range(n_candidates)
+            ]
+        )
     return problems
 
 
@@ -118,16 +133,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # ---- shape of the inputs, from the scorer's own tokenization
     tok, other = scorer.tokenize(examples[0]), scorer.tokenize(examples[1])
     prompt_len = next(i for i, (a, b) in enumerate(zip(tok.input_ids, other.input_ids)) if a != b)  # shared part
-    shape = {"problems": n_problems, "n": n, "steps_per_candidate": len(examples[0]["steps"]),
-             "prefix_tokens": prompt_len, "candidate_tokens": len(tok.input_ids) - prompt_len,
-             "image_tokens": int(tok.model_inputs["image_grid_thw"].prod() // 4)}
+    shape = {
+        "problems": n_problems,
+        "n": n,
+        "steps_per_candidate": len(examples[0]["steps"]),
+        "prefix_tokens": prompt_len,
+        "candidate_tokens": len(tok.input_ids) - prompt_len,
+        "image_tokens": int(tok.model_inputs["image_grid_thw"].prod() // 4),
+    }
 
     scorer.score(problems[0][:2])  # warm-up: first-call allocations and lazy imports
     sub = examples[: min(4, len(examples))]
     sub_prefixes = [pre for ex in sub for pre in step_prefixes(ex)]
     sub_steps = sum(len(ex["steps"]) for ex in sub)
-    t, out = timed({"a": lambda: scorer.score(examples, share_prefix=True),
-                    "b": lambda: scorer.score(examples, share_prefix=False)}, repeats)
+    t, out = timed(
+        {
+            "a": lambda: scorer.score(examples, share_prefix=True),
+            "b": lambda: scorer.score(examples, share_prefix=False),
+        },
+        repeats,
+    )
     # The per-step-prefix way is ~8x the work of per_candidate: time it on the first 4 candidates only
     # (a rate per step is comparable across subsets of identically shaped candidates).
     tc, outc = timed({"c": lambda: scorer.score(sub_prefixes, share_prefix=False)}, 1)
@@ -139,8 +164,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t_tok, toks = tt["tok"], outt["tok"]
     groups = [toks[i : i + n] for i in range(0, len(toks), n)]
     with torch.no_grad():
-        tf, _ = timed({"a": lambda: [scorer._score_shared(g) for g in groups],
-                       "b": lambda: scorer._score_plain(toks)}, repeats)
+        tf, _ = timed(
+            {"a": lambda: [scorer._score_shared(g) for g in groups], "b": lambda: scorer._score_plain(toks)}, repeats
+        )
     t_fa, t_fb = tf["a"], tf["b"]
 
     # per_step_prefix reads the last score of each prefix: regroup to (candidate, step)
@@ -152,8 +178,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     diff = lambda x, y: max(abs(a - b) for u, v in zip(x, y) for a, b in zip(u, v))  # noqa: E731
     rate = {"shared_prefix": n_steps / t_a, "per_candidate": n_steps / t_b, "per_step_prefix": sub_steps / t_c}
     result = {
-        "benchmark": "prm_scoring_throughput", "model": "tiny qwen2_vl (token_pair PRM, random init)",
-        "quick": args.quick, **shape, "steps_scored": n_steps, "per_step_prefix_steps_scored": sub_steps,
+        "benchmark": "prm_scoring_throughput",
+        "model": "tiny qwen2_vl (token_pair PRM, random init)",
+        "quick": args.quick,
+        **shape,
+        "steps_scored": n_steps,
+        "per_step_prefix_steps_scored": sub_steps,
         "batch_size": scorer.batch_size,
         "baseline_batching": "per_candidate and per_step_prefix batched 16, length-sorted (not batch 1)",
         "threads": torch.get_num_threads(),
@@ -161,11 +191,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratio_ours_vs_per_candidate": round(rate["shared_prefix"] / rate["per_candidate"], 3),
         "ratio_ours_vs_per_step_prefix": round(rate["shared_prefix"] / rate["per_step_prefix"], 3),
         "seconds": {"shared_prefix": round(t_a, 3), "per_candidate": round(t_b, 3), "per_step_prefix": round(t_c, 3)},
-        "profile": {"tokenize_s": round(t_tok, 3), "tokenize_share_of_ours": round(t_tok / t_a, 3),
-                    "forward_only_s": {"shared_prefix": round(t_fa, 3), "per_candidate": round(t_fb, 3)},
-                    "forward_only_ratio_ours_vs_per_candidate": round(t_fb / t_fa, 3)},
-        "max_abs_score_diff": {"shared_vs_per_candidate": diff(ours, plain),
-                               "per_step_prefix_vs_per_candidate": diff(regrouped, plain[: len(sub)])},
+        "profile": {
+            "tokenize_s": round(t_tok, 3),
+            "tokenize_share_of_ours": round(t_tok / t_a, 3),
+            "forward_only_s": {"shared_prefix": round(t_fa, 3), "per_candidate": round(t_fb, 3)},
+            "forward_only_ratio_ours_vs_per_candidate": round(t_fb / t_fa, 3),
+        },
+        "max_abs_score_diff": {
+            "shared_vs_per_candidate": diff(ours, plain),
+            "per_step_prefix_vs_per_candidate": diff(regrouped, plain[: len(sub)]),
+        },
     }
     print(json.dumps(result))
     return result

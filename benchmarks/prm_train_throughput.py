@@ -42,8 +42,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-WORDS = ("we add the two numbers then multiply by three so the total is and the answer follows since each "
-         "side of the square has length four which gives area perimeter").split()
+WORDS = (
+    "we add the two numbers then multiply by three so the total is and the answer follows since each "
+    "side of the square has length four which gives area perimeter"
+).split()
 
 
 def write_rows(path: Path, n: int, seed: int = 0) -> Path:
@@ -52,12 +54,23 @@ def write_rows(path: Path, n: int, seed: int = 0) -> Path:
     with open(path, "w") as f:
         for i in range(n):
             k = rng.randint(2, 10)
-            steps = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 30))) + f" = {rng.randint(0, 99)}."
-                     for _ in range(k)]
+            steps = [
+                " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 30))) + f" = {rng.randint(0, 99)}."
+                for _ in range(k)
+            ]
             wrong = rng.choice([None, rng.randrange(k)])
             labels = [0.0 if wrong is not None and j >= wrong else 1.0 for j in range(k)]
-            f.write(json.dumps({"id": f"r{i}", "question": f"Problem {i}: " + " ".join(rng.sample(WORDS, 12)) + "?",
-                                "steps": steps, "labels": labels}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"r{i}",
+                        "question": f"Problem {i}: " + " ".join(rng.sample(WORDS, 12)) + "?",
+                        "steps": steps,
+                        "labels": labels,
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -75,12 +88,30 @@ def run_child(cmd: list[str], env: dict[str, str], log_dir: Path) -> tuple[str, 
     return out_file.read_text(), usage.ru_maxrss // 1024  # Linux reports KiB
 
 
-def run_side(name: str, model: str, data: Path, out: Path, a: argparse.Namespace,
-             env: dict[str, str]) -> dict[str, Any]:
+def run_side(
+    name: str, model: str, data: Path, out: Path, a: argparse.Namespace, env: dict[str, str]
+) -> dict[str, Any]:
     """One side in its own process: per-step tokens and seconds, final loss, peak RSS."""
-    cmd = [sys.executable, __file__, "--_child", name, "--model", model, "--data", str(data), "--out", str(out),
-           "--steps", str(a.steps), "--batch-size", str(a.batch_size), "--max-length", str(a.max_length),
-           "--trl-sampling", a.trl_sampling]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--_child",
+        name,
+        "--model",
+        model,
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--steps",
+        str(a.steps),
+        "--batch-size",
+        str(a.batch_size),
+        "--max-length",
+        str(a.max_length),
+        "--trl-sampling",
+        a.trl_sampling,
+    ]
     stdout, rss = run_child(cmd, env, out / "logs")
     res = json.loads(stdout.strip().splitlines()[-1])
     tokens, secs = res.pop("step_tokens"), res.pop("step_seconds")
@@ -88,8 +119,13 @@ def run_side(name: str, model: str, data: Path, out: Path, a: argparse.Namespace
     # median step rate is the robust number and the mean rate is reported beside it.
     skip = min(2, len(tokens) - 1)
     rates = sorted(t / s for t, s in zip(tokens[skip:], secs[skip:]))
-    return {"tokens_per_s": statistics.median(rates), "tokens_per_s_mean": sum(tokens[skip:]) / sum(secs[skip:]),
-            "non_pad_tokens": sum(tokens), "peak_rss_mib": rss, **res}
+    return {
+        "tokens_per_s": statistics.median(rates),
+        "tokens_per_s_mean": sum(tokens[skip:]) / sum(secs[skip:]),
+        "non_pad_tokens": sum(tokens),
+        "peak_rss_mib": rss,
+        **res,
+    }
 
 
 def ours_child(a: argparse.Namespace) -> None:
@@ -114,8 +150,11 @@ def ours_child(a: argparse.Namespace) -> None:
     accelerator = Accelerator(mixed_precision="no")
     backbone, processor = load_backbone(a.model, dtype=torch.float32)
     model = build_prm(backbone, processor, PRMSpec())
-    data = [t for ex in load_examples(a.data, require_labels=True)
-            if (t := tokenize_steps(processor, ex.question, ex.steps, labels=ex.labels, max_length=a.max_length))]
+    data = [
+        t
+        for ex in load_examples(a.data, require_labels=True)
+        if (t := tokenize_steps(processor, ex.question, ex.steps, labels=ex.labels, max_length=a.max_length))
+    ]
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, 0, a.steps, "cosine"))
@@ -139,9 +178,17 @@ def ours_child(a: argparse.Namespace) -> None:
         loss_value = loss.item()  # syncs, as the recipe's logging does
         step_seconds.append(time.perf_counter() - t0)
         step_tokens.append(int(batch["attention_mask"].sum()))
-    print(json.dumps({"step_tokens": step_tokens, "step_seconds": step_seconds, "final_loss": loss_value,
-                      "trainer": "recipes/prm_train.py loop: collate_steps + ProcessRewardModel + step_loss + "
-                                 "BatchStream(group_by_length) + accelerate"}))
+    print(
+        json.dumps(
+            {
+                "step_tokens": step_tokens,
+                "step_seconds": step_seconds,
+                "final_loss": loss_value,
+                "trainer": "recipes/prm_train.py loop: collate_steps + ProcessRewardModel + step_loss + "
+                "BatchStream(group_by_length) + accelerate",
+            }
+        )
+    )
 
 
 def trl_child(a: argparse.Namespace) -> None:
@@ -186,28 +233,64 @@ def trl_child(a: argparse.Namespace) -> None:
         def on_step_end(self, args, state, control, **kw):
             self.marks.append(time.perf_counter())
 
-    common = dict(output_dir=str(a.out), per_device_train_batch_size=a.batch_size, max_steps=a.steps,
-                  learning_rate=1e-4, lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-                  use_cpu=True, report_to="none", save_strategy="no", logging_strategy="steps", logging_steps=a.steps,
-                  disable_tqdm=True, dataloader_num_workers=0, seed=42, train_sampling_strategy=a.trl_sampling)
+    common = dict(
+        output_dir=str(a.out),
+        per_device_train_batch_size=a.batch_size,
+        max_steps=a.steps,
+        learning_rate=1e-4,
+        lr_scheduler_type="cosine",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="steps",
+        logging_steps=a.steps,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=42,
+        train_sampling_strategy=a.trl_sampling,
+    )
     clock = Clock()
     try:
         from trl.experimental.prm import PRMConfig, PRMTrainer
 
-        trainer = PRMTrainer(model=model, args=PRMConfig(**common, max_length=a.max_length), train_dataset=ds,
-                             processing_class=tok, data_collator=counting_collate, callbacks=[clock])
+        trainer = PRMTrainer(
+            model=model,
+            args=PRMConfig(**common, max_length=a.max_length),
+            train_dataset=ds,
+            processing_class=tok,
+            data_collator=counting_collate,
+            callbacks=[clock],
+        )
         name = "trl.experimental.prm.PRMTrainer"
     except ImportError:
         from transformers import Trainer, TrainingArguments
 
-        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=ds,
-                          data_collator=counting_collate, callbacks=[clock])
-        name = ("transformers.Trainer + AutoModelForTokenClassification + DataCollatorForTokenClassification "
-                "(PRMTrainer's pipeline; trl.experimental.prm is not in this trl)")
+        trainer = Trainer(
+            model=model,
+            args=TrainingArguments(**common),
+            train_dataset=ds,
+            data_collator=counting_collate,
+            callbacks=[clock],
+        )
+        name = (
+            "transformers.Trainer + AutoModelForTokenClassification + DataCollatorForTokenClassification "
+            "(PRMTrainer's pipeline; trl.experimental.prm is not in this trl)"
+        )
     result = trainer.train()
     secs = [b - a_ for a_, b in zip(clock.marks, clock.marks[1:])]
-    print(json.dumps({"step_tokens": step_tokens[: len(secs)], "step_seconds": secs,
-                      "final_loss": result.training_loss, "trainer": name}))
+    print(
+        json.dumps(
+            {
+                "step_tokens": step_tokens[: len(secs)],
+                "step_seconds": secs,
+                "final_loss": result.training_loss,
+                "trainer": name,
+            }
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -219,8 +302,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="OMP threads per side (the same for both)")
-    parser.add_argument("--trl-sampling", default="random", choices=["random", "group_by_length"],
-                        help="TRL side's batch sampler: 'random' is PRMConfig's default, what its users get")
+    parser.add_argument(
+        "--trl-sampling",
+        default="random",
+        choices=["random", "group_by_length"],
+        help="TRL side's batch sampler: 'random' is PRMConfig's default, what its users get",
+    )
     parser.add_argument("--_child", choices=["ours", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -237,8 +324,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="prm_train_bench_"))
     model = str(build_tiny_model("qwen2", root / "qwen2", seed=0))
     data = write_rows(root / "rows.jsonl", a.rows)
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false",
-           "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONWARNINGS": "ignore"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(a.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
     best: dict[str, dict[str, Any]] = {}
     for r in range(a.rounds):
         for name in ("ours", "trl"):
@@ -246,9 +338,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if name not in best or res["tokens_per_s"] > best[name]["tokens_per_s"]:
                 best[name] = res
     result = {
-        "benchmark": "prm_train_throughput", "model": "tiny qwen2 (text-only, random init)", "quick": a.quick,
-        "rows": a.rows, "optimizer_steps": a.steps, "batch_size": a.batch_size, "max_length": a.max_length,
-        "threads": a.threads, "rounds": a.rounds, "trl_sampling": a.trl_sampling,
+        "benchmark": "prm_train_throughput",
+        "model": "tiny qwen2 (text-only, random init)",
+        "quick": a.quick,
+        "rows": a.rows,
+        "optimizer_steps": a.steps,
+        "batch_size": a.batch_size,
+        "max_length": a.max_length,
+        "threads": a.threads,
+        "rounds": a.rounds,
+        "trl_sampling": a.trl_sampling,
         "ours": {k: round(v, 4) if isinstance(v, float) else v for k, v in best["ours"].items()},
         "trl": {k: round(v, 4) if isinstance(v, float) else v for k, v in best["trl"].items()},
         "ratio_tokens_per_s": round(best["ours"]["tokens_per_s"] / best["trl"]["tokens_per_s"], 3),

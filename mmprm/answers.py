@@ -36,9 +36,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def normalize_answer(ans: str) -> str:
 def _hedge_at_end(line: str) -> str | None:
     """The "(A) or (B)" a line ends with (then only punctuation), naming two different letters."""
     for m in _PAREN_HEDGE.finditer(line):
-        if m.group(1) != m.group(2) and not line[m.end():].strip(" .!*$)"):
+        if m.group(1) != m.group(2) and not line[m.end() :].strip(" .!*$)"):
             return m.group(0)
     return None
 
@@ -228,7 +228,9 @@ def choice_letter(ans: str) -> str | None:
     for _ in range(3):  # nested wrappers, e.g. \text{\textbf{A}}
         s = _TEXT_CMD.sub(r"\1", s)
     s = s.strip()
-    if len(set(re.findall(r"\(([A-Z])\)", s))) > 1 or (_BARE_HEDGE.fullmatch(s) and len(set(re.findall(r"[A-Z]", s))) > 1):
+    if len(set(re.findall(r"\(([A-Z])\)", s))) > 1 or (
+        _BARE_HEDGE.fullmatch(s) and len(set(re.findall(r"[A-Z]", s))) > 1
+    ):
         return None
     m = re.fullmatch(r"(?:(?:option|choice)\s*)?\(?([A-Za-z])\)?[.:)]*", s, re.I)
     if m:
@@ -345,7 +347,10 @@ class _VerifyWorker:
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mmprm.answers", "--serve"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
         )
         self.started = False
 

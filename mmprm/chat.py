@@ -33,10 +33,11 @@ import mimetypes
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -173,8 +174,12 @@ class ReplyCache:
         return ChatReply(row["text"], row.get("prompt_tokens", 0), row.get("completion_tokens", 0), cached=True)
 
     def put(self, key: str, reply: ChatReply) -> None:
-        row = {"key": key, "text": reply.text, "prompt_tokens": reply.prompt_tokens,
-               "completion_tokens": reply.completion_tokens}
+        row = {
+            "key": key,
+            "text": reply.text,
+            "prompt_tokens": reply.prompt_tokens,
+            "completion_tokens": reply.completion_tokens,
+        }
         with self._lock:
             self._replies[key] = row
             with open(self.path, "a", encoding="utf-8") as f:
@@ -190,8 +195,9 @@ def _openai() -> Any:
     try:
         import openai
     except ImportError:
-        raise ImportError("talking to a chat endpoint needs the openai package: pip install 'mmprm[openai]' "
-                          "(or pip install openai)") from None
+        raise ImportError(
+            "talking to a chat endpoint needs the openai package: pip install 'mmprm[openai]' (or pip install openai)"
+        ) from None
     return openai
 
 
@@ -205,8 +211,13 @@ class ChatClient:
         sleep: the backoff wait (tests pass a recorder).
     """
 
-    def __init__(self, config: ChatConfig, config_key: str = "chat", cache_path: str | Path | None = None,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self,
+        config: ChatConfig,
+        config_key: str = "chat",
+        cache_path: str | Path | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         config.validate()
         if not config.url or not config.model:
             raise ValueError(f"{config_key}.url and {config_key}.model must be set to use a chat endpoint")
@@ -228,8 +239,7 @@ class ChatClient:
             openai = _openai()
             key = os.environ.get(self.config.api_key_env) or "EMPTY"
             # Retries are ours (one policy, counted in stats), so the SDK's own are off.
-            self._client = openai.OpenAI(base_url=self.url, api_key=key, timeout=self.config.timeout_s,
-                                         max_retries=0)
+            self._client = openai.OpenAI(base_url=self.url, api_key=key, timeout=self.config.timeout_s, max_retries=0)
         return self._client
 
     def _count(self, **kw: float) -> None:
@@ -237,8 +247,14 @@ class ChatClient:
             for k, v in kw.items():
                 setattr(self.stats, k, getattr(self.stats, k) + v)
 
-    def chat(self, messages: Messages, temperature: float = 0.0, max_tokens: int | None = None,
-             seed: int | None = None, **extra: Any) -> ChatReply:
+    def chat(
+        self,
+        messages: Messages,
+        temperature: float = 0.0,
+        max_tokens: int | None = None,
+        seed: int | None = None,
+        **extra: Any,
+    ) -> ChatReply:
         """One completion (from the cache when this exact request was answered before)."""
         body: dict[str, Any] = {"model": self.config.model, "messages": messages, "temperature": temperature}
         # The user's cap wins over a caller's short default (a reasoning judge needs room to think).
@@ -279,10 +295,14 @@ class ChatClient:
                 if status in RETRYABLE_STATUS or status >= 500:
                     last = f"HTTP {status}: {_short(e)}"
                     continue
-                hint = (f"set ${self.config.api_key_env} ({self.config_key}.api_key_env names the variable)"
-                        if status in (401, 403) else f"check {self.config_key}.model and the request")
-                raise ChatRequestError(f"{where} refused the request with HTTP {status}: {_short(e)}; {hint}",
-                                       status) from e
+                hint = (
+                    f"set ${self.config.api_key_env} ({self.config_key}.api_key_env names the variable)"
+                    if status in (401, 403)
+                    else f"check {self.config_key}.model and the request"
+                )
+                raise ChatRequestError(
+                    f"{where} refused the request with HTTP {status}: {_short(e)}; {hint}", status
+                ) from e
             finally:
                 self._count(seconds=time.perf_counter() - start)
             try:
@@ -291,18 +311,27 @@ class ChatClient:
                 last = f"malformed reply (no choices[0].message.content): {str(resp)[:200]}"
                 continue
             usage = getattr(resp, "usage", None)
-            reply = ChatReply(text, int(getattr(usage, "prompt_tokens", 0) or 0),
-                              int(getattr(usage, "completion_tokens", 0) or 0))
+            reply = ChatReply(
+                text, int(getattr(usage, "prompt_tokens", 0) or 0), int(getattr(usage, "completion_tokens", 0) or 0)
+            )
             self._count(prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
             return reply
         key = self.config_key
         raise EndpointUnavailable(
             f"chat endpoint {where} failed {self.config.max_retries + 1} times, last: {last}. Is the server up "
             f"and speaking the OpenAI chat API? Start it (e.g. `vllm serve MODEL --port 8000`) or fix {key}.url / "
-            f"{key}.model")
+            f"{key}.model"
+        )
 
-    def ask(self, messages: Messages, parse: Callable[[str], R | None], parse_retries: int = 2,
-            temperature: float = 0.0, retry_temperature: float = 0.7, **kw: Any) -> tuple[R | None, list[ChatReply]]:
+    def ask(
+        self,
+        messages: Messages,
+        parse: Callable[[str], R | None],
+        parse_retries: int = 2,
+        temperature: float = 0.0,
+        retry_temperature: float = 0.7,
+        **kw: Any,
+    ) -> tuple[R | None, list[ChatReply]]:
         """Ask until `parse(reply.text)` is not None, at most 1 + `parse_retries` times.
 
         Returns (parsed value or None, every reply). Retries sample at `retry_temperature` with
@@ -336,8 +365,14 @@ class ChatClient:
         with ThreadPoolExecutor(self.config.concurrency) as pool:
             futures = {pool.submit(fn, x): i for i, x in enumerate(items)}
             try:
-                for fut in tqdm(as_completed(futures), total=len(futures), desc=desc or "chat", unit="item",
-                                disable=not desc, dynamic_ncols=True):
+                for fut in tqdm(
+                    as_completed(futures),
+                    total=len(futures),
+                    desc=desc or "chat",
+                    unit="item",
+                    disable=not desc,
+                    dynamic_ncols=True,
+                ):
                     out[futures[fut]] = fut.result()
             except BaseException:
                 for f in futures:

@@ -15,11 +15,21 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "validate": ("mmprm.cli", "cli_validate", "check step-labelled JSONL files before any work starts"),
     "tiny-model": ("mmprm.models.tiny", "cli_tiny_model", "write a tiny random-init model directory"),
     "convert": ("mmprm.data.convert", "cli_convert", "import PRM data (TRL, Math-Shepherd, PRM800K, openr, MM-PRM)"),
-    "convert-candidates": ("mmprm.rerank.candidates", "cli_convert_candidates",
-                           "build Best-of-N candidate files from MATH-V, GSM8K, Qwen-Math or text solutions"),
-    "merge-annotations": ("mmprm.annotate.engine", "cli_merge_annotations",
-                          "merge per-rank annotation trees into one file"),
-    "convert-sft": ("mmprm.data.sft", "cli_convert_sft", "build SFT data (tagged steps) from GSM8K or MATH-V worked solutions"),
+    "convert-candidates": (
+        "mmprm.rerank.candidates",
+        "cli_convert_candidates",
+        "build Best-of-N candidate files from MATH-V, GSM8K, Qwen-Math or text solutions",
+    ),
+    "merge-annotations": (
+        "mmprm.annotate.engine",
+        "cli_merge_annotations",
+        "merge per-rank annotation trees into one file",
+    ),
+    "convert-sft": (
+        "mmprm.data.sft",
+        "cli_convert_sft",
+        "build SFT data (tagged steps) from GSM8K or MATH-V worked solutions",
+    ),
     "bon-report": ("mmprm.rerank.report", "cli_bon_report", "Best-of-N report from a scored candidates file"),
     "synthetic": ("mmprm.data.synthetic", "cli_synthetic", "write the colour-tile demo task (train/test splits)"),
     "merge-bon": ("mmprm.rerank.shards", "cli_merge_bon", "merge sharded Best-of-N scores and write the report"),
@@ -30,8 +40,9 @@ def cli_validate(argv: list[str]) -> int:
     from mmprm.data.schema import validate_file
 
     parser = argparse.ArgumentParser(prog="mmprm validate", description="Validate step-labelled JSONL files.")
-    parser.add_argument("files", nargs="+", metavar="PATH",
-                        help="a JSONL file, or a directory: each *.jsonl directly in it is checked")
+    parser.add_argument(
+        "files", nargs="+", metavar="PATH", help="a JSONL file, or a directory: each *.jsonl directly in it is checked"
+    )
     parser.add_argument("--require-labels", action="store_true", help="every row must carry labels (training data)")
     parser.add_argument("--no-image-check", action="store_true", help="skip opening image files")
     args = parser.parse_args(argv)
@@ -41,8 +52,10 @@ def cli_validate(argv: list[str]) -> int:
         if given.is_dir():
             found = sorted(p for p in given.glob("*.jsonl") if p.is_file())
             if not found:
-                print(f"{given}: a directory with no *.jsonl files (give a JSONL file or a folder of them)",
-                      file=sys.stderr)
+                print(
+                    f"{given}: a directory with no *.jsonl files (give a JSONL file or a folder of them)",
+                    file=sys.stderr,
+                )
                 bad += 1
             paths += found
         else:

@@ -172,14 +172,17 @@ def require_model_dir(cfg: Any, key: str, hub: bool = True) -> None:
     path = Path(str(value)).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ConfigError(f"{key}: {value} has no config.json: not a Hugging Face model directory "
-                              "(point it at a directory save_pretrained or a recipe wrote)")
+            raise ConfigError(
+                f"{key}: {value} has no config.json: not a Hugging Face model directory "
+                "(point it at a directory save_pretrained or a recipe wrote)"
+            )
         return
     if path.exists():
         raise ConfigError(f"{key}: {value} is a file; a model directory is expected")
     hub_shaped = re.fullmatch(r"[\w.-]+/[\w.-]+", str(value)) and not Path(str(value).split("/")[0]).is_dir()
-    offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
-                  for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    offline = any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
     if hub and hub_shaped:
         if not offline:
             return  # a hub id: transformers downloads it (or says why not)
@@ -187,8 +190,10 @@ def require_model_dir(cfg: Any, key: str, hub: bool = True) -> None:
 
         if isinstance(try_to_load_from_cache(str(value), "config.json"), str):
             return
-        raise ConfigError(f"{key}: {value} is not a local directory and not in the hub cache, and "
-                          "HF_HUB_OFFLINE is set (no hub access): give a local model directory")
+        raise ConfigError(
+            f"{key}: {value} is not a local directory and not in the hub cache, and "
+            "HF_HUB_OFFLINE is set (no hub access): give a local model directory"
+        )
     where = f" (relative to {Path.cwd()})" if not path.is_absolute() else ""
     kind = "a local directory expected" + ("; no hub access" if offline or not hub_shaped else "")
     raise ConfigError(f"{key}: {value} does not exist{where} ({kind})")
@@ -219,9 +224,11 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     except ConfigError as e:
         if path is not None:
             raise
-        raise ConfigError(f"{e}\nNo config file was given: pass one with --config FILE (the shipped ones are "
-                          "in recipes/configs/<backbone>/), or set every required key as key=value; "
-                          "--help lists every key.") from None
+        raise ConfigError(
+            f"{e}\nNo config file was given: pass one with --config FILE (the shipped ones are "
+            "in recipes/configs/<backbone>/), or set every required key as key=value; "
+            "--help lists every key."
+        ) from None
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

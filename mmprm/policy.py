@@ -65,22 +65,16 @@ def load_policy_spec(model_dir: str | Path) -> PolicySpec | None:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as e:
-        raise ValueError(
-            f"{path}: not valid JSON ({e}); delete it or rewrite it from the SFT config"
-        ) from None
+        raise ValueError(f"{path}: not valid JSON ({e}); delete it or rewrite it from the SFT config") from None
     if not isinstance(raw, dict) or raw.get("version") != SPEC_VERSION:
         raise ValueError(
             f"{path}: version: expected {SPEC_VERSION}, got {raw.get('version') if isinstance(raw, dict) else raw!r}"
         )
     system, mode = raw.get("system_prompt"), raw.get("step_mode", "tags")
     if system is not None and not isinstance(system, str):
-        raise ValueError(
-            f"{path}: system_prompt: must be a string or null, got {system!r}"
-        )
+        raise ValueError(f"{path}: system_prompt: must be a string or null, got {system!r}")
     if mode not in get_args(StepMode):
-        raise ValueError(
-            f"{path}: step_mode: {mode!r} is not one of {list(get_args(StepMode))}"
-        )
+        raise ValueError(f"{path}: step_mode: {mode!r} is not one of {list(get_args(StepMode))}")
     return PolicySpec(system_prompt=system, step_mode=mode)
 
 

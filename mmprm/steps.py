@@ -23,8 +23,9 @@ last step, so a PRM sees the answer it is asked to judge.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 STEP_TOKEN = "<|prm_step|>"
 STEP_OPEN, STEP_CLOSE = "<step>", "</step>"
@@ -138,14 +139,16 @@ def is_text_only(processor: Any) -> bool:
     return getattr(processor, "image_processor", None) is None
 
 
-def build_messages(question: str, num_images: int, system: str | None = None,
-                   assistant: str | None = None, *, text_only: bool = False) -> list[dict[str, Any]]:
+def build_messages(
+    question: str, num_images: int, system: str | None = None, assistant: str | None = None, *, text_only: bool = False
+) -> list[dict[str, Any]]:
     """Chat messages for one problem; `assistant` adds a (partial) assistant turn.
 
     text_only: every content is a plain string (what text-only chat templates concatenate);
     otherwise typed parts (`{"type": "text", ...}`, `{"type": "image"}`) as VLM processors expect.
     Use `chat_messages` to decide this from the processor.
     """
+
     def content(text: str) -> Any:
         return text if text_only else [{"type": "text", "text": text}]
 
@@ -166,8 +169,9 @@ def build_messages(question: str, num_images: int, system: str | None = None,
     return messages
 
 
-def chat_messages(processor: Any, question: str, num_images: int, system: str | None = None,
-                  assistant: str | None = None) -> list[dict[str, Any]]:
+def chat_messages(
+    processor: Any, question: str, num_images: int, system: str | None = None, assistant: str | None = None
+) -> list[dict[str, Any]]:
     """`build_messages` in the content format `processor`'s chat template expects (`is_text_only`)."""
     return build_messages(question, num_images, system, assistant, text_only=is_text_only(processor))
 
@@ -196,19 +200,26 @@ def assistant_start(processor: Any, question: str, num_images: int, system: str 
     """
     from jinja2 import TemplateError
 
-    gen = processor.apply_chat_template(chat_messages(processor, question, num_images, system),
-                                        add_generation_prompt=True, tokenize=False)
+    gen = processor.apply_chat_template(
+        chat_messages(processor, question, num_images, system), add_generation_prompt=True, tokenize=False
+    )
     for sys in dict.fromkeys([system, None]):
         try:
-            ask = gen if sys == system else processor.apply_chat_template(
-                chat_messages(processor, question, num_images, sys), add_generation_prompt=True, tokenize=False)
+            ask = (
+                gen
+                if sys == system
+                else processor.apply_chat_template(
+                    chat_messages(processor, question, num_images, sys), add_generation_prompt=True, tokenize=False
+                )
+            )
             turn = processor.apply_chat_template(
-                chat_messages(processor, question, num_images, sys, assistant=_PROBE), tokenize=False)
+                chat_messages(processor, question, num_images, sys, assistant=_PROBE), tokenize=False
+            )
         except TemplateError:  # the template rejects this conversation (its raise_exception): ask the next
             continue
         head, found, _ = turn.partition(_PROBE)
         if found and head.startswith(ask):
-            return gen, head[len(ask):]
+            return gen, head[len(ask) :]
     return gen, ""
 
 
@@ -223,8 +234,7 @@ def needs_special_tokens(tokenizer: Any, text: str) -> bool:
     return not (bos and text.startswith(bos))
 
 
-def continue_assistant(processor: Any, question: str, num_images: int, text: str,
-                       system: str | None = None) -> str:
+def continue_assistant(processor: Any, question: str, num_images: int, text: str, system: str | None = None) -> str:
     """Prompt whose assistant turn already holds `text`, for the model to continue.
 
     The generation prompt, then the template's lead and `text` as the template writes an assistant
@@ -236,8 +246,9 @@ def continue_assistant(processor: Any, question: str, num_images: int, text: str
     return prompt + lead + text if text else prompt
 
 
-def continuation_prompt(processor: Any, question: str, num_images: int, prefix_steps: Sequence[str],
-                        system: str | None = None) -> str:
+def continuation_prompt(
+    processor: Any, question: str, num_images: int, prefix_steps: Sequence[str], system: str | None = None
+) -> str:
     """Prompt text that continues a partial solution in policy format (for rollouts and generation).
 
     The steps so far are the start of the assistant turn itself (`continue_assistant`), not
@@ -328,7 +339,7 @@ def tokenize_steps(
         enc = tokenizer([text], return_tensors="pt", add_special_tokens=special)
     ids = enc["input_ids"][0].tolist()
     tail_ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
-    prompt_length = len(ids) - len(tail_ids) if ids[len(ids) - len(tail_ids):] == tail_ids else None
+    prompt_length = len(ids) - len(tail_ids) if ids[len(ids) - len(tail_ids) :] == tail_ids else None
     positions = [i for i, t in enumerate(ids) if t == step_id]
     if len(positions) != len(steps):
         raise StepTokenError(
@@ -364,18 +375,26 @@ def _check_special_tokens(processor: Any, question: str, steps: Sequence[str], s
             raise StepTokenError(f"{where} contains the reserved step token {step_token!r}: remove it")
     tokenizer = getattr(processor, "tokenizer", processor)
     reserved = set(tokenizer.all_special_tokens) | {
-        t for t in (getattr(processor, "image_token", None), getattr(processor, "video_token", None)) if t}
+        t for t in (getattr(processor, "image_token", None), getattr(processor, "video_token", None)) if t
+    }
     reserved.discard(step_token)
-    for where, text in [("question", IMAGE_PLACEHOLDER.sub("", question)),
-                        *((f"steps[{i}]", s) for i, s in enumerate(steps))]:
+    for where, text in [
+        ("question", IMAGE_PLACEHOLDER.sub("", question)),
+        *((f"steps[{i}]", s) for i, s in enumerate(steps)),
+    ]:
         for t in reserved:
             if t and t in text:
                 raise StepTokenError(f"{where} contains the special token {t!r} of this model: remove it")
 
 
-def extend_steps(processor: Any, base: TokenizedSteps, steps: Sequence[str],
-                 labels: Sequence[float] | None = None, max_length: int | None = None,
-                 step_token: str = STEP_TOKEN) -> TokenizedSteps | None:
+def extend_steps(
+    processor: Any,
+    base: TokenizedSteps,
+    steps: Sequence[str],
+    labels: Sequence[float] | None = None,
+    max_length: int | None = None,
+    step_token: str = STEP_TOKEN,
+) -> TokenizedSteps | None:
     """Tokenize other steps for the same prompt and images as `base`, reusing its prompt tokens.
 
     Equal to `tokenize_steps` on the same question and images (a test checks every
@@ -406,9 +425,13 @@ def extend_steps(processor: Any, base: TokenizedSteps, steps: Sequence[str],
             prompt_part = model_inputs[key][:, :n]
             model_inputs[key] = torch_cat_zeros(prompt_part, end - n)
     return TokenizedSteps(
-        input_ids=ids[:end], step_positions=positions[:kept],
+        input_ids=ids[:end],
+        step_positions=positions[:kept],
         labels=[float(x) for x in labels[:kept]] if labels is not None else None,
-        dropped_steps=len(steps) - kept, model_inputs=model_inputs, prompt_length=n, lead=base.lead,
+        dropped_steps=len(steps) - kept,
+        model_inputs=model_inputs,
+        prompt_length=n,
+        lead=base.lead,
     )
 
 

@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 
-def epoch_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int,
-                  group_by_length: bool = True, drop_last: bool = False, pad_last: bool = False) -> list[list[int]]:
+def epoch_batches(
+    lengths: Sequence[int],
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    group_by_length: bool = True,
+    drop_last: bool = False,
+    pad_last: bool = False,
+) -> list[list[int]]:
     """Global batches (lists of example indices) for one epoch.
 
     With `group_by_length`, a shuffled order is cut into mega-batches of 32 batches and each is
@@ -28,8 +35,7 @@ def epoch_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int
     rng.shuffle(order)
     if group_by_length:
         mega = batch_size * 32
-        order = [i for s in range(0, len(order), mega)
-                 for i in sorted(order[s : s + mega], key=lambda j: -lengths[j])]
+        order = [i for s in range(0, len(order), mega) for i in sorted(order[s : s + mega], key=lambda j: -lengths[j])]
     batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
     if drop_last and batches and len(batches[-1]) < batch_size:
         batches.pop()
@@ -54,8 +60,10 @@ def rank_share(batch: Sequence[int], rank: int, world: int) -> list[int]:
     """
     share = list(batch[rank::world])
     if not share:
-        raise ValueError(f"global batch of {len(batch)} rows leaves process {rank} of {world} without a row: "
-                         "pad the batch (epoch_batches(pad_last=True))")
+        raise ValueError(
+            f"global batch of {len(batch)} rows leaves process {rank} of {world} without a row: "
+            "pad the batch (epoch_batches(pad_last=True))"
+        )
     return share
 
 
@@ -115,7 +123,9 @@ class TrainProgress:
         self.step, self.examples_seen = int(state["step"]), int(state["examples_seen"])
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str = "cosine", min_ratio: float = 0.0) -> float:
+def lr_factor(
+    step: int, warmup_steps: int, total_steps: int, schedule: str = "cosine", min_ratio: float = 0.0
+) -> float:
     """Multiplier of the peak LR at `step`: linear warmup, then cosine / linear decay or constant."""
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -138,8 +148,10 @@ def find_checkpoint(output_dir: str | Path, resume: str | None) -> Path | None:
         return ckpts[-1] if ckpts else None
     path = Path(resume)
     if not path.is_dir():
-        raise FileNotFoundError(f"resume_from_checkpoint={resume}: no such checkpoint directory "
-                                "(use 'latest' or a path under OUTPUT_DIR/checkpoints)")
+        raise FileNotFoundError(
+            f"resume_from_checkpoint={resume}: no such checkpoint directory "
+            "(use 'latest' or a path under OUTPUT_DIR/checkpoints)"
+        )
     return path
 
 

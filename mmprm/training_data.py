@@ -37,16 +37,16 @@ import shutil
 import socket
 import time
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 
 from mmprm.data.schema import DataError, check_row, iter_jsonl, load_image
 from mmprm.data.sft import sft_row_problems
 from mmprm.models.prm import PER_TOKEN_KEYS, collate_model_inputs, collate_steps
-from mmprm.steps import (STEP_TOKEN, StepTokenError, TokenizedSteps, assistant_start, render_solution,
-                         tokenize_steps)
+from mmprm.steps import STEP_TOKEN, StepTokenError, TokenizedSteps, assistant_start, render_solution, tokenize_steps
 
 CACHE_FORMAT = 1  # bump when a cached column changes meaning
 # A step labelled below this is an error step (the threshold balancing and step metrics use too).
@@ -183,7 +183,7 @@ def check_file(path: str | Path, kind: Kind, allow_images: bool = True) -> int:
 
 def iter_rows(path: str | Path, kind: Kind) -> Iterator[dict[str, Any]]:
     """The valid rows of a file `check_file` passed, as plain dicts."""
-    for problem, row in _scan(Path(path), kind):
+    for _problem, row in _scan(Path(path), kind):
         if row is not None:
             yield row
 

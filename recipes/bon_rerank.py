@@ -213,16 +213,27 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
             for text in outs:
                 parsed = parse_solution(text, backend.step_mode)
                 correct = answers_match(parsed.answer, p.answer, p.choices)  # None answer -> False
-                p.candidates.append(Candidate(text=text, steps=prm_steps(parsed.steps, parsed.answer),
-                                              answer=parsed.answer, correct=correct,
-                                              meta={"complete": parsed.complete}))
+                p.candidates.append(
+                    Candidate(
+                        text=text,
+                        steps=prm_steps(parsed.steps, parsed.answer),
+                        answer=parsed.answer,
+                        correct=correct,
+                        meta={"complete": parsed.complete},
+                    )
+                )
         done, elapsed = lo + len(chunk), time.time() - t0
-        print(f"generated {done}/{len(problems)} problems x {g.n} in {elapsed:.0f}s "
-              f"(ETA {elapsed / done * (len(problems) - done):.0f}s)", flush=True)
+        print(
+            f"generated {done}/{len(problems)} problems x {g.n} in {elapsed:.0f}s "
+            f"(ETA {elapsed / done * (len(problems) - done):.0f}s)",
+            flush=True,
+        )
     n_parsed = sum(bool(c.steps) for p in problems for c in p.candidates)
     n_correct = sum(bool(c.correct) for p in problems for c in p.candidates)
     print(f"{len(problems) * g.n} candidates: {n_parsed} with parsable steps, {n_correct} correct")
-    name = f"candidates.shard{cfg.shard.index}-of-{cfg.shard.count}.jsonl" if cfg.shard.count > 1 else "candidates.jsonl"
+    name = (
+        f"candidates.shard{cfg.shard.index}-of-{cfg.shard.count}.jsonl" if cfg.shard.count > 1 else "candidates.jsonl"
+    )
     write_candidates(out_dir / name, problems)
     return out_dir / name
 
@@ -236,23 +247,35 @@ def make_backend(cfg: Config):
 
     s = cfg.generate.sampling
     # Each shard samples its own stream; a rerun of the same shard samples the same candidates.
-    sampling = BackendSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                               max_new_tokens=s.max_new_tokens, seed=worker_seed(s.seed, cfg.shard.index))
+    sampling = BackendSampling(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        max_new_tokens=s.max_new_tokens,
+        seed=worker_seed(s.seed, cfg.shard.index),
+    )
     try:
-        system, step_mode = resolve_prompt_format(cfg.generate.policy, cfg.generate.system_prompt,
-                                                  cfg.generate.step_mode, where="bon_rerank generate")
+        system, step_mode = resolve_prompt_format(
+            cfg.generate.policy, cfg.generate.system_prompt, cfg.generate.step_mode, where="bon_rerank generate"
+        )
     except ValueError as e:  # a broken mmprm_policy.json
         raise ConfigError(f"generate.policy: {e}") from None
     if cfg.generate.backend == "vllm":
         from mmprm.annotate.backends.vllm import VLLMBackend
 
-        return VLLMBackend(cfg.generate.policy, sampling, step_mode=step_mode, system=system,
-                           **cfg.generate.vllm_kwargs)
+        return VLLMBackend(
+            cfg.generate.policy, sampling, step_mode=step_mode, system=system, **cfg.generate.vllm_kwargs
+        )
     from mmprm.annotate.backends.hf import HFBackend
 
-    return HFBackend.from_pretrained(cfg.generate.policy, sampling, step_mode=step_mode,
-                                     batch_size=cfg.generate.batch_size, system=system,
-                                     attn_implementation=cfg.model.attn_implementation)
+    return HFBackend.from_pretrained(
+        cfg.generate.policy,
+        sampling,
+        step_mode=step_mode,
+        batch_size=cfg.generate.batch_size,
+        system=system,
+        attn_implementation=cfg.model.attn_implementation,
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -275,9 +298,13 @@ def main(argv: list[str]) -> None:
         cand_file = Path(cfg.candidates_file)
         problems = take_shard(load_candidates(cand_file), cfg.shard.index, cfg.shard.count)
     # Every report number needs each candidate's verdict: refuse before any scoring.
-    unknown = [f"{cand_file}: id={p.id}: candidates[{j}].correct: unknown (give the problem's gold `answer` "
-               "or each candidate's `correct`)" for p in problems for j, c in enumerate(p.candidates)
-               if c.correct is None]
+    unknown = [
+        f"{cand_file}: id={p.id}: candidates[{j}].correct: unknown (give the problem's gold `answer` "
+        "or each candidate's `correct`)"
+        for p in problems
+        for j, c in enumerate(p.candidates)
+        if c.correct is None
+    ]
     if unknown:
         raise DataError(unknown)
     n_cands = sum(len(p.candidates) for p in problems)
@@ -291,8 +318,13 @@ def main(argv: list[str]) -> None:
 
     device = cfg.scoring.device if cfg.scoring.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     require_model_dir(cfg, "prm", hub=False)
-    scorer = load_prm(cfg.prm, device=device, batch_size=cfg.scoring.batch_size, max_length=cfg.scoring.max_length,
-                      attn_implementation=cfg.model.attn_implementation)
+    scorer = load_prm(
+        cfg.prm,
+        device=device,
+        batch_size=cfg.scoring.batch_size,
+        max_length=cfg.scoring.max_length,
+        attn_implementation=cfg.model.attn_implementation,
+    )
     # Steps are what the PRM scores (answer attached); a candidate with no steps is scored on its
     # whole text as one step, and one with no text either is left out (its score is 0).
     inputs = [[{**x, "id": f"{p.id}/candidates[{j}]"} for j, x in enumerate(p.prm_inputs())] for p in problems]
@@ -312,8 +344,10 @@ def main(argv: list[str]) -> None:
         raise ConfigError(f"scoring: {e}") from e
     elapsed = time.time() - t0
     n_steps = sum(len(x["steps"]) for x in examples)
-    print(f"scored {len(examples)} candidates ({n_steps} steps) in {elapsed:.1f}s "
-          f"({n_steps / max(elapsed, 1e-9):.1f} steps/s)")
+    print(
+        f"scored {len(examples)} candidates ({n_steps} steps) in {elapsed:.1f}s "
+        f"({n_steps / max(elapsed, 1e-9):.1f} steps/s)"
+    )
 
     # ---- write this shard; report when the run is complete --------------------------------
     from mmprm.rerank.shards import merge_scored, report_from_scored, shard_path
@@ -334,8 +368,10 @@ def main(argv: list[str]) -> None:
             cands.append(row)
         rows.append({"id": p.id, "candidates": cands})
     if cut:
-        print(f"warning: {cut} candidates ({dropped} steps) did not fit scoring.max_length={cfg.scoring.max_length}: "
-              "they are ranked last by every aggregator; raise scoring.max_length to score them fully")
+        print(
+            f"warning: {cut} candidates ({dropped} steps) did not fit scoring.max_length={cfg.scoring.max_length}: "
+            "they are ranked last by every aggregator; raise scoring.max_length to score them fully"
+        )
     write_jsonl(shard_path(out_dir, cfg.shard.index, cfg.shard.count), rows)
     (out_dir / SETTINGS_FILE).write_text(json.dumps(asdict(cfg.report), indent=2) + "\n")
     if cfg.shard.count == 1:

@@ -177,8 +177,9 @@ def make_backend(cfg: AnnotateConfig, rank: int = 0):
     unless the config sets `model.system_prompt` / `engine.step_mode` (then with a warning).
     Each rank samples its own seed stream, so no two ranks' rollouts share seeds."""
     try:
-        system, step_mode = resolve_prompt_format(cfg.model.name_or_path, cfg.model.system_prompt,
-                                                  cfg.engine.step_mode, where="mcts_annotate")
+        system, step_mode = resolve_prompt_format(
+            cfg.model.name_or_path, cfg.model.system_prompt, cfg.engine.step_mode, where="mcts_annotate"
+        )
     except ValueError as e:  # a broken mmprm_policy.json
         raise ConfigError(f"model.name_or_path: {e}") from None
     sampling = replace(cfg.sampling, seed=worker_seed(cfg.sampling.seed, rank))
@@ -196,9 +197,16 @@ def make_backend(cfg: AnnotateConfig, rank: int = 0):
     from mmprm.annotate.backends.hf import HFBackend
 
     device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-    return HFBackend.from_pretrained(cfg.model.name_or_path, sampling, dtype=cfg.model.dtype, device=device,
-                                     step_mode=step_mode, batch_size=cfg.model.hf_batch_size, system=system,
-                                     attn_implementation=cfg.model.attn_implementation)
+    return HFBackend.from_pretrained(
+        cfg.model.name_or_path,
+        sampling,
+        dtype=cfg.model.dtype,
+        device=device,
+        step_mode=step_mode,
+        batch_size=cfg.model.hf_batch_size,
+        system=system,
+        attn_implementation=cfg.model.attn_implementation,
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -227,8 +235,11 @@ def main(argv: list[str]) -> int:
         return 3
     mine = shard(problems, rank, world)
     todo = [p for p in mine if p.id not in trees.done]
-    print(f"rank {rank}/{world}: {len(mine)} problems in this shard, {len(mine) - len(todo)} already done, "
-          f"{len(todo)} to annotate", file=sys.stderr)
+    print(
+        f"rank {rank}/{world}: {len(mine)} problems in this shard, {len(mine) - len(todo)} already done, "
+        f"{len(todo)} to annotate",
+        file=sys.stderr,
+    )
 
     try:
         backend = make_backend(cfg, rank)
@@ -236,20 +247,23 @@ def main(argv: list[str]) -> int:
         trees.close()
         print(f"mcts_annotate: {e}", file=sys.stderr)
         return 2
-    print(f"rank {rank}: prompt format: step_mode={backend.step_mode}, system prompt={backend.system!r}",
-          file=sys.stderr)
+    print(
+        f"rank {rank}: prompt format: step_mode={backend.step_mode}, system prompt={backend.system!r}", file=sys.stderr
+    )
     verify = rule_verifier
     if cfg.verify.judge:
         from mmprm.annotate.judge import LLMJudge, judged_verifier
 
-        client = ChatClient(cfg.verify.judge_chat, config_key="verify.judge_chat",
-                            cache_path=out_dir / f"judge_cache.rank{rank}.jsonl")
+        client = ChatClient(
+            cfg.verify.judge_chat, config_key="verify.judge_chat", cache_path=out_dir / f"judge_cache.rank{rank}.jsonl"
+        )
         verify = judged_verifier(LLMJudge(client))
 
     # The loop: the engine keeps `concurrency` searches in flight; each finished problem is
     # committed to the tree file at once, so a kill loses at most the problems in flight.
-    engine = AnnotationEngine(backend, cfg.search, verify, backend.step_mode, cfg.engine.concurrency,
-                              cfg.engine.max_consecutive_failures)
+    engine = AnnotationEngine(
+        backend, cfg.search, verify, backend.step_mode, cfg.engine.concurrency, cfg.engine.max_consecutive_failures
+    )
     bar = tqdm(total=len(todo), unit="problem", desc=f"rank {rank}", dynamic_ncols=True)
     start = time.perf_counter()
 
@@ -259,8 +273,10 @@ def main(argv: list[str]) -> int:
 
     def on_batch(stats) -> None:
         elapsed = max(time.perf_counter() - start, 1e-9)
-        bar.set_postfix(rollouts_s=f"{stats.rollouts / elapsed:.1f}",
-                        batch=stats.sequences_per_call[-1] if stats.sequences_per_call else 0)
+        bar.set_postfix(
+            rollouts_s=f"{stats.rollouts / elapsed:.1f}",
+            batch=stats.sequences_per_call[-1] if stats.sequences_per_call else 0,
+        )
 
     try:
         stats = engine.run(todo, on_record, on_batch)
@@ -270,8 +286,12 @@ def main(argv: list[str]) -> int:
     finally:
         bar.close()
         trees.close()
-    summary = {"rank": rank, "world_size": world, "engine": stats.summary(),
-               "generated_tokens": backend.stats.generated_tokens}
+    summary = {
+        "rank": rank,
+        "world_size": world,
+        "engine": stats.summary(),
+        "generated_tokens": backend.stats.generated_tokens,
+    }
     (out_dir / f"summary.rank{rank}-of-{world}.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary), file=sys.stderr)
 
@@ -280,19 +300,28 @@ def main(argv: list[str]) -> int:
     missing = {p.id for p in problems} - finished_ids(out_dir)
     retry = stats.by_status.get("error", 0) and {p.id for p in todo} & missing
     if retry:
-        print(f"rank {rank}: {len(retry)} problems failed with transient errors (see 'message' in "
-              f"{trees.path}); rerun the same command to retry them", file=sys.stderr)
+        print(
+            f"rank {rank}: {len(retry)} problems failed with transient errors (see 'message' in "
+            f"{trees.path}); rerun the same command to retry them",
+            file=sys.stderr,
+        )
         return 1
     if missing:
-        print(f"rank {rank}: done; {len(missing)} problems still with other ranks - the last rank to finish "
-              f"merges (or run: mmprm merge-annotations {out_dir})", file=sys.stderr)
+        print(
+            f"rank {rank}: done; {len(missing)} problems still with other ranks - the last rank to finish "
+            f"merges (or run: mmprm merge-annotations {out_dir})",
+            file=sys.stderr,
+        )
         return 0
     merged = merge_annotations(out_dir)
     rows, export_stats = export_examples(read_jsonl(out_dir / "trees.jsonl"), cfg.export)
     write_jsonl(out_dir / "prm_data.jsonl", rows)
     write_report({**export_stats, "merge": merged}, out_dir / "export_report.json", out_dir / "export_report.png")
-    print(f"merged {merged['records']} problems {merged['by_status']}; wrote {len(rows)} PRM training rows to "
-          f"{out_dir / 'prm_data.jsonl'}", file=sys.stderr)
+    print(
+        f"merged {merged['records']} problems {merged['by_status']}; wrote {len(rows)} PRM training rows to "
+        f"{out_dir / 'prm_data.jsonl'}",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -35,8 +35,16 @@ from mmprm.models.loading import load_backbone, resolve_attn_implementation, vis
 from mmprm.models.sharding import partition_report, partition_summary
 from mmprm.policy import PolicySpec, save_policy_spec
 from mmprm.steps import parse_solution, prompt_text
-from mmprm.training import (BatchStream, TrainProgress, eval_share, find_checkpoint, lr_factor, process_group_kwargs,
-                            rank_share, wrap_padding)
+from mmprm.training import (
+    BatchStream,
+    TrainProgress,
+    eval_share,
+    find_checkpoint,
+    lr_factor,
+    process_group_kwargs,
+    rank_share,
+    wrap_padding,
+)
 from mmprm.training_data import IGNORE, SFTCollator, load_tokenized
 
 
@@ -183,8 +191,9 @@ def token_loss_sum(model, batch) -> tuple[torch.Tensor, int]:
     labels = batch.pop("labels")
     logits = model(**batch, use_cache=False).logits  # (B, S, V)
     shift_logits, shift_labels = logits[:, :-1].float(), labels[:, 1:]
-    loss = torch.nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]),
-                                             shift_labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    loss = torch.nn.functional.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
     return loss, int((shift_labels != IGNORE).sum())
 
 
@@ -197,8 +206,9 @@ def generate_eval(model, processor, data, cfg: Config, accelerator) -> dict[str,
     model = accelerator.unwrap_model(model)
     model.eval()
     # an even share per process (generate() under ZeRO-3 needs every rank); wrapped rows not counted
-    idx, count = eval_share(min(cfg.train.eval_generations, len(data)), accelerator.process_index,
-                            accelerator.num_processes)
+    idx, count = eval_share(
+        min(cfg.train.eval_generations, len(data)), accelerator.process_index, accelerator.num_processes
+    )
     mine = [data[i] for i in idx]
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -214,9 +224,10 @@ def generate_eval(model, processor, data, cfg: Config, accelerator) -> dict[str,
         else:
             enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         enc = {k: v.to(accelerator.device) for k, v in enc.items()}
-        out = model.generate(**enc, do_sample=False, max_new_tokens=cfg.train.max_new_tokens,
-                             pad_token_id=tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            **enc, do_sample=False, max_new_tokens=cfg.train.max_new_tokens, pad_token_id=tokenizer.pad_token_id
+        )
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         for ex, text in zip(chunk, texts):
             parsed = parse_solution(text)
             compliant = bool(parsed.steps) and parsed.complete
@@ -226,8 +237,11 @@ def generate_eval(model, processor, data, cfg: Config, accelerator) -> dict[str,
     model.train()
     results = gather_object(results[:count])
     n = max(1, len(results))
-    return {"format_compliance": sum(c for c, _ in results) / n, "answer_accuracy": sum(a for _, a in results) / n,
-            "generated": len(results)}
+    return {
+        "format_compliance": sum(c for c, _ in results) / n,
+        "answer_accuracy": sum(a for _, a in results) / n,
+        "generated": len(results),
+    }
 
 
 @torch.no_grad()
@@ -257,25 +271,36 @@ def main(argv: list[str]) -> None:
     use_bf16 = cfg.train.bf16 and (not torch.cuda.is_available() or torch.cuda.is_bf16_supported())
     # Our LR schedule counts optimizer steps: accelerate's default steps it once per process.
     # gradient_accumulation_steps tells DeepSpeed which micro-batch closes a step (see the loop).
-    accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", log_with=log_with, project_dir=str(out_dir),
-                              gradient_accumulation_steps=cfg.train.grad_accum, step_scheduler_with_optimizer=False,
-                              kwargs_handlers=process_group_kwargs())
+    accelerator = Accelerator(
+        mixed_precision="bf16" if use_bf16 else "no",
+        log_with=log_with,
+        project_dir=str(out_dir),
+        gradient_accumulation_steps=cfg.train.grad_accum,
+        step_scheduler_with_optimizer=False,
+        kwargs_handlers=process_group_kwargs(),
+    )
     set_seed(cfg.train.seed)
     log = accelerator.print
 
     # ---- model and data -------------------------------------------------------------------
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
-    model, processor = load_backbone(cfg.model.name_or_path, dtype=dtype,
-                                   attn_implementation=cfg.model.attn_implementation)
+    model, processor = load_backbone(
+        cfg.model.name_or_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation
+    )
     if cfg.model.freeze_vision_tower:
         for p in vision_tower_parameters(model):
             p.requires_grad_(False)
     if cfg.model.lora.enabled:
-        from peft import LoraConfig as PeftLoraConfig, get_peft_model
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
 
         lora = cfg.model.lora
-        model = get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                     target_modules=lora.target_modules))
+        model = get_peft_model(
+            model,
+            PeftLoraConfig(
+                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules
+            ),
+        )
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     tokenizer = getattr(processor, "tokenizer", processor)
@@ -286,22 +311,26 @@ def main(argv: list[str]) -> None:
     settings = {"max_length": cfg.data.max_length, "system": cfg.model.system_prompt}
 
     def tokenized(path: str) -> tuple[SFTCollator, dict]:
-        data, stats = load_tokenized(path, "sft", processor, settings, cfg.data.cache_dir, cfg.data.num_proc,
-                                     accelerator)
+        data, stats = load_tokenized(
+            path, "sft", processor, settings, cfg.data.cache_dir, cfg.data.num_proc, accelerator
+        )
         return SFTCollator(data, processor, pad_id, source=path, **settings), stats
 
     collate, train_stats = tokenized(cfg.data.train_file)
     train_data = collate.data
-    log(f"train: {train_stats['kept']} examples kept, {train_stats['dropped_examples']} dropped (no assistant token "
+    log(
+        f"train: {train_stats['kept']} examples kept, {train_stats['dropped_examples']} dropped (no assistant token "
         f"left within max_length={cfg.data.max_length}); {'reused' if train_stats['reused'] else 'built'} cache "
-        f"{train_stats['cache']}")
+        f"{train_stats['cache']}"
+    )
     eval_collate = tokenized(cfg.data.eval_file)[0] if cfg.data.eval_file else None
     n_targets = list(train_data["n_targets"])  # loss tokens per row, for the loss normaliser
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.schedule))
+        optimizer, lambda s: lr_factor(s, cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.schedule)
+    )
     ds = accelerator.state.deepspeed_plugin
     if ds is not None:
         # No dataloader goes through prepare(), so DeepSpeed cannot infer these "auto" values itself.
@@ -314,13 +343,16 @@ def main(argv: list[str]) -> None:
         log(partition_summary(accelerator.unwrap_model(model), partitions))
         if accelerator.is_main_process:
             out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "zero3_partitions.json").write_text(json.dumps(
-                {"num_processes": accelerator.num_processes, "rank": 0, "parameters": partitions}, indent=1))
+            (out_dir / "zero3_partitions.json").write_text(
+                json.dumps({"num_processes": accelerator.num_processes, "rank": 0, "parameters": partitions}, indent=1)
+            )
     global_batch = cfg.train.batch_size * accelerator.num_processes
     stream = BatchStream(list(train_data["length"]), global_batch, cfg.train.seed, cfg.train.group_by_length)
     if padded := wrap_padding(len(train_data), global_batch):
-        log(f"{len(train_data)} rows do not fill whole global batches of {global_batch}: each epoch's last batch "
-            f"repeats {padded} rows from the epoch's start, so every process gets {cfg.train.batch_size} rows")
+        log(
+            f"{len(train_data)} rows do not fill whole global batches of {global_batch}: each epoch's last batch "
+            f"repeats {padded} rows from the epoch's start, so every process gets {cfg.train.batch_size} rows"
+        )
     progress = TrainProgress()
     accelerator.register_for_checkpointing(stream, progress)
     ckpt = find_checkpoint(out_dir, cfg.resume_from_checkpoint)
@@ -337,12 +369,16 @@ def main(argv: list[str]) -> None:
         if accelerator.is_main_process:
             with open(out_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
-        accelerator.log({f"{row['split']}/{k}": v for k, v in row.items() if isinstance(v, (int, float))},
-                        step=row["step"])
+        accelerator.log(
+            {f"{row['split']}/{k}": v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"]
+        )
 
     def run_eval() -> None:
-        row = {"split": "eval", "step": progress.step,
-               "loss": eval_loss(model, eval_collate, cfg.train.eval_batch_size, accelerator)}
+        row = {
+            "split": "eval",
+            "step": progress.step,
+            "loss": eval_loss(model, eval_collate, cfg.train.eval_batch_size, accelerator),
+        }
         if cfg.train.eval_generations > 0:
             row.update(generate_eval(model, processor, eval_collate.data, cfg, accelerator))
         write_metrics(row)
@@ -353,12 +389,15 @@ def main(argv: list[str]) -> None:
 
     # ---- training loop --------------------------------------------------------------------
     model.train()
-    bar = tqdm(total=cfg.train.max_steps, initial=progress.step, desc="policy_sft",
-               disable=not accelerator.is_main_process)
+    bar = tqdm(
+        total=cfg.train.max_steps, initial=progress.step, desc="policy_sft", disable=not accelerator.is_main_process
+    )
     t0, running = time.time(), []
     while progress.step < cfg.train.max_steps:
-        micro_batches = [rank_share(stream.next(), accelerator.process_index, accelerator.num_processes)
-                         for _ in range(cfg.train.grad_accum)]
+        micro_batches = [
+            rank_share(stream.next(), accelerator.process_index, accelerator.num_processes)
+            for _ in range(cfg.train.grad_accum)
+        ]
         # mean over assistant tokens of the whole accumulation window
         n_tokens = sum(n_targets[i] for mb in micro_batches for i in mb)
         step_loss = 0.0
@@ -370,8 +409,10 @@ def main(argv: list[str]) -> None:
                 with accelerator.autocast():
                     loss_sum, _ = token_loss_sum(model, batch)
                 if not torch.isfinite(loss_sum):
-                    raise FloatingPointError(f"non-finite loss at step {progress.step}, micro-batch {k}, example ids "
-                                             f"{[t['id'] for t in items]}: lower train.lr or check these rows")
+                    raise FloatingPointError(
+                        f"non-finite loss at step {progress.step}, micro-batch {k}, example ids "
+                        f"{[t['id'] for t in items]}: lower train.lr or check these rows"
+                    )
                 # backward() divides by grad_accum; the loss is already a mean over the window's tokens
                 accelerator.backward(loss_sum * cfg.train.grad_accum / max(1, n_tokens))
             step_loss += loss_sum.item() / max(1, n_tokens)
@@ -386,8 +427,15 @@ def main(argv: list[str]) -> None:
         bar.update(1)
         bar.set_postfix(loss=f"{step_loss:.4f}")
         if progress.step % cfg.train.log_every == 0 or progress.step == cfg.train.max_steps:
-            write_metrics({"split": "train", "step": progress.step, "loss": sum(running) / len(running),
-                           "lr": scheduler.get_last_lr()[0], "seconds": time.time() - t0})
+            write_metrics(
+                {
+                    "split": "train",
+                    "step": progress.step,
+                    "loss": sum(running) / len(running),
+                    "lr": scheduler.get_last_lr()[0],
+                    "seconds": time.time() - t0,
+                }
+            )
             running = []
         if eval_collate and (progress.step % cfg.train.eval_every == 0 or progress.step == cfg.train.max_steps):
             run_eval()

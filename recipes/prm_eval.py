@@ -36,8 +36,17 @@ from typing import Any, Literal
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.data.schema import DataError, StepExample, load_examples, write_jsonl
-from mmprm.scoring.metrics import (auroc, bce, best_threshold, brier, first_error, first_error_f1,
-                                   predicted_first_error, step_accuracy, step_f1)
+from mmprm.scoring.metrics import (
+    auroc,
+    bce,
+    best_threshold,
+    brier,
+    first_error,
+    first_error_f1,
+    predicted_first_error,
+    step_accuracy,
+    step_f1,
+)
 
 
 @dataclass
@@ -211,18 +220,40 @@ def fmt(v: Any) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     """report.md: the overall metrics, then one row per category."""
-    keys = ["examples", "steps", "first_error_f1", "first_error_error_acc", "first_error_correct_acc", "macro_f1",
-            "f1_correct", "f1_error", "auroc", "step_accuracy", "bce", "brier"]
+    keys = [
+        "examples",
+        "steps",
+        "first_error_f1",
+        "first_error_error_acc",
+        "first_error_correct_acc",
+        "macro_f1",
+        "f1_correct",
+        "f1_error",
+        "auroc",
+        "step_accuracy",
+        "bce",
+        "brier",
+    ]
     m = report["metrics"]
-    lines = [f"# PRM step-level evaluation: {report['data']}", "",
-             f"PRM `{report['prm']}`, threshold {report['threshold']:.4f} ({report['threshold_source']}); "
-             f"{report['excluded_truncated']} examples excluded for truncation.", "",
-             "| metric | value |", "| --- | --- |"]
+    lines = [
+        f"# PRM step-level evaluation: {report['data']}",
+        "",
+        f"PRM `{report['prm']}`, threshold {report['threshold']:.4f} ({report['threshold_source']}); "
+        f"{report['excluded_truncated']} examples excluded for truncation.",
+        "",
+        "| metric | value |",
+        "| --- | --- |",
+    ]
     lines += [f"| {k} | {fmt(m[k])} |" for k in keys if k in m]
     if report["by_category"]:
         cols = [k for k in keys if k in m]
-        lines += ["", "## Per category", "", "| category | " + " | ".join(cols) + " |",
-                  "| --- |" + " --- |" * len(cols)]
+        lines += [
+            "",
+            "## Per category",
+            "",
+            "| category | " + " | ".join(cols) + " |",
+            "| --- |" + " --- |" * len(cols),
+        ]
         for cat, cm in report["by_category"].items():
             lines.append(f"| {cat} | " + " | ".join(fmt(cm[k]) for k in cols) + " |")
     return "\n".join(lines) + "\n"
@@ -249,8 +280,10 @@ def main(argv: list[str]) -> int:
     elif cfg.data.dev_fraction > 0:
         dev, examples = split_dev(examples, cfg.data.dev_fraction, cfg.data.seed)
     if dev and len({true_first_error(ex) is None for ex in dev}) < 2:
-        raise SystemExit(f"dev split ({len(dev)} examples): needs both fully correct and erroneous solutions to "
-                         "choose a threshold; raise data.dev_fraction or data.per_category, or set dev_fraction=0")
+        raise SystemExit(
+            f"dev split ({len(dev)} examples): needs both fully correct and erroneous solutions to "
+            "choose a threshold; raise data.dev_fraction or data.per_category, or set dev_fraction=0"
+        )
     if not examples:
         raise SystemExit(f"{cfg.data.path}: no examples left to evaluate (check data.limit / data.dev_fraction)")
     if not cfg.scorer.use_images:
@@ -258,10 +291,14 @@ def main(argv: list[str]) -> int:
             ex.images = []
     kinds = {ex.meta.get("label_kind", "validity") for ex in examples}
     if len(kinds) > 1:
-        raise SystemExit(f"{cfg.data.path}: mixes label kinds {sorted(kinds)}; a 0 means different things in "
-                         "each, evaluate them separately")
-    print(f"{len(examples)} examples from {cfg.data.path} ({cfg.data.format})"
-          + (f", {len(dev)} dev examples for the threshold" if dev else ""))
+        raise SystemExit(
+            f"{cfg.data.path}: mixes label kinds {sorted(kinds)}; a 0 means different things in "
+            "each, evaluate them separately"
+        )
+    print(
+        f"{len(examples)} examples from {cfg.data.path} ({cfg.data.format})"
+        + (f", {len(dev)} dev examples for the threshold" if dev else "")
+    )
 
     # ---- scorer
     require_model_dir(cfg, "scorer.prm_path", hub=False)  # named here, not in a traceback from the loader
@@ -270,8 +307,13 @@ def main(argv: list[str]) -> int:
     from mmprm import load_prm
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.scorer.device == "auto" else cfg.scorer.device
-    scorer = load_prm(cfg.scorer.prm_path, device=device, batch_size=cfg.scorer.batch_size,
-                      max_length=cfg.scorer.max_length, attn_implementation=cfg.model.attn_implementation)
+    scorer = load_prm(
+        cfg.scorer.prm_path,
+        device=device,
+        batch_size=cfg.scorer.batch_size,
+        max_length=cfg.scorer.max_length,
+        attn_implementation=cfg.model.attn_implementation,
+    )
 
     # ---- score; truncated steps come back NaN and their examples leave the metrics (counted)
     def score(split: str, exs: list[StepExample]) -> list[dict[str, Any]]:
@@ -279,9 +321,17 @@ def main(argv: list[str]) -> int:
         scores = scorer.score(exs, progress=True)
         n_steps = sum(len(s) for s in scores)
         print(f"{split}: scored {len(exs)} examples / {n_steps} steps in {time.time() - start:.1f}s")
-        return [{"id": ex.id, "split": split, "category": ex.meta.get("category"), "scores": s,
-                 "labels": [float(x) for x in ex.labels], "first_error": true_first_error(ex)}
-                for ex, s in zip(exs, scores)]
+        return [
+            {
+                "id": ex.id,
+                "split": split,
+                "category": ex.meta.get("category"),
+                "scores": s,
+                "labels": [float(x) for x in ex.labels],
+                "first_error": true_first_error(ex),
+            }
+            for ex, s in zip(exs, scores)
+        ]
 
     dev_rows = score("dev", dev) if dev else []
     test_rows = score("test", examples)
@@ -309,10 +359,16 @@ def main(argv: list[str]) -> int:
     if len(cats) > 1:
         by_category = {c: metrics_of([r for r in rows if r["category"] == c], threshold, soft) for c in cats}
     report = {
-        "data": cfg.data.path, "format": cfg.data.format, "prm": cfg.scorer.prm_path,
-        "threshold": threshold, "threshold_source": source, "labels_soft": soft,
-        "label_kind": kinds.pop(), "excluded_truncated": excluded,
-        "metrics": metrics_of(rows, threshold, soft), "by_category": by_category,
+        "data": cfg.data.path,
+        "format": cfg.data.format,
+        "prm": cfg.scorer.prm_path,
+        "threshold": threshold,
+        "threshold_source": source,
+        "labels_soft": soft,
+        "label_kind": kinds.pop(),
+        "excluded_truncated": excluded,
+        "metrics": metrics_of(rows, threshold, soft),
+        "by_category": by_category,
         "dev": metrics_of(complete(dev_rows), threshold, soft) if dev_rows else None,
         "config": to_dict(cfg),
     }

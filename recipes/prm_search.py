@@ -215,24 +215,42 @@ def make_backend(cfg: Config, max_new_tokens: int):
 
     s = cfg.policy.sampling
     # Each shard samples its own stream; a rerun of the same shard samples the same steps.
-    sampling = BackendSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                               max_new_tokens=max_new_tokens, seed=worker_seed(s.seed, cfg.shard.index))
+    sampling = BackendSampling(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        max_new_tokens=max_new_tokens,
+        seed=worker_seed(s.seed, cfg.shard.index),
+    )
     try:
-        system, step_mode = resolve_prompt_format(cfg.policy.path, cfg.policy.system_prompt, cfg.policy.step_mode,
-                                                  where="prm_search policy")
+        system, step_mode = resolve_prompt_format(
+            cfg.policy.path, cfg.policy.system_prompt, cfg.policy.step_mode, where="prm_search policy"
+        )
     except ValueError as e:  # a broken mmprm_policy.json
         raise ConfigError(f"policy.path: {e}") from None
     if cfg.policy.backend == "vllm":
         from mmprm.annotate.backends.vllm import VLLMBackend
 
-        return VLLMBackend(cfg.policy.path, sampling, step_mode=step_mode, system=system,
-                           gpu_memory_utilization=cfg.policy.gpu_memory_utilization,
-                           max_model_len=cfg.policy.max_model_len, dtype=cfg.policy.dtype or "auto")
+        return VLLMBackend(
+            cfg.policy.path,
+            sampling,
+            step_mode=step_mode,
+            system=system,
+            gpu_memory_utilization=cfg.policy.gpu_memory_utilization,
+            max_model_len=cfg.policy.max_model_len,
+            dtype=cfg.policy.dtype or "auto",
+        )
     from mmprm.annotate.backends.hf import HFBackend
 
-    return HFBackend.from_pretrained(cfg.policy.path, sampling, dtype=cfg.policy.dtype, step_mode=step_mode,
-                                     batch_size=cfg.policy.batch_size, system=system,
-                                     attn_implementation=cfg.model.attn_implementation)
+    return HFBackend.from_pretrained(
+        cfg.policy.path,
+        sampling,
+        dtype=cfg.policy.dtype,
+        step_mode=step_mode,
+        batch_size=cfg.policy.batch_size,
+        system=system,
+        attn_implementation=cfg.model.attn_implementation,
+    )
 
 
 def progress(what: str, done: int, total: int, t0: float, already: int) -> None:
@@ -270,8 +288,13 @@ def main(argv: list[str]) -> None:
     from mmprm.treeval import think360_depth, think360_width
 
     device = cfg.scoring.device if cfg.scoring.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    scorer = load_prm(cfg.prm, device=device, batch_size=cfg.scoring.batch_size, max_length=cfg.scoring.max_length,
-                      attn_implementation=cfg.model.attn_implementation)
+    scorer = load_prm(
+        cfg.prm,
+        device=device,
+        batch_size=cfg.scoring.batch_size,
+        max_length=cfg.scoring.max_length,
+        attn_implementation=cfg.model.attn_implementation,
+    )
     backend = make_backend(cfg, cfg.policy.sampling.max_new_tokens)
     step_mode = backend.step_mode  # as resolved from the config and the policy's saved spec
     proposer = BackendProposer(backend, step_mode)
@@ -285,17 +308,31 @@ def main(argv: list[str]) -> None:
         t0 = time.time()
         with store.open_append(path) as f:
             for lo in range(0, len(todo), cfg.batch_problems):
-                chunk = todo[lo: lo + cfg.batch_problems]
+                chunk = todo[lo : lo + cfg.batch_problems]
                 for p, tree in zip(chunk, run_search(chunk, proposer, scorer, search)):
                     node = tree.nodes[tree.chosen]
                     tv = tree.to_treeval() if len(tree.nodes) > 1 else None
-                    store.append_row(f, {
-                        "id": p.id, "answer": node.answer, "gold": p.answer, "complete": node.status == "finished",
-                        "correct": bool(node.status == "finished" and answers_match(node.answer, p.answer, p.choices)),
-                        "steps": tree.steps(node), "step_probs": node.probs, "score": node.score,
-                        "think360": {"width": think360_width(tv) if tv else None,
-                                     "depth": think360_depth(tv) if tv else None},
-                        "stats": tree.stats, "tree": tree.to_json()})
+                    store.append_row(
+                        f,
+                        {
+                            "id": p.id,
+                            "answer": node.answer,
+                            "gold": p.answer,
+                            "complete": node.status == "finished",
+                            "correct": bool(
+                                node.status == "finished" and answers_match(node.answer, p.answer, p.choices)
+                            ),
+                            "steps": tree.steps(node),
+                            "step_probs": node.probs,
+                            "score": node.score,
+                            "think360": {
+                                "width": think360_width(tv) if tv else None,
+                                "depth": think360_depth(tv) if tv else None,
+                            },
+                            "stats": tree.stats,
+                            "tree": tree.to_json(),
+                        },
+                    )
                 progress(f"[{search.label()}]", len(done) + lo + len(chunk), len(problems), t0, len(done))
         store.mark_done(path)
 
@@ -311,15 +348,27 @@ def main(argv: list[str]) -> None:
         per_call = max(1, cfg.policy.batch_size // n_max)
         with store.open_append(path) as f:
             for lo in range(0, len(todo), per_call):
-                chunk = todo[lo: lo + per_call]
+                chunk = todo[lo : lo + per_call]
                 cands = sample_solutions(backend, chunk, n_max, step_mode, cfg.policy.batch_size)
-                examples = [{"question": p.question, "images": p.images, "steps": c["steps"]}
-                            for p, cs in zip(chunk, cands) for c in cs if c["steps"]]
+                examples = [
+                    {"question": p.question, "images": p.images, "steps": c["steps"]}
+                    for p, cs in zip(chunk, cands)
+                    for c in cs
+                    if c["steps"]
+                ]
                 probs = iter(scorer.score(examples))
                 for p, cs in zip(chunk, cands):
-                    rows = [{"steps": c["steps"], "step_probs": next(probs) if c["steps"] else [], "answer": c["answer"],
-                             "correct": answers_match(c["answer"], p.answer, p.choices), "tokens": c["tokens"],
-                             "complete": c["complete"]} for c in cs]
+                    rows = [
+                        {
+                            "steps": c["steps"],
+                            "step_probs": next(probs) if c["steps"] else [],
+                            "answer": c["answer"],
+                            "correct": answers_match(c["answer"], p.answer, p.choices),
+                            "tokens": c["tokens"],
+                            "complete": c["complete"],
+                        }
+                        for c in cs
+                    ]
                     store.append_row(f, {"id": p.id, "candidates": rows})
                 progress("[Best-of-N]", len(done) + lo + len(chunk), len(problems), t0, len(done))
         store.mark_done(path)
@@ -334,18 +383,24 @@ def main(argv: list[str]) -> None:
     if any(r is None for r in runs.values()) or (cfg.bon.enabled and bon_rows is None):
         print(f"shard {sh.index} done; the report is written when all {sh.count} shards are (rerun any shard then)")
         return
-    report = search_report(runs, bon_rows, sorted(cfg.bon.n), cfg.searches[0].aggregator,
-                           cfg.report.resamples, cfg.report.seed)
+    report = search_report(
+        runs, bon_rows, sorted(cfg.bon.n), cfg.searches[0].aggregator, cfg.report.resamples, cfg.report.seed
+    )
     first = cfg.searches[0].label()
     for row in runs[first][: cfg.report.trees]:
         tree = SearchTree.from_json(row["tree"])
         if len(tree.nodes) > 1:
-            render_tree(tree.to_treeval(), out / "trees" / f"{slug(str(row['id']))}.png",
-                        title=f"{first} on {row['id']}: {'right' if row['correct'] else 'wrong'} answer {row['answer']}")
+            render_tree(
+                tree.to_treeval(),
+                out / "trees" / f"{slug(str(row['id']))}.png",
+                title=f"{first} on {row['id']}: {'right' if row['correct'] else 'wrong'} answer {row['answer']}",
+            )
     md = write_search_report(report, out, cfg.report.title)
     for m in report["matched"]:
-        print(f"{m['search']} ({m['search_tokens']:.0f} tok) vs {m['bon']} ({m['bon_tokens']:.0f} tok): "
-              f"{m['search_acc']:.3f} vs {m['bon_acc']:.3f}, diff {m['diff']:+.3f} {m['ci95']}")
+        print(
+            f"{m['search']} ({m['search_tokens']:.0f} tok) vs {m['bon']} ({m['bon_tokens']:.0f} tok): "
+            f"{m['search_acc']:.3f} vs {m['bon_acc']:.3f}, diff {m['diff']:+.3f} {m['ci95']}"
+        )
     print(f"wrote {md} and {out / 'search_vs_bon.png'}")
 
 

@@ -35,8 +35,16 @@ from mmprm.models.sharding import partition_report, partition_summary
 from mmprm.scoring.losses import soft_bce_value, soft_ce_token_pair
 from mmprm.scoring.metrics import step_metrics
 from mmprm.steps import StepTokenError
-from mmprm.training import (BatchStream, TrainProgress, eval_share, find_checkpoint, lr_factor, process_group_kwargs,
-                            rank_share, wrap_padding)
+from mmprm.training import (
+    BatchStream,
+    TrainProgress,
+    eval_share,
+    find_checkpoint,
+    lr_factor,
+    process_group_kwargs,
+    rank_share,
+    wrap_padding,
+)
 from mmprm.training_data import PRMCollator, load_tokenized
 
 
@@ -221,7 +229,8 @@ def evaluate(model, collate: PRMCollator, batch_size, accelerator) -> tuple[dict
         batch, items = collate(mine[start : start + batch_size])
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         probs = ProcessRewardModel.probabilities(
-            model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))).tolist()
+            model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))
+        ).tolist()
         pos = 0
         for t in items:  # nothing for a rank that only ran to keep the others company
             scores.append(probs[pos : pos + len(t.step_positions)])
@@ -250,27 +259,38 @@ def main(argv: list[str]) -> None:
     use_bf16 = cfg.train.bf16 and (not torch.cuda.is_available() or torch.cuda.is_bf16_supported())
     # Our LR schedule counts optimizer steps; gradient_accumulation_steps tells DeepSpeed which
     # micro-batch closes a step (see the loop).
-    accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", log_with=log_with, project_dir=str(out_dir),
-                              gradient_accumulation_steps=cfg.train.grad_accum, step_scheduler_with_optimizer=False,
-                              kwargs_handlers=process_group_kwargs())
+    accelerator = Accelerator(
+        mixed_precision="bf16" if use_bf16 else "no",
+        log_with=log_with,
+        project_dir=str(out_dir),
+        gradient_accumulation_steps=cfg.train.grad_accum,
+        step_scheduler_with_optimizer=False,
+        kwargs_handlers=process_group_kwargs(),
+    )
     set_seed(cfg.train.seed)
     log = accelerator.print
 
     # ---- model and data -------------------------------------------------------------------
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
-    backbone, processor = load_backbone(cfg.model.name_or_path, dtype=dtype,
-                                   attn_implementation=cfg.model.attn_implementation)
+    backbone, processor = load_backbone(
+        cfg.model.name_or_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation
+    )
     spec = PRMSpec(head=cfg.prm.head, reward_tokens=list(cfg.prm.reward_tokens), system_prompt=cfg.prm.system_prompt)
     model = build_prm(backbone, processor, spec)
     if cfg.model.freeze_vision_tower:
         for p in vision_tower_parameters(model.backbone):
             p.requires_grad_(False)
     if cfg.model.lora.enabled:
-        from peft import LoraConfig as PeftLoraConfig, get_peft_model
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
 
         lora = cfg.model.lora
-        model.backbone = get_peft_model(model.backbone, PeftLoraConfig(
-            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules))
+        model.backbone = get_peft_model(
+            model.backbone,
+            PeftLoraConfig(
+                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules
+            ),
+        )
     if cfg.model.gradient_checkpointing:
         model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     tokenizer = getattr(processor, "tokenizer", processor)
@@ -278,22 +298,30 @@ def main(argv: list[str]) -> None:
 
     # Text tokenized once into an on-disk cache (rank 0 builds, the others wait and reuse it);
     # images are opened per micro-batch by the collator, so memory does not grow with the data.
-    settings = {"max_length": cfg.data.max_length, "step_token": spec.step_token, "system": spec.system_prompt,
-                "label_mode": cfg.data.label_mode, "hard_threshold": cfg.data.hard_threshold}
+    settings = {
+        "max_length": cfg.data.max_length,
+        "step_token": spec.step_token,
+        "system": spec.system_prompt,
+        "label_mode": cfg.data.label_mode,
+        "hard_threshold": cfg.data.hard_threshold,
+    }
 
     def tokenized(path: str) -> tuple[PRMCollator, dict]:
-        data, stats = load_tokenized(path, "prm", processor, settings, cfg.data.cache_dir, cfg.data.num_proc,
-                                     accelerator)
+        data, stats = load_tokenized(
+            path, "prm", processor, settings, cfg.data.cache_dir, cfg.data.num_proc, accelerator
+        )
         return PRMCollator(data, processor, pad_id, source=path, **settings), stats
 
     collate, train_stats = tokenized(cfg.data.train_file)
     eval_collate = tokenized(cfg.data.eval_file)[0] if cfg.data.eval_file else None
     train_data = collate.data
-    log(f"train: {train_stats['examples']} examples, {train_stats['kept']} kept "
+    log(
+        f"train: {train_stats['examples']} examples, {train_stats['kept']} kept "
         f"({'reused' if train_stats['reused'] else 'built'} cache {train_stats['cache']}); truncation to "
         f"max_length={cfg.data.max_length} cut {train_stats['dropped_steps']} trailing steps and dropped "
         f"{train_stats['dropped_prompt_too_long']} rows whose prompt and first step do not fit and "
-        f"{train_stats['dropped_error_step_truncated']} negative rows whose first error step would be cut")
+        f"{train_stats['dropped_error_step_truncated']} negative rows whose first error step would be cut"
+    )
     n_steps = list(train_data["n_steps"])  # step tokens per row, for the loss normaliser
     n_pos, n_all = sum(train_data["n_pos"]), sum(n_steps)
     pos_weight = neg_weight = 1.0
@@ -306,7 +334,8 @@ def main(argv: list[str]) -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.schedule))
+        optimizer, lambda s: lr_factor(s, cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.schedule)
+    )
     ds = accelerator.state.deepspeed_plugin
     if ds is not None:
         # No dataloader goes through prepare(), so DeepSpeed cannot infer these "auto" values itself.
@@ -319,13 +348,16 @@ def main(argv: list[str]) -> None:
         log(partition_summary(accelerator.unwrap_model(model), partitions))
         if accelerator.is_main_process:
             out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "zero3_partitions.json").write_text(json.dumps(
-                {"num_processes": accelerator.num_processes, "rank": 0, "parameters": partitions}, indent=1))
+            (out_dir / "zero3_partitions.json").write_text(
+                json.dumps({"num_processes": accelerator.num_processes, "rank": 0, "parameters": partitions}, indent=1)
+            )
     global_batch = cfg.train.batch_size * accelerator.num_processes
     stream = BatchStream(list(train_data["length"]), global_batch, cfg.train.seed, cfg.train.group_by_length)
     if padded := wrap_padding(len(train_data), global_batch):
-        log(f"{len(train_data)} rows do not fill whole global batches of {global_batch}: each epoch's last batch "
-            f"repeats {padded} rows from the epoch's start, so every process gets {cfg.train.batch_size} rows")
+        log(
+            f"{len(train_data)} rows do not fill whole global batches of {global_batch}: each epoch's last batch "
+            f"repeats {padded} rows from the epoch's start, so every process gets {cfg.train.batch_size} rows"
+        )
     progress = TrainProgress()
     accelerator.register_for_checkpointing(stream, progress)
 
@@ -335,8 +367,9 @@ def main(argv: list[str]) -> None:
         log(f"resumed from {ckpt} at step {progress.step}")
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.resolved.json").write_text(json.dumps(
-            {**to_dict(cfg), "num_processes": accelerator.num_processes}, indent=2))
+        (out_dir / "config.resolved.json").write_text(
+            json.dumps({**to_dict(cfg), "num_processes": accelerator.num_processes}, indent=2)
+        )
     if log_with:
         accelerator.init_trackers("prm_train", config={k: str(v) for k, v in to_dict(cfg).items()})
     metrics_file = out_dir / "metrics.jsonl"
@@ -345,21 +378,26 @@ def main(argv: list[str]) -> None:
         if accelerator.is_main_process:
             with open(metrics_file, "a") as f:
                 f.write(json.dumps(row) + "\n")
-        accelerator.log({f"{row['split']}/{k}": v for k, v in row.items() if isinstance(v, (int, float))},
-                        step=row["step"])
+        accelerator.log(
+            {f"{row['split']}/{k}": v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"]
+        )
 
     if progress.step == 0:  # what tokenization kept and dropped, beside the losses it explains
-        write_metrics({"split": "data", "step": 0,
-                       **{k: v for k, v in train_stats.items() if isinstance(v, (int, float))}})
+        write_metrics(
+            {"split": "data", "step": 0, **{k: v for k, v in train_stats.items() if isinstance(v, (int, float))}}
+        )
 
     # ---- training loop --------------------------------------------------------------------
     model.train()
-    bar = tqdm(total=cfg.train.max_steps, initial=progress.step, desc="prm_train",
-               disable=not accelerator.is_main_process)
+    bar = tqdm(
+        total=cfg.train.max_steps, initial=progress.step, desc="prm_train", disable=not accelerator.is_main_process
+    )
     t0, tokens_seen, running = time.time(), 0, []
     while progress.step < cfg.train.max_steps:
-        micro_batches = [rank_share(stream.next(), accelerator.process_index, accelerator.num_processes)
-                         for _ in range(cfg.train.grad_accum)]
+        micro_batches = [
+            rank_share(stream.next(), accelerator.process_index, accelerator.num_processes)
+            for _ in range(cfg.train.grad_accum)
+        ]
         # average per step token over the whole accumulation window, not per micro-batch
         n_steps_total = sum(n_steps[i] for mb in micro_batches for i in mb)
         step_loss_sum = 0.0
@@ -369,8 +407,9 @@ def main(argv: list[str]) -> None:
             # accumulate() syncs (DDP all-reduce, DeepSpeed step) on the last of grad_accum micro-batches only
             with accelerator.accumulate(model):
                 with accelerator.autocast():
-                    logits = model(batch["input_ids"], batch["attention_mask"], batch["step_mask"],
-                                   **model_input_keys(batch))
+                    logits = model(
+                        batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch)
+                    )
                 targets = batch["targets"]
                 weights = None
                 if cfg.data.balance:
@@ -378,8 +417,10 @@ def main(argv: list[str]) -> None:
                 loss = step_loss(logits, targets, weights)
                 if not torch.isfinite(loss):
                     ids = [t.id for t in items]
-                    raise FloatingPointError(f"non-finite loss {loss.item()} at step {progress.step}, micro-batch {k}, "
-                                             f"example ids {ids}: lower train.lr or check these rows")
+                    raise FloatingPointError(
+                        f"non-finite loss {loss.item()} at step {progress.step}, micro-batch {k}, "
+                        f"example ids {ids}: lower train.lr or check these rows"
+                    )
                 # backward() divides by grad_accum; this makes the window a mean over its step tokens
                 accelerator.backward(loss * len(targets) * cfg.train.grad_accum / max(1, n_steps_total))
             step_loss_sum += loss.item() * len(targets) / max(1, n_steps_total)
@@ -397,23 +438,36 @@ def main(argv: list[str]) -> None:
 
         if progress.step % cfg.train.log_every == 0 or progress.step == cfg.train.max_steps:
             elapsed = time.time() - t0
-            write_metrics({"split": "train", "step": progress.step, "loss": sum(running) / len(running),
-                           "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_seen / max(elapsed, 1e-9),
-                           "seconds": elapsed})
+            write_metrics(
+                {
+                    "split": "train",
+                    "step": progress.step,
+                    "loss": sum(running) / len(running),
+                    "lr": scheduler.get_last_lr()[0],
+                    "tokens_per_s": tokens_seen / max(elapsed, 1e-9),
+                    "seconds": elapsed,
+                }
+            )
             running = []
         if eval_collate and (progress.step % cfg.train.eval_every == 0 or progress.step == cfg.train.max_steps):
             metrics, predictions = evaluate(model, eval_collate, cfg.train.eval_batch_size, accelerator)
             write_metrics({"split": "eval", "step": progress.step, **metrics})
             if accelerator.is_main_process:  # the latest eval's step scores, for error analysis
                 (out_dir / "eval_predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in predictions))
-            log(f"step {progress.step} eval: " + " ".join(
-                f"{k}={metrics[k]:.4f}" for k in ("bce", "brier", "step_accuracy", "first_error_f1") if k in metrics))
+            log(
+                f"step {progress.step} eval: "
+                + " ".join(
+                    f"{k}={metrics[k]:.4f}" for k in ("bce", "brier", "step_accuracy", "first_error_f1") if k in metrics
+                )
+            )
         stopping = progress.step == cfg.train.stop_at_step
         if progress.step % cfg.train.save_every == 0 or progress.step == cfg.train.max_steps or stopping:
             accelerator.save_state(str(out_dir / "checkpoints" / f"step_{progress.step}"))
         if stopping:
-            log(f"stopping at step {progress.step} as asked (train.stop_at_step); resume with "
-                "resume_from_checkpoint=latest")
+            log(
+                f"stopping at step {progress.step} as asked (train.stop_at_step); resume with "
+                "resume_from_checkpoint=latest"
+            )
             accelerator.end_training()
             return
     bar.close()

@@ -46,11 +46,29 @@ from mmprm.chat import ChatClient, ChatConfig, ChatError
 from mmprm.config import ConfigError, load_config, parse_cli, to_dict
 from mmprm.data.schema import read_jsonl, write_jsonl
 from mmprm.data.sft import split_solution
+from mmprm.treeval import (
+    JudgeScorer,
+    RPTSJudge,
+    RPTSJudgeConfig,
+    Tree,
+    constant_scores,
+    extract_think360,
+    filtered_accuracy,
+    from_rpts_lines,
+    from_steps,
+    prm_scores,
+    render_tree,
+    rollout_mc_scores,
+    rpts,
+    rpts_answer_prompt,
+    rpts_lines,
+    rpts_question,
+    rpts_verdict,
+    set_scores,
+    think360_depth,
+    think360_width,
+)
 from mmprm.treeval.report import reasoning_report_md
-from mmprm.treeval import (JudgeScorer, RPTSJudge, RPTSJudgeConfig, Tree, constant_scores, extract_think360,
-                           filtered_accuracy, from_rpts_lines, from_steps, prm_scores, render_tree, rollout_mc_scores,
-                           rpts, rpts_answer_prompt, rpts_lines, rpts_question, rpts_verdict, set_scores,
-                           think360_depth, think360_width)
 
 
 @dataclass
@@ -245,9 +263,17 @@ def load_problems(cfg: ProblemsConfig) -> list[dict[str, Any]]:
     if cfg.format == "rpts":
         image_dir = Path(cfg.image_dir) if cfg.image_dir else path.parent / "images"
         for r in json.loads(path.read_text(encoding="utf-8")):
-            out.append({"id": str(r["id"]), "question": rpts_answer_prompt(r), "answer": r["answer"], "choices": None,
-                        "images": [str((image_dir / v).resolve()) for v in r.get("visual_clue", [])], "record": r,
-                        "gold": "\n".join(r.get("reasoning", []))})
+            out.append(
+                {
+                    "id": str(r["id"]),
+                    "question": rpts_answer_prompt(r),
+                    "answer": r["answer"],
+                    "choices": None,
+                    "images": [str((image_dir / v).resolve()) for v in r.get("visual_clue", [])],
+                    "record": r,
+                    "gold": "\n".join(r.get("reasoning", [])),
+                }
+            )
     elif cfg.format == "mathv":
         from mmprm.data.mathv import read_mathv
 
@@ -256,8 +282,18 @@ def load_problems(cfg: ProblemsConfig) -> list[dict[str, Any]]:
     else:
         from mmprm.data.problems import load_problems as read_problems
 
-        out = [{"id": p.id, "question": p.question, "images": p.images, "answer": p.answer, "choices": p.choices,
-                "record": None, "gold": None} for p in read_problems(path)]
+        out = [
+            {
+                "id": p.id,
+                "question": p.question,
+                "images": p.images,
+                "answer": p.answer,
+                "choices": p.choices,
+                "record": None,
+                "gold": None,
+            }
+            for p in read_problems(path)
+        ]
     return out[: cfg.limit] if cfg.limit is not None else out
 
 
@@ -272,8 +308,9 @@ def make_backend(a: AnswersConfig, step_mode: str = "blank_lines") -> Any:
         return VLLMBackend(a.model, a.sampling, step_mode=step_mode, system=a.system_prompt, **kw)
     from mmprm.annotate.backends.hf import HFBackend
 
-    return HFBackend.from_pretrained(a.model, a.sampling, dtype=a.dtype, step_mode=step_mode,
-                                     batch_size=a.batch_size, system=a.system_prompt)
+    return HFBackend.from_pretrained(
+        a.model, a.sampling, dtype=a.dtype, step_mode=step_mode, batch_size=a.batch_size, system=a.system_prompt
+    )
 
 
 def count_tokens(texts: list[str], tokenizer: Any | None) -> tuple[list[int], str]:
@@ -321,11 +358,15 @@ def run(cfg: ReasoningEvalConfig) -> int:
     if a.source == "file":
         for i, r in enumerate(read_jsonl(a.path)):
             if not isinstance(r.get(a.response_field), str):
-                raise SystemExit(f"{a.path}:{i + 1}: id={r.get('id')}: {a.response_field}: missing or not text "
-                                 "(set answers.response_field)")
+                raise SystemExit(
+                    f"{a.path}:{i + 1}: id={r.get('id')}: {a.response_field}: missing or not text "
+                    "(set answers.response_field)"
+                )
             if str(r.get("id")) in by_id:
-                answers[str(r["id"])] = {"response": r[a.response_field], **({"correct": bool(r["correct"])}
-                                                                             if "correct" in r else {})}
+                answers[str(r["id"])] = {
+                    "response": r[a.response_field],
+                    **({"correct": bool(r["correct"])} if "correct" in r else {}),
+                }
     elif a.source == "gold":
         # the benchmark's own reasoning reaches its own answer
         answers = {p["id"]: {"response": p["gold"], "correct": True} for p in problems if p["gold"]}
@@ -346,7 +387,7 @@ def run(cfg: ReasoningEvalConfig) -> int:
             if attempt:
                 todo = [by_id[i] for i, r in answers.items() if not rpts_lines(r["response"])]
             for lo in range(0, len(todo), a.batch_size):
-                chunk = todo[lo: lo + a.batch_size]
+                chunk = todo[lo : lo + a.batch_size]
                 texts = backend.generate([RolloutRequest(p["id"], p["question"], p["images"], [], 1) for p in chunk])
                 with open(answers_file, "a", encoding="utf-8") as f:
                     for p, t in zip(chunk, texts):
@@ -382,9 +423,20 @@ def run(cfg: ReasoningEvalConfig) -> int:
     if tc.kind == "think360":
         extractor = chat_clients["extractor"] = ChatClient(tc.extractor, "tree.extractor", out_dir / "chat_cache.jsonl")
         extractions = extractor.map(
-            lambda i: extract_think360(extractor, by_id[i]["question"], answers[i]["response"], by_id[i]["answer"],
-                                       by_id[i]["images"], tc.send_images, tc.retries, tc.retry_temperature,
-                                       source=f"id={i}"), ids, desc="extract trees")
+            lambda i: extract_think360(
+                extractor,
+                by_id[i]["question"],
+                answers[i]["response"],
+                by_id[i]["answer"],
+                by_id[i]["images"],
+                tc.send_images,
+                tc.retries,
+                tc.retry_temperature,
+                source=f"id={i}",
+            ),
+            ids,
+            desc="extract trees",
+        )
         for i, ex in zip(ids, extractions):
             trees[i] = ex.tree
             ex.tree.meta["extraction"] = {"attempts": ex.attempts, **ex.tokens}
@@ -397,8 +449,15 @@ def run(cfg: ReasoningEvalConfig) -> int:
             if not lines:
                 tree_failures[i] = "unparseable: no 'premises -> conclusion' lines"
                 continue
-            trees[i] = from_rpts_lines(lines, r["textual_clue"], len(r["visual_clue"]), r.get("context"),
-                                       question=rpts_question(r), images=by_id[i]["images"], source=f"id={i}")
+            trees[i] = from_rpts_lines(
+                lines,
+                r["textual_clue"],
+                len(r["visual_clue"]),
+                r.get("context"),
+                question=rpts_question(r),
+                images=by_id[i]["images"],
+                source=f"id={i}",
+            )
     else:
         for i in ids:
             steps = split_solution(answers[i]["response"])[0]
@@ -406,7 +465,7 @@ def run(cfg: ReasoningEvalConfig) -> int:
                 tree_failures[i] = "unparseable: no steps"
                 continue
             trees[i] = from_steps(steps, question=by_id[i]["question"], images=by_id[i]["images"])
-    for i, t in trees.items():
+    for _i, t in trees.items():
         t.images = [im for im in t.images if Path(im).exists()]  # RPTS-Eval ships only some images
     print(f"{len(ids)} answers, {len(trees)} trees, {len(tree_failures)} without a usable tree")
 
@@ -441,8 +500,11 @@ def run(cfg: ReasoningEvalConfig) -> int:
     elif sc.kind == "mc":
         for i in scored:
             p = by_id[i]
-            verify = ((lambda text, p=p: rpts_verdict(text) == p["answer"]) if p["record"] is not None
-                      else (lambda text, p=p: answers_match(extract_answer(text), p["answer"], p["choices"])))
+            verify = (
+                (lambda text, p=p: rpts_verdict(text) == p["answer"])
+                if p["record"] is not None
+                else (lambda text, p=p: answers_match(extract_answer(text), p["answer"], p["choices"]))
+            )
             set_scores(trees[i], rollout_mc_scores(trees[i], backend, verify, sc.mc_rollouts, problem_id=i))
     else:
         for i in scored:
@@ -453,34 +515,54 @@ def run(cfg: ReasoningEvalConfig) -> int:
     rows = []
     for k, i in enumerate(ids):
         t = trees.get(i)
-        row: dict[str, Any] = {"id": i, "correct": answers[i]["correct"], "prediction": answers[i].get("prediction"),
-                               "answer_tokens": token_counts[k], "nodes": len(t.conclusions()) if t else 0,
-                               "status": "scored"}
+        row: dict[str, Any] = {
+            "id": i,
+            "correct": answers[i]["correct"],
+            "prediction": answers[i].get("prediction"),
+            "answer_tokens": token_counts[k],
+            "nodes": len(t.conclusions()) if t else 0,
+            "status": "scored",
+        }
         if i in tree_failures:
             row["status"], row["why"] = "no_tree", tree_failures[i]
         elif i in unjudged:
             row["status"], row["why"] = "unjudged", f"no verdict for nodes {', '.join(unjudged[i])}"
         else:
-            row.update({"width": think360_width(t, m.threshold), "depth": think360_depth(t, m.threshold),
-                        "width_soft": think360_width(t, soft=True), "depth_soft": think360_depth(t, soft=True),
-                        "rpts": {f"{lam},{h_f}": rpts(t, lam, h_f) for lam, h_f in grid}})
+            row.update(
+                {
+                    "width": think360_width(t, m.threshold),
+                    "depth": think360_depth(t, m.threshold),
+                    "width_soft": think360_width(t, soft=True),
+                    "depth_soft": think360_depth(t, soft=True),
+                    "rpts": {f"{lam},{h_f}": rpts(t, lam, h_f) for lam, h_f in grid},
+                }
+            )
         rows.append(row)
 
     # ---- summary and report
     ok = [r for r in rows if r["status"] == "scored"]
     tok = [r["answer_tokens"] for r in rows]
     summary: dict[str, Any] = {
-        "problems": len(problems), "answered": len(ids), "unanswered": len(unanswered),
+        "problems": len(problems),
+        "answered": len(ids),
+        "unanswered": len(unanswered),
         "accuracy": mean([float(r["correct"]) for r in rows]),
-        "trees_scored": len(ok), "trees_missing": len(tree_failures), "trees_unjudged": len(unjudged),
+        "trees_scored": len(ok),
+        "trees_missing": len(tree_failures),
+        "trees_unjudged": len(unjudged),
         "tree_failures": dict(Counter(tree_failures.values())),
         "accuracy_of_scored": mean([float(r["correct"]) for r in ok]),
-        "width": mean([r["width"] for r in ok]), "depth": mean([r["depth"] for r in ok]),
-        "width_soft": mean([r["width_soft"] for r in ok]), "depth_soft": mean([r["depth_soft"] for r in ok]),
+        "width": mean([r["width"] for r in ok]),
+        "depth": mean([r["depth"] for r in ok]),
+        "width_soft": mean([r["width_soft"] for r in ok]),
+        "depth_soft": mean([r["depth_soft"] for r in ok]),
         "rpts": {key: mean([r["rpts"][key] for r in ok]) for key in (f"{lam},{h_f}" for lam, h_f in grid)},
-        "filtered_accuracy": {key: filtered_accuracy([bool(r["correct"]) for r in ok], [r["rpts"][key] for r in ok],
-                                                     m.filter_threshold) if ok else None
-                              for key in (f"{lam},{h_f}" for lam, h_f in grid)},
+        "filtered_accuracy": {
+            key: filtered_accuracy([bool(r["correct"]) for r in ok], [r["rpts"][key] for r in ok], m.filter_threshold)
+            if ok
+            else None
+            for key in (f"{lam},{h_f}" for lam, h_f in grid)
+        },
         "answer_tokens": {"mean": mean(tok), "total": sum(tok), "counted_by": token_method},
         "chat": {name: c.stats.to_json() for name, c in chat_clients.items()},
         "seconds": round(time.time() - start, 1),
@@ -495,17 +577,40 @@ def run(cfg: ReasoningEvalConfig) -> int:
                 first = next(iter(r.get("rpts", {}).values()), None)
                 title = f"{r['id']} - {r['status']} - RPTS {'n/a' if first is None else f'{first:.3f}'}"
                 name = re.sub(r"[^\w.-]", "_", r["id"])
-                pngs.append(render_tree(trees[r["id"]], out_dir / "trees" / f"{name}.png", title=title,
-                                        threshold=m.threshold))
-    title = (f"Reasoning evaluation: {cfg.problems.format} problems, answers from {a.source}, {tc.kind} trees, "
-             f"{sc.kind} scores")
-    (out_dir / "report.md").write_text(reasoning_report_md(title, summary, rows, m.filter_threshold,
-                                                           [p.relative_to(out_dir) for p in pngs]), encoding="utf-8")
-    print(json.dumps({k: summary[k] for k in ("answered", "accuracy", "trees_scored", "trees_missing",
-                                              "trees_unjudged", "width", "depth", "rpts", "filtered_accuracy")},
-                     indent=2))
-    print(f"wrote {out_dir / 'report.json'}, {out_dir / 'report.md'}, {out_dir / 'trees.jsonl'}"
-          + (f" and {len(pngs)} PNGs under {out_dir / 'trees'}" if pngs else ""))
+                pngs.append(
+                    render_tree(trees[r["id"]], out_dir / "trees" / f"{name}.png", title=title, threshold=m.threshold)
+                )
+    title = (
+        f"Reasoning evaluation: {cfg.problems.format} problems, answers from {a.source}, {tc.kind} trees, "
+        f"{sc.kind} scores"
+    )
+    (out_dir / "report.md").write_text(
+        reasoning_report_md(title, summary, rows, m.filter_threshold, [p.relative_to(out_dir) for p in pngs]),
+        encoding="utf-8",
+    )
+    print(
+        json.dumps(
+            {
+                k: summary[k]
+                for k in (
+                    "answered",
+                    "accuracy",
+                    "trees_scored",
+                    "trees_missing",
+                    "trees_unjudged",
+                    "width",
+                    "depth",
+                    "rpts",
+                    "filtered_accuracy",
+                )
+            },
+            indent=2,
+        )
+    )
+    print(
+        f"wrote {out_dir / 'report.json'}, {out_dir / 'report.md'}, {out_dir / 'trees.jsonl'}"
+        + (f" and {len(pngs)} PNGs under {out_dir / 'trees'}" if pngs else "")
+    )
     return 0
 
 

@@ -35,10 +35,25 @@ from typing import Any, Literal
 from mmprm.chat import ChatClient, ChatConfig
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.data.schema import load_examples, read_jsonl, row_id, write_jsonl
-from mmprm.treeval import (JudgeScorer, Tree, constant_scores, filtered_accuracy, from_annotation_tree,
-                           from_rpts_record, from_steps, from_think360_blocks, mc_scores, path_scores,
-                           prm_scores, render_tree, rpts, set_scores, think360_depth, think360_valid,
-                           think360_width)
+from mmprm.treeval import (
+    JudgeScorer,
+    Tree,
+    constant_scores,
+    filtered_accuracy,
+    from_annotation_tree,
+    from_rpts_record,
+    from_steps,
+    from_think360_blocks,
+    mc_scores,
+    path_scores,
+    prm_scores,
+    render_tree,
+    rpts,
+    set_scores,
+    think360_depth,
+    think360_valid,
+    think360_width,
+)
 
 
 @dataclass
@@ -181,7 +196,9 @@ def load_items(cfg: DataConfig) -> list[dict[str, Any]]:
     """Each item: {"id", "tree", "correct": bool | None, "reference": gold answer or None}."""
     path = Path(cfg.path)
     if not path.exists():
-        hint = "" if path.is_absolute() else f"; relative paths are read from {Path.cwd()}, run from the repository root"
+        hint = (
+            "" if path.is_absolute() else f"; relative paths are read from {Path.cwd()}, run from the repository root"
+        )
         raise SystemExit(f"data.path: {path} not found (set data.path{hint})")
     items = []
     if cfg.format == "rpts":
@@ -202,13 +219,17 @@ def load_items(cfg: DataConfig) -> list[dict[str, Any]]:
     elif cfg.format == "think360":
         for i, r in enumerate(read_jsonl(path)):
             if not isinstance(r.get(cfg.response_field), str):
-                raise SystemExit(f"{path}:{i + 1}: id={row_id(r)}: {cfg.response_field}: missing; it must hold "
-                                 "the [NODE:...] blocks (or set data.response_field)")
+                raise SystemExit(
+                    f"{path}:{i + 1}: id={row_id(r)}: {cfg.response_field}: missing; it must hold "
+                    "the [NODE:...] blocks (or set data.response_field)"
+                )
             images = [str((path.parent / p).resolve()) for p in r.get("images", [])]
-            tree = from_think360_blocks(r[cfg.response_field], question=r.get("question", ""), images=images,
-                                        source=f"{path.name}:{i + 1}")
-            items.append({"id": str(r.get("id", i)), "tree": tree, "correct": r.get("correct"),
-                          "reference": r.get("answer")})
+            tree = from_think360_blocks(
+                r[cfg.response_field], question=r.get("question", ""), images=images, source=f"{path.name}:{i + 1}"
+            )
+            items.append(
+                {"id": str(r.get("id", i)), "tree": tree, "correct": r.get("correct"), "reference": r.get("answer")}
+            )
     elif cfg.format == "steps":
         for ex in load_examples(path, check_images=False):
             tree = from_steps(ex.steps, question=ex.question, images=ex.images)
@@ -217,8 +238,14 @@ def load_items(cfg: DataConfig) -> list[dict[str, Any]]:
         for i, r in enumerate(read_jsonl(path)):
             tree = from_annotation_tree(r, source=f"{path.name}:{i + 1}")
             rid = r.get("id", r.get("question_id", i))
-            items.append({"id": f"{rid}#{i}", "tree": tree, "correct": r.get("correct"),
-                          "reference": r.get("final_answer", r.get("answer"))})
+            items.append(
+                {
+                    "id": f"{rid}#{i}",
+                    "tree": tree,
+                    "correct": r.get("correct"),
+                    "reference": r.get("final_answer", r.get("answer")),
+                }
+            )
     return items[: cfg.limit] if cfg.limit is not None else items
 
 
@@ -247,8 +274,10 @@ def main(argv: list[str]) -> int:
     ids = [it["id"] for it in items]
     pick = ids.index(cfg.output.plot_item) if cfg.output.plot_item in ids else (None if cfg.output.plot_item else 0)
     if pick is None:  # checked before any scoring work
-        raise SystemExit(f"output.plot_item: no item with id {cfg.output.plot_item!r} in {cfg.data.path} (first ids: "
-                         f"{', '.join(ids[:5])}); set output.plot_item=null to draw the first item")
+        raise SystemExit(
+            f"output.plot_item: no item with id {cfg.output.plot_item!r} in {cfg.data.path} (first ids: "
+            f"{', '.join(ids[:5])}); set output.plot_item=null to draw the first item"
+        )
     n_warn = sum(len(it["tree"].warnings) for it in items)
     print(f"{len(items)} items from {cfg.data.path} ({cfg.data.format}); {n_warn} tolerated data quirks")
     missing_images = 0
@@ -270,8 +299,13 @@ def main(argv: list[str]) -> int:
         from mmprm import load_prm
 
         device = ("cuda" if torch.cuda.is_available() else "cpu") if sc.device == "auto" else sc.device
-        prm = load_prm(sc.prm_path, device=device, batch_size=sc.batch_size, max_length=sc.max_length,
-                       attn_implementation=cfg.model.attn_implementation)
+        prm = load_prm(
+            sc.prm_path,
+            device=device,
+            batch_size=sc.batch_size,
+            max_length=sc.max_length,
+            attn_implementation=cfg.model.attn_implementation,
+        )
     elif sc.kind == "judge":
         j = sc.judge
         client = ChatClient(j, config_key="scorer.judge", cache_path=out_dir / "judge_cache.jsonl")
@@ -281,8 +315,9 @@ def main(argv: list[str]) -> int:
         from mmprm.scoring.aggregators import AGGREGATORS
 
         if cfg.metrics.path_aggregator not in AGGREGATORS:
-            raise SystemExit(f"metrics.path_aggregator: {cfg.metrics.path_aggregator!r} is not one of "
-                             f"{', '.join(AGGREGATORS)}")
+            raise SystemExit(
+                f"metrics.path_aggregator: {cfg.metrics.path_aggregator!r} is not one of {', '.join(AGGREGATORS)}"
+            )
         aggregate = AGGREGATORS[cfg.metrics.path_aggregator]
 
     # ---- score every tree and compute its metrics
@@ -301,8 +336,15 @@ def main(argv: list[str]) -> int:
             judged = judge.judge(tree, reference=it["reference"])
             scores = judged.scores
             if judged.unparsed:  # not fully scored: reported, kept out of every average
-                rows.append({"id": it["id"], "nodes": len(tree.conclusions()), "unjudged_nodes": judged.unparsed,
-                             "correct": it["correct"], "warnings": tree.warnings})
+                rows.append(
+                    {
+                        "id": it["id"],
+                        "nodes": len(tree.conclusions()),
+                        "unjudged_nodes": judged.unparsed,
+                        "correct": it["correct"],
+                        "warnings": tree.warnings,
+                    }
+                )
                 continue
         set_scores(tree, scores)
         score_rpts = rpts(tree, lam=m.rpts_lambda, h_f=m.rpts_h_f)
@@ -310,12 +352,14 @@ def main(argv: list[str]) -> int:
         # As the Think360 reference: a tree with an invalid structure gets no width/depth.
         valid, why = think360_valid(tree)
         row = {
-            "id": it["id"], "nodes": len(tree.conclusions()),
+            "id": it["id"],
+            "nodes": len(tree.conclusions()),
             "width": think360_width(tree, m.threshold) if valid else None,
             "depth": think360_depth(tree, m.threshold) if valid else None,
             "width_soft": think360_width(tree, soft=True) if valid else None,
             "depth_soft": think360_depth(tree, soft=True) if valid else None,
-            "rpts": score_rpts, "correct": it["correct"],
+            "rpts": score_rpts,
+            "correct": it["correct"],
             "filtered_correct": passed,
             "warnings": tree.warnings,
         }
@@ -327,8 +371,10 @@ def main(argv: list[str]) -> int:
         done = k + 1
         if done % 50 == 0 or done == len(items):
             eta = (time.time() - start) / done * (len(items) - done)
-            print(f"  {done}/{len(items)} scored, mean RPTS {mean([r.get('rpts') for r in rows]) or 0:.4f}, "
-                  f"ETA {eta:.0f}s")
+            print(
+                f"  {done}/{len(items)} scored, mean RPTS {mean([r.get('rpts') for r in rows]) or 0:.4f}, "
+                f"ETA {eta:.0f}s"
+            )
 
     # ---- report (items the judge could not fully score are counted, not averaged)
     unjudged = [r["id"] for r in rows if "unjudged_nodes" in r]
@@ -336,16 +382,24 @@ def main(argv: list[str]) -> int:
     all_rows, rows = rows, [r for r in rows if "unjudged_nodes" not in r]
     judged = [r for r in rows if r["correct"] is not None]
     summary = {
-        "items": len(all_rows), "items_scored": len(rows), "items_unjudged": len(unjudged),
+        "items": len(all_rows),
+        "items_scored": len(rows),
+        "items_unjudged": len(unjudged),
         "invalid_trees": len(invalid),
-        "width": mean([r["width"] for r in rows]), "depth": mean([r["depth"] for r in rows]),
-        "width_soft": mean([r["width_soft"] for r in rows]), "depth_soft": mean([r["depth_soft"] for r in rows]),
+        "width": mean([r["width"] for r in rows]),
+        "depth": mean([r["depth"] for r in rows]),
+        "width_soft": mean([r["width_soft"] for r in rows]),
+        "depth_soft": mean([r["depth_soft"] for r in rows]),
         "rpts": mean([r["rpts"] for r in rows]),
         "accuracy": mean([float(bool(r["correct"])) for r in judged]),
-        "filtered_accuracy": filtered_accuracy([bool(r["correct"]) for r in judged], [r["rpts"] for r in judged],
-                                               m.filter_threshold) if judged else None,
+        "filtered_accuracy": filtered_accuracy(
+            [bool(r["correct"]) for r in judged], [r["rpts"] for r in judged], m.filter_threshold
+        )
+        if judged
+        else None,
         "items_with_answer_check": len(judged),
-        "data_warnings": n_warn, "images_missing": missing_images,
+        "data_warnings": n_warn,
+        "images_missing": missing_images,
     }
     if aggregate is not None:
         summary["path_score"] = mean([r["path_score"] for r in rows])
@@ -358,8 +412,10 @@ def main(argv: list[str]) -> int:
     # ---- picture of one tree
     prow = all_rows[pick]
     fmt = lambda v: "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"  # noqa: E731
-    title = (f"item {prow['id']} - scorer {sc.kind} - RPTS {fmt(prow.get('rpts'))}, width {fmt(prow.get('width'))}, "
-             f"depth {fmt(prow.get('depth'))}")
+    title = (
+        f"item {prow['id']} - scorer {sc.kind} - RPTS {fmt(prow.get('rpts'))}, width {fmt(prow.get('width'))}, "
+        f"depth {fmt(prow.get('depth'))}"
+    )
     name = re.sub(r"[^\w.-]", "_", prow["id"])  # ids like "a/b#3" make no good file names
     png = render_tree(items[pick]["tree"], out_dir / f"tree_{name}.png", title=title, threshold=m.threshold)
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 Script = Callable[[dict[str, Any]], "str | tuple[int, Any]"]
 
@@ -39,14 +40,23 @@ class ChatServer:
                 if isinstance(out, tuple):
                     status, payload = out
                 else:
-                    status, payload = 200, {
-                        "id": "chatcmpl-test", "object": "chat.completion", "created": 0, "model": body["model"],
-                        "choices": [{"index": 0, "finish_reason": "stop",
-                                     "message": {"role": "assistant", "content": out}}],
-                        "usage": {"prompt_tokens": len(json.dumps(body["messages"])) // 4,
-                                  "completion_tokens": max(1, len(out) // 4),
-                                  "total_tokens": len(json.dumps(body["messages"])) // 4 + max(1, len(out) // 4)},
-                    }
+                    status, payload = (
+                        200,
+                        {
+                            "id": "chatcmpl-test",
+                            "object": "chat.completion",
+                            "created": 0,
+                            "model": body["model"],
+                            "choices": [
+                                {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": out}}
+                            ],
+                            "usage": {
+                                "prompt_tokens": len(json.dumps(body["messages"])) // 4,
+                                "completion_tokens": max(1, len(out) // 4),
+                                "total_tokens": len(json.dumps(body["messages"])) // 4 + max(1, len(out) // 4),
+                            },
+                        },
+                    )
                 data = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -61,7 +71,7 @@ class ChatServer:
         self.url = f"http://127.0.0.1:{self.server.server_port}/v1"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> "ChatServer":
+    def __enter__(self) -> ChatServer:
         self.thread.start()
         return self
 
@@ -116,8 +126,10 @@ def overlap_judge(body: dict[str, Any]) -> str:
     if system.startswith("You turn a worked solution"):
         solution = prompt.split("do not rewrite them):\n", 1)[1].split("\n\nExample of the output", 1)[0]
         steps = split_solution(solution)[0][:8]
-        return "\n".join(f"[NODE:{k + 1}.1]\n[PARENT:{f'{k}.1' if k else 'None'}]\n[ORIGINAL:{s}]\n[TYPE:deduction]"
-                         for k, s in enumerate(steps))
+        return "\n".join(
+            f"[NODE:{k + 1}.1]\n[PARENT:{f'{k}.1' if k else 'None'}]\n[ORIGINAL:{s}]\n[TYPE:deduction]"
+            for k, s in enumerate(steps)
+        )
     if "Reference descriptions:" in prompt:
         facts, sentence = prompt.split("Reference descriptions:", 1)[1].split("Sentence:", 1)
         return f"{round(_overlap(sentence.replace('Score:', ''), facts), 1):.1f}"

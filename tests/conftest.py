@@ -1,24 +1,23 @@
 """Shared fixtures: tiny models built once per session, the real data folder, small real images.
 
-    def test_x(tiny_models):
-        path = tiny_models("qwen2_vl")          # built on first use, then reused
-        model, processor = load_backbone(path)  # fresh objects each time: mutate freely
+def test_x(tiny_models):
+    path = tiny_models("qwen2_vl")          # built on first use, then reused
+    model, processor = load_backbone(path)  # fresh objects each time: mutate freely
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
-
 from real_data import DATA
+
 # Tiny models gain nothing from intra-op threads, and two OpenMP pools fighting over 2 cores
 # (pytest plus a recipe subprocess) made matmuls ~15x slower here: one thread per process.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 
 
 @pytest.fixture(scope="session", autouse=True)

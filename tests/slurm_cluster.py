@@ -44,8 +44,10 @@ def ensure_debian_packages(binaries: tuple[str, ...], packages: tuple[str, ...])
     if all(shutil.which(b) for b in binaries):
         return None
     if not system_installs_allowed():
-        return (f"needs {', '.join(binaries)} (Debian packages {' '.join(packages)}), not installed; "
-                f"`make test-cluster` or {SYSTEM_TESTS_ENV}=1 lets the tests apt-get install them")
+        return (
+            f"needs {', '.join(binaries)} (Debian packages {' '.join(packages)}), not installed; "
+            f"`make test-cluster` or {SYSTEM_TESTS_ENV}=1 lets the tests apt-get install them"
+        )
     if os.geteuid() != 0:
         return f"{', '.join(packages)} not installed and not root: apt-get install {' '.join(packages)}"
     if shutil.which("apt-get") is None:
@@ -68,8 +70,10 @@ def ensure_pip_tool(binary: str, requirement: str) -> str | None:
     if shutil.which(binary):
         return None
     if not system_installs_allowed():
-        return (f"needs {binary}, not installed; `make test-cluster` or {SYSTEM_TESTS_ENV}=1 lets the tests "
-                f"pip install {requirement}")
+        return (
+            f"needs {binary}, not installed; `make test-cluster` or {SYSTEM_TESTS_ENV}=1 lets the tests "
+            f"pip install {requirement}"
+        )
     done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", requirement], capture_output=True, text=True)
     if shutil.which(binary) is None:
         return f"{binary} not installed and `pip install {requirement}` failed ({done.stderr.strip()[-300:]})"
@@ -95,8 +99,9 @@ class JobResult:
 class SlurmCluster:
     """munged + slurmctld + one slurmd per node, all on 127.0.0.1, under `root`."""
 
-    def __init__(self, root: Path, nodes: tuple[str, ...] = ("n1", "n2"), cpus_per_node: int = 2,
-                 gpus_per_node: int = 2):
+    def __init__(
+        self, root: Path, nodes: tuple[str, ...] = ("n1", "n2"), cpus_per_node: int = 2, gpus_per_node: int = 2
+    ):
         self.root = Path(root)
         self.nodes = nodes
         self.cpus_per_node = cpus_per_node
@@ -117,11 +122,19 @@ class SlurmCluster:
         """Write the config, start the daemons, and wait until every node is idle."""
         try:
             self._write_files()
-            self._spawn("munged", ["munged", "-F", "-f", f"--socket={self.munge_socket}",
-                                   f"--key-file={self.root / 'munge' / 'munge.key'}",
-                                   f"--pid-file={self.root / 'munge' / 'munged.pid'}",
-                                   f"--seed-file={self.root / 'munge' / 'munged.seed'}",
-                                   f"--log-file={self.root / 'log' / 'munged.log'}"])
+            self._spawn(
+                "munged",
+                [
+                    "munged",
+                    "-F",
+                    "-f",
+                    f"--socket={self.munge_socket}",
+                    f"--key-file={self.root / 'munge' / 'munge.key'}",
+                    f"--pid-file={self.root / 'munge' / 'munged.pid'}",
+                    f"--seed-file={self.root / 'munge' / 'munged.seed'}",
+                    f"--log-file={self.root / 'log' / 'munged.log'}",
+                ],
+            )
             self._wait_for(lambda: self.munge_socket.exists(), 10, "munged socket")
             self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
             for node in self.nodes:
@@ -150,15 +163,18 @@ class SlurmCluster:
         """Environment for client commands (sbatch, srun, sinfo) that points at this cluster."""
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
-    def run(self, cmd: list[str], env: dict[str, str] | None = None, timeout: float = 240,
-            cwd: Path | str | None = None) -> JobResult:
+    def run(
+        self, cmd: list[str], env: dict[str, str] | None = None, timeout: float = 240, cwd: Path | str | None = None
+    ) -> JobResult:
         """Run a Slurm client command against this cluster; `env` adds to the cluster env."""
-        done = subprocess.run(cmd, env={**self.env, **(env or {})}, capture_output=True, text=True,
-                              timeout=timeout, cwd=cwd)
+        done = subprocess.run(
+            cmd, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout, cwd=cwd
+        )
         return JobResult(done.returncode, done.stdout, done.stderr)
 
-    def sbatch(self, args: list[str], env: dict[str, str] | None = None, timeout: float = 240,
-               cwd: Path | str | None = None) -> JobResult:
+    def sbatch(
+        self, args: list[str], env: dict[str, str] | None = None, timeout: float = 240, cwd: Path | str | None = None
+    ) -> JobResult:
         """`sbatch --wait ARGS`: blocks until the job ends and returns with the job's exit code."""
         return self.run(["sbatch", "--wait", *args], env=env, timeout=timeout, cwd=cwd)
 
@@ -194,12 +210,12 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge_socket}
-StateSaveLocation={self.root / 'state'}
-SlurmdSpoolDir={self.root / 'spool'}/%n
-SlurmctldPidFile={self.root / 'slurmctld.pid'}
-SlurmdPidFile={self.root / 'spool'}/slurmd-%n.pid
-SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}
-SlurmdLogFile={self.root / 'log'}/slurmd-%n.log
+StateSaveLocation={self.root / "state"}
+SlurmdSpoolDir={self.root / "spool"}/%n
+SlurmctldPidFile={self.root / "slurmctld.pid"}
+SlurmdPidFile={self.root / "spool"}/slurmd-%n.pid
+SlurmctldLogFile={self.root / "log" / "slurmctld.log"}
+SlurmdLogFile={self.root / "log"}/slurmd-%n.log
 # No cgroups in a container: plain process tracking, no task binding.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -221,20 +237,20 @@ SlurmdTimeout=30
 InactiveLimit=0
 KillWait=5
 {node_lines}
-PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=UNLIMITED State=UP
+PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=UNLIMITED State=UP
 """)
         # Stand-in GPUs: any character devices will do (Slurm only counts and binds them, and
         # count-only GPU GRES is refused); /dev/null, /dev/zero, ... give distinct devices.
         devices = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"]
         if self.gpus_per_node > len(devices):
             raise ValueError(f"gpus_per_node={self.gpus_per_node}: at most {len(devices)} stand-in GPUs")
-        (self.root / "gres.conf").write_text("".join(
-            f"NodeName={n} Name=gpu File={dev}\n" for n in self.nodes for dev in devices[: self.gpus_per_node]))
+        (self.root / "gres.conf").write_text(
+            "".join(f"NodeName={n} Name=gpu File={dev}\n" for n in self.nodes for dev in devices[: self.gpus_per_node])
+        )
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         out = open(self.root / "log" / f"{name}.out", "wb")
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         out.close()
         self._procs.append((name, proc))
 
@@ -242,8 +258,7 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=UNLIMITED S
         for name, proc in self._procs:
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.logs()}")
-        done = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env, capture_output=True,
-                              text=True)
+        done = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env, capture_output=True, text=True)
         states = dict(line.split() for line in done.stdout.splitlines() if line.strip())
         return done.returncode == 0 and all(states.get(n) == "idle" for n in self.nodes)
 

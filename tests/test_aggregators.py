@@ -49,8 +49,16 @@ def test_p_one_is_clamped_and_finite():
 
 
 def test_empty_candidate_values_and_it_ranks_last():
-    expected = {"min": 0.0, "average": 0.0, "max": 0.0, "last": 0.0, "product": 0.0,
-                "sum_logpr": -math.inf, "sum_logodds": -math.inf, "mean_odds": 0.0}
+    expected = {
+        "min": 0.0,
+        "average": 0.0,
+        "max": 0.0,
+        "last": 0.0,
+        "product": 0.0,
+        "sum_logpr": -math.inf,
+        "sum_logodds": -math.inf,
+        "mean_odds": 0.0,
+    }
     for name, value in expected.items():
         assert AGGREGATORS[name]([]) == value
         # Even the worst possible one-step candidate beats an empty one.

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from real_data import DATA, full_or_subset
 
 from mmprm import answers
 from mmprm.answers import (
@@ -20,7 +21,6 @@ from mmprm.answers import (
     verify_solution,
 )
 from mmprm.steps import parse_solution, render_solution
-from real_data import DATA, full_or_subset
 
 # ------------------------------------------------------------------ extraction
 
@@ -102,8 +102,17 @@ def test_normalize_answer(raw, expected):
 
 @pytest.mark.parametrize(
     "raw, letter",
-    [("(B)", "B"), ("b.", "B"), ("\\text{(D)}", "D"), ("Option C", "C"), ("(C) 12 apples", "C"),
-     ("C).", "C"), ("12", None), ("Cats", None), ("(x+1)", None)],
+    [
+        ("(B)", "B"),
+        ("b.", "B"),
+        ("\\text{(D)}", "D"),
+        ("Option C", "C"),
+        ("(C) 12 apples", "C"),
+        ("C).", "C"),
+        ("12", None),
+        ("Cats", None),
+        ("(x+1)", None),
+    ],
 )
 def test_choice_letter(raw, letter):
     assert choice_letter(raw) == letter
@@ -134,8 +143,18 @@ def test_choice_letter(raw, letter):
         ("(C)", "B", None, False),
         ("e", "E", ["A", "B", "C", "D", "E"], True),
         # a value naming the right option's text (MATH-V ids 319, 1113, 2743)
-        ("1.8 \\mathrm{~m}", "E", ["$2 \\mathrm{~m}$", "$1.5 \\mathrm{~m}$", "$1.2 \\mathrm{~m}$",
-                                   "$2.8 \\mathrm{~m}$", "$1.8 \\mathrm{~m}$"], True),
+        (
+            "1.8 \\mathrm{~m}",
+            "E",
+            [
+                "$2 \\mathrm{~m}$",
+                "$1.5 \\mathrm{~m}$",
+                "$1.2 \\mathrm{~m}$",
+                "$2.8 \\mathrm{~m}$",
+                "$1.8 \\mathrm{~m}$",
+            ],
+            True,
+        ),
         ("60^{\\circ}", "C", ["$30^{\\circ}$", "$45^{\\circ}$", "$60^{\\circ}$"], True),
         ("\\frac{12}{5}", "D", ["$\\frac{3}{4}$", "$\\frac{3}{2}$", "$2$", "$\\frac{12}{5}$"], True),
         ("\\frac{3}{2}", "D", ["$\\frac{3}{4}$", "$\\frac{3}{2}$", "$2$", "$\\frac{12}{5}$"], False),
@@ -223,7 +242,8 @@ MAX_DISAGREE = {"gsm8k": 0, "qwen_math": 1, "mathv": full_or_subset(full=19, sub
 
 def _benchmark():
     spec = importlib.util.spec_from_file_location(
-        "answer_agreement", Path(__file__).resolve().parents[1] / "benchmarks" / "answer_agreement.py")
+        "answer_agreement", Path(__file__).resolve().parents[1] / "benchmarks" / "answer_agreement.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -233,8 +253,14 @@ def _benchmark():
 def test_agreement_with_dataset_flags(name):
     bench = _benchmark()
     report = bench.agreement(bench.DATASETS[name](DATA), show=50)
-    assert report["n"] == {"gsm8k": full_or_subset(5276, 160), "qwen_math": full_or_subset(800, 112),
-                           "mathv": full_or_subset(912, 111)}[name]
+    assert (
+        report["n"]
+        == {
+            "gsm8k": full_or_subset(5276, 160),
+            "qwen_math": full_or_subset(800, 112),
+            "mathv": full_or_subset(912, 111),
+        }[name]
+    )
     assert report["disagree"] <= MAX_DISAGREE[name], report["disagreements"]
     if name != "gsm8k":
         # every disagreement is one where our verifier accepts what the file rejected
@@ -248,9 +274,16 @@ OPTIONS = ["$3$", "$4$", "$5$", "$6$"]
 
 @pytest.mark.parametrize(
     "text",
-    ["The answer is (A) and (B).", "The answer is (A) or (B)", "\\boxed{(A) \\text{ and } (B)}",
-     "Answer: A and B", "So the answer is (A), (B).", "\\boxed{A \\text{ or } B}",
-     "Both fit.\n(A) and (B)", "It could be (A) or (B)."],
+    [
+        "The answer is (A) and (B).",
+        "The answer is (A) or (B)",
+        "\\boxed{(A) \\text{ and } (B)}",
+        "Answer: A and B",
+        "So the answer is (A), (B).",
+        "\\boxed{A \\text{ or } B}",
+        "Both fit.\n(A) and (B)",
+        "It could be (A) or (B).",
+    ],
 )
 def test_a_hedge_naming_two_letters_counts_as_neither(text):
     # Before: choice_letter read the first letter of "(A) and (B)", so a hedge was graded right.
@@ -261,11 +294,21 @@ def test_a_hedge_naming_two_letters_counts_as_neither(text):
 
 @pytest.mark.parametrize(
     "raw, letter",
-    [("(A) and (B)", None), ("A or B", None), ("(A), (C)", None), ("\\text{(A) or (B)}", None),
-     ("\\(\\text{A}\\)", "A"), ("\\[\\text{B}\\]", "B"), ("$\\text{(C)}$.", "C"), ("\\text{\\textbf{D}}", "D"),
-     ("\\textbf{(A)}\\ 12", "A"), ("(C) 12 and 13", "C"),
-     # an option's own text may join point names: still one option (MATH-V 1547, 1564)
-     ("(A) P and R", "A"), ("\\text{(D) either } R \\text{ or } S, \\text{ but no others}", "D")],
+    [
+        ("(A) and (B)", None),
+        ("A or B", None),
+        ("(A), (C)", None),
+        ("\\text{(A) or (B)}", None),
+        ("\\(\\text{A}\\)", "A"),
+        ("\\[\\text{B}\\]", "B"),
+        ("$\\text{(C)}$.", "C"),
+        ("\\text{\\textbf{D}}", "D"),
+        ("\\textbf{(A)}\\ 12", "A"),
+        ("(C) 12 and 13", "C"),
+        # an option's own text may join point names: still one option (MATH-V 1547, 1564)
+        ("(A) P and R", "A"),
+        ("\\text{(D) either } R \\text{ or } S, \\text{ but no others}", "D"),
+    ],
 )
 def test_choice_letter_hedges_and_latex_wrappers(raw, letter):
     assert choice_letter(raw) == letter
@@ -273,8 +316,13 @@ def test_choice_letter_hedges_and_latex_wrappers(raw, letter):
 
 @pytest.mark.parametrize(
     "text, letter",
-    [("Therefore, $\\text{A}$.", "A"), ("So we choose \\text{B}.", "B"), ("Hence \\(\\text{C}\\)", "C"),
-     ("The final answer is $\\boxed{\\text{D}}$", "D"), ("The correct option is \\textbf{B}.", "B")],
+    [
+        ("Therefore, $\\text{A}$.", "A"),
+        ("So we choose \\text{B}.", "B"),
+        ("Hence \\(\\text{C}\\)", "C"),
+        ("The final answer is $\\boxed{\\text{D}}$", "D"),
+        ("The correct option is \\textbf{B}.", "B"),
+    ],
 )
 def test_a_letter_written_as_text_command_is_read(text, letter):
     assert choice_letter(extract_answer(text)) == letter
@@ -283,10 +331,12 @@ def test_a_letter_written_as_text_command_is_read(text, letter):
 
 @pytest.mark.parametrize(
     "text, letter",
-    [("B\nBecause the triangle is right-angled, its area is 6.", "B"),
-     ("(C)\n\nExplanation: the side is 5, so the answer follows.", "C"),
-     ("**D**\n\nThe sum of the angles is 180 degrees.", "D"),
-     ("A.\nThe smallest side is 3.", "A")],
+    [
+        ("B\nBecause the triangle is right-angled, its area is 6.", "B"),
+        ("(C)\n\nExplanation: the side is 5, so the answer follows.", "C"),
+        ("**D**\n\nThe sum of the angles is 180 degrees.", "D"),
+        ("A.\nThe smallest side is 3.", "A"),
+    ],
 )
 def test_a_letter_on_the_first_line_followed_by_an_explanation_is_read(text, letter):
     assert choice_letter(extract_answer(text)) == letter

@@ -27,8 +27,11 @@ def test_resolve_attn_implementation():
 
 @pytest.mark.skipif(HAS_FLASH and torch.cuda.is_available(), reason="flash-attn usable here")
 def test_flash_attention_without_flash_attn_or_cuda_is_a_clear_error():
-    with pytest.raises(ConfigError, match=r"model\.attn_implementation=flash_attention_2 .*set "
-                                          r"model\.attn_implementation=sdpa"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.attn_implementation=flash_attention_2 .*set "
+        r"model\.attn_implementation=sdpa",
+    ):
         resolve_attn_implementation("flash_attention_2")
 
 
@@ -97,8 +100,10 @@ def test_every_recipe_names_the_key_when_flash_attn_is_missing(recipe, monkeypat
     else:
         message = capsys.readouterr().err
     assert code == 2, f"{recipe} accepted model.attn_implementation=flash_attention_2 without flash-attn"
-    assert "model.attn_implementation=flash_attention_2 but flash-attn is not installed: pip install 'mmprm[flash]'" \
+    assert (
+        "model.attn_implementation=flash_attention_2 but flash-attn is not installed: pip install 'mmprm[flash]'"
         in message
+    )
 
 
 @pytest.mark.skipif(HAS_FLASH, reason="flash-attn installed: the missing-package error cannot happen")

@@ -3,11 +3,11 @@
 import json
 
 import pytest
+from real_data import DATA, full_or_subset, reasoneval_files
 
 from mmprm.data.benchmarks import read_prmbench, read_reasoneval
 from mmprm.data.schema import DataError, StepExample, load_examples, write_jsonl
 from mmprm.scoring.metrics import first_error
-from real_data import DATA, full_or_subset, reasoneval_files
 
 
 def test_prmbench(tmp_path):
@@ -26,8 +26,9 @@ def test_prmbench(tmp_path):
     assert sum("dropped_error_steps" in r["meta"] for r in rows) == full_or_subset(full=11, subset=6)
     multi = [r for r in rows if r["meta"]["category"] == "multi_solutions"]
     assert len(multi) == full_or_subset(full=10, subset=3)
-    assert all(min(r["labels"]) == 1.0 and r["meta"]["first_error"] is None and "gold_answer" in r["meta"]
-               for r in multi)
+    assert all(
+        min(r["labels"]) == 1.0 and r["meta"]["first_error"] is None and "gold_answer" in r["meta"] for r in multi
+    )
     for r in rows:
         assert len(r["labels"]) == len(r["steps"])
         assert r["meta"]["first_error"] == first_error(r["labels"])
@@ -52,8 +53,11 @@ def test_reasoneval_invalid_errors(tmp_path):
         fe = r["meta"]["first_error"]
         want = [1.0] * len(r["steps"]) if fe is None else [1.0] * fe + [0.0] * (len(r["steps"]) - fe)
         assert r["labels"] == want
-        assert fe == (None if raw["model_output_solution_first_error_step"] == "N/A"
-                      else raw["model_output_solution_first_error_step"] - 1)
+        assert fe == (
+            None
+            if raw["model_output_solution_first_error_step"] == "N/A"
+            else raw["model_output_solution_first_error_step"] - 1
+        )
         assert r["meta"]["label_kind"] == "validity" and r["meta"]["category"] == "invalid_errors"
         assert r["steps"] == ["\n".join(lines) for lines in raw["model_output_step_format"]]
     assert rows[0]["id"] == "reasoneval-invalid-0" and rows[0]["answer"] is None
@@ -77,8 +81,13 @@ def test_reasoneval_redundant_errors(tmp_path):
 
 def test_bad_rows_name_file_line_id_field(tmp_path):
     pb = tmp_path / "prm.jsonl"
-    good = {"idx": "a", "classification": "circular", "modified_question": "q?",
-            "modified_process": ["s1", "s2"], "error_steps": [2]}
+    good = {
+        "idx": "a",
+        "classification": "circular",
+        "modified_question": "q?",
+        "modified_process": ["s1", "s2"],
+        "error_steps": [2],
+    }
     pb.write_text(json.dumps(good) + "\n" + json.dumps({**good, "error_steps": ["2"]}) + "\n{oops\n")
     with pytest.raises(DataError) as e:
         read_prmbench(pb)
@@ -86,12 +95,21 @@ def test_bad_rows_name_file_line_id_field(tmp_path):
     assert e.value.problems[1].startswith(f"{pb}:3: id=?: line: invalid JSON")
 
     re_ = tmp_path / "re.json"
-    row = {"id": 7, "question": "q", "model_output_step_format": [["a"], ["b"]],
-           "model_output_solution_first_error_step": 3}
-    re_.write_text(json.dumps(row) + "\n" + json.dumps({"id": 8, "question": "q", "rating": [1],
-                                                        "model_output_step_format": [["a"], ["b"]]}) + "\n")
+    row = {
+        "id": 7,
+        "question": "q",
+        "model_output_step_format": [["a"], ["b"]],
+        "model_output_solution_first_error_step": 3,
+    }
+    re_.write_text(
+        json.dumps(row)
+        + "\n"
+        + json.dumps({"id": 8, "question": "q", "rating": [1], "model_output_step_format": [["a"], ["b"]]})
+        + "\n"
+    )
     with pytest.raises(DataError) as e:
         read_reasoneval(re_)
-    assert e.value.problems[0] == (f"{re_}:1: id=7: model_output_solution_first_error_step: 3 is not a step "
-                                   "number in 1..2 or \"N/A\"")
+    assert e.value.problems[0] == (
+        f'{re_}:1: id=7: model_output_solution_first_error_step: 3 is not a step number in 1..2 or "N/A"'
+    )
     assert e.value.problems[1].startswith(f"{re_}:2: id=8: rating: must be one 0/1 per step")

@@ -15,8 +15,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_benchmark(name: str) -> dict:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / name), "--quick"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / name), "--quick"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, proc.stdout[-2000:]  # ONE JSON line
@@ -49,13 +55,19 @@ def test_prm_train_throughput_quick():
 
 # ---- benchmarks/gpu_check.py (make gpu-check) -------------------------------------------------
 
+
 def test_gpu_check_without_cuda_says_so_and_checks_nothing():
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is visible: make gpu-check really runs here")
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py")], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert "gpu-check: no CUDA GPU visible" in proc.stderr and "nothing was checked" in proc.stderr
 
@@ -66,9 +78,26 @@ def test_gpu_check_logic_on_cpu():
     pytest.importorskip("deepspeed")
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
     env.update(TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--allow-cpu", "--steps", "4",
-                           "--rows", "32", "--hidden-size", "128", "--timeout", "600"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "gpu_check.py"),
+            "--allow-cpu",
+            "--steps",
+            "4",
+            "--rows",
+            "32",
+            "--hidden-size",
+            "128",
+            "--timeout",
+            "600",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads(lines[0])
@@ -78,6 +107,7 @@ def test_gpu_check_logic_on_cpu():
     assert res["zero3"]["lm_head"] == {"numel": 1025 * 128, "local_numel": 1025 * 128, "partitioned": True}
     assert res["scorer"]["probabilities_dtype"] == "float32" and res["scorer"]["round_trip_max_diff"] <= 2e-2
     assert res["scorer"]["steps_per_s"] > 0
+
 
 @pytest.mark.slow
 def test_data_scale_quick():

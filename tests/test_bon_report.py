@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from real_data import DATA, full_or_subset
 
 from mmprm.data.schema import DataError
 from mmprm.rerank.report import (
@@ -19,8 +20,6 @@ from mmprm.rerank.report import (
     write_report,
 )
 from mmprm.scoring import AGGREGATORS, majority_vote, pick_best, weighted_vote
-from real_data import DATA, full_or_subset
-
 
 
 def cand(probs, answer, correct):
@@ -63,7 +62,7 @@ def test_summary_json_shape_and_cis():
     rep = summarize(bon_curve(TOY), n_resamples=200, seed=0)
     assert rep["num_problems"] == 2 and rep["n_max"] == 2
     assert set(rep["methods"]) == set(METHODS) and len(METHODS) == 12
-    for name, by_n in rep["methods"].items():
+    for _name, by_n in rep["methods"].items():
         assert list(by_n) == ["1", "2"]
         for cell in by_n.values():
             assert isinstance(cell["mean"], float) and len(cell["ci95"]) == 2
@@ -89,7 +88,8 @@ def _brute_force(problems, n):
             accs["oracle"].append(float(any(correct)))
             accs["majority"].append(majority_vote(answers, correct))
             accs["weighted_vote"].append(
-                weighted_vote(answers, [AGGREGATORS["min"](c["step_probs"]) for c in sub], correct))
+                weighted_vote(answers, [AGGREGATORS["min"](c["step_probs"]) for c in sub], correct)
+            )
         for m in METHODS:
             out[m].append(np.mean(accs[m]))
     return out
@@ -177,8 +177,12 @@ def test_cli_and_reader(tmp_path, capsys):
     assert cli_bon_report(["--candidates", str(good), "--out", str(tmp_path / "rep"), "--resamples", "100"]) == 0
     assert (tmp_path / "rep" / "report.json").exists() and (tmp_path / "rep" / "bon_curve.png").exists()
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"id": "p0", "candidates": TOY[0]}) + "\n"
-                   + json.dumps({"id": "p1", "candidates": [{"step_probs": [2], "answer": 3, "correct": True}]}) + "\n")
+    bad.write_text(
+        json.dumps({"id": "p0", "candidates": TOY[0]})
+        + "\n"
+        + json.dumps({"id": "p1", "candidates": [{"step_probs": [2], "answer": 3, "correct": True}]})
+        + "\n"
+    )
     with pytest.raises(DataError) as e:
         read_candidates(bad)
     assert f"{bad}:2: id=p1: candidates[0].step_probs[0]: 2 is not a probability" in e.value.problems[0]
@@ -195,8 +199,7 @@ def test_qwen_math_reference_numbers():
     """
     rows = [json.loads(line) for line in (DATA / "qwen_math_bon" / "math_cot_100.jsonl").open()]
     sigmoid = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731  # RM logits -> probabilities, order kept
-    problems = [[cand([sigmoid(s[0])], p, c) for s, p, c in zip(r["pred_score"], r["pred"], r["score"])]
-                for r in rows]
+    problems = [[cand([sigmoid(s[0])], p, c) for s, p, c in zip(r["pred_score"], r["pred"], r["score"])] for r in rows]
     curve = bon_curve(problems)
     rep = summarize(curve)
     n = full_or_subset(full=100, subset=14)
@@ -217,8 +220,10 @@ def test_a_truncated_candidate_never_wins_on_its_partial_score(tmp_path):
     # Candidate 0 was cut at scoring.max_length: its two scored steps look great, but its
     # unscored tail is wrong. Read on the prefix, every aggregator would pick it.
     cut = {**cand([0.95, 0.9], "7", False), "truncated": True}
-    problems = [[cut, cand([0.7, 0.6, 0.8], "5", True)],
-                [{**cand([0.9], "1", True), "truncated": True}, {**cand([0.8], "2", True), "truncated": True}]]
+    problems = [
+        [cut, cand([0.7, 0.6, 0.8], "5", True)],
+        [{**cand([0.9], "1", True), "truncated": True}, {**cand([0.8], "2", True), "truncated": True}],
+    ]
     curve = bon_curve(problems)
     for m in AGGREGATORS:
         # ranked last: the complete candidate wins P0; P1 has only truncated ones -> lowest index

@@ -38,8 +38,9 @@ def recipe():
 
 
 def run_recipe(*overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    res = subprocess.run([sys.executable, str(RECIPE), *overrides], capture_output=True, text=True,
-                         timeout=timeout, cwd=REPO, env=ENV)
+    res = subprocess.run(
+        [sys.executable, str(RECIPE), *overrides], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=ENV
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return res
 
@@ -79,8 +80,14 @@ def mathv_file(real_data, tmp_path_factory) -> Path:
 def unsharded(prm_dir, mathv_file, tmp_path_factory) -> Path:
     """One run of the real entry point (a subprocess) over the MATH-V slice."""
     out = tmp_path_factory.mktemp("bon") / "unsharded"
-    run_recipe("--config", str(CONFIG), f"prm={prm_dir}", f"candidates_file={mathv_file}", f"output_dir={out}",
-               "report.resamples=200")
+    run_recipe(
+        "--config",
+        str(CONFIG),
+        f"prm={prm_dir}",
+        f"candidates_file={mathv_file}",
+        f"output_dir={out}",
+        "report.resamples=200",
+    )
     return out
 
 
@@ -131,8 +138,20 @@ def test_mathv_candidates_report_matches_hand_count(unsharded, mathv_file, real_
     report = json.loads((unsharded / "report.json").read_text())
     assert report["num_problems"] == N_PROBLEMS and report["n_max"] == 3
     assert report["settings"]["ns"] == [1, 2, 3]
-    methods = {"min", "average", "max", "last", "product", "sum_logpr", "sum_logodds", "mean_odds",
-               "random", "majority", "weighted_vote", "oracle"}
+    methods = {
+        "min",
+        "average",
+        "max",
+        "last",
+        "product",
+        "sum_logpr",
+        "sum_logodds",
+        "mean_odds",
+        "random",
+        "majority",
+        "weighted_vote",
+        "oracle",
+    }
     assert set(report["methods"]) == methods
     for by_n in report["methods"].values():
         assert set(by_n) == {"1", "2", "3"}
@@ -162,10 +181,14 @@ def test_mathv_candidates_report_matches_hand_count(unsharded, mathv_file, real_
     for n, combos in subsets.items():
         assert got("random", n) == pytest.approx(mean(mean(c) for c in corr), abs=1e-12)
         assert got("oracle", n) == pytest.approx(
-            mean(mean(any(c[i] for i in s) for s in combos) for c in corr), abs=1e-12)
+            mean(mean(any(c[i] for i in s) for s in combos) for c in corr), abs=1e-12
+        )
         assert got("majority", n) == pytest.approx(
-            mean(mean(hand_majority([a[i] for i in s], [c[i] for i in s]) for s in combos)
-                 for a, c in zip(answers, corr)), abs=1e-12)
+            mean(
+                mean(hand_majority([a[i] for i in s], [c[i] for i in s]) for s in combos) for a, c in zip(answers, corr)
+            ),
+            abs=1e-12,
+        )
     assert got("oracle", 3) == sum(any(c) for c in corr) / N_PROBLEMS
     # A PRM picks by its own scores: the highest min step probability, ties to the lowest index.
     picks = [max(range(3), key=lambda j: (min(r["candidates"][j]["step_probs"]), -j)) for r in rows]
@@ -177,11 +200,19 @@ def test_mathv_candidates_report_matches_hand_count(unsharded, mathv_file, real_
 
 
 def test_two_shards_merge_to_the_unsharded_output_and_refuse_a_missing_shard(
-        unsharded, prm_dir, mathv_file, tmp_path, capsys, one_thread):
+    unsharded, prm_dir, mathv_file, tmp_path, capsys, one_thread
+):
     mod = recipe()
     out = tmp_path / "sharded"
-    args = ["--config", str(CONFIG), f"prm={prm_dir}", f"candidates_file={mathv_file}", f"output_dir={out}",
-            "report.resamples=200", "shard.count=2"]
+    args = [
+        "--config",
+        str(CONFIG),
+        f"prm={prm_dir}",
+        f"candidates_file={mathv_file}",
+        f"output_dir={out}",
+        "report.resamples=200",
+        "shard.count=2",
+    ]
     mod.main([*args, "shard.index=1"])
     assert not (out / "report.json").exists()  # a shard alone never reports
     assert cli_merge_bon([str(out)]) == 2
@@ -239,10 +270,20 @@ def test_generate_with_tiny_vlm_policy_writes_candidates_and_report(tiny_models,
     write_split(generate(SyntheticConfig(num_problems=3, seed=0, id_prefix="bon")), tmp_path / "data", "test")
     problems_file = tmp_path / "data" / "test_problems.jsonl"
     out = tmp_path / "gen"
-    recipe().main(["--config", str(CONFIG), f"prm={prm_dir}", "generate.enabled=true",
-                   f"generate.policy={tiny_models('qwen2_vl')}", f"generate.problems_file={problems_file}",
-                   "generate.n=4", "generate.sampling.max_new_tokens=16", "report.resamples=100",
-                   f"output_dir={out}"])
+    recipe().main(
+        [
+            "--config",
+            str(CONFIG),
+            f"prm={prm_dir}",
+            "generate.enabled=true",
+            f"generate.policy={tiny_models('qwen2_vl')}",
+            f"generate.problems_file={problems_file}",
+            "generate.n=4",
+            "generate.sampling.max_new_tokens=16",
+            "report.resamples=100",
+            f"output_dir={out}",
+        ]
+    )
     gold = {p.id: p for p in load_problems(problems_file)}
     written = load_candidates(out / "candidates.jsonl")
     assert [p.id for p in written] == list(gold)
@@ -273,7 +314,7 @@ def test_tiny_yaml_header_commands_then_the_launch_line(tmp_path):
     launch = header[0]
     start = next(i for i, t in enumerate(header) if "Make the inputs first" in t)
     commands, current = [], ""
-    for text in header[start + 1:]:
+    for text in header[start + 1 :]:
         if not current and not text.startswith(("mmprm ", "python ")):
             break
         current += text.rstrip("\\").strip() + " "
@@ -313,12 +354,12 @@ def test_load_problems_names_file_line_id_and_field(tmp_path):
     with pytest.raises(DataError) as e:
         load_problems(path)
     lines = e.value.problems
-    assert any(l.startswith(f"{path}:2: id=p2: images[0]: image not found") for l in lines)
+    assert any(line.startswith(f"{path}:2: id=p2: images[0]: image not found") for line in lines)
     assert f"{path}:3: id=p3: answer: missing (the gold answer is needed to verify generated solutions)" in lines
-    assert any(l.startswith(f"{path}:4: id=p1: id: duplicated (first on line 1") for l in lines)
-    assert any(l.startswith(f"{path}:5: id=p5: images: question has 1 image placeholder(s) but 0") for l in lines)
-    assert any(l.startswith(f"{path}:5: id=p5: choices:") for l in lines)
-    assert any(l.startswith(f"{path}:6: id=?: line: invalid JSON") for l in lines)
+    assert any(line.startswith(f"{path}:4: id=p1: id: duplicated (first on line 1") for line in lines)
+    assert any(line.startswith(f"{path}:5: id=p5: images: question has 1 image placeholder(s) but 0") for line in lines)
+    assert any(line.startswith(f"{path}:5: id=p5: choices:") for line in lines)
+    assert any(line.startswith(f"{path}:6: id=?: line: invalid JSON") for line in lines)
     path.write_text(json.dumps(rows[0]) + "\n")
     (p,) = load_problems(path)
     assert p.id == "p1" and p.answer == "3" and p.images == [str((tmp_path / "a.png").resolve())]
@@ -326,23 +367,34 @@ def test_load_problems_names_file_line_id_and_field(tmp_path):
 
 
 def test_unparsed_candidate_is_scored_on_its_whole_text():
-    p = Problem(id="x", question="Q?", answer="1", candidates=[
-        Candidate(text="<step>a</step>", steps=["a"]),
-        Candidate(text="  just some words  ", steps=[]),
-        Candidate(text="", steps=[]),
-        Candidate(text=None, steps=[]),
-    ])
+    p = Problem(
+        id="x",
+        question="Q?",
+        answer="1",
+        candidates=[
+            Candidate(text="<step>a</step>", steps=["a"]),
+            Candidate(text="  just some words  ", steps=[]),
+            Candidate(text="", steps=[]),
+            Candidate(text=None, steps=[]),
+        ],
+    )
     assert [x["steps"] for x in p.prm_inputs()] == [["a"], ["just some words"], [], []]
 
 
 def test_unknown_correctness_is_refused_before_scoring(tmp_path):
     path = tmp_path / "c.jsonl"
-    path.write_text(json.dumps({"id": "q1", "question": "Q?", "answer": None,
-                                "candidates": [{"text": "<step>x</step><answer>2</answer>"}]}) + "\n")
+    path.write_text(
+        json.dumps(
+            {"id": "q1", "question": "Q?", "answer": None, "candidates": [{"text": "<step>x</step><answer>2</answer>"}]}
+        )
+        + "\n"
+    )
     with pytest.raises(DataError) as e:  # prm does not exist: the check comes first
         recipe().main([f"prm={tmp_path / 'no_prm'}", f"candidates_file={path}", f"output_dir={tmp_path / 'o'}"])
-    assert e.value.problems == [f"{path}: id=q1: candidates[0].correct: unknown (give the problem's gold `answer` "
-                                "or each candidate's `correct`)"]
+    assert e.value.problems == [
+        f"{path}: id=q1: candidates[0].correct: unknown (give the problem's gold `answer` "
+        "or each candidate's `correct`)"
+    ]
 
 
 def test_tiny_yaml_parses_and_opens_with_its_launch_command():
@@ -355,8 +407,14 @@ def test_tiny_yaml_parses_and_opens_with_its_launch_command():
     assert mod.Config().generate.sampling.max_new_tokens == 4096 and cfg.generate.sampling.max_new_tokens == 128
     # the prompt format comes from the policy (mmprm_policy.json) unless the config says otherwise
     assert cfg.generate.step_mode is None and cfg.generate.system_prompt is None
-    res = subprocess.run([sys.executable, str(RECIPE), "--config", str(CONFIG), "shard.index=2", "shard.count=2"],
-                         capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(CONFIG), "shard.index=2", "shard.count=2"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+        timeout=120,
+    )
     assert res.returncode == 2 and "shard.index=2 must be in [0, shard.count=2)" in res.stderr
 
 
@@ -364,15 +422,32 @@ def test_candidates_cut_by_scoring_max_length_are_ranked_last_and_counted(prm_di
     from mmprm.rerank.candidates import write_candidates
 
     long_steps = [f"Step {k}: add {k} to the running total and keep going." for k in range(30)]
-    problems = [Problem(id=f"q{i}", question="What is 2 + 3?", answer="5", candidates=[
-        Candidate(text=None, steps=[*long_steps, "So 9.\n<answer>9</answer>"], answer="9", correct=False),
-        Candidate(text=None, steps=["2 + 3 = 5.", "So 5.\n<answer>5</answer>"], answer="5", correct=True),
-    ]) for i in range(3)]
+    problems = [
+        Problem(
+            id=f"q{i}",
+            question="What is 2 + 3?",
+            answer="5",
+            candidates=[
+                Candidate(text=None, steps=[*long_steps, "So 9.\n<answer>9</answer>"], answer="9", correct=False),
+                Candidate(text=None, steps=["2 + 3 = 5.", "So 5.\n<answer>5</answer>"], answer="5", correct=True),
+            ],
+        )
+        for i in range(3)
+    ]
     cands = tmp_path / "c.jsonl"
     write_candidates(cands, problems)
     out = tmp_path / "out"
-    recipe().main(["--config", str(CONFIG), f"prm={prm_dir}", f"candidates_file={cands}", f"output_dir={out}",
-                   "scoring.max_length=160", "report.resamples=20"])
+    recipe().main(
+        [
+            "--config",
+            str(CONFIG),
+            f"prm={prm_dir}",
+            f"candidates_file={cands}",
+            f"output_dir={out}",
+            "scoring.max_length=160",
+            "report.resamples=20",
+        ]
+    )
     rows = read_jsonl(out / "scored.jsonl")
     assert [[c.get("truncated", False) for c in r["candidates"]] for r in rows] == [[True, False]] * 3
     assert all(0 < len(r["candidates"][0]["step_probs"]) < 31 for r in rows)  # the scored prefix is kept

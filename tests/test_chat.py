@@ -12,8 +12,15 @@ import time
 import pytest
 from chat_server import ChatServer, free_port_url
 
-from mmprm.chat import (ChatClient, ChatConfig, ChatRequestError, EndpointUnavailable, ReplyCache, messages_for,
-                        request_key)
+from mmprm.chat import (
+    ChatClient,
+    ChatConfig,
+    ChatRequestError,
+    EndpointUnavailable,
+    ReplyCache,
+    messages_for,
+    request_key,
+)
 
 pytest.importorskip("openai")
 
@@ -21,8 +28,12 @@ pytest.importorskip("openai")
 def client_for(url: str, sleeps: list | None = None, **kw) -> ChatClient:
     cache_path = kw.pop("cache_path", None)
     cfg = ChatConfig(url=url, model="m", **{"backoff_s": 0.5, **kw})
-    return ChatClient(cfg, config_key="scorer.judge", cache_path=cache_path,
-                      sleep=(sleeps.append if sleeps is not None else lambda s: None))
+    return ChatClient(
+        cfg,
+        config_key="scorer.judge",
+        cache_path=cache_path,
+        sleep=(sleeps.append if sleeps is not None else lambda s: None),
+    )
 
 
 def test_one_request_speaks_the_protocol(monkeypatch):

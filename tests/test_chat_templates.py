@@ -40,15 +40,21 @@ NAMES = sorted(FAMILIES)
 TEXT_ARCHS = ("qwen2", "llama", "mistral")
 # Named tokens each processor reads from its tokenizer: the tiny presets' archs, plus the two
 # LLaVA generations built here (tiny.py has no preset for them).
-NAMED_TOKENS = {**_ARCH_TOKENS, "llava_next": {"image_token": "<image>"},
-                "llava_onevision": {"image_token": "<image>", "video_token": "<video>"}}
+NAMED_TOKENS = {
+    **_ARCH_TOKENS,
+    "llava_next": {"image_token": "<image>"},
+    "llava_onevision": {"image_token": "<image>", "video_token": "<video>"},
+}
 SYSTEMS = [None, "Answer in short numbered steps."]
 SYSTEM_IDS = ["no_system", "system"]
 
 TEXT_QUESTION = "Kim has 7 dots and finds 5 more. How many dots?"
 MM_QUESTION = "How many dots are in <image1>? Count them all."
-STEPS = ["Read the picture: there are 7 dots.", "Add the 5 hidden dots: 7 + 5 = 12.",
-         "The answer is 12.\n<answer>12</answer>"]
+STEPS = [
+    "Read the picture: there are 7 dots.",
+    "Add the 5 hidden dots: 7 + 5 = 12.",
+    "The answer is 12.\n<answer>12</answer>",
+]
 LABELS = [1.0, 0.7, 0.25]
 OTHER_STEPS = ["Count again: 7 + 5 = 13.", "So 13.\n<answer>13</answer>"]
 
@@ -56,11 +62,17 @@ OTHER_STEPS = ["Count again: 7 + 5 = 13.", "So 13.\n<answer>13</answer>"]
 # templates by hand: LLaVA-1.5 "ASSISTANT:" + " answer", LLaVA-NeXT and Mistral "[/INST]" + " answer".
 # LLaVA-OneVision renders an assistant turn as "assistant \n" but prompts with "assistant\n": no lead.
 EXPECTED_LEAD = {"llava_1_5_hf": " ", "llava_next_hf": " ", "mistral_v0_3_instruct": " "}
-MODEL_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-               "internvl": "InternVLForConditionalGeneration", "llava": "LlavaForConditionalGeneration",
-               "llava_next": "LlavaNextForConditionalGeneration",
-               "llava_onevision": "LlavaOnevisionForConditionalGeneration", "qwen2": "Qwen2ForCausalLM",
-               "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+MODEL_CLASS = {
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "internvl": "InternVLForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
+    "llava_next": "LlavaNextForConditionalGeneration",
+    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
 
 
 def family_tokenizer(name: str):
@@ -75,36 +87,60 @@ def family_tokenizer(name: str):
     specials = list(dict.fromkeys([*fam["special_tokens"], *roles, *named.values()]))
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     bpe.train_from_iterator(_corpus(), trainer)
     if fam["add_bos_token"]:  # Llama 3, Mistral, LLaVA-1.5/NeXT tokenizers prepend BOS themselves
         bos = fam["bos"]
         bpe.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bpe.token_to_id(bos))])
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bpe.token_to_id(bos))]
+        )
     template = (FIXTURES / fam["template"]).read_text(encoding="utf-8")
     return PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token=fam["bos"], eos_token=fam["eos"], pad_token=fam["pad"],
-        unk_token=fam["unk"], extra_special_tokens=named, chat_template=template,
-        padding_side=fam["padding_side"], model_max_length=4096,
+        tokenizer_object=bpe,
+        bos_token=fam["bos"],
+        eos_token=fam["eos"],
+        pad_token=fam["pad"],
+        unk_token=fam["unk"],
+        extra_special_tokens=named,
+        chat_template=template,
+        padding_side=fam["padding_side"],
+        model_max_length=4096,
     )
 
 
 def _text_model(arch: str, tok, tie: bool):
     import transformers as tf
 
-    config_cls, model_cls = {"qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-                             "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-                             "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[arch]
-    config = config_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                        pad_token_id=tok.pad_token_id, tie_word_embeddings=tie)
+    config_cls, model_cls = {
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+    }[arch]
+    config = config_cls(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=tie,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return model_cls(config)
@@ -116,35 +152,77 @@ def _llava_anyres_model(arch: str, tok):
 
     from mmprm.models.loading import LlavaOnevisionImageOnlyProcessor
 
-    text = {"model_type": "mistral" if arch == "llava_next" else "qwen2", "vocab_size": len(tok), "hidden_size": 64,
-            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 4096, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
-            "pad_token_id": tok.pad_token_id}
-    vision = {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 2, "image_size": 56, "patch_size": 14, "projection_dim": 32}
+    text = {
+        "model_type": "mistral" if arch == "llava_next" else "qwen2",
+        "vocab_size": len(tok),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
+    vision = {
+        "model_type": "clip_vision_model",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": 56,
+        "patch_size": 14,
+        "projection_dim": 32,
+    }
     grids = [[56, 56], [56, 112], [112, 56]]
     image_id = tok.convert_tokens_to_ids("<image>")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         if arch == "llava_next":
-            model = tf.LlavaNextForConditionalGeneration(tf.LlavaNextConfig(
-                text_config=text, vision_config=vision, image_token_index=image_id, image_grid_pinpoints=grids,
-                vision_feature_layer=-2, vision_feature_select_strategy="default"))
-            images = tf.LlavaNextImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56},
-                                                   image_grid_pinpoints=grids)
-            processor = tf.LlavaNextProcessor(image_processor=images, tokenizer=tok, patch_size=14,
-                                              vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                                              image_token="<image>", chat_template=tok.chat_template)
+            model = tf.LlavaNextForConditionalGeneration(
+                tf.LlavaNextConfig(
+                    text_config=text,
+                    vision_config=vision,
+                    image_token_index=image_id,
+                    image_grid_pinpoints=grids,
+                    vision_feature_layer=-2,
+                    vision_feature_select_strategy="default",
+                )
+            )
+            images = tf.LlavaNextImageProcessorPil(
+                size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}, image_grid_pinpoints=grids
+            )
+            processor = tf.LlavaNextProcessor(
+                image_processor=images,
+                tokenizer=tok,
+                patch_size=14,
+                vision_feature_select_strategy="default",
+                num_additional_image_tokens=1,
+                image_token="<image>",
+                chat_template=tok.chat_template,
+            )
         else:
-            model = tf.LlavaOnevisionForConditionalGeneration(tf.LlavaOnevisionConfig(
-                text_config=text, vision_config=vision, image_token_index=image_id,
-                video_token_index=tok.convert_tokens_to_ids("<video>"), image_grid_pinpoints=grids,
-                vision_feature_layer=-1, vision_feature_select_strategy="default"))
+            model = tf.LlavaOnevisionForConditionalGeneration(
+                tf.LlavaOnevisionConfig(
+                    text_config=text,
+                    vision_config=vision,
+                    image_token_index=image_id,
+                    video_token_index=tok.convert_tokens_to_ids("<video>"),
+                    image_grid_pinpoints=grids,
+                    vision_feature_layer=-1,
+                    vision_feature_select_strategy="default",
+                )
+            )
             images = tf.LlavaOnevisionImageProcessorPil(size={"height": 56, "width": 56}, image_grid_pinpoints=grids)
             # 16 patch tokens + CLS, which the "default" strategy drops
-            processor = LlavaOnevisionImageOnlyProcessor(image_processor=images, tokenizer=tok, num_image_tokens=17,
-                                                         vision_feature_select_strategy="default",
-                                                         chat_template=tok.chat_template)
+            processor = LlavaOnevisionImageOnlyProcessor(
+                image_processor=images,
+                tokenizer=tok,
+                num_image_tokens=17,
+                vision_feature_select_strategy="default",
+                chat_template=tok.chat_template,
+            )
     return model, processor
 
 
@@ -213,15 +291,27 @@ def _encode(processor, text: str, images: list) -> list[int]:
     tok = _tok(processor)
     special = needs_special_tokens(tok, text)
     if images:
-        return processor(text=[text], images=images, add_special_tokens=special, return_tensors="pt")["input_ids"][0].tolist()
+        return processor(text=[text], images=images, add_special_tokens=special, return_tensors="pt")["input_ids"][
+            0
+        ].tolist()
     return tok(text, add_special_tokens=special)["input_ids"]
 
 
 def test_every_family_has_its_template_and_settings():
     """The fixtures themselves: every claimed family is present and its template file exists."""
-    claimed = {"qwen2_vl", "qwen2_5_vl", "internvl3_hf", "llava_1_5_hf", "llava_next_hf", "llava_onevision_hf",
-               "qwen2_5_instruct", "llama3_1_instruct", "llama3_2_instruct", "mistral_v0_3_instruct",
-               "smollm2_instruct"}
+    claimed = {
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "internvl3_hf",
+        "llava_1_5_hf",
+        "llava_next_hf",
+        "llava_onevision_hf",
+        "qwen2_5_instruct",
+        "llama3_1_instruct",
+        "llama3_2_instruct",
+        "mistral_v0_3_instruct",
+        "smollm2_instruct",
+    }
     assert set(FAMILIES) == claimed
     readme = (FIXTURES / "README.md").read_text(encoding="utf-8")
     for name, fam in FAMILIES.items():
@@ -307,9 +397,12 @@ def test_rollout_prompt_token_by_token(loaded, tmp_path, name, system):
     # would have generated them after that prompt.
     ids, prompt_ids = _encode(processor, text, images), _encode(processor, prompt, images)
     assert ids[: len(prompt_ids)] == prompt_ids
-    expected = [t for k, s in enumerate(prefix)
-                for t in tok((lead if k == 0 else "") + render_prefix([s]), add_special_tokens=False)["input_ids"]]
-    assert ids[len(prompt_ids):] == expected
+    expected = [
+        t
+        for k, s in enumerate(prefix)
+        for t in tok((lead if k == 0 else "") + render_prefix([s]), add_special_tokens=False)["input_ids"]
+    ]
+    assert ids[len(prompt_ids) :] == expected
     # The template's own rendering of an assistant turn that starts with these steps is the same
     # text (LLaVA-OneVision's turn does not extend its own generation prompt: no such check there;
     # Mistral drops the system prompt once an assistant turn follows).
@@ -324,8 +417,12 @@ def test_rollout_prompt_token_by_token(loaded, tmp_path, name, system):
     # The HF backend continues exactly that text (images from disk for VLMs).
     request_images = [str(_image_file(tmp_path))] if images else []
     backend = HFBackend(model, processor, SamplingConfig(max_new_tokens=3, seed=0), batch_size=4, system=system)
-    out = backend.generate([RolloutRequest("p0", question, request_images, prefix, 2),
-                            RolloutRequest("p1", question, request_images, [], 1)])
+    out = backend.generate(
+        [
+            RolloutRequest("p0", question, request_images, prefix, 2),
+            RolloutRequest("p1", question, request_images, [], 1),
+        ]
+    )
     assert [len(texts) for texts in out] == [2, 1] and all(isinstance(t, str) for t in out[0] + out[1])
 
 
@@ -350,8 +447,8 @@ def test_default_system_prompt_and_prefix_sharing(loaded, tmp_path, name):
     own = tokenize_steps(processor, question, STEPS, images, system="Be brief.")
     assert default not in tok.decode(own.input_ids) and "Be brief." in tok.decode(own.input_ids)
     # Both still put every step token right after its step; only the prompt differs.
-    assert own.input_ids[own.prompt_length:] == base.input_ids[base.prompt_length:]
-    assert own.input_ids[:own.prompt_length] != base.input_ids[:base.prompt_length]
+    assert own.input_ids[own.prompt_length :] == base.input_ids[base.prompt_length :]
+    assert own.input_ids[: own.prompt_length] != base.input_ids[: base.prompt_length]
     assert sum(t == step_id for t in own.input_ids) == len(STEPS)
 
 
@@ -368,8 +465,10 @@ def test_left_padded_rollouts_equal_one_by_one(checkpoint, name):
     backend = HFBackend(model, processor, SamplingConfig(top_k=1, max_new_tokens=6, seed=0), batch_size=8)
     assert processor.padding_side == "left"
     assert processor.pad_token == (FAMILIES[name]["pad"] or FAMILIES[name]["eos"])
-    requests = [RolloutRequest("short", TEXT_QUESTION, [], [], 1),
-                RolloutRequest("long", TEXT_QUESTION, [], STEPS[:2], 1)]
+    requests = [
+        RolloutRequest("short", TEXT_QUESTION, [], [], 1),
+        RolloutRequest("long", TEXT_QUESTION, [], STEPS[:2], 1),
+    ]
     together = backend.generate(requests)
     alone = [backend.generate([r])[0] for r in requests]
     assert together == alone
@@ -414,8 +513,7 @@ def test_step_token_with_tied_and_untied_embeddings(checkpoint, tmp_path, name):
     assert again_tok.convert_tokens_to_ids(STEP_TOKEN) == step_id
     assert torch.equal(again.get_input_embeddings().weight[step_id], emb.weight[step_id].detach())
     assert torch.equal(again.get_output_embeddings().weight[step_id], head.weight[step_id].detach())
-    assert (again.get_input_embeddings().weight.data_ptr()
-            == again.get_output_embeddings().weight.data_ptr()) == tied
+    assert (again.get_input_embeddings().weight.data_ptr() == again.get_output_embeddings().weight.data_ptr()) == tied
 
 
 def _load_recipe(name: str):
@@ -444,7 +542,9 @@ def test_string_concatenating_template_on_a_text_only_model(checkpoint):
         processor.apply_chat_template(build_messages(TEXT_QUESTION, 0), add_generation_prompt=True, tokenize=False)
     assert chat_messages(processor, TEXT_QUESTION, 0, "Be brief.")[1]["content"] == TEXT_QUESTION
 
-    assert prompt_text(processor, TEXT_QUESTION, 0).endswith(f"user\n{TEXT_QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt_text(processor, TEXT_QUESTION, 0).endswith(
+        f"user\n{TEXT_QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    )
     add_step_token(processor, model)
     ts = tokenize_steps(processor, TEXT_QUESTION, STEPS, labels=LABELS)  # prm_train, prm scoring, export
     assert len(ts.step_positions) == len(STEPS)
@@ -467,8 +567,10 @@ def test_policy_sft_eval_generation_without_a_pad_token(checkpoint):
     assert processor.pad_token is None
     cfg = recipe.Config()
     cfg.train.eval_generations, cfg.train.eval_batch_size, cfg.train.max_new_tokens = 2, 2, 4
-    examples = [{"id": f"q{i}", "question": q, "images": [], "answer": "12"}
-                for i, q in enumerate([TEXT_QUESTION, "What is 2 + 2?"])]
+    examples = [
+        {"id": f"q{i}", "question": q, "images": [], "answer": "12"}
+        for i, q in enumerate([TEXT_QUESTION, "What is 2 + 2?"])
+    ]
     stats = recipe.generate_eval(model, processor, examples, cfg, Accelerator(cpu=True))
     assert stats["generated"] == 2 and processor.pad_token == processor.eos_token
 
@@ -484,9 +586,19 @@ def test_prm_train_recipe_on_a_string_template_checkpoint(checkpoint, tmp_path):
 
     train = write_toy_prm_data(tmp_path / "data", 8, 0, images=False)
     out = tmp_path / "run"
-    cmd = [sys.executable, str(REPO / "recipes" / "prm_train.py"), f"model.name_or_path={checkpoint('smollm2_instruct')}",
-           f"data.train_file={train}", f"output_dir={out}", "train.max_steps=2", "train.batch_size=4",
-           "train.log_every=1", "train.save_every=2", "data.max_length=256", "train.report_to=none"]
+    cmd = [
+        sys.executable,
+        str(REPO / "recipes" / "prm_train.py"),
+        f"model.name_or_path={checkpoint('smollm2_instruct')}",
+        f"data.train_file={train}",
+        f"output_dir={out}",
+        "train.max_steps=2",
+        "train.batch_size=4",
+        "train.log_every=1",
+        "train.save_every=2",
+        "data.max_length=256",
+        "train.report_to=none",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from real_data import DATA as REAL_DATA
 
 from mmprm.cli import main
 from mmprm.data.convert import (
@@ -18,7 +19,6 @@ from mmprm.data.convert import (
     split_math_shepherd,
 )
 from mmprm.data.schema import check_row, load_examples
-from real_data import DATA as REAL_DATA
 
 DATA = REAL_DATA / "openr_samples"  # unchanged copies in the repo subset
 
@@ -40,8 +40,9 @@ def test_math_shepherd_real_sample():
     assert e.question.startswith("Janet pays $40/hour")
     assert e.question.endswith("How much more does she spend on piano lessons than clarinet lessons in a year?")
     assert e.steps[0] == "Janet spends 3 hours + 5 hours = <<3+5=8>>8 hours per week on music lessons."
-    assert e.steps[4] == ("She spends 260 * 52 = <<260*52=13520>>13520 on music lessons in a year. "
-                          "The answer is: 13520")
+    assert e.steps[4] == (
+        "She spends 260 * 52 = <<260*52=13520>>13520 on music lessons in a year. The answer is: 13520"
+    )
     assert e.labels == [1.0, 1.0, 1.0, 1.0, 0.0]
     assert e.answer is None and e.meta == {"source": "math_shepherd", "task": "GSM8K"}
     buzz = r.examples[4]  # "+" then four "-"
@@ -51,8 +52,9 @@ def test_math_shepherd_real_sample():
 
 
 def test_math_shepherd_split_and_bad_rows():
-    q, steps, ys = split_math_shepherd("Q has Step 1: in it? Step 1: a ки\nStep 2: b ки",
-                                       "Q has Step 1: in it? Step 1: a -\nStep 2: b +")
+    q, steps, ys = split_math_shepherd(
+        "Q has Step 1: in it? Step 1: a ки\nStep 2: b ки", "Q has Step 1: in it? Step 1: a -\nStep 2: b +"
+    )
     assert (q, steps, ys) == ("Q has Step 1: in it?", ["a", "b"], [0.0, 1.0])
     bad = {
         "label differs": ("Q? Step 1: a ки", "Q? Step 1: b +"),
@@ -61,7 +63,7 @@ def test_math_shepherd_split_and_bad_rows():
         "no step 1": ("Q? a ки", "Q? a +"),
         "no tags": ("Q? Step 1: a", "Q? Step 1: a"),
     }
-    for name, (text, label) in bad.items():
+    for _name, (text, label) in bad.items():
         with pytest.raises(RowError):
             split_math_shepherd(text, label)
     rows = [{"input": t, "label": lab} for t, lab in bad.values()]
@@ -98,13 +100,18 @@ def test_prm800k_real_sample_followed_path():
 
 
 def _prm800k_row(steps, finish="solution"):
-    return {"question": {"problem": "1+1?", "ground_truth_answer": "2"},
-            "label": {"steps": steps, "finish_reason": finish}}
+    return {
+        "question": {"problem": "1+1?", "ground_truth_answer": "2"},
+        "label": {"steps": steps, "finish_reason": finish},
+    }
 
 
 def _step(*ratings, chosen=0, human=None):
-    return {"completions": [{"text": f"s{r}", "rating": r} for r in ratings], "chosen_completion": chosen,
-            "human_completion": human}
+    return {
+        "completions": [{"text": f"s{r}", "rating": r} for r in ratings],
+        "chosen_completion": chosen,
+        "human_completion": human,
+    }
 
 
 def test_prm800k_hand_rows():
@@ -173,16 +180,25 @@ def test_openr_flat_real_sample():
 
 
 def test_openr_flat_needs_a_whitespace_boundary():
-    rows = [{"question": "Q?", "question_id": 7, "final_answer": "30", "reasoning_steps": [
-        {"solution_prefix": "Q?", "mc_value": 0.5},
-        {"solution_prefix": "Q?\n\nx = 3", "mc_value": 0.25},
-        {"solution_prefix": "Q?\n\nx = 30", "mc_value": 1.0},  # not a child of "x = 3"
-        {"solution_prefix": "Q?\n\nx = 3\n\nso 9", "mc_value": 0.0},
-        {"solution_prefix": "elsewhere", "mc_value": 0.0},
-    ]}]
+    rows = [
+        {
+            "question": "Q?",
+            "question_id": 7,
+            "final_answer": "30",
+            "reasoning_steps": [
+                {"solution_prefix": "Q?", "mc_value": 0.5},
+                {"solution_prefix": "Q?\n\nx = 3", "mc_value": 0.25},
+                {"solution_prefix": "Q?\n\nx = 30", "mc_value": 1.0},  # not a child of "x = 3"
+                {"solution_prefix": "Q?\n\nx = 3\n\nso 9", "mc_value": 0.0},
+                {"solution_prefix": "elsewhere", "mc_value": 0.0},
+            ],
+        }
+    ]
     r = convert_openr_flat(rows)
     assert [(e.id, e.steps, e.labels) for e in r.examples] == [
-        ("7-0", ["x = 30"], [1.0]), ("7-1", ["x = 3", "so 9"], [0.25, 0.0])]
+        ("7-0", ["x = 30"], [1.0]),
+        ("7-1", ["x = 3", "so 9"], [0.25, 0.0]),
+    ]
     assert r.notes["prefix without the question text dropped"] == 1
 
 
@@ -197,8 +213,12 @@ def image(tmp_path):
 
 def test_trl_rows(image):
     rows = [
-        {"prompt": "<image> Sum of bars?", "completions": ["A is 7.", "B is 5.", "7+5=12."],
-         "labels": [True, True, False], "images": ["fig.png"]},
+        {
+            "prompt": "<image> Sum of bars?",
+            "completions": ["A is 7.", "B is 5.", "7+5=12."],
+            "labels": [True, True, False],
+            "images": ["fig.png"],
+        },
         {"prompt": "2+2?", "completions": ["2+2=4.", "  "], "labels": [True, False]},
         {"prompt": "x?", "completions": ["a"], "labels": [True, False]},
         {"prompt": [{"role": "user", "content": "hi"}], "completions": ["a"], "labels": [True]},
@@ -220,8 +240,9 @@ def test_trl_rows(image):
 def test_trl_from_a_datasets_folder_extracts_embedded_images(image, tmp_path):
     import datasets
 
-    ds = datasets.Dataset.from_list([{"prompt": "q?", "completions": ["a", "b"], "labels": [True, False],
-                                      "images": [str(image / "fig.png")]}])
+    ds = datasets.Dataset.from_list(
+        [{"prompt": "q?", "completions": ["a", "b"], "labels": [True, False], "images": [str(image / "fig.png")]}]
+    )
     ds.cast_column("images", datasets.List(datasets.Image())).save_to_disk(str(image / "ds"))  # embeds bytes
     kept = convert_file("trl", image / "ds")
     assert kept.examples == [] and kept.reasons["embedded image bytes"] == 1
@@ -234,22 +255,35 @@ def test_trl_from_a_datasets_folder_extracts_embedded_images(image, tmp_path):
 
 def test_mmprm_prm_rows(image):
     rows = [
-        {"question": "<image>\nArea?", "image": "fig.png", "process": "w=2<prm>h=3<prm>A=6<prm>",
-         "labels": [1.0, 0.75, 0.5]},
+        {
+            "question": "<image>\nArea?",
+            "image": "fig.png",
+            "process": "w=2<prm>h=3<prm>A=6<prm>",
+            "labels": [1.0, 0.75, 0.5],
+        },
         {"prompt": "Sum?", "response": "a<prm><prm>b", "labels": [0.9, 0.1, 0.2]},
         {"question": "Q?", "process": "a<prm>b<prm>The answer is 3", "labels": [1.0, 0.0]},
-        {"id": 9, "image": "fig.png", "conversations": [
-            {"from": "human", "value": "<image>\nQuestion: What?\nProcess: s1<prm>s2<prm>"},
-            {"from": "gpt", "value": [0.25, 0.0]}]},
+        {
+            "id": 9,
+            "image": "fig.png",
+            "conversations": [
+                {"from": "human", "value": "<image>\nQuestion: What?\nProcess: s1<prm>s2<prm>"},
+                {"from": "gpt", "value": [0.25, 0.0]},
+            ],
+        },
         {"question": "Q?", "process": "a<prm>", "labels": [1.5]},
     ]
     r = convert_mmprm_prm(rows, source="mm.json", image_root=image)
     got = [(e.id, e.question, e.steps, e.labels) for e in r.examples]
-    assert got == [("mmprm_prm-1", "<image>\nArea?", ["w=2", "h=3", "A=6"], [1.0, 0.75, 0.5]),
-                   ("mmprm_prm-2", "Sum?", ["a", "b"], [0.9, 0.2]),
-                   ("9", "What?", ["s1", "s2"], [0.25, 0.0])]
-    assert r.skipped[0] == ("mm.json:3: id=mmprm_prm-3: labels: 2 labels for 3 steps split on '<prm>' "
-                            "(fix the separator with --separator or the label list)")
+    assert got == [
+        ("mmprm_prm-1", "<image>\nArea?", ["w=2", "h=3", "A=6"], [1.0, 0.75, 0.5]),
+        ("mmprm_prm-2", "Sum?", ["a", "b"], [0.9, 0.2]),
+        ("9", "What?", ["s1", "s2"], [0.25, 0.0]),
+    ]
+    assert r.skipped[0] == (
+        "mm.json:3: id=mmprm_prm-3: labels: 2 labels for 3 steps split on '<prm>' "
+        "(fix the separator with --separator or the label list)"
+    )
     assert "labels[0]: 1.5 is not a bool or a number in [0,1]" in r.skipped[1]
     r2 = convert_mmprm_prm([{"question": "Q?", "process": "a\n\nb", "labels": [1, 0]}], separator="\n\n")
     assert r2.examples[0].steps == ["a", "b"] and r2.examples[0].labels == [1.0, 0.0]
@@ -260,8 +294,19 @@ def test_mmprm_prm_rows(image):
 
 def test_cli_round_trip(tmp_path, capsys):
     out = tmp_path / "out" / "shepherd.jsonl"
-    rc = main(["convert", "--from", "math_shepherd", "--input", str(DATA / "samples_math-shepherd.jsonl"),
-               "--out", str(out), "--id-prefix", "ms-"])
+    rc = main(
+        [
+            "convert",
+            "--from",
+            "math_shepherd",
+            "--input",
+            str(DATA / "samples_math-shepherd.jsonl"),
+            "--out",
+            str(out),
+            "--id-prefix",
+            "ms-",
+        ]
+    )
     assert rc == 0
     assert "read 7 rows -> 7 examples (25 steps); skipped 0 rows" in capsys.readouterr().err
     loaded = load_examples(out, require_labels=True)
@@ -271,9 +316,14 @@ def test_cli_round_trip(tmp_path, capsys):
 
 def test_cli_json_array_input_and_failures(tmp_path, capsys, image):
     src = image / "mm.json"  # MM-PRM ships one JSON array
-    src.write_text(json.dumps([{"question": "Q?", "image_path": "fig.png", "process": "a<prm>b<prm>",
-                                "labels": [1.0, 0.5]},
-                               {"question": "Q?", "process": "a<prm>b", "labels": [1.0]}]))
+    src.write_text(
+        json.dumps(
+            [
+                {"question": "Q?", "image_path": "fig.png", "process": "a<prm>b<prm>", "labels": [1.0, 0.5]},
+                {"question": "Q?", "process": "a<prm>b", "labels": [1.0]},
+            ]
+        )
+    )
     out = tmp_path / "mm.jsonl"
     assert main(["convert", "--from", "mmprm_prm", "--input", str(src), "--out", str(out)]) == 0
     err = capsys.readouterr().err

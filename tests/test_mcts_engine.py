@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from real_data import DATA, full_or_subset
 
 from mmprm.annotate.backends.base import RolloutInputError, RolloutRequest, SamplingConfig
 from mmprm.annotate.engine import (
@@ -28,12 +29,11 @@ from mmprm.annotate.engine import (
     shard,
     tree_file_name,
 )
-from mmprm.chat import EndpointUnavailable
 from mmprm.annotate.search import SearchConfig
 from mmprm.annotate.simulated import GOLD, SimProblem, SimulatedPolicy, random_problems
+from mmprm.chat import EndpointUnavailable
 from mmprm.data.problems import load_problems
 from mmprm.data.schema import DataError
-from real_data import DATA, full_or_subset
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,8 +45,13 @@ def exact(pred, gold, choices=None):
 def run_engine(problems: dict, concurrency: int = 8, **kw):
     step_mode = kw.pop("step_mode", "tags")
     policy = SimulatedPolicy(problems, seed=0, step_mode=step_mode, unparsable=kw.pop("unparsable", ()))
-    engine = AnnotationEngine(policy, SearchConfig(max_rollouts=kw.pop("max_rollouts", 200)), kw.pop("verify", exact),
-                              step_mode=step_mode, concurrency=concurrency)
+    engine = AnnotationEngine(
+        policy,
+        SearchConfig(max_rollouts=kw.pop("max_rollouts", 200)),
+        kw.pop("verify", exact),
+        step_mode=step_mode,
+        concurrency=concurrency,
+    )
     records: list[dict] = []
     stats = engine.run([Problem(pid, "q", GOLD) for pid in problems], records.append)
     return records, stats, policy
@@ -67,15 +72,18 @@ def test_many_problems_in_flight_share_each_backend_call():
 
 @pytest.mark.parametrize("step_mode", ["tags", "blank_lines"])
 def test_statuses_in_both_step_modes_and_no_steps_count(step_mode):
-    problems = {"easy": SimProblem([0.0] * 4), "hard": SimProblem([1.0] * 4), "mid": SimProblem([0.2] * 8),
-                "prose": SimProblem([0.2] * 8)}
+    problems = {
+        "easy": SimProblem([0.0] * 4),
+        "hard": SimProblem([1.0] * 4),
+        "mid": SimProblem([0.2] * 8),
+        "prose": SimProblem([0.2] * 8),
+    }
     records, stats, _ = run_engine(problems, step_mode=step_mode, unparsable=["prose"])
     status = {r["id"]: r["status"] for r in records}
     # Tag mode finds no step in prose; blank-line mode reads the paragraph as one step but no
     # rollout ever reaches an answer, which says nothing about the steps: no_answer, not all wrong.
     prose = "no_steps" if step_mode == "tags" else "no_answer"
-    assert status == {"easy": "screened_all_correct", "hard": "screened_all_wrong", "mid": "annotated",
-                      "prose": prose}
+    assert status == {"easy": "screened_all_correct", "hard": "screened_all_wrong", "mid": "annotated", "prose": prose}
     assert sum(stats.by_status.values()) == 4 and stats.by_status.get("no_steps", 0) == (step_mode == "tags")
     mid = next(r for r in records if r["id"] == "mid")
     # blank-line steps carry the \\boxed answer in the last paragraph; the verifier read it
@@ -116,11 +124,13 @@ def test_a_bad_problem_gets_an_error_record_and_the_rest_go_on():
     verify.calls_for_boom = True
     records = []
     AnnotationEngine(SimulatedPolicy({"boom": problems["boom"]}), SearchConfig(), verify).run(
-        [Problem("boom", "q", GOLD)], records.append)
+        [Problem("boom", "q", GOLD)], records.append
+    )
     assert records[0]["status"] == "error" and records[0]["message"] == "RuntimeError: verifier crashed"
 
 
 # -- problems files ----------------------------------------------------------------------------
+
 
 def test_load_problems_names_file_line_id_and_field(tmp_path):
     Image.new("RGB", (2, 2)).save(tmp_path / "a.png")  # the loader opens every image
@@ -153,8 +163,20 @@ def test_mathv_problems_load_with_their_images(tmp_path):
     # MATH-V as it comes: several placeholders for one composite image are caught row by row
     raw = [json.loads(line) for line in (DATA / "mathv" / "testmini.jsonl").read_text().splitlines()]
     path = tmp_path / "raw.jsonl"
-    path.write_text("".join(json.dumps({"id": r["id"], "images": [str(DATA / "mathv" / r["image"])],
-                                        "question": r["question"], "answer": r["answer"]}) + "\n" for r in raw))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": r["id"],
+                    "images": [str(DATA / "mathv" / r["image"])],
+                    "question": r["question"],
+                    "answer": r["answer"],
+                }
+            )
+            + "\n"
+            for r in raw
+        )
+    )
     with pytest.raises(DataError) as err:
         load_problems(path)
     assert err.value.problems and all("image placeholder" in line for line in err.value.problems)
@@ -167,6 +189,7 @@ def test_mathv_problems_load_with_their_images(tmp_path):
 
 
 # -- ranks, tree files, merge, kill -9 ------------------------------------------------------------
+
 
 def test_rank_world_from_launchers_and_deterministic_shards(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
@@ -260,8 +283,10 @@ def test_kill_9_then_rerun_gives_every_id_exactly_once(tmp_path):
     killed = tmp_path / "killed"
     killed.mkdir()
     # two ranks, killed at different moments mid-run
-    procs = [subprocess.Popen([sys.executable, str(worker), str(killed), "0.02", str(r), "2", str(problems)], env=env)
-             for r in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, str(worker), str(killed), "0.02", str(r), "2", str(problems)], env=env)
+        for r in range(2)
+    ]
     deadline = time.time() + 60
     for r, proc in enumerate(procs):
         path = killed / tree_file_name(r, 2)
@@ -282,6 +307,7 @@ def test_kill_9_then_rerun_gives_every_id_exactly_once(tmp_path):
 
 # -- HF backend on tiny models --------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
     from mmprm.models.tiny import build_tiny_model
@@ -297,8 +323,10 @@ def test_hf_backend_samples_n_continuations_reproducibly(tiny_dirs, tmp_path):
     img = str(tmp_path / "img.png")
     sampling = SamplingConfig(max_new_tokens=6, seed=3)
     backend = HFBackend.from_pretrained(str(tiny_dirs["qwen2_vl"]), sampling, batch_size=5)
-    reqs = [RolloutRequest("a", "<image1> What is 2 + 3?", [img], ["The bar is 2."], 3),
-            RolloutRequest("b", "No image here?", [], [], 4)]
+    reqs = [
+        RolloutRequest("a", "<image1> What is 2 + 3?", [img], ["The bar is 2."], 3),
+        RolloutRequest("b", "No image here?", [], [], 4),
+    ]
     out = backend.generate(reqs)
     assert [len(o) for o in out] == [3, 4] and all(isinstance(t, str) for o in out for t in o)
     assert backend.stats.sequences == 7 and 7 <= backend.stats.generated_tokens <= 42
@@ -337,13 +365,15 @@ def test_engine_over_hf_backend_with_a_random_model_reports_no_steps(tiny_dirs):
     backend = HFBackend.from_pretrained(str(tiny_dirs["qwen2"]), SamplingConfig(max_new_tokens=8), batch_size=32)
     records = []
     stats = AnnotationEngine(backend, SearchConfig(rollouts_per_estimate=4, max_rollouts=16), concurrency=4).run(
-        [Problem(f"p{i}", "What is 2 + 3?", "5") for i in range(5)], records.append)
+        [Problem(f"p{i}", "What is 2 + 3?", "5") for i in range(5)], records.append
+    )
     assert sorted(r["id"] for r in records) == [f"p{i}" for i in range(5)]
     assert stats.by_status == {"no_steps": 5} and stats.sequences_per_call[0] == 16
     assert all(r["stats"]["unparsed_rollouts"] == 4 for r in records)
 
 
 # -- LLM judge over an OpenAI-compatible endpoint (a real local HTTP server) -----------------------
+
 
 def test_llm_judge_is_asked_only_when_rules_say_no(monkeypatch, tmp_path):
     from chat_server import ChatServer, free_port_url
@@ -371,8 +401,11 @@ def test_llm_judge_is_asked_only_when_rules_say_no(monkeypatch, tmp_path):
         with pytest.raises(ChatError, match="instead of Yes/No"):
             verify("chatty", "2/3")
         assert len(server.requests) == 2 + 3  # a reply that is not yes/no is asked twice more
-    dead = LLMJudge(ChatClient(ChatConfig(url=free_port_url(), model="m", max_retries=1, backoff_s=0),
-                               config_key="verify.judge_chat"))
+    dead = LLMJudge(
+        ChatClient(
+            ChatConfig(url=free_port_url(), model="m", max_retries=1, backoff_s=0), config_key="verify.judge_chat"
+        )
+    )
     with pytest.raises(EndpointUnavailable, match="failed 2 times.*verify.judge_chat.url"):
         dead("x", "y")
 
@@ -390,14 +423,16 @@ class _CutBackend(SimulatedPolicy):
 def test_rollouts_cut_at_max_new_tokens_are_counted_truncated_and_never_searched():
     problems = {"cut": SimProblem([0.2] * 6)}
     records = []
-    AnnotationEngine(_CutBackend(problems, step_mode="blank_lines"), SearchConfig(max_rollouts=100), exact,
-                     step_mode="blank_lines").run([Problem("cut", "q", GOLD)], records.append)
+    AnnotationEngine(
+        _CutBackend(problems, step_mode="blank_lines"), SearchConfig(max_rollouts=100), exact, step_mode="blank_lines"
+    ).run([Problem("cut", "q", GOLD)], records.append)
     (rec,) = records
     assert rec["status"] == "annotated" and rec["stats"]["truncated_rollouts"] > 0
     assert rec["first_errors"] == [] and all(n["mc"] > 0 for n in rec["nodes"])
 
 
 # -- transient errors, outages, and one worker per rank file -----------------------------------------
+
 
 def test_transient_errors_are_retried_on_resume_and_permanent_ones_are_final(tmp_path):
     problems = {**random_problems(2, seed=2), "broken": SimProblem([0.2] * 5), "flaky": SimProblem([0.2] * 5)}
@@ -417,7 +452,8 @@ def test_transient_errors_are_retried_on_resume_and_permanent_ones_are_final(tmp
     out = tmp_path / "run"
     trees = TreeFile(out / tree_file_name(0, 1), scan_dir=out)
     Engine(policy, SearchConfig(max_rollouts=100), verify, concurrency=8).run(
-        [Problem(pid, "q", GOLD) for pid in problems], trees.append)
+        [Problem(pid, "q", GOLD) for pid in problems], trees.append
+    )
     trees.close()
     by_id = {r["id"]: r for r in _records(out)}
     assert by_id["flaky"]["status"] == "error" and by_id["flaky"]["error_kind"] == "transient"
@@ -443,9 +479,12 @@ def test_an_outage_stops_the_run_instead_of_emptying_it():
         raise EndpointUnavailable("judge at http://judge/v1 failed 3 times: URLError: connection refused")
 
     records = []
-    engine = AnnotationEngine(SimulatedPolicy(problems), SearchConfig(max_rollouts=100), judge_down, concurrency=8,
-                              max_consecutive_failures=5)
-    with pytest.raises(AnnotationOutage, match=r"5 problems in a row failed .*EndpointUnavailable.*rerun the same command"):
+    engine = AnnotationEngine(
+        SimulatedPolicy(problems), SearchConfig(max_rollouts=100), judge_down, concurrency=8, max_consecutive_failures=5
+    )
+    with pytest.raises(
+        AnnotationOutage, match=r"5 problems in a row failed .*EndpointUnavailable.*rerun the same command"
+    ):
         engine.run([Problem(pid, "q", GOLD) for pid in problems], records.append)
     assert len(records) == 5 and all(r["error_kind"] == "transient" for r in records)
 
@@ -459,7 +498,8 @@ def test_a_failing_backend_call_is_an_outage_not_error_records():
     records = []
     with pytest.raises(AnnotationOutage, match="backend call failed: ConnectionError: engine process died"):
         AnnotationEngine(_DeadBackend(random_problems(3)), SearchConfig(max_rollouts=100), exact).run(
-            [Problem(pid, "q", GOLD) for pid in random_problems(3)], records.append)
+            [Problem(pid, "q", GOLD) for pid in random_problems(3)], records.append
+        )
     assert records == []
 
 
@@ -484,8 +524,12 @@ def test_a_second_worker_on_a_held_rank_file_stops_naming_the_holder(tmp_path):
     # ... and when the holder dies without closing (kill -9): the OS drops the lock with the process.
     holder = tmp_path / "holder.py"
     holder.write_text(HOLDER)
-    proc = subprocess.Popen([sys.executable, str(holder), str(path)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, str(holder), str(path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         assert proc.stdout.readline().strip() == "holding"
         with pytest.raises(RankBusyError, match=f"pid {proc.pid} "):

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from real_data import DATA
 
 from mmprm.annotate.engine import AnnotationEngine, Problem
 from mmprm.annotate.export import ExportConfig, export_examples, tree_paths, write_report
 from mmprm.annotate.search import SearchConfig
 from mmprm.annotate.simulated import GOLD, SimulatedPolicy, random_problems
 from mmprm.data.schema import load_examples, write_jsonl
-from real_data import DATA
-
 
 # root(0.5) -> A "a1","a2" (0.75) -> B "b" (0.0)              negative
 #                                  -> C "c" + answer 5 (1.0)   positive (complete solution)
@@ -38,21 +37,25 @@ def as_tuples(paths):
 
 
 def test_node_edges_follow_mm_prm_traverse():
-    assert as_tuples(tree_paths(NODES, "node")) == sorted([
-        (("a1\na2", "b"), (0.75, 0.0), True),
-        (("a1\na2", "c\n<answer>5</answer>"), (0.75, 1.0), False),
-        (("d\n<answer>7</answer>",), (0.0,), True),
-        (("d", "e"), (0.25, 0.5), False),
-    ])
+    assert as_tuples(tree_paths(NODES, "node")) == sorted(
+        [
+            (("a1\na2", "b"), (0.75, 0.0), True),
+            (("a1\na2", "c\n<answer>5</answer>"), (0.75, 1.0), False),
+            (("d\n<answer>7</answer>",), (0.0,), True),
+            (("d", "e"), (0.25, 0.5), False),
+        ]
+    )
 
 
 def test_step_edges_give_inner_steps_the_edge_value():
-    assert as_tuples(tree_paths(NODES, "step")) == sorted([
-        (("a1", "a2", "b"), (0.75, 0.75, 0.0), True),
-        (("a1", "a2", "c\n<answer>5</answer>"), (0.75, 0.75, 1.0), False),
-        (("d\n<answer>7</answer>",), (0.0,), True),
-        (("d", "e"), (0.25, 0.5), False),
-    ])
+    assert as_tuples(tree_paths(NODES, "step")) == sorted(
+        [
+            (("a1", "a2", "b"), (0.75, 0.75, 0.0), True),
+            (("a1", "a2", "c\n<answer>5</answer>"), (0.75, 0.75, 1.0), False),
+            (("d\n<answer>7</answer>",), (0.0,), True),
+            (("d", "e"), (0.25, 0.5), False),
+        ]
+    )
 
 
 def test_threshold_cuts_paths_at_low_values():
@@ -62,13 +65,18 @@ def test_threshold_cuts_paths_at_low_values():
 
 
 def test_balance_dedup_min_length_and_stats():
-    extra = NODES + [{"id": 7, "parent": 0, "steps": ["g"], "mc": 0.5, "n": 16, "visits": 0},
-                     {"id": 8, "parent": 0, "steps": ["h", "i"], "mc": 0.5, "n": 16, "visits": 0},
-                     {"id": 9, "parent": 0, "steps": ["d", "e"], "mc": 0.5, "n": 16, "visits": 0}]
+    extra = NODES + [
+        {"id": 7, "parent": 0, "steps": ["g"], "mc": 0.5, "n": 16, "visits": 0},
+        {"id": 8, "parent": 0, "steps": ["h", "i"], "mc": 0.5, "n": 16, "visits": 0},
+        {"id": 9, "parent": 0, "steps": ["d", "e"], "mc": 0.5, "n": 16, "visits": 0},
+    ]
     recs = [record(extra), record(pid="p2", status="screened_all_correct")]
     rows, stats = export_examples(recs, ExportConfig(balance=None))
-    assert stats["negative_paths"] == 2 and stats["positive_paths"] == 5 and stats["by_status"] == {
-        "annotated": 1, "screened_all_correct": 1}
+    assert (
+        stats["negative_paths"] == 2
+        and stats["positive_paths"] == 5
+        and stats["by_status"] == {"annotated": 1, "screened_all_correct": 1}
+    )
     rows, stats = export_examples(recs, ExportConfig(balance=1.0))
     assert stats["negative_paths"] == 2 and stats["positive_paths"] == 2 and stats["dropped"]["balance"] == 3
     assert {r["meta"]["kind"] for r in rows} == {"negative", "positive"}
@@ -99,7 +107,8 @@ def test_export_of_a_real_search_is_valid_training_data(tmp_path):
     problems = random_problems(4, seed=3)
     records = []
     AnnotationEngine(SimulatedPolicy(problems), SearchConfig(max_rollouts=160), lambda p, g, c: p == g).run(
-        [Problem(pid, "What is the answer?", GOLD) for pid in problems], records.append)
+        [Problem(pid, "What is the answer?", GOLD) for pid in problems], records.append
+    )
     rows, stats = export_examples(records, ExportConfig())
     assert stats["paths"] == len(rows) > 0 and stats["negative_paths"] >= stats["positive_paths"] > 0
     write_jsonl(tmp_path / "prm.jsonl", rows)
@@ -122,8 +131,16 @@ def _flatten(tree: dict) -> list[dict]:
 
     def visit(node, parent):
         nid = len(nodes)
-        nodes.append({"id": nid, "parent": parent, "steps": [node["text"]] if parent is not None else [],
-                      "mc": node["mc_value"], "n": 0, "visits": 0})
+        nodes.append(
+            {
+                "id": nid,
+                "parent": parent,
+                "steps": [node["text"]] if parent is not None else [],
+                "mc": node["mc_value"],
+                "n": 0,
+                "visits": 0,
+            }
+        )
         for child in node["children"]:
             visit(child, nid)
 
@@ -155,8 +172,10 @@ def test_paths_of_real_openr_mcts_trees_match_mm_prm_traverse():
 
 
 def test_export_counts_unfinished_rollouts_as_truncated():
-    recs = [{**record(), "stats": {"rollouts": 32, "truncated_rollouts": 5}},
-            {**record(pid="p2", status="no_answer"), "stats": {"rollouts": 16, "truncated_rollouts": 16}},
-            record(pid="p3")]  # a record from before the count existed
+    recs = [
+        {**record(), "stats": {"rollouts": 32, "truncated_rollouts": 5}},
+        {**record(pid="p2", status="no_answer"), "stats": {"rollouts": 16, "truncated_rollouts": 16}},
+        record(pid="p3"),
+    ]  # a record from before the count existed
     _, stats = export_examples(recs, ExportConfig(balance=None))
     assert stats["truncated_rollouts"] == 21 and stats["by_status"]["no_answer"] == 1

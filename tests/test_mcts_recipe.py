@@ -32,8 +32,9 @@ def recipe_module():
 
 def test_shipped_tiny_yaml_parses_with_overrides():
     mod = recipe_module()
-    cfg = load_config(mod.AnnotateConfig, YAML, ["search.max_rollouts=64", "engine.concurrency=3", "rank=1",
-                                                  "world_size=2"])
+    cfg = load_config(
+        mod.AnnotateConfig, YAML, ["search.max_rollouts=64", "engine.concurrency=3", "rank=1", "world_size=2"]
+    )
     assert cfg.model.name_or_path and cfg.data.problems_file and cfg.output_dir
     assert cfg.search.max_rollouts == 64 and cfg.engine.concurrency == 3 and (cfg.rank, cfg.world_size) == (1, 2)
     defaults = mod.AnnotateConfig().search
@@ -61,8 +62,9 @@ def test_bad_inputs_fail_before_any_model_loads(tmp_path, capsys):
 
 
 def _run(args, **kw):
-    return subprocess.run([sys.executable, str(RECIPE), *args], capture_output=True, text=True, cwd=REPO, env=ENV,
-                          timeout=600, **kw)
+    return subprocess.run(
+        [sys.executable, str(RECIPE), *args], capture_output=True, text=True, cwd=REPO, env=ENV, timeout=600, **kw
+    )
 
 
 @pytest.mark.slow
@@ -74,13 +76,20 @@ def test_tiny_vlm_end_to_end_kill_resume_and_prm_train_accepts_the_output(tmp_pa
     policy = train_toy_policy(str(base), str(tmp_path / "policy"), steps=150)
     problems = write_toy_problems(str(tmp_path / "problems"), n=6)
     out = tmp_path / "out"
-    args = ["--config", str(YAML), f"model.name_or_path={policy}", f"data.problems_file={problems}",
-            f"output_dir={out}", "engine.concurrency=2"]
+    args = [
+        "--config",
+        str(YAML),
+        f"model.name_or_path={policy}",
+        f"data.problems_file={problems}",
+        f"output_dir={out}",
+        "engine.concurrency=2",
+    ]
     trees = out / "trees.rank0-of-1.jsonl"
 
     # kill -9 once the first problem is committed, then rerun the very same command
-    proc = subprocess.Popen([sys.executable, str(RECIPE), *args], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, str(RECIPE), *args], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None and (not trees.exists() or not trees.read_text().strip()):
         time.sleep(0.1)
@@ -112,9 +121,16 @@ def test_tiny_vlm_end_to_end_kill_resume_and_prm_train_accepts_the_output(tmp_pa
 
     # a judge outage stops the run (exit 3) with transient records; the next run retries them
     out2 = tmp_path / "outage"
-    judged = [*args[:-2], f"output_dir={out2}", "engine.concurrency=2", "verify.judge=true",
-              "verify.judge_chat.url=http://127.0.0.1:9/v1", "verify.judge_chat.model=judge",
-              "verify.judge_chat.max_retries=0", "engine.max_consecutive_failures=1"]
+    judged = [
+        *args[:-2],
+        f"output_dir={out2}",
+        "engine.concurrency=2",
+        "verify.judge=true",
+        "verify.judge_chat.url=http://127.0.0.1:9/v1",
+        "verify.judge_chat.model=judge",
+        "verify.judge_chat.max_retries=0",
+        "engine.max_consecutive_failures=1",
+    ]
     res = _run(judged)
     assert res.returncode == 3 and "problems in a row failed with transient errors" in res.stderr, res.stderr[-3000:]
     failed = [json.loads(line) for line in (out2 / "trees.rank0-of-1.jsonl").read_text().splitlines()]
@@ -127,11 +143,26 @@ def test_tiny_vlm_end_to_end_kill_resume_and_prm_train_accepts_the_output(tmp_pa
 
     # the acceptance check: prm_train trains on the exported rows
     prm = subprocess.run(
-        [sys.executable, str(REPO / "recipes" / "prm_train.py"), f"model.name_or_path={base}",
-         f"data.train_file={out / 'prm_data.jsonl'}", f"data.eval_file={out / 'prm_data.jsonl'}",
-         f"output_dir={tmp_path / 'prm'}", "train.max_steps=2", "train.batch_size=4", "train.eval_every=2",
-         "train.save_every=2", "data.max_length=256", "train.report_to=none"],
-        capture_output=True, text=True, cwd=REPO, env=ENV, timeout=600)
+        [
+            sys.executable,
+            str(REPO / "recipes" / "prm_train.py"),
+            f"model.name_or_path={base}",
+            f"data.train_file={out / 'prm_data.jsonl'}",
+            f"data.eval_file={out / 'prm_data.jsonl'}",
+            f"output_dir={tmp_path / 'prm'}",
+            "train.max_steps=2",
+            "train.batch_size=4",
+            "train.eval_every=2",
+            "train.save_every=2",
+            "data.max_length=256",
+            "train.report_to=none",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+        timeout=600,
+    )
     assert prm.returncode == 0, prm.stderr[-4000:]
     assert (tmp_path / "prm" / "model.safetensors").exists()
 
@@ -141,16 +172,24 @@ def test_a_second_worker_on_the_same_output_dir_and_rank_stops_at_once(tmp_path,
 
     mod = recipe_module()
     problems = tmp_path / "p.jsonl"
-    problems.write_text("".join(json.dumps({"id": str(i), "question": "1 + 1?", "answer": "2"}) + "\n"
-                                for i in range(4)))
+    problems.write_text(
+        "".join(json.dumps({"id": str(i), "question": "1 + 1?", "answer": "2"}) + "\n" for i in range(4))
+    )
     out = tmp_path / "out"
     policy = tmp_path / "policy"  # passes the path check; the lock stops the run before any weight loads
     policy.mkdir()
     (policy / "config.json").write_text("{}")
     first = TreeFile(out / tree_file_name(0, 1))  # a live worker (a double submission, a requeue)
     try:
-        code = mod.main(["--config", str(YAML), f"data.problems_file={problems}", f"output_dir={out}",
-                         f"model.name_or_path={policy}"])
+        code = mod.main(
+            [
+                "--config",
+                str(YAML),
+                f"data.problems_file={problems}",
+                f"output_dir={out}",
+                f"model.name_or_path={policy}",
+            ]
+        )
     finally:
         first.close()
     err = capsys.readouterr().err

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
+from mmprm.annotate.backends.base import RolloutRequest
 from mmprm.annotate.search import CandidatePool, OmegaSearch, Probe, Rollout, SearchConfig, drive, q_value, u_value
 from mmprm.annotate.simulated import GOLD, SimProblem, SimulatedPolicy, first_error, random_problems, true_mc
-from mmprm.annotate.backends.base import RolloutRequest
 from mmprm.steps import parse_solution
 
 
@@ -43,6 +43,7 @@ def full_prefix(nodes: list[dict], node_id: int) -> list[str]:
 
 
 # -- the formulas, by hand ------------------------------------------------------------------------
+
 
 def test_q_and_u_hand_values():
     # alpha^(1-MC) * beta^(len/L): 0.5^0.25 * 0.9^(1000/2000) = 0.840896 * 0.948683
@@ -82,6 +83,7 @@ def test_pool_pops_the_exact_argmax_of_q_plus_u_as_visits_change():
 
 
 # -- the search on simulated problems -------------------------------------------------------------
+
 
 def test_binary_search_finds_the_planted_first_error():
     # Step 6 is wrong half the time and nothing else ever is: every localised error must be step 6.
@@ -130,7 +132,7 @@ def test_mc_estimates_converge_to_true_values():
 @pytest.mark.parametrize("max_rollouts,max_searches", [(16, 200), (50, 200), (100, 200), (1000, 3), (333, 7)])
 def test_budgets_hold_also_inside_a_binary_search(max_rollouts, max_searches):
     cfg = SearchConfig(max_rollouts=max_rollouts, max_searches=max_searches)
-    for pid, problem in random_problems(6, seed=max_rollouts).items():
+    for _pid, problem in random_problems(6, seed=max_rollouts).items():
         search, res = run(problem, cfg)
         assert res.rollouts <= max_rollouts
         assert res.searches <= max_searches
@@ -138,7 +140,7 @@ def test_budgets_hold_also_inside_a_binary_search(max_rollouts, max_searches):
 
 
 def test_no_rollout_is_selected_twice_and_popped_ones_are_gone():
-    for pid, problem in random_problems(5, seed=11).items():
+    for _pid, problem in random_problems(5, seed=11).items():
         search, res = run(problem, SearchConfig(max_searches=10_000, max_rollouts=3000))
         assert len(res.selected) == len(set(res.selected)) == res.searches
         # the search ran until its pool was empty or the rollout budget stopped it
@@ -187,6 +189,7 @@ def test_search_is_deterministic():
 
 # -- unfinished rollouts (cut at max_new_tokens, or no answer written) ----------------------------
 
+
 def scripted(replies: dict[tuple[str, ...], list[Rollout]]):
     """Probe -> the rollouts scripted for its prefix (every probe must be scripted)."""
 
@@ -200,8 +203,10 @@ def test_an_unfinished_rollout_never_becomes_an_error_label():
     # Root: one correct solution, one cut off mid-solution (answer None). Before the fix the cut
     # one entered the pool; the probe of ("a",) has MC > 0, so the search ended at the full length
     # and valued the unfinished ("a", "b") at 0.0 - blaming step "b" of a solution that may be right.
-    replies = {(): [Rollout(["a", "b", "c"], GOLD, True), Rollout(["a", "b"], None, False)],
-               ("a",): [Rollout(["b", "c"], GOLD, True), Rollout(["b", "c"], GOLD, True)]}
+    replies = {
+        (): [Rollout(["a", "b", "c"], GOLD, True), Rollout(["a", "b"], None, False)],
+        ("a",): [Rollout(["b", "c"], GOLD, True), Rollout(["b", "c"], GOLD, True)],
+    }
     search = OmegaSearch(SearchConfig(rollouts_per_estimate=2, max_rollouts=100))
     res = drive(search, scripted(replies))
     assert res.status == "annotated"
@@ -213,8 +218,10 @@ def test_an_unfinished_rollout_never_becomes_an_error_label():
 def test_a_probe_whose_rollouts_all_stop_unfinished_is_not_called_bad():
     # The wrong rollout ("a", "x") is searched; the probe of ("a",) gets only cut-off rollouts:
     # no evidence either way, so the search stops there instead of labelling ("a",) MC = 0.
-    replies = {(): [Rollout(["a", "b"], GOLD, True), Rollout(["a", "x", "y"], "-1", False)],
-               ("a",): [Rollout(["b"], None, False), Rollout(["x"], None, False)]}
+    replies = {
+        (): [Rollout(["a", "b"], GOLD, True), Rollout(["a", "x", "y"], "-1", False)],
+        ("a",): [Rollout(["b"], None, False), Rollout(["x"], None, False)],
+    }
     res = drive(OmegaSearch(SearchConfig(rollouts_per_estimate=2, max_rollouts=100)), scripted(replies))
     assert res.status == "annotated" and res.searches == 1
     assert res.first_errors == [] and res.incomplete_searches == 1
@@ -234,8 +241,12 @@ def test_request_seeds_are_spaced_n_apart_so_no_two_samples_share_a_seed():
     # would share 3 samples' seeds; spaced n apart they share none.
     assert request_seeds(7, 0, [4, 4, 2]) == [7, 11, 15]
     assert request_seeds(0, 2, [16]) == [2_000_006]
-    used = [s + j for call in range(3) for s, n in zip(request_seeds(5, call, [16, 3, 16, 1]), [16, 3, 16, 1])
-            for j in range(n)]
+    used = [
+        s + j
+        for call in range(3)
+        for s, n in zip(request_seeds(5, call, [16, 3, 16, 1]), [16, 3, 16, 1])
+        for j in range(n)
+    ]
     assert len(used) == len(set(used)) == 3 * 36
 
 

@@ -9,9 +9,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_import_mmprm_loads_no_heavy_or_optional_engine():
-    code = ("import sys, mmprm, mmprm.steps, mmprm.config, mmprm.scoring, mmprm.cli; "
-            "bad = [m for m in ('vllm', 'deepspeed', 'flash_attn', 'torch', 'transformers', 'openai') if m in sys.modules]; "
-            "print(bad)")
+    code = (
+        "import sys, mmprm, mmprm.steps, mmprm.config, mmprm.scoring, mmprm.cli; "
+        "bad = [m for m in ('vllm', 'deepspeed', 'flash_attn', 'torch', 'transformers', 'openai') if m in sys.modules]; "
+        "print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", f"import mmprm pulled in {out}"
 
@@ -20,8 +22,11 @@ def test_library_never_imports_recipes():
     offenders = []
     for path in (REPO / "mmprm").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
             offenders += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] == "recipes"]
     assert offenders == []
 

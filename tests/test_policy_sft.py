@@ -32,10 +32,20 @@ def metrics(out):
 
 
 def common(model, train, out, steps, ev=None):
-    args = [f"model.name_or_path={model}", f"data.train_file={train}", f"output_dir={out}",
-            f"train.max_steps={steps}", "train.lr=3e-3", "train.batch_size=4", "train.log_every=1",
-            f"train.eval_every={steps}", f"train.save_every={steps}", "data.max_length=256",
-            "train.report_to=none", "train.warmup_steps=0"]
+    args = [
+        f"model.name_or_path={model}",
+        f"data.train_file={train}",
+        f"output_dir={out}",
+        f"train.max_steps={steps}",
+        "train.lr=3e-3",
+        "train.batch_size=4",
+        "train.log_every=1",
+        f"train.eval_every={steps}",
+        f"train.save_every={steps}",
+        "data.max_length=256",
+        "train.report_to=none",
+        "train.warmup_steps=0",
+    ]
     if ev is not None:
         args.append(f"data.eval_file={ev}")
     return args
@@ -52,6 +62,7 @@ def synthetic(tmp_path_factory):
 
 
 # ---- tokenization: which tokens carry loss --------------------------------------------------
+
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "internvl", "qwen2"])
 def test_loss_mask_is_exactly_the_rendered_solution(tiny_models, synthetic, arch):
@@ -85,20 +96,23 @@ def test_loss_mask_is_exactly_the_rendered_solution(tiny_models, synthetic, arch
     assert row["input_ids"] == prompt_ids + solution_ids
     assert row["labels"] == [IGNORE] * len(prompt_ids) + solution_ids
     assert row["labels"][-1] == tok.eos_token_id  # the model learns to stop
-    assert tok.decode(row["input_ids"][len(prompt_ids):]) == solution
+    assert tok.decode(row["input_ids"][len(prompt_ids) :]) == solution
     if images:  # every image token sits in the masked prompt
         image_positions = [i for i, t in enumerate(row["input_ids"]) if t == processor.image_token_id]
         assert image_positions and max(image_positions) < len(prompt_ids)
         assert "pixel_values" in row["extra"]
 
     # Truncation keeps the whole prompt and the first solution tokens, labels still aligned.
-    cut = tokenize_sft(processor, ex.question, ex.steps, ex.answer, images, max_length=len(prompt_ids) + 3,
-                       system=system)
+    cut = tokenize_sft(
+        processor, ex.question, ex.steps, ex.answer, images, max_length=len(prompt_ids) + 3, system=system
+    )
     assert cut["input_ids"] == prompt_ids + solution_ids[:3]
     assert cut["labels"] == [IGNORE] * len(prompt_ids) + solution_ids[:3]
     # No assistant token left -> dropped (None), never a row with zero loss tokens.
-    assert tokenize_sft(processor, ex.question, ex.steps, ex.answer, images, max_length=len(prompt_ids),
-                        system=system) is None
+    assert (
+        tokenize_sft(processor, ex.question, ex.steps, ex.answer, images, max_length=len(prompt_ids), system=system)
+        is None
+    )
 
 
 def test_collate_pads_labels_with_ignore(tiny_models, synthetic):
@@ -107,8 +121,10 @@ def test_collate_pads_labels_with_ignore(tiny_models, synthetic):
     from mmprm.training_data import collate_sft, tokenize_sft
 
     processor = load_processor(tiny_models("qwen2_vl"))
-    rows = [tokenize_sft(processor, ex.question, ex.steps, ex.answer, [load_image(p) for p in ex.images], 1024)
-            for ex in load_examples(synthetic[0])[:3]]
+    rows = [
+        tokenize_sft(processor, ex.question, ex.steps, ex.answer, [load_image(p) for p in ex.images], 1024)
+        for ex in load_examples(synthetic[0])[:3]
+    ]
     batch = collate_sft(rows, pad_id=processor.tokenizer.pad_token_id)
     width = max(len(r["input_ids"]) for r in rows)
     assert batch["input_ids"].shape == batch["labels"].shape == (3, width)
@@ -121,6 +137,7 @@ def test_collate_pads_labels_with_ignore(tiny_models, synthetic):
 
 # ---- the real entry point ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("arch", ["qwen2_vl", "internvl"])
 def test_recipe_trains_saves_and_reloads(tiny_models, synthetic, tmp_path, arch):
     from mmprm.models.loading import load_backbone
@@ -129,15 +146,23 @@ def test_recipe_trains_saves_and_reloads(tiny_models, synthetic, tmp_path, arch)
     rows = [json.loads(line) for line in open(train)]
     # One question longer than max_length: truncation would leave no assistant token at all, so
     # the row must be dropped and counted, not trained on with zero loss tokens.
-    long_row = {**rows[0], "id": "too-long",
-                "question": "Add the tiles. " + " ".join(["Note the colour of every tile carefully."] * 60)}
+    long_row = {
+        **rows[0],
+        "id": "too-long",
+        "question": "Add the tiles. " + " ".join(["Note the colour of every tile carefully."] * 60),
+    }
     data = train.parent / "train_with_long.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows + [long_row]))
     out = tmp_path / arch
-    res = run_recipe(*common(tiny_models(arch), data, out, steps=6, ev=ev), "train.eval_generations=2",
-                     "train.max_new_tokens=8", "train.eval_batch_size=2")
-    assert (f"train: {len(rows)} examples kept, 1 dropped (no assistant token left within max_length=256)"
-            in res.stdout), res.stdout[-2000:]
+    res = run_recipe(
+        *common(tiny_models(arch), data, out, steps=6, ev=ev),
+        "train.eval_generations=2",
+        "train.max_new_tokens=8",
+        "train.eval_batch_size=2",
+    )
+    assert (
+        f"train: {len(rows)} examples kept, 1 dropped (no assistant token left within max_length=256)" in res.stdout
+    ), res.stdout[-2000:]
     rows = metrics(out)
     train_rows = [r for r in rows if r["split"] == "train"]
     eval_rows = [r for r in rows if r["split"] == "eval"]
@@ -160,8 +185,14 @@ def test_missing_answer_fails_before_training_naming_the_row(tiny_models, synthe
     del rows[1]["answer"]
     bad = train.parent / "no_answer.jsonl"
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cmd = [sys.executable, str(RECIPE), f"model.name_or_path={tiny_models('qwen2')}", f"data.train_file={bad}",
-           f"output_dir={tmp_path / 'o'}", "train.report_to=none"]
+    cmd = [
+        sys.executable,
+        str(RECIPE),
+        f"model.name_or_path={tiny_models('qwen2')}",
+        f"data.train_file={bad}",
+        f"output_dir={tmp_path / 'o'}",
+        "train.report_to=none",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 2, res.stderr[-3000:]
     assert f"id={rows[1]['id']}: answer: missing" in res.stderr and str(bad) in res.stderr
@@ -199,16 +230,31 @@ def test_two_process_ddp_keeps_the_lr_schedule(tiny_models, synthetic, tmp_path)
     out = tmp_path / "ddp"
     # torchrun + ACCELERATE_USE_CPU gives real 2-process gloo DDP on CPU; `accelerate launch
     # --multi_gpu` without GPUs would start two independent single-process runs instead.
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
-                str(RECIPE)]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        "29531",
+        str(RECIPE),
+    ]
     cmd = launcher + common(tiny_models("qwen2_vl"), train, out, steps=4) + ["train.batch_size=2", "train.grad_accum=2"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "ACCELERATE_USE_CPU": "true"}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "ACCELERATE_USE_CPU": "true",
+    }
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     rows = [r for r in metrics(out) if r["split"] == "train"]
     assert [r["lr"] for r in rows] == pytest.approx([3e-3 * lr_factor(s, 0, 4, "cosine") for s in range(1, 5)]), (
-        rows, res.stdout[-3000:])
+        rows,
+        res.stdout[-3000:],
+    )
     assert (out / "model.safetensors").exists()
 
 
@@ -226,6 +272,7 @@ def test_demo_size_tiny_model(tmp_path):
 
 # ---- what SFT is for: the policy learns the step format -----------------------------------------
 
+
 @pytest.mark.slow
 def test_format_compliance_rises_after_short_training(tmp_path):
     """A 128-wide tiny Qwen2-VL, 150 CPU steps on 200 colour-tile problems.
@@ -240,20 +287,29 @@ def test_format_compliance_rises_after_short_training(tmp_path):
     assert cli_synthetic(["--out", str(data), "--train", "200", "--test", "32", "--seed", "0"]) == 0
     model = build_tiny_model("qwen2_vl", tmp_path / "model", seed=0, hidden_size=128)
     out = tmp_path / "run"
-    run_recipe(*common(model, data / "train_sft.jsonl", out, steps=150, ev=data / "test_sft.jsonl"),
-               "train.batch_size=16", "train.warmup_steps=5", "train.log_every=10", "train.eval_generations=32",
-               "train.max_new_tokens=128", "train.eval_batch_size=16")
+    run_recipe(
+        *common(model, data / "train_sft.jsonl", out, steps=150, ev=data / "test_sft.jsonl"),
+        "train.batch_size=16",
+        "train.warmup_steps=5",
+        "train.log_every=10",
+        "train.eval_generations=32",
+        "train.max_new_tokens=128",
+        "train.eval_batch_size=16",
+    )
     evals = [r for r in metrics(out) if r["split"] == "eval"]
     before, after = evals[0], evals[-1]
     assert before["step"] == 0 and after["step"] == 150 and after["generated"] == 32
-    print(f"format compliance {before['format_compliance']:.3f} -> {after['format_compliance']:.3f}, "
-          f"eval loss {before['loss']:.3f} -> {after['loss']:.3f}")
+    print(
+        f"format compliance {before['format_compliance']:.3f} -> {after['format_compliance']:.3f}, "
+        f"eval loss {before['loss']:.3f} -> {after['loss']:.3f}"
+    )
     assert before["format_compliance"] <= 0.1
     assert after["format_compliance"] >= 0.5
     assert after["loss"] < before["loss"] / 5
 
 
 # ---- the prompt format travels with the policy -------------------------------------------------
+
 
 def _recipe_module(name):
     spec = importlib.util.spec_from_file_location(f"{name}_recipe_for_spec", REPO / "recipes" / f"{name}.py")
@@ -293,21 +349,28 @@ def test_annotation_and_generation_prompt_the_policy_exactly_as_sft_trained_it(t
         return enc["input_ids"][0].tolist()
 
     mcts = _recipe_module("mcts_annotate")
-    cfg = load_config(mcts.AnnotateConfig, REPO / "recipes" / "configs" / "tiny" / "mcts_annotate.yaml",
-                      [f"model.name_or_path={out}"])
+    cfg = load_config(
+        mcts.AnnotateConfig, REPO / "recipes" / "configs" / "tiny" / "mcts_annotate.yaml", [f"model.name_or_path={out}"]
+    )
     assert cfg.model.system_prompt is None and cfg.engine.step_mode is None  # nothing said in the config
     backend = mcts.make_backend(cfg)
     assert backend.step_mode == "tags" and backend.system == system
     assert sent_ids(backend) == sft_prompt
 
     bon = _recipe_module("bon_rerank")
-    cfg = load_config(bon.Config, REPO / "recipes" / "configs" / "tiny" / "bon_rerank.yaml",
-                      ["generate.enabled=true", f"generate.policy={out}", f"generate.problems_file={train}"])
+    cfg = load_config(
+        bon.Config,
+        REPO / "recipes" / "configs" / "tiny" / "bon_rerank.yaml",
+        ["generate.enabled=true", f"generate.policy={out}", f"generate.problems_file={train}"],
+    )
     backend = bon.make_backend(cfg)
     assert backend.step_mode == "tags" and sent_ids(backend) == sft_prompt
 
     # A config that does say something wins, with a warning naming the saved value.
-    cfg = load_config(mcts.AnnotateConfig, REPO / "recipes" / "configs" / "tiny" / "mcts_annotate.yaml",
-                      [f"model.name_or_path={out}", "model.system_prompt=Be brief."])
+    cfg = load_config(
+        mcts.AnnotateConfig,
+        REPO / "recipes" / "configs" / "tiny" / "mcts_annotate.yaml",
+        [f"model.name_or_path={out}", "model.system_prompt=Be brief."],
+    )
     with pytest.warns(UserWarning, match="overrides 'You are a careful tile counter"):
         assert mcts.make_backend(cfg).system == "Be brief."

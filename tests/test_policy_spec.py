@@ -17,9 +17,7 @@ from mmprm.policy import (
 
 
 def test_saved_spec_fills_what_the_config_leaves_unset(tmp_path):
-    save_policy_spec(
-        tmp_path, PolicySpec(system_prompt="Solve it.", step_mode="blank_lines")
-    )
+    save_policy_spec(tmp_path, PolicySpec(system_prompt="Solve it.", step_mode="blank_lines"))
     assert json.loads((tmp_path / POLICY_SPEC_FILE).read_text())["version"] == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # agreeing or unset values warn about nothing
@@ -35,9 +33,7 @@ def test_saved_spec_fills_what_the_config_leaves_unset(tmp_path):
 
 def test_config_values_win_with_a_warning(tmp_path):
     save_policy_spec(tmp_path, PolicySpec(system_prompt="Solve it."))
-    with pytest.warns(
-        UserWarning, match=r"x: step_mode='blank_lines' overrides 'tags'"
-    ):
+    with pytest.warns(UserWarning, match=r"x: step_mode='blank_lines' overrides 'tags'"):
         assert resolve_prompt_format(tmp_path, None, "blank_lines", "x") == (
             "Solve it.",
             "blank_lines",
@@ -52,9 +48,7 @@ def test_config_values_win_with_a_warning(tmp_path):
 def test_a_policy_without_a_spec_uses_the_config_or_defaults(tmp_path):
     assert load_policy_spec(tmp_path) is None
     assert resolve_prompt_format(tmp_path, None, None, "x") == (None, "tags")
-    assert resolve_prompt_format(
-        "Qwen/Qwen2.5-VL-7B-Instruct", "Hi.", "blank_lines", "x"
-    ) == ("Hi.", "blank_lines")
+    assert resolve_prompt_format("Qwen/Qwen2.5-VL-7B-Instruct", "Hi.", "blank_lines", "x") == ("Hi.", "blank_lines")
 
 
 @pytest.mark.parametrize(

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from mmprm.scoring import metrics as M
 from real_data import DATA, reasoneval_files
 from toy_data import write_toy_prm_data
+
+from mmprm.scoring import metrics as M
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "prm_eval.py"
@@ -45,8 +45,9 @@ def prm_dirs(tiny_models, tmp_path_factory):
     def get(arch: str, head: str = "token_pair") -> Path:
         if (arch, head) not in made:
             backbone, processor = load_backbone(tiny_models(arch))
-            made[arch, head] = save_prm(build_prm(backbone, processor, PRMSpec(head=head)), processor,
-                                        root / f"{arch}_{head}")
+            made[arch, head] = save_prm(
+                build_prm(backbone, processor, PRMSpec(head=head)), processor, root / f"{arch}_{head}"
+            )
         return made[arch, head]
 
     return get
@@ -67,8 +68,13 @@ def check_against_scores(out: Path) -> tuple[dict, list[dict]]:
 
     def expected(rs: list[dict]) -> dict:
         s, y = [r["scores"] for r in rs], [r["labels"] for r in rs]
-        out = {"examples": len(rs), "steps": sum(map(len, s)), "auroc": M.auroc(s, y),
-               "step_accuracy": M.step_accuracy(s, y, t), **M.step_f1(s, y, t)}
+        out = {
+            "examples": len(rs),
+            "steps": sum(map(len, s)),
+            "auroc": M.auroc(s, y),
+            "step_accuracy": M.step_accuracy(s, y, t),
+            **M.step_f1(s, y, t),
+        }
         out.update({f"first_error_{k}": v for k, v in M.first_error_f1(s, [r["first_error"] for r in rs], t).items()})
         if report["labels_soft"]:
             out.update(bce=M.bce(s, y), brier=M.brier(s, y))
@@ -106,9 +112,24 @@ def test_shipped_config_parses():
 def test_cli_on_prmbench_slice_with_dev_threshold(prm_dirs, tmp_path):
     # the real entry point as a user runs it, over 2 rows of each of PRMBench's 9 categories
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(CONFIG), f"data.path={PRMBENCH}",
-                           "data.per_category=2", "data.dev_fraction=0.3", f"scorer.prm_path={prm_dirs('qwen2')}",
-                           f"output.dir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(RECIPE),
+            "--config",
+            str(CONFIG),
+            f"data.path={PRMBENCH}",
+            "data.per_category=2",
+            "data.dev_fraction=0.3",
+            f"scorer.prm_path={prm_dirs('qwen2')}",
+            f"output.dir={tmp_path}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report, rows = check_against_scores(tmp_path)
     assert len(rows) == 18 and {r["split"] for r in rows} == {"dev", "test"}
@@ -118,17 +139,29 @@ def test_cli_on_prmbench_slice_with_dev_threshold(prm_dirs, tmp_path):
     assert {r["first_error"] is None for r in rows if r["split"] == "dev"} == {True, False}
     assert report["label_kind"] == "validity" and report["labels_soft"] is False
     assert "bce" not in report["metrics"]  # hard labels: no calibration numbers
-    assert {"first_error_f1", "first_error_error_acc", "first_error_correct_acc", "macro_f1", "auroc"} \
-        <= set(report["metrics"])
+    assert {"first_error_f1", "first_error_error_acc", "first_error_correct_acc", "macro_f1", "auroc"} <= set(
+        report["metrics"]
+    )
     test_cats = {r["category"] for r in rows if r["split"] == "test"}
     assert set(report["by_category"]) == test_cats and len(test_cats) >= 5
 
 
 def test_reasoneval_with_given_threshold(prm_dirs, tmp_path):
     reasoneval, _, real = reasoneval_files(tmp_path / "reasoneval")
-    rc = recipe().main(["--config", str(CONFIG), "data.format=reasoneval", f"data.path={reasoneval}",
-                        "data.per_category=null", "data.limit=10", "data.dev_fraction=0", "metrics.threshold=0.5",
-                        f"scorer.prm_path={prm_dirs('qwen2')}", f"output.dir={tmp_path}"])
+    rc = recipe().main(
+        [
+            "--config",
+            str(CONFIG),
+            "data.format=reasoneval",
+            f"data.path={reasoneval}",
+            "data.per_category=null",
+            "data.limit=10",
+            "data.dev_fraction=0",
+            "metrics.threshold=0.5",
+            f"scorer.prm_path={prm_dirs('qwen2')}",
+            f"output.dir={tmp_path}",
+        ]
+    )
     assert rc == 0
     report, rows = check_against_scores(tmp_path)
     assert report["threshold"] == 0.5 and len(rows) == 10 and report["by_category"] == {}
@@ -146,9 +179,19 @@ def test_multimodal_step_file_with_dev_file_and_soft_labels(prm_dirs, tmp_path):
     test_file = write_toy_prm_data(tmp_path / "data", 10, seed=2, name="test.jsonl")
     dev_file = write_toy_prm_data(tmp_path / "data", 10, seed=3, name="dev.jsonl")
     out = tmp_path / "out"
-    rc = recipe().main(["--config", str(CONFIG), "data.format=steps", f"data.path={test_file}",
-                        f"data.dev_file={dev_file}", "data.dev_fraction=0", "data.per_category=null",
-                        f"scorer.prm_path={prm_dirs('qwen2_vl', 'value')}", f"output.dir={out}"])
+    rc = recipe().main(
+        [
+            "--config",
+            str(CONFIG),
+            "data.format=steps",
+            f"data.path={test_file}",
+            f"data.dev_file={dev_file}",
+            "data.dev_fraction=0",
+            "data.per_category=null",
+            f"scorer.prm_path={prm_dirs('qwen2_vl', 'value')}",
+            f"output.dir={out}",
+        ]
+    )
     assert rc == 0
     report, rows = check_against_scores(out)
     assert report["labels_soft"] is True and {"bce", "brier"} <= set(report["metrics"])
@@ -165,16 +208,45 @@ def test_multimodal_step_file_with_dev_file_and_soft_labels(prm_dirs, tmp_path):
 
 def test_bad_inputs_fail_early_with_clear_errors(tmp_path):
     missing = tmp_path / "nope.jsonl"
-    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(CONFIG), f"data.path={missing}",
-                           "data.format=steps", f"scorer.prm_path={tmp_path}"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(RECIPE),
+            "--config",
+            str(CONFIG),
+            f"data.path={missing}",
+            "data.format=steps",
+            f"scorer.prm_path={tmp_path}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and f"{missing}: input not found" in proc.stderr
-    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(CONFIG), f"data.dev_file={missing}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(CONFIG), f"data.dev_file={missing}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "set one of them, not both" in proc.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "r1", "question": "q", "steps": ["a", "b"]}) + "\n")
-    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(CONFIG), f"data.path={bad}",
-                           "data.format=steps", f"scorer.prm_path={tmp_path}"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(RECIPE),
+            "--config",
+            str(CONFIG),
+            f"data.path={bad}",
+            "data.format=steps",
+            f"scorer.prm_path={tmp_path}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and f"{bad}:1: id=r1: labels" in proc.stderr

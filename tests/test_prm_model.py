@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 from mmprm.models.loading import load_backbone
-from mmprm.models.prm import PRMSpec, ProcessRewardModel, PRMScorer, build_prm, collate_steps, model_input_keys
+from mmprm.models.prm import PRMScorer, PRMSpec, ProcessRewardModel, build_prm, collate_steps, model_input_keys
 from mmprm.steps import tokenize_steps
 
 ARCHS = ["qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2"]
@@ -42,7 +42,10 @@ def test_soft_label_reaches_loss_as_float(tiny_models, head):
     expected = -(t * p.log() + (1 - t) * (1 - p).log()).mean()
     assert loss.item() == pytest.approx(expected.item(), rel=1e-4)
     # an int cast would make the second target 0: that loss is measurably different
-    wrong = -(torch.tensor([1.0, 0.0], dtype=torch.float64) * p.log() + torch.tensor([0.0, 1.0], dtype=torch.float64) * (1 - p).log()).mean()
+    wrong = -(
+        torch.tensor([1.0, 0.0], dtype=torch.float64) * p.log()
+        + torch.tensor([0.0, 1.0], dtype=torch.float64) * (1 - p).log()
+    ).mean()
     assert abs(wrong.item() - loss.item()) > 1e-3
 
 
@@ -51,7 +54,9 @@ def test_token_pair_head_equals_full_lm_logits(tiny_models):
     tok = tokenize_steps(processor, "Sum?", ["2 + 3 = 5.", "So 5."], labels=[1.0, 0.0])
     batch = collate_steps([tok], processor.pad_token_id or 0)
     pair = model(batch["input_ids"], batch["attention_mask"], batch["step_mask"])
-    full = model.backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[batch["step_mask"]]
+    full = model.backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[
+        batch["step_mask"]
+    ]
     assert torch.allclose(pair, full[:, model.reward_ids], atol=1e-5)
 
 
@@ -60,8 +65,13 @@ def test_prefix_shared_scores_equal_unshared(tiny_models, arch):
     model, processor = _prm(tiny_models, arch, "value")
     scorer = PRMScorer(model, processor, batch_size=3)
     imgs = _images(arch, 1, (56, 42))
-    cands = [["Tile 1 is 3.", "3 + 4 = 7."], ["Tile 1 is 5.", "5 + 4 = 9.", "So 9."], ["7."],
-             ["Tile 1 is 3.", "3 + 4 = 8."], ["a", "b", "c", "d"]]
+    cands = [
+        ["Tile 1 is 3.", "3 + 4 = 7."],
+        ["Tile 1 is 5.", "5 + 4 = 9.", "So 9."],
+        ["7."],
+        ["Tile 1 is 3.", "3 + 4 = 8."],
+        ["a", "b", "c", "d"],
+    ]
     examples = [{"question": "Add the tiles.", "images": imgs, "steps": s} for s in cands]
     shared = scorer.score(examples, share_prefix=True)
     plain = scorer.score(examples, share_prefix=False)
@@ -83,6 +93,7 @@ def test_scorer_batches_mixed_problems_and_keeps_order(tiny_models):
 def test_empty_candidate_scores_as_empty_list(tiny_models):
     model, processor = _prm(tiny_models, "qwen2", "value")
     scorer = PRMScorer(model, processor)
-    out = scorer.score([{"question": "Q", "steps": []}, {"question": "Q", "steps": ["a"]},
-                        {"question": "Q", "steps": ["b", "c"]}])
+    out = scorer.score(
+        [{"question": "Q", "steps": []}, {"question": "Q", "steps": ["a"]}, {"question": "Q", "steps": ["b", "c"]}]
+    )
     assert [len(s) for s in out] == [0, 1, 2]

@@ -15,13 +15,25 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "prm_search.py"
 YAML = REPO / "recipes" / "configs" / "tiny" / "prm_search.yaml"
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-       "PYTHONPATH": str(REPO)}
+ENV = {
+    **os.environ,
+    "PYTHONUNBUFFERED": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": str(REPO),
+}
 
 
 def run(args, timeout=600):
-    res = subprocess.run([sys.executable, str(RECIPE), *args], capture_output=True, text=True, cwd=REPO, env=ENV,
-                         timeout=timeout, check=False)
+    res = subprocess.run(
+        [sys.executable, str(RECIPE), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+        timeout=timeout,
+        check=False,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-4000:]
     return res
 
@@ -44,8 +56,15 @@ def inputs(tiny_models, tmp_path_factory):
 
 
 def test_bad_config_fails_before_models_load(tmp_path):
-    res = subprocess.run([sys.executable, str(RECIPE), "--config", str(YAML), "searches=[{method: beam, aggregator: mean}]"],
-                         capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120, check=False)
+    res = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(YAML), "searches=[{method: beam, aggregator: mean}]"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+        timeout=120,
+        check=False,
+    )
     assert res.returncode == 2 and "aggregator" in res.stderr and "Traceback" not in res.stderr
 
 
@@ -57,11 +76,20 @@ def test_missing_model_directory_and_bad_kernel_are_named_before_loading(tmp_pat
     for overrides, message in (
         (["policy.path=/nonexistent/policy", f"prm={model}"], "policy.path: /nonexistent/policy does not exist"),
         ([f"policy.path={model}", "prm=/nonexistent/prm"], "prm: /nonexistent/prm does not exist"),
-        ([f"policy.path={model}", f"prm={model}", "model.attn_implementation=flash"],
-         "model.attn_implementation: 'flash' is not one of"),
+        (
+            [f"policy.path={model}", f"prm={model}", "model.attn_implementation=flash"],
+            "model.attn_implementation: 'flash' is not one of",
+        ),
     ):
-        res = subprocess.run([sys.executable, str(RECIPE), "--config", str(YAML), *overrides, f"output_dir={out}"],
-                             capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120, check=False)
+        res = subprocess.run(
+            [sys.executable, str(RECIPE), "--config", str(YAML), *overrides, f"output_dir={out}"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=ENV,
+            timeout=120,
+            check=False,
+        )
         assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
         assert not out.exists()  # nothing written
 
@@ -100,14 +128,24 @@ def test_backend_takes_the_policy_prompt_format_and_a_shard_seed_stream(tiny_mod
 def test_kill_resume_shards_and_report(inputs, tmp_path):
     policy, prm, problems = inputs
     out = tmp_path / "out"
-    base = ["--config", str(YAML), f"policy.path={policy}", f"prm={prm}", f"problems_file={problems}",
-            f"output_dir={out}", "batch_problems=1", "bon.n=[2,4]", "report.resamples=200",
-            "searches=[{method: beam, width: 2, expansions: 2, max_steps: 5}, {method: dvts, width: 2, expansions: 2, max_steps: 5}]"]
+    base = [
+        "--config",
+        str(YAML),
+        f"policy.path={policy}",
+        f"prm={prm}",
+        f"problems_file={problems}",
+        f"output_dir={out}",
+        "batch_problems=1",
+        "bon.n=[2,4]",
+        "report.resamples=200",
+        "searches=[{method: beam, width: 2, expansions: 2, max_steps: 5}, {method: dvts, width: 2, expansions: 2, max_steps: 5}]",
+    ]
     beam = out / "beam_W2xM2" / "results.shard0-of-1.jsonl"
 
     # kill -9 once the first problem is written, then rerun the same command
-    proc = subprocess.Popen([sys.executable, str(RECIPE), *base], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, str(RECIPE), *base], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None and (not beam.exists() or not beam.read_text().strip()):
         time.sleep(0.05)

@@ -8,9 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
-
 from toy_data import write_toy_prm_data
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,15 +17,20 @@ RECIPE = REPO / "recipes" / "prm_train.py"
 
 def run_recipe(*overrides, launcher=None, timeout=600, extra_env=None):
     cmd = (launcher or [sys.executable]) + [str(RECIPE)] + [str(o) for o in overrides]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           **(extra_env or {})}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        **(extra_env or {}),
+    }
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return res
 
 
 def metrics(out):
-    return [json.loads(l) for l in open(Path(out) / "metrics.jsonl")]
+    return [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +40,20 @@ def toy(tmp_path_factory):
 
 
 def common(model, train, ev, out, steps=12):
-    return [f"model.name_or_path={model}", f"data.train_file={train}", f"data.eval_file={ev}", f"output_dir={out}",
-            f"train.max_steps={steps}", "train.lr=1e-3", "train.batch_size=4", "train.log_every=1",
-            f"train.eval_every={steps}", f"train.save_every={steps}", "data.max_length=256", "train.report_to=none"]
+    return [
+        f"model.name_or_path={model}",
+        f"data.train_file={train}",
+        f"data.eval_file={ev}",
+        f"output_dir={out}",
+        f"train.max_steps={steps}",
+        "train.lr=1e-3",
+        "train.batch_size=4",
+        "train.log_every=1",
+        f"train.eval_every={steps}",
+        f"train.save_every={steps}",
+        "data.max_length=256",
+        "train.report_to=none",
+    ]
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2"])
@@ -64,8 +78,12 @@ def test_value_head_hard_labels_balance_and_load_prm_round_trip(tiny_models, toy
 
     train, ev = toy
     out = tmp_path / "value"
-    run_recipe(*common(tiny_models("qwen2_vl"), train, ev, out, steps=6), "prm.head=value",
-               "data.label_mode=hard", "data.balance=true")
+    run_recipe(
+        *common(tiny_models("qwen2_vl"), train, ev, out, steps=6),
+        "prm.head=value",
+        "data.label_mode=hard",
+        "data.balance=true",
+    )
     scorer = mmprm.load_prm(out)
     examples = load_examples(ev)[:3]
     scores = scorer.score(examples)
@@ -84,8 +102,9 @@ def test_exact_resume_matches_straight_run(tiny_models, toy, tmp_path):
     args_r = common(model, train, ev, resumed, steps=20)
     run_recipe(*args_r, "train.save_every=100", "train.warmup_steps=3", "train.grad_accum=2", "train.stop_at_step=10")
     assert not (resumed / "model.safetensors").exists()
-    run_recipe(*args_r, "train.save_every=100", "train.warmup_steps=3", "train.grad_accum=2",
-               "resume_from_checkpoint=latest")
+    run_recipe(
+        *args_r, "train.save_every=100", "train.warmup_steps=3", "train.grad_accum=2", "resume_from_checkpoint=latest"
+    )
     a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys()
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
@@ -96,11 +115,28 @@ def test_exact_resume_matches_straight_run(tiny_models, toy, tmp_path):
 def test_two_process_ddp(tiny_models, toy, tmp_path):
     train, ev = toy
     out = tmp_path / "ddp"
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "29517",
+    ]
     # without ACCELERATE_USE_CPU each process would see no GPU and run alone (world size 1)
-    res = run_recipe(*common(tiny_models("qwen2_vl"), train, ev, out, steps=6), launcher=launcher,
-                     extra_env={"ACCELERATE_USE_CPU": "true"})
+    run_recipe(
+        *common(tiny_models("qwen2_vl"), train, ev, out, steps=6),
+        launcher=launcher,
+        extra_env={"ACCELERATE_USE_CPU": "true"},
+    )
     assert (out / "mmprm_prm.json").exists()
     # two real processes in one group, not two independent single-process runs
     assert json.loads((out / "config.resolved.json").read_text())["num_processes"] == 2
@@ -115,10 +151,27 @@ def test_two_processes_with_a_row_count_that_used_to_starve_a_rank(tiny_models, 
     train = write_toy_prm_data(tmp_path / "d", 9, 0)
     ev = write_toy_prm_data(tmp_path / "d", 3, 1, name="eval.jsonl")  # 3 eval rows on 2 ranks: 2 + 1 (+1 wrapped)
     out = tmp_path / "starve"
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29519"]
-    res = run_recipe(*common(tiny_models("qwen2_vl"), train, ev, out, steps=4), launcher=launcher,
-                     extra_env={"ACCELERATE_USE_CPU": "true"})
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "29519",
+    ]
+    res = run_recipe(
+        *common(tiny_models("qwen2_vl"), train, ev, out, steps=4),
+        launcher=launcher,
+        extra_env={"ACCELERATE_USE_CPU": "true"},
+    )
     assert json.loads((out / "config.resolved.json").read_text())["num_processes"] == 2
     assert "9 rows do not fill whole global batches of 8: each epoch's last batch repeats 7 rows" in res.stdout
     rows = metrics(out)
@@ -132,8 +185,13 @@ def test_two_processes_with_a_row_count_that_used_to_starve_a_rank(tiny_models, 
 def test_bad_data_fails_before_training_with_row_named(tiny_models, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "x1", "question": "q", "steps": ["a", "b"], "labels": [1.0]}) + "\n")
-    cmd = [sys.executable, str(RECIPE), f"model.name_or_path={tiny_models('qwen2')}", f"data.train_file={bad}",
-           f"output_dir={tmp_path / 'o'}"]
+    cmd = [
+        sys.executable,
+        str(RECIPE),
+        f"model.name_or_path={tiny_models('qwen2')}",
+        f"data.train_file={bad}",
+        f"output_dir={tmp_path / 'o'}",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 2
     assert f"{bad}:1: id=x1: labels: 1 labels for 2 steps" in res.stderr
@@ -142,8 +200,13 @@ def test_bad_data_fails_before_training_with_row_named(tiny_models, tmp_path):
 
 def test_images_for_a_text_only_model_fail_before_training(tiny_models, toy, tmp_path):
     train, _ = toy
-    cmd = [sys.executable, str(RECIPE), f"model.name_or_path={tiny_models('qwen2')}", f"data.train_file={train}",
-           f"output_dir={tmp_path / 'o'}"]
+    cmd = [
+        sys.executable,
+        str(RECIPE),
+        f"model.name_or_path={tiny_models('qwen2')}",
+        f"data.train_file={train}",
+        f"output_dir={tmp_path / 'o'}",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 2 and "this model is text-only but 32 rows have images" in res.stderr
 

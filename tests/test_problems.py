@@ -30,13 +30,22 @@ def _ok(**row) -> dict:
 
 def test_good_file_loads_with_absolute_images(tmp_path):
     Image.new("RGB", (4, 4)).save(tmp_path / "a.png")
-    path = _write(tmp_path / "problems.jsonl", [
-        _ok(id=7, images=["a.png"], question="<image1> How many?", answer=3, choices=["2", "3"], meta={"s": 1}),
-        _ok(id="p2"),
-    ])
+    path = _write(
+        tmp_path / "problems.jsonl",
+        [
+            _ok(id=7, images=["a.png"], question="<image1> How many?", answer=3, choices=["2", "3"], meta={"s": 1}),
+            _ok(id="p2"),
+        ],
+    )
     first, second = load_problems(path)
-    assert first == Problem(id="7", question="<image1> How many?", answer="3",
-                            images=[str((tmp_path / "a.png").resolve())], choices=["2", "3"], meta={"s": 1})
+    assert first == Problem(
+        id="7",
+        question="<image1> How many?",
+        answer="3",
+        images=[str((tmp_path / "a.png").resolve())],
+        choices=["2", "3"],
+        meta={"s": 1},
+    )
     assert (second.id, second.images, second.choices, second.meta) == ("p2", [], None, {})
 
 
@@ -47,7 +56,9 @@ def test_missing_file(tmp_path):
 
 
 def test_empty_file(tmp_path):
-    assert _errors(tmp_path, []) == [f"{tmp_path / 'problems.jsonl'}:0: id=?: file: no rows (the problems file is empty)"]
+    assert _errors(tmp_path, []) == [
+        f"{tmp_path / 'problems.jsonl'}:0: id=?: file: no rows (the problems file is empty)"
+    ]
 
 
 def test_invalid_json(tmp_path):
@@ -87,7 +98,9 @@ def test_missing_question(tmp_path):
 
 def test_reserved_step_token_in_question(tmp_path):
     (line,) = _errors(tmp_path, [_ok(question=f"What is 2 + 3? {STEP_TOKEN}")])
-    assert line.endswith(f":1: id=p1: question: contains the reserved step token {STEP_TOKEN!r} (remove it from the text)")
+    assert line.endswith(
+        f":1: id=p1: question: contains the reserved step token {STEP_TOKEN!r} (remove it from the text)"
+    )
 
 
 def test_missing_answer(tmp_path):
@@ -104,15 +117,19 @@ def test_answer_of_wrong_type(tmp_path):
 
 def test_missing_image(tmp_path):
     (line,) = _errors(tmp_path, [_ok(images=["gone.png"], question="<image1> How many?")])
-    assert line == (f"{tmp_path / 'problems.jsonl'}:1: id=p1: images[0]: image not found: {tmp_path / 'gone.png'} "
-                    "(paths are relative to the JSONL file's folder)")
+    assert line == (
+        f"{tmp_path / 'problems.jsonl'}:1: id=p1: images[0]: image not found: {tmp_path / 'gone.png'} "
+        "(paths are relative to the JSONL file's folder)"
+    )
 
 
 def test_unreadable_image(tmp_path):
     (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
     (line,) = _errors(tmp_path, [_ok(images=["broken.png"])])
-    assert line.endswith(f":1: id=p1: images[0]: image unreadable: {tmp_path / 'broken.png'}: "
-                         "UnidentifiedImageError (replace or re-export the file)")
+    assert line.endswith(
+        f":1: id=p1: images[0]: image unreadable: {tmp_path / 'broken.png'}: "
+        "UnidentifiedImageError (replace or re-export the file)"
+    )
 
 
 def test_images_not_a_list(tmp_path):
@@ -122,8 +139,10 @@ def test_images_not_a_list(tmp_path):
 
 def test_placeholders_and_images_disagree(tmp_path):
     (line,) = _errors(tmp_path, [_ok(question="<image1> and <image2>: which is larger?")])
-    assert line.endswith(":1: id=p1: images: question has 2 image placeholder(s) but 0 image(s) are listed "
-                         "(list one image per placeholder, or remove the placeholders)")
+    assert line.endswith(
+        ":1: id=p1: images: question has 2 image placeholder(s) but 0 image(s) are listed "
+        "(list one image per placeholder, or remove the placeholders)"
+    )
 
 
 def test_choices_not_a_list_of_strings(tmp_path):

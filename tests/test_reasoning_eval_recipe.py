@@ -38,17 +38,29 @@ def rpts_inputs(tmp_path: Path) -> tuple[Path, Path]:
     records = [RECORD, {**RECORD, "id": 8, "answer": "disagree"}, {**RECORD, "id": 9}]
     texts = tmp_path / "texts_en.json"
     texts.write_text(json.dumps(records), encoding="utf-8")
-    answers = write_jsonl(tmp_path / "answers.jsonl", [{"id": "7", "response": ANSWER},
-                                                        {"id": "8", "response": "I think they agree."}])
+    answers = write_jsonl(
+        tmp_path / "answers.jsonl", [{"id": "7", "response": ANSWER}, {"id": "8", "response": "I think they agree."}]
+    )
     return texts, answers
 
 
 def run_rpts(tmp_path: Path, url: str, *overrides: str) -> int:
     texts, answers = rpts_inputs(tmp_path)
-    return recipe().main(["--config", str(CONFIG), f"problems.path={texts}", "problems.limit=null",
-                          "answers.source=file", f"answers.path={answers}", f"scorer.judge.url={url}",
-                          "scorer.judge.backoff_s=0", "scorer.judge.max_retries=1", f"output.dir={tmp_path / 'out'}",
-                          *overrides])
+    return recipe().main(
+        [
+            "--config",
+            str(CONFIG),
+            f"problems.path={texts}",
+            "problems.limit=null",
+            "answers.source=file",
+            f"answers.path={answers}",
+            f"scorer.judge.url={url}",
+            "scorer.judge.backoff_s=0",
+            "scorer.judge.max_retries=1",
+            f"output.dir={tmp_path / 'out'}",
+            *overrides,
+        ]
+    )
 
 
 def test_rpts_answers_judged_with_the_correction_pass(tmp_path):
@@ -70,7 +82,13 @@ def test_rpts_answers_judged_with_the_correction_pass(tmp_path):
         tree = next(json.loads(line) for line in (tmp_path / "out" / "trees.jsonl").read_text().splitlines())
         assert tree["meta"]["judge"]["corrected"] == ["C4", "C5"]
         assert {n["id"]: n["score"] for n in tree["nodes"] if n["kind"] == "conclusion"} == {
-            "C0": 0.9, "C1": 1.0, "C2": 0.0, "C3": 1.0, "C4": 0.7, "C5": 0.4}
+            "C0": 0.9,
+            "C1": 1.0,
+            "C2": 0.0,
+            "C3": 1.0,
+            "C4": 0.7,
+            "C5": 0.4,
+        }
         md = (tmp_path / "out" / "report.md").read_text()
         assert "| 0.9,1 | 0.7612 | 1.0000 |" in md and "unparseable: no 'premises -> conclusion' lines | 1" in md
         assert (tmp_path / "out" / "trees" / "7.png").read_bytes()[:4] == b"\x89PNG"
@@ -95,13 +113,29 @@ def test_think360_on_mathv_cot_files(tmp_path):
     (folder / "images").mkdir(parents=True)
     for pid in ("1", "2"):
         Image.new("RGB", (32, 32), "white").save(folder / "images" / f"{pid}.jpg")
-    write_jsonl(folder / "testmini.jsonl", [
-        {"id": pid, "question": "<image1> Perimeter of the triangle?", "options": [], "answer": "12",
-         "solution": None, "level": 1, "subject": "metric geometry - length", "image": f"images/{pid}.jpg"}
-        for pid in ("1", "2")])
-    cot = write_jsonl(tmp_path / "cot.jsonl", [
-        {"id": "1", "model": "m", "response": RESPONSE, "model_answer": "12", "correct": True},
-        {"id": "2", "model": "m", "response": "The perimeter is 11.", "model_answer": "11", "correct": False}])
+    write_jsonl(
+        folder / "testmini.jsonl",
+        [
+            {
+                "id": pid,
+                "question": "<image1> Perimeter of the triangle?",
+                "options": [],
+                "answer": "12",
+                "solution": None,
+                "level": 1,
+                "subject": "metric geometry - length",
+                "image": f"images/{pid}.jpg",
+            }
+            for pid in ("1", "2")
+        ],
+    )
+    cot = write_jsonl(
+        tmp_path / "cot.jsonl",
+        [
+            {"id": "1", "model": "m", "response": RESPONSE, "model_answer": "12", "correct": True},
+            {"id": "2", "model": "m", "response": "The perimeter is 11.", "model_answer": "11", "correct": False},
+        ],
+    )
 
     def script(body):
         if "The perimeter is 11." in body["messages"][-1]["content"]:
@@ -109,16 +143,27 @@ def test_think360_on_mathv_cot_files(tmp_path):
         return think360_script(body)
 
     with ChatServer(script) as server:
-        argv = ["--config", str(CONFIG), "problems.format=mathv", f"problems.path={folder}",
-                "answers.source=file", f"answers.path={cot}", "tree.kind=think360", f"tree.extractor.url={server.url}",
-                "tree.extractor.model=extractor", f"scorer.judge.url={server.url}", "output.plots=false",
-                f"output.dir={tmp_path / 'out'}"]
+        argv = [
+            "--config",
+            str(CONFIG),
+            "problems.format=mathv",
+            f"problems.path={folder}",
+            "answers.source=file",
+            f"answers.path={cot}",
+            "tree.kind=think360",
+            f"tree.extractor.url={server.url}",
+            "tree.extractor.model=extractor",
+            f"scorer.judge.url={server.url}",
+            "output.plots=false",
+            f"output.dir={tmp_path / 'out'}",
+        ]
         assert recipe().main(argv) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     s, items = report["summary"], {r["id"]: r for r in report["items"]}
     assert s["accuracy"] == 0.5  # MATH-V's own verdicts
     assert items["2"]["status"] == "no_tree" and items["2"]["why"] == (
-        "invalid tree: node 2.1 has a parent that is not a node")
+        "invalid tree: node 2.1 has a parent that is not a node"
+    )
     # the hand-computed tree: width 2/3, depth 3/4; the invalid tree is not averaged in
     assert s["trees_scored"] == 1 and s["width"] == pytest.approx(2 / 3) and s["depth"] == pytest.approx(0.75)
     # extraction: 2 tries for 1 (invalid, then valid), 3 for 2 (all invalid); judging: 6 nodes of 1
@@ -138,12 +183,25 @@ def test_bad_config_is_reported(tmp_path, capsys):
 @pytest.mark.slow
 def test_tiny_hf_model_answers_and_mc_scores(tmp_path, tiny_model_dir):
     """The model under test answers with the HF backend and rolls out from every node (MC scorer)."""
-    problems = write_jsonl(tmp_path / "problems.jsonl", [
-        {"id": f"p{i}", "question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(3)])
+    problems = write_jsonl(
+        tmp_path / "problems.jsonl",
+        [{"id": f"p{i}", "question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(3)],
+    )
     model = tiny_model_dir("qwen2")
-    argv = ["--config", str(CONFIG), "problems.format=jsonl", f"problems.path={problems}", "answers.source=hf",
-            f"answers.model={model}", "answers.sampling.max_new_tokens=24", "tree.kind=steps", "scorer.kind=mc",
-            "scorer.mc_rollouts=2", f"output.dir={tmp_path / 'out'}", "output.plots=false"]
+    argv = [
+        "--config",
+        str(CONFIG),
+        "problems.format=jsonl",
+        f"problems.path={problems}",
+        "answers.source=hf",
+        f"answers.model={model}",
+        "answers.sampling.max_new_tokens=24",
+        "tree.kind=steps",
+        "scorer.kind=mc",
+        "scorer.mc_rollouts=2",
+        f"output.dir={tmp_path / 'out'}",
+        "output.plots=false",
+    ]
     assert recipe().main(argv) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     s = report["summary"]

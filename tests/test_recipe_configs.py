@@ -12,8 +12,17 @@ from mmprm.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "recipes" / "configs"
-RECIPES = ("prm_train", "policy_sft", "bon_rerank", "mcts_annotate", "tree_eval", "prm_eval", "quickstart",
-           "reasoning_eval", "prm_search")
+RECIPES = (
+    "prm_train",
+    "policy_sft",
+    "bon_rerank",
+    "mcts_annotate",
+    "tree_eval",
+    "prm_eval",
+    "quickstart",
+    "reasoning_eval",
+    "prm_search",
+)
 YAMLS = sorted(CONFIGS.rglob("*.yaml"))
 CONFIG_FILE = re.compile(r"--config_file[ =]+(\S+)")
 
@@ -50,7 +59,8 @@ def test_configs_are_shipped():
     assert YAMLS, f"no YAML under {rel(CONFIGS)}"
     assert {p.stem for p in YAMLS} <= set(RECIPES), (
         f"a config is named after no recipe: {sorted({p.stem for p in YAMLS} - set(RECIPES))} "
-        f"(name it recipes/configs/<backbone>/<recipe>.yaml with <recipe> one of {RECIPES})")
+        f"(name it recipes/configs/<backbone>/<recipe>.yaml with <recipe> one of {RECIPES})"
+    )
 
 
 def config_class(name: str) -> type:
@@ -76,9 +86,11 @@ def test_yaml_opens_with_its_launch_command(path):
     launcher = r"(accelerate launch|python|torchrun)\b"
     assert re.match(rf"# {launcher}.* recipes/{path.stem}\.py\b", first), (
         f"{rel(path)}:1: first line must be the launch command as a comment, e.g. "
-        f"'# accelerate launch recipes/{path.stem}.py --config {rel(path)}'; got {first!r}")
+        f"'# accelerate launch recipes/{path.stem}.py --config {rel(path)}'; got {first!r}"
+    )
     assert re.search(rf"--config[ =]+{re.escape(rel(path))}(\s|$)", first), (
-        f"{rel(path)}:1: the launch line must pass this very file: --config {rel(path)}")
+        f"{rel(path)}:1: the launch line must pass this very file: --config {rel(path)}"
+    )
 
 
 @pytest.mark.parametrize("path", YAMLS, ids=[rel(p) for p in YAMLS])
@@ -143,14 +155,16 @@ def test_help_lists_every_key_with_type_default_and_help(name, capsys):
         assert " = " in lines[entry], f"{key}: no default shown: {lines[entry]!r}"
         help_line = lines[entry + 1].strip()
         assert help_line and help_line != "(no help written)", (
-            f"{key}: no help; add it to the Attributes: section of {cls.__name__}'s docstring")
+            f"{key}: no help; add it to the Attributes: section of {cls.__name__}'s docstring"
+        )
 
 
 def test_help_runs_as_a_script_without_a_config():
     import subprocess
 
-    done = subprocess.run([sys.executable, "recipes/tree_eval.py", "--help"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "recipes/tree_eval.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert "scorer.prm_path: str | null = null" in done.stdout and "kind=prm: PRM directory" in done.stdout
 
@@ -160,10 +174,18 @@ def test_a_missing_model_directory_names_its_key_before_any_loading(tmp_path):
 
     config = str(CONFIGS / "tiny" / "prm_train.yaml")
     with pytest.raises(ConfigError, match=r"^model\.name_or_path: /nonexistent/model does not exist \(a local"):
-        recipe_module("prm_train").main(["--config", config, "model.name_or_path=/nonexistent/model",
-                                         f"output_dir={tmp_path}"])
+        recipe_module("prm_train").main(
+            ["--config", config, "model.name_or_path=/nonexistent/model", f"output_dir={tmp_path}"]
+        )
     assert not any(tmp_path.iterdir())  # nothing written
     # before hours of generation, not after
     with pytest.raises(ConfigError, match=r"^generate\.policy: /nonexistent/policy does not exist"):
-        recipe_module("bon_rerank").main(["--config", str(CONFIGS / "tiny" / "bon_rerank.yaml"), "generate.enabled=true",
-                                          "generate.policy=/nonexistent/policy", f"output_dir={tmp_path / 'bon'}"])
+        recipe_module("bon_rerank").main(
+            [
+                "--config",
+                str(CONFIGS / "tiny" / "bon_rerank.yaml"),
+                "generate.enabled=true",
+                "generate.policy=/nonexistent/policy",
+                f"output_dir={tmp_path / 'bon'}",
+            ]
+        )

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from real_data import DATA
 
 from mmprm.data.schema import DataError, load_examples, to_hf_dataset, validate_file, write_jsonl
 from mmprm.steps import STEP_TOKEN
-from real_data import DATA
 
 
 def _row(**kw):
@@ -123,8 +123,9 @@ def test_cli_validate_a_directory_checks_each_jsonl(tmp_path):
     empty.mkdir()
     assert main(["validate", str(empty)]) == 1
     # the library call names the directory instead of raising IsADirectoryError
-    assert validate_file(folder)[1] == [f"{folder}: is a directory; give a JSONL file "
-                                        "(`mmprm validate DIR` checks each *.jsonl in DIR)"]
+    assert validate_file(folder)[1] == [
+        f"{folder}: is a directory; give a JSONL file (`mmprm validate DIR` checks each *.jsonl in DIR)"
+    ]
     with pytest.raises(DataError, match="is a directory"):
         from mmprm.data.problems import load_problems
 
@@ -137,8 +138,10 @@ def test_invalid_json_is_reported_at_its_real_column(tmp_path):
     inner = row.replace('"steps"', "'steps'")  # a quote error in the middle of the line
     p = _write(tmp_path, [(cut + "\n").encode(), (inner + "\r\n").encode(), (row[:30] + "\n").encode()])
     _, problems = validate_file(p)
-    assert len(cut) == 65 and problems[0] == (f"{p}:1: id=?: line: invalid JSON: Expecting property name enclosed "
-                                              "in double quotes at column 66 (fix the line so it holds one JSON object)")
+    assert len(cut) == 65 and problems[0] == (
+        f"{p}:1: id=?: line: invalid JSON: Expecting property name enclosed "
+        "in double quotes at column 66 (fix the line so it holds one JSON object)"
+    )
     col = inner.index("'steps'") + 1
     assert problems[1].startswith(f"{p}:2: id=?: line: invalid JSON: ") and f"at column {col} " in problems[1]
     assert "Unterminated string starting at column 27 " in problems[2]
@@ -187,8 +190,9 @@ def test_write_jsonl_round_trip(tmp_path):
 
 def test_mathv_rows_with_placeholders_validate():
     data = DATA / "mathv"
-    rows = [json.loads(l) for l in open(data / "testmini.jsonl")][:20]
+    rows = [json.loads(line) for line in open(data / "testmini.jsonl")][:20]
     import tempfile
+
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "m.jsonl"
         with open(p, "w") as f:
@@ -196,7 +200,17 @@ def test_mathv_rows_with_placeholders_validate():
                 n = max(1, len(set(__import__("re").findall(r"<image\d*>", r["question"]))))
                 # MATH-V repeats placeholders for one composite figure: one image per placeholder occurrence
                 n = len(__import__("re").findall(r"<image\d*>", r["question"])) or 1
-                f.write(json.dumps({"id": r["id"], "images": [str(data / r["image"])] * n,
-                                    "question": r["question"], "steps": ["look"], "answer": r["answer"]}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "id": r["id"],
+                            "images": [str(data / r["image"])] * n,
+                            "question": r["question"],
+                            "steps": ["look"],
+                            "answer": r["answer"],
+                        }
+                    )
+                    + "\n"
+                )
         ex = load_examples(p)
         assert len(ex) == 20

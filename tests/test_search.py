@@ -19,8 +19,12 @@ class ScriptedPolicy:
 
     def propose(self, requests):
         self.calls.append([(tuple(r.prefix_steps), r.n) for r in requests])
-        return [[StepProposal(step, answer, self.tokens) for step, answer in self.script.get(tuple(r.prefix_steps), [])][:r.n]
-                for r in requests]
+        return [
+            [StepProposal(step, answer, self.tokens) for step, answer in self.script.get(tuple(r.prefix_steps), [])][
+                : r.n
+            ]
+            for r in requests
+        ]
 
 
 class ScriptedPRM:
@@ -41,12 +45,21 @@ def ans(step: str, answer: str) -> str:
 
 BEAM_SCRIPT = {
     (): [("A", None), ("B", None), ("C", None), ("D", None)],
-    ("A",): [("A1", None), ("", "5")],            # the second finishes right after A
+    ("A",): [("A1", None), ("", "5")],  # the second finishes right after A
     ("C",): [("C1", None), ("C2", None)],
-    ("C", "C1"): [("", "7"), ("", None)],          # an answer, and a dead continuation
+    ("C", "C1"): [("", "7"), ("", None)],  # an answer, and a dead continuation
 }
-BEAM_PROBS = {"A": 0.9, "B": 0.6, "C": 0.8, "D": 0.8, "A1": 0.7, ans("A", "5"): 0.95, "C1": 0.85, "C2": 0.3,
-              ans("C1", "7"): 0.9}
+BEAM_PROBS = {
+    "A": 0.9,
+    "B": 0.6,
+    "C": 0.8,
+    "D": 0.8,
+    "A1": 0.7,
+    ans("A", "5"): 0.95,
+    "C1": 0.85,
+    "C2": 0.3,
+    ans("C1", "7"): 0.9,
+}
 
 
 def test_beam_search_hand_computed():
@@ -75,8 +88,12 @@ def test_beam_aggregator_changes_the_pick():
     probs = {**BEAM_PROBS, ans("A", "5"): 0.85, ans("C1", "7"): 1.0}
     picks = {}
     for agg in ("min", "last"):
-        [t] = run_search([PROBLEM], ScriptedPolicy(BEAM_SCRIPT), ScriptedPRM(probs),
-                         SearchConfig("beam", width=2, expansions=2, aggregator=agg))
+        [t] = run_search(
+            [PROBLEM],
+            ScriptedPolicy(BEAM_SCRIPT),
+            ScriptedPRM(probs),
+            SearchConfig("beam", width=2, expansions=2, aggregator=agg),
+        )
         picks[agg] = t.nodes[t.chosen]
     # min: "5" scores .85, "7" min(.8 [C], 1.0) = .8 -> "5"; last: .85 vs 1.0 -> "7".
     assert picks["min"].answer == "5" and picks["min"].score == pytest.approx(0.85)
@@ -86,8 +103,9 @@ def test_beam_aggregator_changes_the_pick():
 def test_step_limit_cuts_and_falls_back_to_the_best_unfinished_node():
     script = {(): [("s1", None)], ("s1",): [("s2", None)], ("s1", "s2"): [("s3", None)]}
     policy = ScriptedPolicy(script)
-    [tree] = run_search([PROBLEM], policy, ScriptedPRM({"s1": 0.9, "s2": 0.8}),
-                        SearchConfig("beam", width=1, expansions=1, max_steps=2))
+    [tree] = run_search(
+        [PROBLEM], policy, ScriptedPRM({"s1": 0.9, "s2": 0.8}), SearchConfig("beam", width=1, expansions=1, max_steps=2)
+    )
     assert [n.step for n in tree.nodes[1:]] == ["s1", "s2"]  # s2 sits at the limit: never expanded
     assert len(policy.calls) == 2
     chosen = tree.nodes[tree.chosen]
@@ -96,8 +114,9 @@ def test_step_limit_cuts_and_falls_back_to_the_best_unfinished_node():
 
 def test_empty_expansions_end_the_search():
     policy = ScriptedPolicy({(): [("A", None), ("B", None)]})  # nothing follows A or B
-    [tree] = run_search([PROBLEM], policy, ScriptedPRM({"A": 0.4, "B": 0.7}),
-                        SearchConfig("beam", width=2, expansions=1))
+    [tree] = run_search(
+        [PROBLEM], policy, ScriptedPRM({"A": 0.4, "B": 0.7}), SearchConfig("beam", width=2, expansions=1)
+    )
     assert len(policy.calls) == 2 and len(tree.nodes) == 3
     assert tree.nodes[tree.chosen].step == "B"
     # An empty root expansion: only the root, nothing scored, nothing chosen but the root.
@@ -111,8 +130,16 @@ def test_dvts_keeps_one_node_per_subtree():
         ("B",): [("", "3"), ("B1", None)],
         ("C",): [("", "4"), ("", "9")],
     }
-    probs = {"A": 0.5, "B": 0.6, "C": 0.9, "D": 0.1, ans("B", "3"): 0.7, "B1": 0.9, ans("C", "4"): 0.2,
-             ans("C", "9"): 0.3}
+    probs = {
+        "A": 0.5,
+        "B": 0.6,
+        "C": 0.9,
+        "D": 0.1,
+        ans("B", "3"): 0.7,
+        "B1": 0.9,
+        ans("C", "4"): 0.2,
+        ans("C", "9"): 0.3,
+    }
     policy = ScriptedPolicy(script)
     [tree] = run_search([PROBLEM], policy, ScriptedPRM(probs), SearchConfig("dvts", width=2, expansions=2))
     # Round 0: subtree 0 keeps B (.6 > .5), subtree 1 keeps C (.9 > .1).
@@ -133,8 +160,9 @@ def test_best_first_expands_the_best_frontier_node_and_stops_at_a_finished_top()
     }
     probs = {"A": 0.9, "B": 0.7, "A1": 0.4, ans("A", "2"): 0.3, ans("B", "8"): 0.65}
     policy = ScriptedPolicy(script)
-    [tree] = run_search([PROBLEM], policy, ScriptedPRM(probs),
-                        SearchConfig("best_first", width=1, expansions=2, aggregator="min"))
+    [tree] = run_search(
+        [PROBLEM], policy, ScriptedPRM(probs), SearchConfig("best_first", width=1, expansions=2, aggregator="min")
+    )
     # Frontier after root: A .9, B .7 -> expand A: A1 .4, "2" .3 -> frontier B .7, A1 .4, "2" .3
     # -> expand B: "8" .65 on top and finished -> stop. A1 is never expanded.
     assert policy.calls == [[((), 2)], [(("A",), 2)], [(("B",), 2)]]
@@ -144,8 +172,9 @@ def test_best_first_expands_the_best_frontier_node_and_stops_at_a_finished_top()
 def test_best_first_respects_its_expansion_budget():
     script = {(): [("a", None)], ("a",): [("b", None)], ("a", "b"): [("c", None)], ("a", "b", "c"): [("", "1")]}
     policy = ScriptedPolicy(script)
-    [tree] = run_search([PROBLEM], policy, ScriptedPRM({}),
-                        SearchConfig("best_first", width=1, expansions=1, max_expansions=2))
+    [tree] = run_search(
+        [PROBLEM], policy, ScriptedPRM({}), SearchConfig("best_first", width=1, expansions=1, max_expansions=2)
+    )
     assert len(policy.calls) == 2 and tree.nodes[tree.chosen].answer is None
 
 
@@ -158,8 +187,9 @@ def test_problems_share_every_round():
 
 
 def test_tree_round_trip_and_treeval(tmp_path):
-    [tree] = run_search([PROBLEM], ScriptedPolicy(BEAM_SCRIPT), ScriptedPRM(BEAM_PROBS),
-                        SearchConfig("beam", width=2, expansions=2))
+    [tree] = run_search(
+        [PROBLEM], ScriptedPolicy(BEAM_SCRIPT), ScriptedPRM(BEAM_PROBS), SearchConfig("beam", width=2, expansions=2)
+    )
     again = SearchTree.from_json(tree.to_json())
     assert again.to_json() == tree.to_json()
     tv = tree.to_treeval()
@@ -188,22 +218,52 @@ def test_config_errors_are_clear():
 
 def test_beam_keeps_distinct_paths_only():
     policy = ScriptedPolicy({(): [("A", None), ("A", None), ("A", None), ("B", None)]})
-    [tree] = run_search([PROBLEM], policy, ScriptedPRM({"A": 0.9, "B": 0.2}), SearchConfig("beam", width=2, expansions=2))
+    [tree] = run_search(
+        [PROBLEM], policy, ScriptedPRM({"A": 0.9, "B": 0.2}), SearchConfig("beam", width=2, expansions=2)
+    )
     assert [n.kept for n in tree.nodes[1:]] == [True, False, False, True]  # the copies of A give way to B
-    [dup] = run_search([PROBLEM], ScriptedPolicy(policy.script), ScriptedPRM({"A": 0.9, "B": 0.2}),
-                       SearchConfig("beam", width=2, expansions=2, distinct=False))
+    [dup] = run_search(
+        [PROBLEM],
+        ScriptedPolicy(policy.script),
+        ScriptedPRM({"A": 0.9, "B": 0.2}),
+        SearchConfig("beam", width=2, expansions=2, distinct=False),
+    )
     assert [n.kept for n in dup.nodes[1:]] == [True, True, False, False]
 
 
 def test_equal_budget_report_by_hand(tmp_path):
     from mmprm.search.report import search_report, write_search_report
 
-    search = [{"id": "p1", "correct": True, "complete": True, "stats": {"generated_tokens": 10, "prm_sequences": 4, "seconds": 1.0}},
-              {"id": "p2", "correct": False, "complete": True, "stats": {"generated_tokens": 20, "prm_sequences": 6, "seconds": 3.0}}]
-    bon = [{"id": "p2", "candidates": [{"step_probs": [0.1], "answer": "3", "correct": False, "tokens": 4},
-                                       {"step_probs": [0.8], "answer": "4", "correct": True, "tokens": 6}]},
-           {"id": "p1", "candidates": [{"step_probs": [0.9], "answer": "1", "correct": True, "tokens": 5},
-                                       {"step_probs": [0.2], "answer": "2", "correct": False, "tokens": 7}]}]
+    search = [
+        {
+            "id": "p1",
+            "correct": True,
+            "complete": True,
+            "stats": {"generated_tokens": 10, "prm_sequences": 4, "seconds": 1.0},
+        },
+        {
+            "id": "p2",
+            "correct": False,
+            "complete": True,
+            "stats": {"generated_tokens": 20, "prm_sequences": 6, "seconds": 3.0},
+        },
+    ]
+    bon = [
+        {
+            "id": "p2",
+            "candidates": [
+                {"step_probs": [0.1], "answer": "3", "correct": False, "tokens": 4},
+                {"step_probs": [0.8], "answer": "4", "correct": True, "tokens": 6},
+            ],
+        },
+        {
+            "id": "p1",
+            "candidates": [
+                {"step_probs": [0.9], "answer": "1", "correct": True, "tokens": 5},
+                {"step_probs": [0.2], "answer": "2", "correct": False, "tokens": 7},
+            ],
+        },
+    ]
     r = search_report({"beam W1xM2": search}, bon, bon_ns=(1, 2), aggregator="min", n_resamples=200)
     m = r["methods"]
     assert m["beam W1xM2"]["mean"] == 0.5 and m["beam W1xM2"]["tokens_per_problem"] == 15.0

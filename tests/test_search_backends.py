@@ -77,8 +77,10 @@ def test_hf_greedy_search_rebuilds_the_greedy_solution(toy_policy, prm):
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                    reason="vllm is not installed: `make test-vllm` runs this tier in .venv-vllm")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vllm is not installed: `make test-vllm` runs this tier in .venv-vllm",
+)
 def test_vllm_and_hf_grow_the_same_greedy_tree(request, tmp_path):
     """Both backends, greedy, the same toy policy and PRM: the same search tree node for node."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -111,8 +113,10 @@ def test_vllm_and_hf_grow_the_same_greedy_tree(request, tmp_path):
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                    reason="vllm is not installed: `make test-vllm` runs this tier in .venv-vllm")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vllm is not installed: `make test-vllm` runs this tier in .venv-vllm",
+)
 def test_vllm_engine_starts_with_a_later_shards_seed(request):
     """Shard/rank >= 1 samples from worker_seed(seed, i) >= 2**40; vLLM seeds numpy with the engine
     seed, which takes < 2**32 only - the engine used to die at start on every shard but the first."""

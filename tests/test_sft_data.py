@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from real_data import DATA, full_or_subset
 
 from mmprm.data.schema import DataError, StepExample, write_jsonl
 from mmprm.data.sft import (
@@ -22,15 +23,15 @@ from mmprm.data.sft import (
     split_solution,
 )
 from mmprm.steps import parse_solution, render_solution
-from real_data import DATA, full_or_subset
-
 
 # ------------------------------------------------------------------ splitter
 
 
 def test_clean_solution():
     assert clean_solution("3 * 2 = <<3*2=6>>6 and 1/3 = <<1/3=0.3333") == "3 * 2 = 6 and 1/3 = 0.3333"
-    assert clean_solution("See ![](https://x/y.jpg?h=2) here. [asy]draw((0,0)--(1,1));[/asy] Done.") == "See  here.  Done."
+    assert (
+        clean_solution("See ![](https://x/y.jpg?h=2) here. [asy]draw((0,0)--(1,1));[/asy] Done.") == "See  here.  Done."
+    )
 
 
 def test_split_solution_rules():
@@ -49,7 +50,10 @@ def test_split_solution_rules():
 
 def test_split_sentences_keeps_math_whole():
     assert split_sentences("By symmetry \\[a = b.\\] Hence $c = 1.5$. Done") == [
-        "By symmetry \\[a = b.\\]", "Hence $c = 1.5$.", "Done"]
+        "By symmetry \\[a = b.\\]",
+        "Hence $c = 1.5$.",
+        "Done",
+    ]
     assert split_sentences("It is 3.5 m. Mr. X left.") == ["It is 3.5 m.", "Mr.", "X left."]  # no abbreviation list
 
 
@@ -67,8 +71,10 @@ def test_sft_from_gsm8k_real_answers():
         assert len(ex.steps) == len(lines) - 1, ex.id
         assert ex.answer == lines[-1].removeprefix("####").strip().replace(",", "")
         assert not any("<<" in s or ">>" in s or "####" in s for s in ex.steps)
-    assert examples[0].steps == ["Janet sells 16 - 3 - 4 = 9 duck eggs a day.",
-                                 "She makes 9 * 2 = $18 every day at the farmer’s market."]
+    assert examples[0].steps == [
+        "Janet sells 16 - 3 - 4 = 9 duck eggs a day.",
+        "She makes 9 * 2 = $18 every day at the farmer’s market.",
+    ]
     # the example-solutions file's ground_truth ("A: N") gives the same examples
     alt = sft_from_gsm8k(DATA / "gsm8k" / "example_model_solutions.jsonl")
     assert [(e.steps, e.answer) for e in alt] == [(e.steps, e.answer) for e in examples]
@@ -148,8 +154,10 @@ def test_rewrite_with_llm(monkeypatch):
     replies = {"text": ""}
     with ChatServer(lambda body: replies["text"]) as server:
         monkeypatch.setenv("MMPRM_TEST_KEY", "sk-test")
-        client = ChatClient(ChatConfig(url=server.url, model="tiny", api_key_env="MMPRM_TEST_KEY", backoff_s=0,
-                                       max_retries=1), config_key="--rewrite")
+        client = ChatClient(
+            ChatConfig(url=server.url, model="tiny", api_key_env="MMPRM_TEST_KEY", backoff_s=0, max_retries=1),
+            config_key="--rewrite",
+        )
         ex = StepExample(id="g1", question="What is 2+3?", steps=["2+3=5."], answer="5", meta={"source": "t"})
         replies["text"] = "<step>Add the numbers.</step>\n<step>2 + 3 = 5.</step>\n<answer>5</answer>"
         out = rewrite_with_llm(ex, client)
@@ -172,8 +180,9 @@ def test_rewrite_with_llm(monkeypatch):
 def test_convert_sft_cli_rewrites_concurrently_and_caches(tmp_path, capsys):
     from chat_server import ChatServer
 
-    rows = [{"question": f"What is {i}+1?", "answer": f"{i}+1=<<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}"}
-            for i in range(4)]
+    rows = [
+        {"question": f"What is {i}+1?", "answer": f"{i}+1=<<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}"} for i in range(4)
+    ]
     src = tmp_path / "gsm.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -183,8 +192,20 @@ def test_convert_sft_cli_rewrites_concurrently_and_caches(tmp_path, capsys):
         return "no steps here" if i == 2 else f"<step>Add one to {i}.</step>\n<answer>{i + 1}</answer>"
 
     with ChatServer(script) as server:
-        argv = ["--from", "gsm8k", "--input", str(src), "--out", str(tmp_path / "sft.jsonl"),
-                "--rewrite-url", server.url, "--rewrite-model", "m", "--concurrency", "3"]
+        argv = [
+            "--from",
+            "gsm8k",
+            "--input",
+            str(src),
+            "--out",
+            str(tmp_path / "sft.jsonl"),
+            "--rewrite-url",
+            server.url,
+            "--rewrite-model",
+            "m",
+            "--concurrency",
+            "3",
+        ]
         assert cli_convert_sft(argv) == 0
         assert len(server.requests) == 4
         out = [json.loads(line) for line in (tmp_path / "sft.jsonl").read_text().splitlines()]

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from slurm_cluster import APT_PACKAGES, SLURM_BINARIES, JobResult, SlurmCluster, ensure_debian_packages
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,10 +25,16 @@ SLURM_DIR = REPO / "launch" / "slurm"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # Small, quiet, single-threaded jobs: two "nodes" share this machine's few cores.
-JOB_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-           "MAIN_PROCESS_IP": "127.0.0.1",  # node names n1/n2 do not resolve
-           "ACCELERATE_USE_CPU": "true",  # no real GPU: without it each process would train alone
-           "MIXED_PRECISION": "no", "MMPRM_ROOT": str(REPO), "PYTHON": sys.executable}
+JOB_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+    "MAIN_PROCESS_IP": "127.0.0.1",  # node names n1/n2 do not resolve
+    "ACCELERATE_USE_CPU": "true",  # no real GPU: without it each process would train alone
+    "MIXED_PRECISION": "no",
+    "MMPRM_ROOT": str(REPO),
+    "PYTHON": sys.executable,
+}
 
 # Records what accelerate gave this process; the all-reduce proves the processes are one group.
 TRAIN_PROBE = """\
@@ -80,12 +85,23 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 TWO_WORKERS = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1"]
 
 
-def submit(cluster: SlurmCluster, script: str, sbatch_args: list[str], env: dict[str, str], tmp: Path,
-           args: list[str] = (), timeout: float = 300) -> tuple[JobResult, str]:
+def submit(
+    cluster: SlurmCluster,
+    script: str,
+    sbatch_args: list[str],
+    env: dict[str, str],
+    tmp: Path,
+    args: list[str] = (),
+    timeout: float = 300,
+) -> tuple[JobResult, str]:
     """Submit launch/slurm/SCRIPT with `sbatch --wait`; returns (result, the job's own output)."""
     out = tmp / f"{script}.out"
-    res = cluster.sbatch(["--time=10", f"--output={out}", *sbatch_args, str(SLURM_DIR / script), *args],
-                         env={**JOB_ENV, **env}, timeout=timeout, cwd=tmp)
+    res = cluster.sbatch(
+        ["--time=10", f"--output={out}", *sbatch_args, str(SLURM_DIR / script), *args],
+        env={**JOB_ENV, **env},
+        timeout=timeout,
+        cwd=tmp,
+    )
     return res, out.read_text(errors="replace") if out.exists() else "(no job output)"
 
 
@@ -99,9 +115,11 @@ def report(res: JobResult, job_out: str, log_dir: Path | None = None) -> str:
 
 # -- the cluster itself -------------------------------------------------------------------------
 
+
 def test_two_nodes_answer_srun(cluster):
-    res = cluster.run(["srun", "--nodes=2", "--ntasks-per-node=1", "--label", "printenv", "SLURMD_NODENAME"],
-                      timeout=60)
+    res = cluster.run(
+        ["srun", "--nodes=2", "--ntasks-per-node=1", "--label", "printenv", "SLURMD_NODENAME"], timeout=60
+    )
     assert res.returncode == 0, res.stderr
     assert sorted(res.stdout.split()) == ["0:", "1:", "n1", "n2"]
 
@@ -110,8 +128,9 @@ def test_one_gpu_per_task(cluster, tmp_path):
     # The binding annotate/bon rely on: --gpus-per-task=1 gives each task its own device.
     script = tmp_path / "bind.sh"
     script.write_text("#!/bin/bash\nsrun bash -c 'echo $SLURMD_NODENAME:$CUDA_VISIBLE_DEVICES'\n")
-    res = cluster.sbatch(["--nodes=2", "--ntasks-per-node=2", "--gpus-per-task=1", f"--output={tmp_path}/b.out",
-                          str(script)], timeout=60)
+    res = cluster.sbatch(
+        ["--nodes=2", "--ntasks-per-node=2", "--gpus-per-task=1", f"--output={tmp_path}/b.out", str(script)], timeout=60
+    )
     assert res.returncode == 0, res.stderr
     assert sorted((tmp_path / "b.out").read_text().split()) == ["n1:0", "n1:1", "n2:0", "n2:1"]
 
@@ -132,14 +151,21 @@ def test_impossible_job_is_refused_not_left_pending(cluster, tmp_path):
 
 # -- train.sbatch -------------------------------------------------------------------------------
 
+
 def test_train_sbatch_runs_one_process_group_across_two_nodes(cluster, tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(TRAIN_PROBE)
     config = tmp_path / "cfg.yaml"
     config.write_text("x: 1\n")
     logs = tmp_path / "logs"
-    env = {"RECIPE": str(probe), "CONFIG": str(config), "ACCEL_CONFIG": "launch/accelerate/ddp.yaml",
-           "LOG_DIR": str(logs), "PROBE_OUT": str(tmp_path), "OVERRIDES": "a.b=1"}
+    env = {
+        "RECIPE": str(probe),
+        "CONFIG": str(config),
+        "ACCEL_CONFIG": "launch/accelerate/ddp.yaml",
+        "LOG_DIR": str(logs),
+        "PROBE_OUT": str(tmp_path),
+        "OVERRIDES": "a.b=1",
+    }
     res, out = submit(cluster, "train.sbatch", ["--nodes=2", "--gpus-per-node=1"], env, tmp_path, args=["c=2"])
     assert res.returncode == 0, report(res, out, logs)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -148,7 +174,8 @@ def test_train_sbatch_runs_one_process_group_across_two_nodes(cluster, tmp_path)
     assert all(r["type"] == "DistributedType.MULTI_CPU" and r["sum"] == 3.0 for r in ranks)
     assert ranks[0]["argv"] == ["--config", str(config), "a.b=1", "c=2"]
     assert sorted(p.name for p in logs.glob("*.log")) == [
-        f"mmprm-train-{job}-node{n}.log" for job in [_job_id(res)] for n in (0, 1)]
+        f"mmprm-train-{job}-node{n}.log" for job in [_job_id(res)] for n in (0, 1)
+    ]
     assert "on 2 node(s) x 1 = 2 processes" in out
 
 
@@ -157,8 +184,14 @@ def test_train_sbatch_fails_when_one_rank_fails(cluster, tmp_path):
     probe.write_text(TRAIN_PROBE)
     config = tmp_path / "cfg.yaml"
     config.write_text("x: 1\n")
-    env = {"RECIPE": str(probe), "CONFIG": str(config), "ACCEL_CONFIG": "launch/accelerate/ddp.yaml",
-           "LOG_DIR": str(tmp_path / "logs"), "PROBE_OUT": str(tmp_path), "PROBE_FAIL_RANK": "1"}
+    env = {
+        "RECIPE": str(probe),
+        "CONFIG": str(config),
+        "ACCEL_CONFIG": "launch/accelerate/ddp.yaml",
+        "LOG_DIR": str(tmp_path / "logs"),
+        "PROBE_OUT": str(tmp_path),
+        "PROBE_FAIL_RANK": "1",
+    }
     res, out = submit(cluster, "train.sbatch", ["--nodes=2", "--gpus-per-node=1"], env, tmp_path)
     assert res.returncode != 0, report(res, out, tmp_path / "logs")
     assert "train.sbatch: done" not in out
@@ -173,6 +206,7 @@ def test_train_sbatch_names_a_missing_config(cluster, tmp_path):
 
 # -- annotate.sbatch / bon_rerank.sbatch with probe workers -------------------------------------
 
+
 @pytest.mark.parametrize("script", ["annotate.sbatch", "bon_rerank.sbatch"])
 def test_worker_scripts_give_each_rank_its_share_and_gpu(cluster, tmp_path, script):
     probe = tmp_path / "worker.py"
@@ -180,11 +214,11 @@ def test_worker_scripts_give_each_rank_its_share_and_gpu(cluster, tmp_path, scri
     config = tmp_path / "cfg.yaml"
     config.write_text("x: 1\n")
     out_dir, logs = tmp_path / "out", tmp_path / "logs"
-    env = {"RECIPE": str(probe), "CONFIG": str(config), "OUTPUT_DIR": str(out_dir), "LOG_DIR": str(logs),
-           "MERGE": "0"}
+    env = {"RECIPE": str(probe), "CONFIG": str(config), "OUTPUT_DIR": str(out_dir), "LOG_DIR": str(logs), "MERGE": "0"}
     # the nodes here have 2 CPUs, below the scripts' default of 8 per worker: the flag overrides it
-    res, out = submit(cluster, script, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"], env, tmp_path,
-                      args=["k=v"])
+    res, out = submit(
+        cluster, script, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"], env, tmp_path, args=["k=v"]
+    )
     assert res.returncode == 0, report(res, out, logs)
     workers = [json.loads((out_dir / f"worker{r}.json").read_text()) for r in (0, 1)]
     assert [w["ntasks"] for w in workers] == [2, 2]
@@ -203,8 +237,13 @@ def test_annotate_sbatch_failed_worker_fails_job_and_says_resume(cluster, tmp_pa
     probe.write_text(WORKER_PROBE)
     config = tmp_path / "cfg.yaml"
     config.write_text("x: 1\n")
-    env = {"RECIPE": str(probe), "CONFIG": str(config), "OUTPUT_DIR": str(tmp_path / "out"),
-           "LOG_DIR": str(tmp_path / "logs"), "PROBE_FAIL_RANK": "1"}
+    env = {
+        "RECIPE": str(probe),
+        "CONFIG": str(config),
+        "OUTPUT_DIR": str(tmp_path / "out"),
+        "LOG_DIR": str(tmp_path / "logs"),
+        "PROBE_FAIL_RANK": "1",
+    }
     res, out = submit(cluster, "annotate.sbatch", TWO_WORKERS, env, tmp_path)
     assert res.returncode == 1, report(res, out, tmp_path / "logs")
     assert "submit the same command again to resume" in out
@@ -213,6 +252,7 @@ def test_annotate_sbatch_failed_worker_fails_job_and_says_resume(cluster, tmp_pa
 
 
 # -- the real recipes through the same files (on as soon as each recipe exists) -----------------
+
 
 def _need(*paths: str) -> None:
     for p in paths:
@@ -241,8 +281,9 @@ def tiny_inputs(tmp_path_factory: pytest.TempPathFactory):
             if " ".join(cmd) in done:
                 continue
             argv = [sys.executable, *cmd[1:]] if cmd[0] == "python" else cmd
-            res = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=300,
-                                 env={**os.environ, **JOB_ENV})
+            res = subprocess.run(
+                argv, cwd=workdir, capture_output=True, text=True, timeout=300, env={**os.environ, **JOB_ENV}
+            )
             assert res.returncode == 0, f"{config} header command {' '.join(cmd)!r} failed:\n{res.stderr[-2000:]}"
             done.add(" ".join(cmd))
         return workdir
@@ -260,7 +301,7 @@ def _header_commands(config: Path) -> list[list[str]]:
     start = next((i for i, text in enumerate(header) if "Make the inputs first" in text), None)
     assert start is not None, f"{config}: header has no 'Make the inputs first:' block"
     commands, current = [], ""
-    for text in header[start + 1:]:
+    for text in header[start + 1 :]:
         if not current and not text.startswith(("mmprm ", "python ")):
             break  # the command block ends at the first line that is not a command
         current += text.rstrip("\\").strip() + " "
@@ -278,13 +319,22 @@ def test_prm_train_on_two_nodes(cluster, tmp_path, tiny_models):
     train = write_toy_prm_data(tmp_path / "data", 16, 0)
     ev = write_toy_prm_data(tmp_path / "data", 8, 1, name="eval.jsonl")
     config = tmp_path / "prm.yaml"
-    config.write_text(f"model:\n  name_or_path: {tiny_models('qwen2_vl')}\ndata:\n  train_file: {train}\n"
-                      f"  eval_file: {ev}\n  max_length: 256\n")
+    config.write_text(
+        f"model:\n  name_or_path: {tiny_models('qwen2_vl')}\ndata:\n  train_file: {train}\n"
+        f"  eval_file: {ev}\n  max_length: 256\n"
+    )
     out_dir, logs = tmp_path / "prm", tmp_path / "logs"
-    overrides = (f"output_dir={out_dir} train.max_steps=4 train.batch_size=2 train.log_every=1 "
-                 "train.eval_every=4 train.save_every=4 train.report_to=none")
-    env = {"RECIPE": "recipes/prm_train.py", "CONFIG": str(config), "ACCEL_CONFIG": "launch/accelerate/ddp.yaml",
-           "LOG_DIR": str(logs), "OVERRIDES": overrides}
+    overrides = (
+        f"output_dir={out_dir} train.max_steps=4 train.batch_size=2 train.log_every=1 "
+        "train.eval_every=4 train.save_every=4 train.report_to=none"
+    )
+    env = {
+        "RECIPE": "recipes/prm_train.py",
+        "CONFIG": str(config),
+        "ACCEL_CONFIG": "launch/accelerate/ddp.yaml",
+        "LOG_DIR": str(logs),
+        "OVERRIDES": overrides,
+    }
     res, out = submit(cluster, "train.sbatch", ["--nodes=2", "--gpus-per-node=1"], env, tmp_path)
     assert res.returncode == 0, report(res, out, logs)
     assert (out_dir / "mmprm_prm.json").exists()
@@ -300,11 +350,18 @@ def test_policy_sft_on_two_nodes(cluster, tmp_path, tiny_inputs):
     config = REPO / "recipes" / "configs" / "tiny" / "policy_sft.yaml"
     workdir = tiny_inputs(config)
     out_dir, logs = tmp_path / "policy", tmp_path / "logs"
-    overrides = (f"output_dir={out_dir} train.max_steps=2 train.batch_size=2 train.eval_every=2 "
-                 "train.save_every=2 train.eval_generations=2 train.max_new_tokens=8 train.report_to=none")
-    env = {"RECIPE": str(REPO / "recipes" / "policy_sft.py"), "CONFIG": str(config),
-           "ACCEL_CONFIG": str(REPO / "launch" / "accelerate" / "ddp.yaml"), "LOG_DIR": str(logs),
-           "OVERRIDES": overrides, "MMPRM_ROOT": str(workdir)}
+    overrides = (
+        f"output_dir={out_dir} train.max_steps=2 train.batch_size=2 train.eval_every=2 "
+        "train.save_every=2 train.eval_generations=2 train.max_new_tokens=8 train.report_to=none"
+    )
+    env = {
+        "RECIPE": str(REPO / "recipes" / "policy_sft.py"),
+        "CONFIG": str(config),
+        "ACCEL_CONFIG": str(REPO / "launch" / "accelerate" / "ddp.yaml"),
+        "LOG_DIR": str(logs),
+        "OVERRIDES": overrides,
+        "MMPRM_ROOT": str(workdir),
+    }
     res, out = submit(cluster, "train.sbatch", ["--nodes=2", "--gpus-per-node=1"], env, tmp_path)
     assert res.returncode == 0, report(res, out, logs)
     states = sorted(p.name for p in (out_dir / "checkpoints" / "step_2").glob("random_states_*.pkl"))
@@ -316,8 +373,13 @@ def test_mcts_annotate_two_workers_merge_and_resume(cluster, tmp_path, tiny_inpu
     config = REPO / "recipes" / "configs" / "tiny" / "mcts_annotate.yaml"
     workdir = tiny_inputs(config)
     out_dir, logs = tmp_path / "annotate", tmp_path / "logs"
-    env = {"RECIPE": str(REPO / "recipes" / "mcts_annotate.py"), "CONFIG": str(config),
-           "OUTPUT_DIR": str(out_dir), "LOG_DIR": str(logs), "MMPRM_ROOT": str(workdir)}
+    env = {
+        "RECIPE": str(REPO / "recipes" / "mcts_annotate.py"),
+        "CONFIG": str(config),
+        "OUTPUT_DIR": str(out_dir),
+        "LOG_DIR": str(logs),
+        "MMPRM_ROOT": str(workdir),
+    }
     res, out = submit(cluster, "annotate.sbatch", TWO_WORKERS, env, tmp_path)
     assert res.returncode == 0, report(res, out, logs)
     from mmprm.annotate.engine import tree_file_name
@@ -339,8 +401,13 @@ def test_bon_rerank_two_shards_and_merge(cluster, tmp_path, tiny_inputs):
     config = REPO / "recipes" / "configs" / "tiny" / "bon_rerank.yaml"
     workdir = tiny_inputs(config)
     out_dir, logs = tmp_path / "bon", tmp_path / "logs"
-    env = {"RECIPE": str(REPO / "recipes" / "bon_rerank.py"), "CONFIG": str(config),
-           "OUTPUT_DIR": str(out_dir), "LOG_DIR": str(logs), "MMPRM_ROOT": str(workdir)}
+    env = {
+        "RECIPE": str(REPO / "recipes" / "bon_rerank.py"),
+        "CONFIG": str(config),
+        "OUTPUT_DIR": str(out_dir),
+        "LOG_DIR": str(logs),
+        "MMPRM_ROOT": str(workdir),
+    }
     res, out = submit(cluster, "bon_rerank.sbatch", TWO_WORKERS, env, tmp_path)
     assert res.returncode == 0, report(res, out, logs)
     assert len(list(logs.glob("*-rank[01].log"))) == 2

@@ -13,10 +13,18 @@ from mmprm.models import TINY_ARCHS, add_step_token, load_backbone, load_process
 from mmprm.steps import STEP_TOKEN, StepTokenError, tokenize_steps
 
 VLM_ARCHS = [a for a in TINY_ARCHS if a != "qwen2"]
-IMAGE_TOKEN = {"qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>", "internvl": "<IMG_CONTEXT>",
-               "llava": "<image>"}
-STEPS = ["Read the picture: there are 7 dots.", "Add the 5 hidden dots: 7 + 5 = 12.",
-         "Check: 12 - 5 = 7, so it holds.", "The answer is 12.\n<answer>12</answer>"]
+IMAGE_TOKEN = {
+    "qwen2_vl": "<|image_pad|>",
+    "qwen2_5_vl": "<|image_pad|>",
+    "internvl": "<IMG_CONTEXT>",
+    "llava": "<image>",
+}
+STEPS = [
+    "Read the picture: there are 7 dots.",
+    "Add the 5 hidden dots: 7 + 5 = 12.",
+    "Check: 12 - 5 = 7, so it holds.",
+    "The answer is 12.\n<answer>12</answer>",
+]
 LABELS = [1.0, 0.7, 0.0, 0.25]
 
 
@@ -167,7 +175,8 @@ def test_images_at_numbered_placeholders(loaded, mathv_images, arch):
     # Image markup (Qwen: vision_start/end, InternVL: <img>..</img>) hugs the placeholder's place.
     assert tok.decode(ids[: runs[0][0]]).endswith(("Compare ", "Compare <|vision_start|>", "Compare <img>"))
     assert tok.decode(ids[runs[1][1] + 1 :]).startswith(
-        tuple(m + ": which has more digits?" for m in ("", "<|vision_end|>", "</img>")))
+        tuple(m + ": which has more digits?" for m in ("", "<|vision_end|>", "</img>"))
+    )
     assert "<image1>" not in tok.decode(ids) and "<image2>" not in tok.decode(ids)
     # The expanded image tokens match what the vision tower produces: the forward runs.
     with torch.no_grad():
@@ -215,6 +224,34 @@ def test_docstring_example_is_what_tokenize_steps_returns(tiny_models):
     model, processor = load_backbone(tiny_models("qwen2"))
     assert add_step_token(processor, model) == 1024
     tok = tokenize_steps(processor, "1+1?", ["1+1=2.", "So 2."], labels=[1.0, 0.7])
-    assert tok.input_ids == [1, 363, 265, 201, 19, 13, 19, 33, 2, 201, 1, 415, 626, 201,
-                             19, 13, 19, 31, 20, 16, 1024, 201, 53, 81, 223, 20, 16, 1024]
+    assert tok.input_ids == [
+        1,
+        363,
+        265,
+        201,
+        19,
+        13,
+        19,
+        33,
+        2,
+        201,
+        1,
+        415,
+        626,
+        201,
+        19,
+        13,
+        19,
+        31,
+        20,
+        16,
+        1024,
+        201,
+        53,
+        81,
+        223,
+        20,
+        16,
+        1024,
+    ]
     assert tok.step_positions == [20, 27] and tok.labels == [1.0, 0.7]

@@ -30,8 +30,12 @@ MODEL_CLASS = {
     "qwen2": "Qwen2ForCausalLM",
 }
 # The image token each processor expands, as the arch's tokenizer names it.
-IMAGE_TOKEN = {"qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>", "internvl": "<IMG_CONTEXT>",
-               "llava": "<image>"}
+IMAGE_TOKEN = {
+    "qwen2_vl": "<|image_pad|>",
+    "qwen2_5_vl": "<|image_pad|>",
+    "internvl": "<IMG_CONTEXT>",
+    "llava": "<image>",
+}
 
 
 def _has_torchvision() -> bool:
@@ -136,9 +140,12 @@ def test_chat_template(tiny_models, arch):
     assert processor.apply_chat_template(text_only, tokenize=False) == (
         "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
     )
-    prompt = processor.apply_chat_template(build_messages("2+2?", 0, system="Be brief."),
-                                           add_generation_prompt=True, tokenize=False)
-    assert prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    prompt = processor.apply_chat_template(
+        build_messages("2+2?", 0, system="Be brief."), add_generation_prompt=True, tokenize=False
+    )
+    assert (
+        prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
     partial = build_messages("2+2?", 0, assistant="<step>2 + 2 = 4.</step>\n")
     cont = processor.apply_chat_template(partial, continue_final_message=True, tokenize=False)
     assert cont == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<step>2 + 2 = 4.</step>\n"
@@ -153,8 +160,10 @@ def test_chat_template(tiny_models, arch):
 
 
 def _prompts(processor, questions: list[str]) -> list[str]:
-    return [processor.apply_chat_template(build_messages(q, 1), add_generation_prompt=True, tokenize=False)
-            for q in questions]
+    return [
+        processor.apply_chat_template(build_messages(q, 1), add_generation_prompt=True, tokenize=False)
+        for q in questions
+    ]
 
 
 @pytest.mark.parametrize("arch", VLM_ARCHS)
@@ -164,8 +173,10 @@ def test_forward_padded_batch_of_two_image_sizes(tiny_models, mathv_images, arch
     model.eval()
     images = mathv_images(["4", "7"])  # 56x53 and 56x28 after thumbnail: different sizes
     assert images[0].size != images[1].size
-    texts = _prompts(processor, ["How many different digits can you find in <image1>?",
-                                 "How many bricks are missing in the wall? <image1>"])
+    texts = _prompts(
+        processor,
+        ["How many different digits can you find in <image1>?", "How many bricks are missing in the wall? <image1>"],
+    )
     batch = processor(text=texts, images=images, padding=True, padding_side=side, return_tensors="pt")
     assert batch["input_ids"].shape[0] == 2
     with torch.no_grad():
@@ -196,8 +207,9 @@ def test_text_only_forward_padded(tiny_models):
 
 
 def _prompts_text(tok, questions: list[str]) -> list[str]:
-    return [tok.apply_chat_template(build_messages(q, 0), add_generation_prompt=True, tokenize=False)
-            for q in questions]
+    return [
+        tok.apply_chat_template(build_messages(q, 0), add_generation_prompt=True, tokenize=False) for q in questions
+    ]
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen2"])
@@ -289,8 +301,11 @@ def test_head_dim_64_for_vllm_forwards(tmp_path, arch):
     if arch == "qwen2":
         batch = processor(_prompts_text(processor, ["1+1?"]), return_tensors="pt")
     else:
-        batch = processor(text=_prompts(processor, ["How many digits in <image1>?"]),
-                          images=[Image.new("RGB", (56, 42), "teal")], return_tensors="pt")
+        batch = processor(
+            text=_prompts(processor, ["How many digits in <image1>?"]),
+            images=[Image.new("RGB", (56, 42), "teal")],
+            return_tensors="pt",
+        )
     with torch.no_grad():
         assert torch.isfinite(model(**batch).logits).all()
 

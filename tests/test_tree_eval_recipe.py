@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from real_data import DATA
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,8 +42,13 @@ def test_shipped_config_parses():
 
 def test_cli_on_rpts_eval_gold_with_constant_scores(tmp_path):
     # the real entry point, as a user launches it
-    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(CONFIG), f"output.dir={tmp_path}",
-                           f"data.path={RPTS_EN}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(CONFIG), f"output.dir={tmp_path}", f"data.path={RPTS_EN}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "416 items" in proc.stdout and "6 tolerated data quirks" in proc.stdout
     report = json.loads((tmp_path / "report.json").read_text())
@@ -64,8 +68,14 @@ def test_shipped_config_runs_on_data_in_the_repository(tmp_path):
     """A fresh clone (no ../shared) runs the tiny config as written: its input is under data/."""
     cfg_path = recipe().TreeEvalConfig().data.path
     assert (REPO / cfg_path).is_file(), f"{cfg_path} is not in the repository (see data/README.md)"
-    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(CONFIG), f"output.dir={tmp_path}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(CONFIG), f"output.dir={tmp_path}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "416 items from data/rpts_eval/texts_en.json" in proc.stdout
     assert json.loads((tmp_path / "report.json").read_text())["summary"]["items"] == 416
@@ -75,8 +85,12 @@ def test_shipped_config_runs_on_data_in_the_repository(tmp_path):
 def test_shipped_config_takes_steps_without_naming_a_plot_item(tmp_path):
     """The tiny YAML names no RPTS-only item, so any input format runs with it as shipped."""
     steps = tmp_path / "steps.jsonl"
-    steps.write_text("".join(json.dumps({"id": f"p{i}", "question": "Q", "steps": ["a.", "b."],
-                                         "meta": {"correct": i == 0}}) + "\n" for i in range(2)))
+    steps.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "question": "Q", "steps": ["a.", "b."], "meta": {"correct": i == 0}}) + "\n"
+            for i in range(2)
+        )
+    )
     report = run(tmp_path / "out", f"data.path={steps}", "data.format=steps")
     assert [r["id"] for r in report["items"]] == ["p0", "p1"] and report["summary"]["accuracy"] == 0.5
     assert (tmp_path / "out" / "tree_p0.png").exists()
@@ -95,23 +109,29 @@ def test_low_constant_fails_nodes_and_filter(tmp_path):
 
 def test_think360_and_steps_inputs(tmp_path):
     rows = [
-        {"id": "a", "question": "Q1", "correct": True,
-         "response": "[NODE:1.1] [PARENT:None] [ORIGINAL:x] [TYPE:observation]\n"
-                     "[NODE:2.1] [PARENT:1.1] [ORIGINAL:y]\n[NODE:2.2] [PARENT:1.1] [ORIGINAL:z]"},
+        {
+            "id": "a",
+            "question": "Q1",
+            "correct": True,
+            "response": "[NODE:1.1] [PARENT:None] [ORIGINAL:x] [TYPE:observation]\n"
+            "[NODE:2.1] [PARENT:1.1] [ORIGINAL:y]\n[NODE:2.2] [PARENT:1.1] [ORIGINAL:z]",
+        },
         {"id": "b", "question": "Q2", "correct": False, "response": "[NODE:1.1]\n[PARENT:None]\n[ORIGINAL:w]"},
     ]
     path = tmp_path / "t360.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    report = run(tmp_path / "out", f"data.path={path}", "data.format=think360", "scorer.constant=0.8",
-                 "output.plot_item=a")
+    report = run(
+        tmp_path / "out", f"data.path={path}", "data.format=think360", "scorer.constant=0.8", "output.plot_item=a"
+    )
     items = {r["id"]: r for r in report["items"]}
     assert items["a"]["width"] == 1.0 and items["b"]["width"] is None and items["b"]["depth"] == 1.0
     assert report["summary"]["accuracy"] == 0.5 and report["summary"]["filtered_accuracy"] == 0.5
     assert (tmp_path / "out" / "tree_a.png").exists()
 
     steps = tmp_path / "steps.jsonl"
-    steps.write_text(json.dumps({"id": "s1", "question": "1+1?", "steps": ["1+1=2.", "So 2."],
-                                 "meta": {"correct": True}}) + "\n")
+    steps.write_text(
+        json.dumps({"id": "s1", "question": "1+1?", "steps": ["1+1=2.", "So 2."], "meta": {"correct": True}}) + "\n"
+    )
     report = run(tmp_path / "out2", f"data.path={steps}", "data.format=steps", "output.plot_item=s1")
     assert report["items"][0]["nodes"] == 2 and report["summary"]["rpts"] == 1.0
     with pytest.raises(SystemExit, match="no item with id 'zz'"):
@@ -119,8 +139,7 @@ def test_think360_and_steps_inputs(tmp_path):
 
 
 def test_mc_trees_with_mc_scorer(tmp_path):
-    report = run(tmp_path, f"data.path={OPENR_TREES}", "data.format=mc_tree", "scorer.kind=mc",
-                 "output.plot_item=null")
+    report = run(tmp_path, f"data.path={OPENR_TREES}", "data.format=mc_tree", "scorer.kind=mc", "output.plot_item=null")
     assert [r["nodes"] for r in report["items"]] == [142, 89, 23]
     assert all(0.0 < r["rpts"] < 1.0 for r in report["items"])
     assert report["summary"]["items_with_answer_check"] == 0 and report["summary"]["filtered_accuracy"] is None

@@ -7,18 +7,39 @@ import pytest
 from chat_server import ChatServer
 
 from mmprm.chat import ChatClient, ChatConfig
-from mmprm.treeval import (JudgeScorer, RPTSJudge, RPTSJudgeConfig, corrected_score, extract_think360,
-                           from_rpts_lines, from_think360_blocks, image_facts, rpts, rpts_answer_prompt, rpts_lines,
-                           rpts_verdict, set_scores, think360_depth, think360_valid, think360_width)
+from mmprm.treeval import (
+    JudgeScorer,
+    RPTSJudge,
+    RPTSJudgeConfig,
+    corrected_score,
+    extract_think360,
+    from_rpts_lines,
+    from_think360_blocks,
+    image_facts,
+    rpts,
+    rpts_answer_prompt,
+    rpts_lines,
+    rpts_verdict,
+    set_scores,
+    think360_depth,
+    think360_valid,
+    think360_width,
+)
 
 pytest.importorskip("openai")
 
 RECORD = {
-    "id": 7, "context": "Tom is at a fruit stall.", "statement": "Tom can pay for his apples.", "answer": "agree",
+    "id": 7,
+    "context": "Tom is at a fruit stall.",
+    "statement": "Tom can pay for his apples.",
+    "answer": "agree",
     "textual_clue": ["An apple costs 2 dollars.", "Tom has 10 dollars.", "There is no tax."],
     "visual_clue": ["7_0.png", "7_1.png"],
-    "reasoning": ["Image0 -> Tom holds three red apples.", "Image0 + Text0 -> Three apples cost 6 dollars.",
-                  "Conclusion1 + Text1 -> Tom can pay."],
+    "reasoning": [
+        "Image0 -> Tom holds three red apples.",
+        "Image0 + Text0 -> Three apples cost 6 dollars.",
+        "Conclusion1 + Text1 -> Tom can pay.",
+    ],
 }
 
 # The model under test: an image step with references, an image step without any, an image index
@@ -50,8 +71,11 @@ def rpts_script(body):
 
 
 def judge_client(server, tmp_path=None):
-    return ChatClient(ChatConfig(url=server.url, model="judge", backoff_s=0), config_key="scorer.judge",
-                      cache_path=None if tmp_path is None else tmp_path / "cache.jsonl")
+    return ChatClient(
+        ChatConfig(url=server.url, model="judge", backoff_s=0),
+        config_key="scorer.judge",
+        cache_path=None if tmp_path is None else tmp_path / "cache.jsonl",
+    )
 
 
 def test_corrected_score_by_hand():
@@ -69,7 +93,9 @@ def test_rpts_answer_parsing():
     lines = rpts_lines(ANSWER)
     assert len(lines) == 6 and lines[0] == "Image0 -> Conclusion0: Tom holds three red apples."
     assert rpts_lines("1. Text0 -> Conclusion0: a\ncontinued here\n- Conclusion0 → Conclusion1: b") == [
-        "Text0 -> Conclusion0: a continued here", "Conclusion0 -> Conclusion1: b"]
+        "Text0 -> Conclusion0: a continued here",
+        "Conclusion0 -> Conclusion1: b",
+    ]
     assert rpts_lines("I think the statement is true.") == []
     assert rpts_verdict(ANSWER) == "agree"
     assert rpts_verdict("Text0 -> Conclusion0: The clues disagree with the statement.") == "disagree"
@@ -111,13 +137,16 @@ def test_rpts_judge_with_correction_pass_by_hand(tmp_path):
         no_img = RPTSJudge(judge_client(server), RPTSJudgeConfig(compare_images=False)).judge(tree, RECORD)
         assert [d["kind"] for d in no_img.details] == ["inference"] * 6
         # a penalty of 0.5: C4 -> max(0.3, round(0.45, 1)) = max(0.3, 0.5) = 0.5
-        assert RPTSJudge(judge_client(server, tmp_path), RPTSJudgeConfig(penalty=0.5)).judge(
-            tree, RECORD).scores["C4"] == 0.5
+        assert (
+            RPTSJudge(judge_client(server, tmp_path), RPTSJudgeConfig(penalty=0.5)).judge(tree, RECORD).scores["C4"]
+            == 0.5
+        )
 
 
 def test_rpts_judge_reports_unreadable_replies():
-    tree = from_rpts_lines(["Text0 -> Conclusion0: mumble", "Text1 -> Conclusion1: Tom can afford the apples."],
-                           RECORD["textual_clue"], 2)
+    tree = from_rpts_lines(
+        ["Text0 -> Conclusion0: mumble", "Text1 -> Conclusion1: Tom can afford the apples."], RECORD["textual_clue"], 2
+    )
     with ChatServer(rpts_script) as server:
         judged = RPTSJudge(judge_client(server)).judge(tree, RECORD)
         assert judged.unparsed == ["C0"] and judged.scores == {"C1": 0.9}
@@ -211,7 +240,8 @@ def test_think360_validity_follows_the_reference():
     dup = from_think360_blocks("[NODE:1.1][PARENT:None][ORIGINAL:a]\n[NODE:1.1][PARENT:None][ORIGINAL:b]")
     assert think360_valid(dup) == (False, "duplicate node id 1.1")
     assert think360_valid(from_think360_blocks("[NODE:step1][PARENT:None][ORIGINAL:a]"))[1] == (
-        "node id 'step1' is not depth.sequence")
+        "node id 'step1' is not depth.sequence"
+    )
     # a depth that disagrees with the parent chain is renumbered, as the reference's fix does: valid
     renumbered = from_think360_blocks("[NODE:1.1][PARENT:None][ORIGINAL:a]\n[NODE:3.1][PARENT:1.1][ORIGINAL:b]")
     assert think360_valid(renumbered) == (True, "") and renumbered.meta["depths_renumbered"] == 1

@@ -7,13 +7,30 @@ import math
 import random
 
 import pytest
-
-from mmprm.treeval import (JudgeScorer, Node, Tree, constant_scores, filtered_accuracy, from_annotation_tree,
-                           from_rpts_lines, from_rpts_record, from_steps, from_think360_blocks, mc_scores,
-                           node_paths, path_scores, prm_scores, render_tree, rpts, set_scores, think360_depth,
-                           think360_width)
-from mmprm.treeval.scorers import covering_paths, parse_verdict
 from real_data import DATA
+
+from mmprm.treeval import (
+    JudgeScorer,
+    Node,
+    Tree,
+    constant_scores,
+    filtered_accuracy,
+    from_annotation_tree,
+    from_rpts_lines,
+    from_rpts_record,
+    from_steps,
+    from_think360_blocks,
+    mc_scores,
+    node_paths,
+    path_scores,
+    prm_scores,
+    render_tree,
+    rpts,
+    set_scores,
+    think360_depth,
+    think360_width,
+)
+from mmprm.treeval.scorers import covering_paths, parse_verdict
 
 RPTS_DIR = DATA / "rpts_eval"
 OPENR_TREES = DATA / "openr_samples" / "samples_math-aps-tree.jsonl"
@@ -44,6 +61,7 @@ def think_tree(scores: dict[str, float]) -> Tree:
 
 # ---------------------------------------------------------------- RPTS-Eval: parsing and heights
 
+
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_every_rpts_eval_record_parses_and_quirks_become_warnings(lang):
     records = rpts_records(lang)
@@ -61,11 +79,13 @@ def test_every_rpts_eval_record_parses_and_quirks_become_warnings(lang):
 
 def test_premise_cited_twice_is_counted_once_with_a_warning():
     # The RPTS reference keeps both citations, so its recursion weighs T0's subtree twice; we do not.
-    tree = from_rpts_lines(["Text0 -> Conclusion0: a", "Conclusion0 + Conclusion0 + Text1 -> Conclusion1: b"],
-                           ["t0", "t1"], 0, source="x")
+    tree = from_rpts_lines(
+        ["Text0 -> Conclusion0: a", "Conclusion0 + Conclusion0 + Text1 -> Conclusion1: b"], ["t0", "t1"], 0, source="x"
+    )
     assert tree.nodes["C1"].parents == ["C0", "T1"]
-    assert tree.warnings == ["x: reasoning[1]: premise C0 cited 2 times; counted once (the RPTS reference "
-                             "counts it each time)"]
+    assert tree.warnings == [
+        "x: reasoning[1]: premise C0 cited 2 times; counted once (the RPTS reference counts it each time)"
+    ]
     set_scores(tree, {"C0": 0.0, "C1": 1.0})
     # heights 1, 2; lam 0.5, h_f 1: weights 1 and 0.5 -> (0 * 1 + 1 * 0.5) / 1.5 (the reference: C0 twice, 0.5 / 2.5)
     assert rpts(tree, lam=0.5, h_f=1) == pytest.approx(1 / 3)
@@ -110,13 +130,22 @@ def test_quirky_record_keeps_a_missing_premise():
 
 def test_rpts_lines_formats_and_bad_lines():
     tree = from_rpts_lines(
-        ["Image 0 -> Conclusion 0: A red light.", "Conclusion 0 + Text 0 + Context -> Conclusion 1: It brakes.",
-         "no arrow here", "Premise3 -> x"],
-        textual_clues=["Red = brake."], num_images=1, context="A road.")
+        [
+            "Image 0 -> Conclusion 0: A red light.",
+            "Conclusion 0 + Text 0 + Context -> Conclusion 1: It brakes.",
+            "no arrow here",
+            "Premise3 -> x",
+        ],
+        textual_clues=["Red = brake."],
+        num_images=1,
+        context="A road.",
+    )
     assert tree.nodes["C0"].text == "A red light." and tree.nodes["C1"].parents == ["C0", "T0", "X"]
     assert tree.nodes["X"].text == "A road." and tree.nodes["C2"].parents == []
     assert len(tree.warnings) == 2 and "no '->'" in tree.warnings[0] and "Premise3" in tree.warnings[1]
-    zh = from_rpts_lines(["图片0 -> 结论0：红灯", "结论0 + 文本0 + 上下文 -> 结论1：刹车"], ["红=刹车"], 1, context="路")
+    zh = from_rpts_lines(
+        ["图片0 -> 结论0：红灯", "结论0 + 文本0 + 上下文 -> 结论1：刹车"], ["红=刹车"], 1, context="路"
+    )
     assert zh.nodes["C1"].parents == ["C0", "T0", "X"] and zh.nodes["C1"].text == "刹车" and not zh.warnings
     # a label that disagrees with the line position is kept by position, with a warning
     assert "labelled Conclusion5" in from_rpts_lines(["Text0 -> Conclusion 5: x"]).warnings[0]
@@ -124,9 +153,13 @@ def test_rpts_lines_formats_and_bad_lines():
 
 # ---------------------------------------------------------------- RPTS: hand values and reference recursion
 
+
 def small_rpts_tree(s0: float, s1: float, s2: float) -> Tree:
-    tree = from_rpts_lines(["Image0 -> a", "Text0 + Text1 -> b", "Conclusion0 + Conclusion1 -> c"],
-                           textual_clues=["t0", "t1"], num_images=1)
+    tree = from_rpts_lines(
+        ["Image0 -> a", "Text0 + Text1 -> b", "Conclusion0 + Conclusion1 -> c"],
+        textual_clues=["t0", "t1"],
+        num_images=1,
+    )
     return set_scores(tree, {"C0": s0, "C1": s1, "C2": s2})
 
 
@@ -151,6 +184,7 @@ def test_rpts_counts_a_reused_conclusion_once_per_path():
 
 def reference_rpts(tree: Tree, lam: float, h_f: int) -> float:
     """RPTS by the reference's recursion over the unfolded tree (independent of metrics.rpts)."""
+
     def visit(nid: str) -> tuple[float, int, float]:
         node = tree.nodes[nid]
         if node.kind == "evidence":
@@ -163,6 +197,7 @@ def reference_rpts(tree: Tree, lam: float, h_f: int) -> float:
         exp = max(exps, default=-h_f) + 1
         w = lam ** abs(exp)
         return node.score * w + total, exp, w + weights
+
     s, _, w = visit(tree.root)
     return s / w
 
@@ -186,10 +221,12 @@ def test_filtered_accuracy_and_path_scores():
     assert path_scores(tree, min) == {"C2": 0.25}
     assert path_scores(tree, lambda xs: sum(xs) / len(xs)) == {"C2": pytest.approx(1.75 / 3)}
     from mmprm.scoring.aggregators import AGGREGATORS  # the BoN aggregators plug in directly
+
     assert path_scores(tree, AGGREGATORS["last"])["C2"] == pytest.approx(0.25)
 
 
 # ---------------------------------------------------------------- Think360 width / depth
+
 
 def test_think360_width_depth_hand_values():
     tree = think_tree({"R": 0.3, "A": 0.9, "B": 0.2, "C": 0.7})
@@ -260,6 +297,7 @@ no path connects them.]
 
 # ---------------------------------------------------------------- annotation trees and MC scores
 
+
 def test_openr_mc_trees():
     rows = [json.loads(line) for line in OPENR_TREES.read_text().splitlines()]
     trees = [from_annotation_tree(r) for r in rows]
@@ -276,11 +314,15 @@ def test_openr_mc_trees():
 
 def test_flat_annotation_tree_from_search_results():
     # mmprm.annotate search records: root = empty prefix (the problem), steps added on each edge
-    obj = {"question": "1+1?", "nodes": [
-        {"id": 0, "parent": None, "steps": [], "mc": 0.5},
-        {"id": 1, "parent": 0, "steps": ["1+1=2.", "So 2."], "mc": 1.0},
-        {"id": 2, "parent": 0, "steps": ["1+1=3."], "mc": 0.0},
-        {"id": 3, "parent": 2, "steps": ["So 3."], "mc": 0.0, "answer": "3"}]}
+    obj = {
+        "question": "1+1?",
+        "nodes": [
+            {"id": 0, "parent": None, "steps": [], "mc": 0.5},
+            {"id": 1, "parent": 0, "steps": ["1+1=2.", "So 2."], "mc": 1.0},
+            {"id": 2, "parent": 0, "steps": ["1+1=3."], "mc": 0.0},
+            {"id": 3, "parent": 2, "steps": ["So 3."], "mc": 0.0, "answer": "3"},
+        ],
+    }
     tree = from_annotation_tree(obj)
     assert list(tree.nodes) == ["1", "2", "3"] and tree.nodes["1"].text == "1+1=2.\nSo 2."
     assert tree.nodes["1"].parents == [] and tree.nodes["3"].parents == ["2"]
@@ -292,6 +334,7 @@ def test_flat_annotation_tree_from_search_results():
 
 
 # ---------------------------------------------------------------- scorers
+
 
 class FakePRM:
     """Step score = 0.9 for 'good' steps, 0.1 otherwise, halved after any earlier bad step."""
@@ -313,15 +356,20 @@ class FakePRM:
 
 
 def test_prm_scores_one_call_one_path_per_leaf():
-    tree = from_think360_blocks("[NODE:1.1]\n[PARENT:None]\n[ORIGINAL:good start]\n"
-                                "[NODE:2.1]\n[PARENT:1.1]\n[ORIGINAL:bad turn]\n"
-                                "[NODE:2.2]\n[PARENT:1.1]\n[ORIGINAL:good branch]\n"
-                                "[NODE:3.1]\n[PARENT:2.1]\n[ORIGINAL:good after bad]", question="Q?")
+    tree = from_think360_blocks(
+        "[NODE:1.1]\n[PARENT:None]\n[ORIGINAL:good start]\n"
+        "[NODE:2.1]\n[PARENT:1.1]\n[ORIGINAL:bad turn]\n"
+        "[NODE:2.2]\n[PARENT:1.1]\n[ORIGINAL:good branch]\n"
+        "[NODE:3.1]\n[PARENT:2.1]\n[ORIGINAL:good after bad]",
+        question="Q?",
+    )
     prm = FakePRM()
     scores = prm_scores(tree, prm)
     assert len(prm.calls) == 1
     assert sorted(tuple(ex["steps"]) for ex in prm.calls[0]) == [
-        ("good start", "bad turn", "good after bad"), ("good start", "good branch")]
+        ("good start", "bad turn", "good after bad"),
+        ("good start", "good branch"),
+    ]
     assert all(ex["question"] == "Q?" for ex in prm.calls[0])
     assert scores == {"1.1": 0.9, "2.1": 0.1, "2.2": 0.9, "3.1": 0.45}
 
@@ -364,8 +412,10 @@ def test_judge_scorer_against_local_server(monkeypatch):
 
     with ChatServer(script) as server:
         monkeypatch.setenv("TEST_JUDGE_KEY", "sk-test")
-        client = ChatClient(ChatConfig(url=server.url, model="judge-x", api_key_env="TEST_JUDGE_KEY", backoff_s=0),
-                            config_key="scorer.judge")
+        client = ChatClient(
+            ChatConfig(url=server.url, model="judge-x", api_key_env="TEST_JUDGE_KEY", backoff_s=0),
+            config_key="scorer.judge",
+        )
         tree = from_steps(["fine start", "broken middle", "fine end"], question="What is 2+2?")
         judged = JudgeScorer(client).judge(tree, reference="4")
         assert judged.scores == {"S0": 1.0, "S1": 0.0, "S2": 1.0} and judged.unparsed == []
@@ -402,6 +452,7 @@ def test_render_tree_png(tmp_path):
 
 # ---------------------------------------------------------------- the real PRM (slow)
 
+
 @pytest.mark.slow
 def test_prm_scores_with_real_tiny_prm(tmp_path):
     pytest.importorskip("mmprm.models.prm")
@@ -419,8 +470,9 @@ def test_prm_scores_with_real_tiny_prm(tmp_path):
     assert set(scores) == {"C0", "C1", "C2", "C3"} and all(0.0 < s < 1.0 for s in scores.values())
     # each node's score equals scoring its own ancestor path on its own
     for nid, path in node_paths(tree).items():
-        alone = scorer.score([{"question": tree.question, "images": [],
-                               "steps": [tree.nodes[p].text for p in path]}])[0][-1]
+        alone = scorer.score([{"question": tree.question, "images": [], "steps": [tree.nodes[p].text for p in path]}])[
+            0
+        ][-1]
         assert scores[nid] == pytest.approx(alone, abs=1e-4)
     set_scores(tree, scores)
     assert 0.0 < rpts(tree) < 1.0

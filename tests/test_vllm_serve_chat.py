@@ -51,10 +51,29 @@ def test_vllm_serve_speaks_to_the_client_and_the_judge(tmp_path):
         port = s.getsockname()[1]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "vllm.log", "w")
-    server = subprocess.Popen([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                               "--served-model-name", "tiny", "--port", str(port), "--host", "127.0.0.1",
-                               "--enforce-eager", "--max-model-len", "512", "--dtype", "float32"],
-                              stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = subprocess.Popen(
+        [
+            VLLM_PYTHON,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            "tiny",
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--enforce-eager",
+            "--max-model-len",
+            "512",
+            "--dtype",
+            "float32",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     try:
         url = f"http://127.0.0.1:{port}/v1"
         deadline = time.time() + 600
@@ -70,8 +89,11 @@ def test_vllm_serve_speaks_to_the_client_and_the_judge(tmp_path):
                     pytest.fail("vllm serve did not come up in 600 s")
                 time.sleep(2)
 
-        client = ChatClient(ChatConfig(url=url, model="tiny", max_tokens=8, backoff_s=0), config_key="scorer.judge",
-                            cache_path=tmp_path / "cache.jsonl")
+        client = ChatClient(
+            ChatConfig(url=url, model="tiny", max_tokens=8, backoff_s=0),
+            config_key="scorer.judge",
+            cache_path=tmp_path / "cache.jsonl",
+        )
         reply = client.chat(messages_for("Is 2 + 2 = 4? Answer yes or no.", system="Be brief."))
         assert reply.prompt_tokens > 0 and 0 < reply.completion_tokens <= 8 and not reply.cached
         assert client.chat(messages_for("Is 2 + 2 = 4? Answer yes or no.", system="Be brief.")).cached
@@ -79,7 +101,9 @@ def test_vllm_serve_speaks_to_the_client_and_the_judge(tmp_path):
         a = client.chat(messages_for("Say something."), temperature=1.0, seed=3)
         client.cache = None
         assert client.chat(messages_for("Say something."), temperature=1.0, seed=3).text == a.text
-        outs = client.map(lambda q: client.chat(messages_for(q)).completion_tokens, [f"Count to {i}." for i in range(6)])
+        outs = client.map(
+            lambda q: client.chat(messages_for(q)).completion_tokens, [f"Count to {i}." for i in range(6)]
+        )
         assert all(0 < n <= 8 for n in outs)
 
         judged = JudgeScorer(client, parse_retries=1).judge(from_steps(["2 + 2 = 4.", "So the answer is 4."]), "4")

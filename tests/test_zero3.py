@@ -21,8 +21,11 @@ from mmprm.models.sharding import full_shape, gathered, partition_report
 from mmprm.models.tiny import build_tiny_model
 from mmprm.steps import tokenize_steps
 
-ZERO3 = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
-         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100_000}}
+ZERO3 = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_allow_untested_optimizer": True,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100_000},
+}
 
 
 def _free_port() -> int:
@@ -50,8 +53,13 @@ def zero3(monkeypatch):
     from transformers.integrations import HfDeepSpeedConfig
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-                       "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+    for key, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+    }.items():
         monkeypatch.setenv(key, value)
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     hf_config = HfDeepSpeedConfig(ZERO3)  # noqa: F841 - transformers holds a weak reference
@@ -127,8 +135,9 @@ def test_token_pair_head_under_zero3_equals_the_unpartitioned_model(models, zero
 
     # one training step: the LM head rows of "+"/"-" get gradients through the gathered module
     engine.train()
-    loss = torch.nn.functional.cross_entropy(engine(batch["input_ids"], batch["attention_mask"],
-                                                    batch["step_mask"]), torch.tensor([0, 0]))
+    loss = torch.nn.functional.cross_entropy(
+        engine(batch["input_ids"], batch["attention_mask"], batch["step_mask"]), torch.tensor([0, 0])
+    )
     engine.backward(loss)
     engine.step()
     with gathered([lm_head]):

@@ -11,8 +11,9 @@ from PIL import Image
 COLOURS = [(230, 25, 75), (60, 180, 75), (0, 130, 200), (245, 130, 48)]
 
 
-def write_toy_prm_data(out_dir: Path, n: int = 32, seed: int = 0, images: bool = True, name: str = "toy.jsonl",
-                       soft: bool = True) -> Path:
+def write_toy_prm_data(
+    out_dir: Path, n: int = 32, seed: int = 0, images: bool = True, name: str = "toy.jsonl", soft: bool = True
+) -> Path:
     """n examples of 2-3 arithmetic steps; a wrong step and all after it get label 0 (or 0.2 when soft)."""
     rng = random.Random(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -27,13 +28,20 @@ def write_toy_prm_data(out_dir: Path, n: int = 32, seed: int = 0, images: bool =
         a, b = rng.randint(1, 9), rng.randint(1, 9)
         wrong_at = rng.choice([None, 0, 1]) if i % 2 else None
         steps, labels, ok = [], [], True
-        for k, (x, y) in enumerate([(a, b), (a + b, 1)][: 2]):
+        for k, (x, y) in enumerate([(a, b), (a + b, 1)][:2]):
             res = x + y + (rng.randint(1, 3) if wrong_at == k else 0)
             ok = ok and wrong_at != k
             steps.append(f"{x} + {y} = {res}.")
             labels.append(1.0 if ok else (0.2 if soft else 0.0))
-        rows.append({"id": f"toy-{seed}-{i}", "images": img_names, "question": "Add the numbers.",
-                     "steps": steps, "labels": labels})
+        rows.append(
+            {
+                "id": f"toy-{seed}-{i}",
+                "images": img_names,
+                "question": "Add the numbers.",
+                "steps": steps,
+                "labels": labels,
+            }
+        )
     path = out_dir / name
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

@@ -24,9 +24,10 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from mmprm.annotate.backends.base import (
     RolloutBackend,
@@ -71,6 +72,7 @@ def is_final(record: dict[str, Any]) -> bool:
 
 # -- ranks, shards and the per-rank tree file ---------------------------------------------------
 
+
 def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
     """(rank, world size): explicit values, else torchrun/accelerate (RANK, WORLD_SIZE), else
     srun (SLURM_PROCID, SLURM_NTASKS), else LOCAL_RANK/LOCAL_WORLD_SIZE, else (0, 1)."""
@@ -108,8 +110,12 @@ def _read_records(path: Path, repair: bool) -> list[dict[str, Any]]:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as e:
-            raise DataError([f"{path}:{lineno}: id=?: line: invalid JSON inside the file ({e.msg}); "
-                             "it was edited or corrupted: delete that line to re-annotate the problem"]) from None
+            raise DataError(
+                [
+                    f"{path}:{lineno}: id=?: line: invalid JSON inside the file ({e.msg}); "
+                    "it was edited or corrupted: delete that line to re-annotate the problem"
+                ]
+            ) from None
     return records
 
 
@@ -130,7 +136,8 @@ def _hold_lock(path: Path, tree_file: Path) -> Any:
         raise RankBusyError(
             f"{tree_file} is in use by another worker ({holder}): two workers on the same output_dir and rank "
             "would annotate every problem twice. Let it finish or stop it (a stopped or crashed worker releases "
-            "the lock), or give this run another output_dir or rank.") from None
+            "the lock), or give this run another output_dir or rank."
+        ) from None
     f.seek(0)
     f.truncate()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -192,8 +199,9 @@ def finished_ids(output_dir: str | Path, skip: Path | None = None) -> set[str]:
     return ids
 
 
-def merge_annotations(output_dir: str | Path, out: str | Path | None = None,
-                      problems_file: str | Path | None = None) -> dict[str, Any]:
+def merge_annotations(
+    output_dir: str | Path, out: str | Path | None = None, problems_file: str | Path | None = None
+) -> dict[str, Any]:
     """Merge every `trees.rank*-of-*.jsonl` of `output_dir` into one file (default `trees.jsonl`).
 
     Keeps one record per id: the first final one (files in name order), else - a problem whose
@@ -219,9 +227,14 @@ def merge_annotations(output_dir: str | Path, out: str | Path | None = None,
     seen = set(chosen)
     out = Path(out) if out is not None else output_dir / "trees.jsonl"
     n = write_jsonl(out, chosen.values())
-    summary: dict[str, Any] = {"out": str(out), "files": [p.name for p in files], "records": n,
-                               "duplicates_dropped": records - n, "by_status": by_status,
-                               "retryable_errors": sum(not is_final(r) for r in chosen.values())}
+    summary: dict[str, Any] = {
+        "out": str(out),
+        "files": [p.name for p in files],
+        "records": n,
+        "duplicates_dropped": records - n,
+        "by_status": by_status,
+        "retryable_errors": sum(not is_final(r) for r in chosen.values()),
+    }
     if problems_file is not None:
         ids = [str(r["id"]) for _, r, err in iter_jsonl(problems_file) if r is not None and "id" in r]
         summary["missing"] = [i for i in ids if i not in seen]
@@ -230,8 +243,9 @@ def merge_annotations(output_dir: str | Path, out: str | Path | None = None,
 
 def cli_merge_annotations(argv: list[str]) -> int:
     """`mmprm merge-annotations OUTPUT_DIR [--out FILE] [--problems FILE]`."""
-    parser = argparse.ArgumentParser(prog="mmprm merge-annotations",
-                                     description="Merge per-rank annotation trees into one JSONL file.")
+    parser = argparse.ArgumentParser(
+        prog="mmprm merge-annotations", description="Merge per-rank annotation trees into one JSONL file."
+    )
     parser.add_argument("output_dir", help="the annotation run's output_dir")
     parser.add_argument("--out", default=None, help="merged file (default OUTPUT_DIR/trees.jsonl)")
     parser.add_argument("--problems", default=None, help="problems file: report ids that have no record")
@@ -244,16 +258,23 @@ def cli_merge_annotations(argv: list[str]) -> int:
     missing = summary.get("missing", [])
     print(json.dumps({**summary, "missing": len(missing)}))
     if summary["retryable_errors"]:
-        print(f"{summary['retryable_errors']} problem(s) have only transient error records (judge or backend "
-              "down?): rerun the annotation command to retry them", file=sys.stderr)
+        print(
+            f"{summary['retryable_errors']} problem(s) have only transient error records (judge or backend "
+            "down?): rerun the annotation command to retry them",
+            file=sys.stderr,
+        )
     if missing:
-        print(f"{len(missing)} problem(s) have no record yet (e.g. {missing[:5]}): rerun the annotation command "
-              "to finish them", file=sys.stderr)
+        print(
+            f"{len(missing)} problem(s) have no record yet (e.g. {missing[:5]}): rerun the annotation command "
+            "to finish them",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
 # -- the engine -------------------------------------------------------------------------------
+
 
 def rule_verifier(pred: str | None, gold: str, choices: list[str] | None = None) -> bool:
     """Default verifier: mmprm's rule-based answer checker (math-verify + normalisation)."""
@@ -277,12 +298,18 @@ class EngineStats:
 
     def summary(self) -> dict[str, Any]:
         calls = max(1, self.backend_calls)
-        return {"problems": self.problems, "by_status": dict(self.by_status), "rollouts": self.rollouts,
-                "truncated_rollouts": self.truncated_rollouts,
-                "backend_calls": self.backend_calls, "mean_sequences_per_call": sum(self.sequences_per_call) / calls,
-                "backend_seconds": round(self.backend_seconds, 3), "seconds": round(self.seconds, 3),
-                "problems_per_s": self.problems / max(self.seconds, 1e-9),
-                "rollouts_per_s": self.rollouts / max(self.seconds, 1e-9)}
+        return {
+            "problems": self.problems,
+            "by_status": dict(self.by_status),
+            "rollouts": self.rollouts,
+            "truncated_rollouts": self.truncated_rollouts,
+            "backend_calls": self.backend_calls,
+            "mean_sequences_per_call": sum(self.sequences_per_call) / calls,
+            "backend_seconds": round(self.backend_seconds, 3),
+            "seconds": round(self.seconds, 3),
+            "problems_per_s": self.problems / max(self.seconds, 1e-9),
+            "rollouts_per_s": self.rollouts / max(self.seconds, 1e-9),
+        }
 
 
 @dataclass
@@ -308,8 +335,15 @@ class AnnotationEngine:
             down, ...) raise `AnnotationOutage` instead of erroring every remaining problem.
     """
 
-    def __init__(self, backend: RolloutBackend, search: SearchConfig, verify: Verifier | None = None,
-                 step_mode: StepMode = "tags", concurrency: int = 64, max_consecutive_failures: int = 16):
+    def __init__(
+        self,
+        backend: RolloutBackend,
+        search: SearchConfig,
+        verify: Verifier | None = None,
+        step_mode: StepMode = "tags",
+        concurrency: int = 64,
+        max_consecutive_failures: int = 16,
+    ):
         if concurrency < 1:
             raise ValueError("engine.concurrency must be >= 1")
         if max_consecutive_failures < 1:
@@ -324,8 +358,12 @@ class AnnotationEngine:
         self.concurrency = concurrency
         self.stats = EngineStats()
 
-    def run(self, problems: Iterable[Problem], on_record: Callable[[dict[str, Any]], None],
-            on_batch: Callable[[EngineStats], None] | None = None) -> EngineStats:
+    def run(
+        self,
+        problems: Iterable[Problem],
+        on_record: Callable[[dict[str, Any]], None],
+        on_batch: Callable[[EngineStats], None] | None = None,
+    ) -> EngineStats:
         """Annotate `problems`, handing each finished record to `on_record` (in finishing order)."""
         start = time.perf_counter()
         queue = iter(problems)
@@ -370,8 +408,16 @@ class AnnotationEngine:
         live = list(range(len(active)))
         out: list[list[str] | None] = [None] * len(active)
         while live:
-            requests = [RolloutRequest(active[i].problem.id, active[i].problem.question, active[i].problem.images,
-                                       list(active[i].probe.prefix), active[i].probe.n) for i in live]
+            requests = [
+                RolloutRequest(
+                    active[i].problem.id,
+                    active[i].problem.question,
+                    active[i].problem.images,
+                    list(active[i].probe.prefix),
+                    active[i].probe.n,
+                )
+                for i in live
+            ]
             t0 = time.perf_counter()
             try:
                 texts = self.backend.generate(requests)
@@ -382,7 +428,8 @@ class AnnotationEngine:
             except Exception as e:  # noqa: BLE001 - reported with its cause, the run stops
                 raise AnnotationOutage(
                     f"backend call failed: {type(e).__name__}: {e}. Finished problems are saved; the {len(active)} "
-                    "in flight have no record: fix the cause and rerun the same command to resume.") from e
+                    "in flight have no record: fix the cause and rerun the same command to resume."
+                ) from e
             self.stats.backend_seconds += time.perf_counter() - t0
             self.stats.backend_calls += 1
             self.stats.sequences_per_call.append(sum(r.n for r in requests))
@@ -402,14 +449,25 @@ class AnnotationEngine:
         if parsed.answer not in item.verdicts:
             # Many rollouts give the same answer; math-verify or a judge runs once per answer.
             item.verdicts[parsed.answer] = bool(
-                parsed.answer is not None and self.verify(parsed.answer, item.problem.answer, item.problem.choices))
+                parsed.answer is not None and self.verify(parsed.answer, item.problem.answer, item.problem.choices)
+            )
         return Rollout(parsed.steps, parsed.answer, item.verdicts[parsed.answer])
 
-    def _finish(self, item: _Active, on_record: Callable[[dict[str, Any]], None], result: Any = None,
-                error: Exception | None = None) -> None:
+    def _finish(
+        self,
+        item: _Active,
+        on_record: Callable[[dict[str, Any]], None],
+        result: Any = None,
+        error: Exception | None = None,
+    ) -> None:
         p = item.problem
-        rec: dict[str, Any] = {"id": p.id, "status": "error" if error else result.status, "question": p.question,
-                               "images": p.images, "answer": p.answer}
+        rec: dict[str, Any] = {
+            "id": p.id,
+            "status": "error" if error else result.status,
+            "question": p.question,
+            "images": p.images,
+            "answer": p.answer,
+        }
         if p.choices is not None:
             rec["choices"] = p.choices
         if p.meta:
@@ -434,6 +492,7 @@ class AnnotationEngine:
                     f"{self._failures_in_a_row} problems in a row failed with transient errors (last: {p.id}: "
                     f"{rec['message']}); stopping so an outage does not turn the rest of the dataset into error "
                     "records. Finished problems are saved; fix the cause and rerun the same command: problems "
-                    "with transient errors are retried.")
+                    "with transient errors are retried."
+                )
         elif error is None:
             self._failures_in_a_row = 0

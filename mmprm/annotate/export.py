@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 from mmprm.steps import STEP_TOKEN, prm_steps
 
@@ -67,8 +68,9 @@ class TreePath:
     node: int
 
 
-def tree_paths(nodes: list[dict[str, Any]], edges: Literal["node", "step"] = "node",
-               negative_threshold: float = 0.0) -> list[TreePath]:
+def tree_paths(
+    nodes: list[dict[str, Any]], edges: Literal["node", "step"] = "node", negative_threshold: float = 0.0
+) -> list[TreePath]:
     """Root-to-leaf paths of one tree record's `nodes` (see module doc)."""
     children: dict[int | None, list[dict[str, Any]]] = {}
     for n in nodes:
@@ -79,7 +81,8 @@ def tree_paths(nodes: list[dict[str, Any]], edges: Literal["node", "step"] = "no
         return out
     # Iterative DFS: (node, steps so far, labels so far)
     stack: list[tuple[dict[str, Any], list[str], list[float]]] = [
-        (c, [], []) for c in reversed(children.get(roots[0]["id"], []))]
+        (c, [], []) for c in reversed(children.get(roots[0]["id"], []))
+    ]
     while stack:
         node, steps, labels = stack.pop()
         new = [s.strip() for s in node["steps"]]
@@ -104,15 +107,22 @@ def tree_paths(nodes: list[dict[str, Any]], edges: Literal["node", "step"] = "no
     return out
 
 
-def export_examples(records: Iterable[dict[str, Any]],
-                    cfg: ExportConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def export_examples(
+    records: Iterable[dict[str, Any]], cfg: ExportConfig
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Training rows (schema dicts) from tree records, and the statistics of the export."""
     cfg.validate()
     rng = random.Random(cfg.seed)
     rows: list[dict[str, Any]] = []
-    stats: dict[str, Any] = {"problems": 0, "by_status": {}, "paths": 0, "negative_paths": 0, "positive_paths": 0,
-                             "truncated_rollouts": 0,
-                             "dropped": {"duplicate": 0, "too_short": 0, "step_token": 0, "balance": 0}}
+    stats: dict[str, Any] = {
+        "problems": 0,
+        "by_status": {},
+        "paths": 0,
+        "negative_paths": 0,
+        "positive_paths": 0,
+        "truncated_rollouts": 0,
+        "dropped": {"duplicate": 0, "too_short": 0, "step_token": 0, "balance": 0},
+    }
     for rec in records:
         stats["problems"] += 1
         stats["by_status"][rec["status"]] = stats["by_status"].get(rec["status"], 0) + 1
@@ -142,10 +152,22 @@ def export_examples(records: Iterable[dict[str, Any]],
             stats["dropped"]["balance"] += len(positives) - keep
             positives = rng.sample(positives, keep)
         for k, p in enumerate(negatives + positives):
-            rows.append({"id": f"{rec['id']}/path{k}", "images": rec.get("images", []), "question": rec["question"],
-                         "steps": p.steps, "labels": p.labels,
-                         "meta": {"source": "omegaprm", "problem_id": rec["id"], "gold": rec.get("answer"),
-                                  "kind": "negative" if p.negative else "positive", "node": p.node}})
+            rows.append(
+                {
+                    "id": f"{rec['id']}/path{k}",
+                    "images": rec.get("images", []),
+                    "question": rec["question"],
+                    "steps": p.steps,
+                    "labels": p.labels,
+                    "meta": {
+                        "source": "omegaprm",
+                        "problem_id": rec["id"],
+                        "gold": rec.get("answer"),
+                        "kind": "negative" if p.negative else "positive",
+                        "node": p.node,
+                    },
+                }
+            )
         stats["negative_paths"] += len(negatives)
         stats["positive_paths"] += len(positives)
     stats["paths"] = len(rows)
@@ -164,11 +186,17 @@ def _histograms(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for r in rows:
         lengths[len(r["steps"])] = lengths.get(len(r["steps"]), 0) + 1
     return {
-        "labels": {"count": len(labels), "zero": sum(x == 0.0 for x in labels), "one": sum(x == 1.0 for x in labels),
-                   "between": {f"{i / 10:.1f}-{(i + 1) / 10:.1f}": b for i, b in enumerate(bins)},
-                   "mean": sum(labels) / len(labels) if labels else None},
-        "steps_per_path": {"histogram": {str(k): v for k, v in sorted(lengths.items())},
-                           "mean": sum(len(r["steps"]) for r in rows) / len(rows) if rows else None},
+        "labels": {
+            "count": len(labels),
+            "zero": sum(x == 0.0 for x in labels),
+            "one": sum(x == 1.0 for x in labels),
+            "between": {f"{i / 10:.1f}-{(i + 1) / 10:.1f}": b for i, b in enumerate(bins)},
+            "mean": sum(labels) / len(labels) if labels else None,
+        },
+        "steps_per_path": {
+            "histogram": {str(k): v for k, v in sorted(lengths.items())},
+            "mean": sum(len(r["steps"]) for r in rows) / len(rows) if rows else None,
+        },
     }
 
 

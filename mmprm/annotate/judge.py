@@ -14,7 +14,7 @@ reply that is not yes/no after the client's parse retries raises `ChatError`.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from mmprm.chat import ChatClient, ChatError, messages_for
 
@@ -52,20 +52,23 @@ class LLMJudge:
     def __call__(self, pred: str | None, gold: str, choices: list[str] | None = None, question: str = "") -> bool:
         if pred is None:
             return False
-        content = PROMPT.format(question=question or "(not given)", choices=", ".join(choices) if choices else "none",
-                                gold=gold, pred=pred)
+        content = PROMPT.format(
+            question=question or "(not given)", choices=", ".join(choices) if choices else "none", gold=gold, pred=pred
+        )
         self.calls += 1
         verdict, replies = self.client.ask(messages_for(content), parse_yes_no, self.parse_retries, max_tokens=4)
         if verdict is None:
-            raise ChatError(f"judge at {self.client.url} answered {replies[-1].text[:80]!r} {len(replies)} times "
-                            "instead of Yes/No; use an instruction-following model ("
-                            f"{self.client.config_key}.model)")
+            raise ChatError(
+                f"judge at {self.client.url} answered {replies[-1].text[:80]!r} {len(replies)} times "
+                "instead of Yes/No; use an instruction-following model ("
+                f"{self.client.config_key}.model)"
+            )
         return verdict
 
 
-def judged_verifier(judge: LLMJudge,
-                    rules: Callable[[str | None, str, list[str] | None], bool] | None = None
-                    ) -> Callable[[str | None, str, list[str] | None], bool]:
+def judged_verifier(
+    judge: LLMJudge, rules: Callable[[str | None, str, list[str] | None], bool] | None = None
+) -> Callable[[str | None, str, list[str] | None], bool]:
     """Verifier that trusts the rule-based checker's "yes" and asks `judge` about its "no"."""
     if rules is None:
         from mmprm.annotate.engine import rule_verifier as rules

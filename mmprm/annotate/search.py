@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any, Generator, Literal
+from typing import Any, Literal
 
 Status = Literal["annotated", "screened_all_correct", "screened_all_wrong", "no_steps", "no_answer"]
 
@@ -80,8 +81,10 @@ class SearchConfig:
         if self.rollouts_per_estimate < 1:
             raise ValueError("search.rollouts_per_estimate must be >= 1")
         if self.max_rollouts < self.rollouts_per_estimate:
-            raise ValueError(f"search.max_rollouts ({self.max_rollouts}) must be >= search.rollouts_per_estimate "
-                             f"({self.rollouts_per_estimate}): the root estimate alone needs that many")
+            raise ValueError(
+                f"search.max_rollouts ({self.max_rollouts}) must be >= search.rollouts_per_estimate "
+                f"({self.rollouts_per_estimate}): the root estimate alone needs that many"
+            )
         if self.max_searches < 0:
             raise ValueError("search.max_searches must be >= 0")
         if not 0 < self.alpha <= 1 or not 0 < self.beta <= 1:
@@ -155,10 +158,16 @@ class SearchResult:
     truncated_rollouts: int = 0
 
     def stats(self) -> dict[str, int]:
-        return {"rollouts": self.rollouts, "searches": self.searches, "probes": self.probes,
-                "nodes": len(self.nodes), "first_errors": len({e["node"] for e in self.first_errors}),
-                "unparsed_rollouts": self.unparsed_rollouts, "incomplete_searches": self.incomplete_searches,
-                "truncated_rollouts": self.truncated_rollouts}
+        return {
+            "rollouts": self.rollouts,
+            "searches": self.searches,
+            "probes": self.probes,
+            "nodes": len(self.nodes),
+            "first_errors": len({e["node"] for e in self.first_errors}),
+            "unparsed_rollouts": self.unparsed_rollouts,
+            "incomplete_searches": self.incomplete_searches,
+            "truncated_rollouts": self.truncated_rollouts,
+        }
 
 
 def q_value(mc: float, length: float, alpha: float, beta: float, length_scale: float) -> float:
@@ -310,7 +319,7 @@ class OmegaSearch:
         node = self._add_node(prefix, correct / k, correct=correct, total=k)
         node.finished = finished
         self.truncated += k - finished
-        for index, r in enumerate(rollouts):
+        for _index, r in enumerate(rollouts):
             if not r.steps:
                 self.unparsed += 1
             if r.correct and self.cfg.keep_correct_rollouts and r.steps:
@@ -381,15 +390,29 @@ class OmegaSearch:
         for node in self.nodes:
             parent = self._parent(node)
             start = len(self.nodes[parent].prefix) if parent is not None else 0
-            rec: dict[str, Any] = {"id": node.id, "parent": parent, "steps": list(node.prefix[start:]),
-                                   "mc": node.mc, "n": node.total, "visits": node.visits}
+            rec: dict[str, Any] = {
+                "id": node.id,
+                "parent": parent,
+                "steps": list(node.prefix[start:]),
+                "mc": node.mc,
+                "n": node.total,
+                "visits": node.visits,
+            }
             if node.terminal:
                 rec["answer"] = node.answer
             records.append(rec)
-        return SearchResult(status=status, nodes=records, first_errors=self.first_errors, selected=self.selected,
-                            rollouts=self.rollouts, searches=self.searches, probes=self.probes,
-                            unparsed_rollouts=self.unparsed, incomplete_searches=self.incomplete,
-                            truncated_rollouts=self.truncated)
+        return SearchResult(
+            status=status,
+            nodes=records,
+            first_errors=self.first_errors,
+            selected=self.selected,
+            rollouts=self.rollouts,
+            searches=self.searches,
+            probes=self.probes,
+            unparsed_rollouts=self.unparsed,
+            incomplete_searches=self.incomplete,
+            truncated_rollouts=self.truncated,
+        )
 
 
 def drive(search: OmegaSearch, answer: Any) -> SearchResult:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from mmprm.annotate.backends.base import GenerationStats, RolloutRequest, StepMode
 from mmprm.steps import render_solution
@@ -52,11 +52,12 @@ def true_mc(problem: SimProblem, prefix: Sequence[str]) -> float:
     """Exact MC value of `prefix` (see module doc)."""
     if first_error(prefix) is not None:
         return 0.0
-    return math.prod(1.0 - e for e in problem.error_probs[len(prefix):])
+    return math.prod(1.0 - e for e in problem.error_probs[len(prefix) :])
 
 
-def random_problems(n: int, min_steps: int = 8, max_steps: int = 16, seed: int = 0,
-                    mean_success: float = 0.4) -> dict[str, SimProblem]:
+def random_problems(
+    n: int, min_steps: int = 8, max_steps: int = 16, seed: int = 0, mean_success: float = 0.4
+) -> dict[str, SimProblem]:
     """`n` problems with 8-16 steps whose root success rates centre on `mean_success`.
 
     Per-step error rates are random but sum to about -ln(mean_success), so errors spread over
@@ -84,8 +85,14 @@ class SimulatedPolicy:
         unparsable: problem ids for which the policy writes prose with no steps at all.
     """
 
-    def __init__(self, problems: Mapping[str, SimProblem], seed: int = 0, step_mode: StepMode = "tags",
-                 delay_s: float = 0.0, unparsable: Sequence[str] = ()):
+    def __init__(
+        self,
+        problems: Mapping[str, SimProblem],
+        seed: int = 0,
+        step_mode: StepMode = "tags",
+        delay_s: float = 0.0,
+        unparsable: Sequence[str] = (),
+    ):
         self.problems = dict(problems)
         self.seed = seed
         self.step_mode = step_mode

@@ -48,11 +48,17 @@ def read_prmbench(path: str | Path) -> list[dict[str, Any]]:
             ("idx", isinstance(obj.get("idx"), str), "a string problem id"),
             ("classification", isinstance(obj.get("classification"), str), "the error category string"),
             ("modified_question", isinstance(obj.get("modified_question"), str), "the problem text"),
-            ("modified_process", _str_list(obj.get("modified_process")) and obj.get("modified_process"),
-             "a non-empty list of step strings"),
-            ("error_steps", isinstance(obj.get("error_steps"), list)
-             and all(isinstance(e, int) and not isinstance(e, bool) for e in obj.get("error_steps", [None])),
-             "a list of 1-based step numbers ([] when there is no error)"),
+            (
+                "modified_process",
+                _str_list(obj.get("modified_process")) and obj.get("modified_process"),
+                "a non-empty list of step strings",
+            ),
+            (
+                "error_steps",
+                isinstance(obj.get("error_steps"), list)
+                and all(isinstance(e, int) and not isinstance(e, bool) for e in obj.get("error_steps", [None])),
+                "a list of 1-based step numbers ([] when there is no error)",
+            ),
         ):
             if not ok:
                 problems.append(f"{where}: {fld}: missing or malformed (must be {what})")
@@ -75,8 +81,17 @@ def read_prmbench(path: str | Path) -> list[dict[str, Any]]:
             meta["dropped_error_steps"] = dropped
         if isinstance(obj.get("ground_truth"), str):
             meta["gold_answer"] = obj["ground_truth"]
-        rows.append({"id": rid, "question": obj["modified_question"], "steps": list(steps), "images": [],
-                     "labels": labels, "answer": None, "meta": meta})
+        rows.append(
+            {
+                "id": rid,
+                "question": obj["modified_question"],
+                "steps": list(steps),
+                "images": [],
+                "labels": labels,
+                "answer": None,
+                "meta": meta,
+            }
+        )
     if problems:
         raise DataError(problems)
     return rows
@@ -106,8 +121,10 @@ def read_reasoneval(path: str | Path) -> list[dict[str, Any]]:
         kind = "redundant" if "rating" in obj else "invalid"
         where = f"{path}:{lineno}: id={row_id(obj)}"
         if not isinstance(fmt, list) or not fmt or not all(_str_list(s) for s in fmt):
-            problems.append(f"{where}: model_output_step_format: missing or malformed "
-                            "(must be a non-empty list of steps, each a list of line strings)")
+            problems.append(
+                f"{where}: model_output_step_format: missing or malformed "
+                "(must be a non-empty list of steps, each a list of line strings)"
+            )
             continue
         if not isinstance(obj.get("question"), str):
             problems.append(f"{where}: question: missing (the problem text)")
@@ -127,8 +144,10 @@ def read_reasoneval(path: str | Path) -> list[dict[str, Any]]:
             elif isinstance(fe, int) and not isinstance(fe, bool) and 1 <= fe <= len(steps):
                 first = fe - 1
             else:
-                problems.append(f"{where}: model_output_solution_first_error_step: {fe!r} is not a step "
-                                f"number in 1..{len(steps)} or \"N/A\"")
+                problems.append(
+                    f"{where}: model_output_solution_first_error_step: {fe!r} is not a step "
+                    f'number in 1..{len(steps)} or "N/A"'
+                )
                 continue
             labels = [1.0 if first is None or i < first else 0.0 for i in range(len(steps))]
         meta: dict[str, Any] = {
@@ -141,8 +160,17 @@ def read_reasoneval(path: str | Path) -> list[dict[str, Any]]:
         }
         if isinstance(obj.get("ground_truth_answer"), str):
             meta["gold_answer"] = obj["ground_truth_answer"]
-        rows.append({"id": f"reasoneval-{kind}-{obj.get('id')}", "question": obj["question"], "steps": steps,
-                     "images": [], "labels": labels, "answer": None, "meta": meta})
+        rows.append(
+            {
+                "id": f"reasoneval-{kind}-{obj.get('id')}",
+                "question": obj["question"],
+                "steps": steps,
+                "images": [],
+                "labels": labels,
+                "answer": None,
+                "meta": meta,
+            }
+        )
     if problems:
         raise DataError(problems)
     return rows

@@ -31,9 +31,10 @@ import os
 import re
 import sys
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from mmprm.data.schema import DataError, StepExample, check_row, iter_jsonl, write_jsonl
 
@@ -70,8 +71,10 @@ class Converted:
     def summary(self, show: int = 10) -> str:
         """Human summary: counts, skip reasons, notes and the first `show` skipped rows."""
         n_steps = sum(len(e.steps) for e in self.examples)
-        lines = [f"read {self.rows} rows -> {len(self.examples)} examples ({n_steps} steps); "
-                 f"skipped {len(self.skipped)} rows"]
+        lines = [
+            f"read {self.rows} rows -> {len(self.examples)} examples ({n_steps} steps); "
+            f"skipped {len(self.skipped)} rows"
+        ]
         lines += [f"  skipped {n:>6}  {kind}" for kind, n in self.reasons.most_common()]
         lines += [f"  note    {n:>6}  {kind}" for kind, n in self.notes.most_common()]
         lines += [f"  {line}" for line in self.skipped[:show]]
@@ -98,8 +101,7 @@ def _text(row: dict[str, Any], keys: tuple[str, ...]) -> str:
         value = row.get(key)
         if isinstance(value, str) and value.strip():
             return value.strip()
-    raise RowError(keys[0], f"missing {'/'.join(keys)}",
-                   f"missing or empty (one of {', '.join(keys)} must hold text)")
+    raise RowError(keys[0], f"missing {'/'.join(keys)}", f"missing or empty (one of {', '.join(keys)} must hold text)")
 
 
 def _images(row: dict[str, Any], image_root: Path) -> list[str]:
@@ -113,13 +115,19 @@ def _images(row: dict[str, Any], image_root: Path) -> list[str]:
         for item in items:
             if isinstance(item, dict):  # a datasets Image column read with decode=False
                 if item.get("bytes"):
-                    raise RowError(key, "embedded image bytes",
-                                   "image bytes are embedded in the dataset (pass image_dir to convert_file, "
-                                   "or use the CLI, to save them as files)")
+                    raise RowError(
+                        key,
+                        "embedded image bytes",
+                        "image bytes are embedded in the dataset (pass image_dir to convert_file, "
+                        "or use the CLI, to save them as files)",
+                    )
                 item = item.get("path")
             if not isinstance(item, str) or not item:
-                raise RowError(key, "image is not a file path",
-                               "not a file path (embedded images: save them as files and list their paths)")
+                raise RowError(
+                    key,
+                    "image is not a file path",
+                    "not a file path (embedded images: save them as files and list their paths)",
+                )
             paths.append(item if os.path.isabs(item) else str((image_root / item).resolve()))
         return paths
     return []
@@ -178,8 +186,17 @@ class _PathPool:
     def __init__(self) -> None:
         self.paths: dict[tuple, list[Any]] = {}
 
-    def add(self, where: str, base_id: str, question: str, images: list[str], steps: list[str],
-            labels: list[float], answer: str | None, meta: dict[str, Any]) -> None:
+    def add(
+        self,
+        where: str,
+        base_id: str,
+        question: str,
+        images: list[str],
+        steps: list[str],
+        labels: list[float],
+        answer: str | None,
+        meta: dict[str, Any],
+    ) -> None:
         key = (question, tuple(images), tuple(steps))
         if key in self.paths:
             self.paths[key][2].append(labels)
@@ -195,8 +212,20 @@ class _PathPool:
             labels = [sum(ys) / len(ys) for ys in zip(*copies)]
             k = counters[base]
             counters[base] += 1
-            out.append((where, StepExample(id=ids(f"{base}-{k}"), question=question, steps=list(steps),
-                                           images=list(images), labels=labels, answer=answer, meta=dict(meta))))
+            out.append(
+                (
+                    where,
+                    StepExample(
+                        id=ids(f"{base}-{k}"),
+                        question=question,
+                        steps=list(steps),
+                        images=list(images),
+                        labels=labels,
+                        answer=answer,
+                        meta=dict(meta),
+                    ),
+                )
+            )
         return out
 
 
@@ -204,8 +233,7 @@ def _finish(result: Converted, examples: list[tuple[str, StepExample]], check_im
     """Run every example through `check_row`; one that fails is skipped with the schema's reason."""
     cache: dict[Path, str | None] = {}
     for where, ex in examples:
-        errs, _ = check_row(ex.to_json(), Path("/"), require_labels=True, check_images=check_images,
-                            image_cache=cache)
+        errs, _ = check_row(ex.to_json(), Path("/"), require_labels=True, check_images=check_images, image_cache=cache)
         if errs:
             fld, msg = errs[0]
             result.skip(where, ex.id, RowError(fld, f"fails schema check: {fld.split('[')[0]}", msg))
@@ -218,8 +246,13 @@ def _finish(result: Converted, examples: list[tuple[str, StepExample]], check_im
 # Converters: rows in, Converted out
 
 
-def convert_trl(rows: Iterable[dict[str, Any]], source: str = "rows", image_root: str | Path = ".",
-                id_prefix: str = "", check_images: bool = True) -> Converted:
+def convert_trl(
+    rows: Iterable[dict[str, Any]],
+    source: str = "rows",
+    image_root: str | Path = ".",
+    id_prefix: str = "",
+    check_images: bool = True,
+) -> Converted:
     """TRL stepwise supervision: `{"prompt", "completions": [str], "labels": [bool], "images"?}`.
 
     One example per row; labels True/False -> 1.0/0.0 (floats in [0,1] are kept as they are).
@@ -230,25 +263,36 @@ def convert_trl(rows: Iterable[dict[str, Any]], source: str = "rows", image_root
         rid = _row_id(row, "trl", n)
         try:
             if not isinstance(row.get("prompt"), str):
-                raise RowError("prompt", "prompt is not text",
-                               "missing or not a string (conversational prompts: keep the user text only)")
+                raise RowError(
+                    "prompt",
+                    "prompt is not text",
+                    "missing or not a string (conversational prompts: keep the user text only)",
+                )
             question = _text(row, ("prompt",))
             steps, labels = row.get("completions"), row.get("labels")
             if not isinstance(steps, list) or not all(isinstance(s, str) for s in steps):
-                raise RowError("completions", "completions is not a list of strings",
-                               "must be a list of step strings")
+                raise RowError("completions", "completions is not a list of strings", "must be a list of step strings")
             if not isinstance(labels, list) or len(labels) != len(steps):
-                raise RowError("labels", "steps/labels count mismatch",
-                               f"{len(labels) if isinstance(labels, list) else 'no'} labels for "
-                               f"{len(steps)} completions (give one label per step)")
+                raise RowError(
+                    "labels",
+                    "steps/labels count mismatch",
+                    f"{len(labels) if isinstance(labels, list) else 'no'} labels for "
+                    f"{len(steps)} completions (give one label per step)",
+                )
             ys = [_label(y, f"labels[{i}]") for i, y in enumerate(labels)]
             steps, ys = _drop_empty_steps(steps, ys, result.notes)
             images = _images(row, Path(image_root))
         except RowError as e:
             result.skip(f"{source}:{n}", rid, e)
             continue
-        made.append((f"{source}:{n}", StepExample(id=ids(rid), question=question, steps=steps, images=images,
-                                                  labels=ys, meta={"source": "trl"})))
+        made.append(
+            (
+                f"{source}:{n}",
+                StepExample(
+                    id=ids(rid), question=question, steps=steps, images=images, labels=ys, meta={"source": "trl"}
+                ),
+            )
+        )
     return _finish(result, made, check_images)
 
 
@@ -267,14 +311,20 @@ def split_math_shepherd(text: str, label: str) -> tuple[str, list[str], list[flo
     if len(segments) < 2:
         raise RowError("input", "no step tags", f"no {SHEPHERD_TAG!r} step tag found (each step must end with it)")
     if segments[-1].strip():
-        raise RowError("input", "text after the last step tag",
-                       f"text after the last {SHEPHERD_TAG!r} tag has no label: {segments[-1].strip()[:40]!r}")
+        raise RowError(
+            "input",
+            "text after the last step tag",
+            f"text after the last {SHEPHERD_TAG!r} tag has no label: {segments[-1].strip()[:40]!r}",
+        )
     labels, pos = [], 0
     for k, seg in enumerate(segments[:-1]):
-        if not label.startswith(seg, pos) or label[pos + len(seg):pos + len(seg) + 1] not in SHEPHERD_LABELS:
-            raise RowError("label", "label text does not match input",
-                           f"differs from input at step tag {k + 1} "
-                           "(label must be the input with each tag replaced by '+' or '-')")
+        if not label.startswith(seg, pos) or label[pos + len(seg) : pos + len(seg) + 1] not in SHEPHERD_LABELS:
+            raise RowError(
+                "label",
+                "label text does not match input",
+                f"differs from input at step tag {k + 1} "
+                "(label must be the input with each tag replaced by '+' or '-')",
+            )
         labels.append(SHEPHERD_LABELS[label[pos + len(seg)]])
         pos += len(seg) + 1
     if label[pos:] != segments[-1]:
@@ -282,18 +332,20 @@ def split_math_shepherd(text: str, label: str) -> tuple[str, list[str], list[flo
     # The question may itself say "Step 1:"; the real one is the last in the first segment.
     firsts = list(_SHEPHERD_FIRST.finditer(segments[0]))
     if not firsts:
-        raise RowError("input", "no 'Step 1:' before the first tag",
-                       "no 'Step 1:' found (cannot split question from steps)")
-    question = segments[0][:firsts[-1].start()].strip()
+        raise RowError(
+            "input", "no 'Step 1:' before the first tag", "no 'Step 1:' found (cannot split question from steps)"
+        )
+    question = segments[0][: firsts[-1].start()].strip()
     if not question:
         raise RowError("input", "empty question", "nothing before 'Step 1:' (the question is missing)")
-    steps = [segments[0][firsts[-1].end():]] + segments[1:-1]
+    steps = [segments[0][firsts[-1].end() :]] + segments[1:-1]
     steps = [_SHEPHERD_STEP.sub("", s.strip(), count=1) for s in steps]
     return question, steps, labels
 
 
-def convert_math_shepherd(rows: Iterable[dict[str, Any]], source: str = "rows", id_prefix: str = "",
-                          check_images: bool = True) -> Converted:
+def convert_math_shepherd(
+    rows: Iterable[dict[str, Any]], source: str = "rows", id_prefix: str = "", check_images: bool = True
+) -> Converted:
     """Math-Shepherd `{"input", "label", "task"}` rows (see `split_math_shepherd`); no gold answer."""
     result, ids, made = Converted(), _Ids(id_prefix), []
     for n, row in enumerate(rows, start=1):
@@ -302,16 +354,20 @@ def convert_math_shepherd(rows: Iterable[dict[str, Any]], source: str = "rows", 
         try:
             text, label = row.get("input"), row.get("label")
             if not isinstance(text, str) or not isinstance(label, str):
-                raise RowError("input" if not isinstance(text, str) else "label", "missing input/label",
-                               "missing or not a string (Math-Shepherd rows hold 'input' and 'label' text)")
+                raise RowError(
+                    "input" if not isinstance(text, str) else "label",
+                    "missing input/label",
+                    "missing or not a string (Math-Shepherd rows hold 'input' and 'label' text)",
+                )
             question, steps, labels = split_math_shepherd(text, label)
             steps, labels = _drop_empty_steps(steps, labels, result.notes)
         except RowError as e:
             result.skip(f"{source}:{n}", rid, e)
             continue
         meta = {"source": "math_shepherd"} | ({"task": row["task"]} if isinstance(row.get("task"), str) else {})
-        made.append((f"{source}:{n}", StepExample(id=ids(rid), question=question, steps=steps, labels=labels,
-                                                  meta=meta)))
+        made.append(
+            (f"{source}:{n}", StepExample(id=ids(rid), question=question, steps=steps, labels=labels, meta=meta))
+        )
     return _finish(result, made, check_images)
 
 
@@ -325,8 +381,9 @@ def _prm800k_rating(rating: Any, neutral: float, where: str) -> float:
     raise RowError(where, "rating is not -1/0/1", f"rating {rating!r} is not -1, 0 or 1")
 
 
-def prm800k_path(label: dict[str, Any], neutral: float = 1.0, pre_generated: list[str] | None = None,
-                 alternatives: bool = False) -> tuple[list[tuple[str, float]], list[tuple[int, str, float]], str]:
+def prm800k_path(
+    label: dict[str, Any], neutral: float = 1.0, pre_generated: list[str] | None = None, alternatives: bool = False
+) -> tuple[list[tuple[str, float]], list[tuple[int, str, float]], str]:
     """The labelled steps a PRM800K labeler followed, and (optionally) the rated steps not taken.
 
     Per step: the chosen completion if any, else the human-written one (rating null -> 1.0: a
@@ -359,8 +416,11 @@ def prm800k_path(label: dict[str, Any], neutral: float = 1.0, pre_generated: lis
         taken: int | None = None  # index of the completion on the path (None: human step / stop)
         if chosen is not None:
             if not isinstance(chosen, int) or isinstance(chosen, bool) or not 0 <= chosen < len(comps):
-                raise RowError(f"{where}.chosen_completion", "chosen_completion out of range",
-                               f"{chosen!r} is not an index into {len(comps)} completions")
+                raise RowError(
+                    f"{where}.chosen_completion",
+                    "chosen_completion out of range",
+                    f"{chosen!r} is not an index into {len(comps)} completions",
+                )
             taken, text, rating = chosen, comps[chosen].get("text"), comps[chosen].get("rating")
         elif isinstance(human, dict):
             text, rating = human.get("text"), human.get("rating")
@@ -370,8 +430,9 @@ def prm800k_path(label: dict[str, Any], neutral: float = 1.0, pre_generated: lis
             if pre_generated is not None and i < len(pre_generated):
                 bad = [k for k in bad if comps[k].get("text") == pre_generated[i]] or bad
             if not bad:
-                raise RowError(where, "found_error without a -1 step",
-                               "finish_reason is found_error but no completion is rated -1")
+                raise RowError(
+                    where, "found_error without a -1 step", "finish_reason is found_error but no completion is rated -1"
+                )
             taken, text, rating = bad[0], comps[bad[0]].get("text"), -1
         else:  # give_up, or nothing chosen at the end of a finished solution: the path ends here
             text = rating = None
@@ -389,8 +450,14 @@ def prm800k_path(label: dict[str, Any], neutral: float = 1.0, pre_generated: lis
     return path, others, finish if isinstance(finish, str) else "unknown"
 
 
-def convert_prm800k(rows: Iterable[dict[str, Any]], source: str = "rows", neutral: float = 1.0,
-                    alternatives: bool = False, id_prefix: str = "", check_images: bool = True) -> Converted:
+def convert_prm800k(
+    rows: Iterable[dict[str, Any]],
+    source: str = "rows",
+    neutral: float = 1.0,
+    alternatives: bool = False,
+    id_prefix: str = "",
+    check_images: bool = True,
+) -> Converted:
     """Raw PRM800K phase rows: the followed path per row (see `prm800k_path`).
 
     With `alternatives`, each rated completion not taken also becomes an example: the followed
@@ -407,14 +474,20 @@ def convert_prm800k(rows: Iterable[dict[str, Any]], source: str = "rows", neutra
         try:
             q, label = row.get("question"), row.get("label")
             if not isinstance(q, dict) or not isinstance(label, dict):
-                raise RowError("question" if not isinstance(q, dict) else "label", "not a PRM800K row",
-                               "missing or not an object (expected raw PRM800K phase rows)")
+                raise RowError(
+                    "question" if not isinstance(q, dict) else "label",
+                    "not a PRM800K row",
+                    "missing or not an object (expected raw PRM800K phase rows)",
+                )
             question = _text(q, ("problem",))
             finish = label.get("finish_reason")
             if finish not in PRM800K_FINISH:
-                raise RowError("label.finish_reason", f"finish_reason {finish!r}",
-                               f"{finish!r} is not one of {', '.join(PRM800K_FINISH)} "
-                               "(e.g. bad_problem: the labeler flagged the problem; no usable labels)")
+                raise RowError(
+                    "label.finish_reason",
+                    f"finish_reason {finish!r}",
+                    f"{finish!r} is not one of {', '.join(PRM800K_FINISH)} "
+                    "(e.g. bad_problem: the labeler flagged the problem; no usable labels)",
+                )
             pre = q.get("pre_generated_steps")
             path, others, ended = prm800k_path(label, neutral, pre if isinstance(pre, list) else None, alternatives)
             if not path:
@@ -424,12 +497,20 @@ def convert_prm800k(rows: Iterable[dict[str, Any]], source: str = "rows", neutra
             result.skip(where, rid, e)
             continue
         answer = q.get("ground_truth_answer")
-        meta = {"source": "prm800k", "finish_reason": finish, "ended": ended,
-                **{k: row[k] for k in ("labeler", "generation", "is_quality_control_question",
-                                       "is_initial_screening_question") if k in row}}
+        meta = {
+            "source": "prm800k",
+            "finish_reason": finish,
+            "ended": ended,
+            **{
+                k: row[k]
+                for k in ("labeler", "generation", "is_quality_control_question", "is_initial_screening_question")
+                if k in row
+            },
+        }
         answer = answer if isinstance(answer, str) else None
-        made.append((where, StepExample(id=ids(rid), question=question, steps=steps, labels=labels,
-                                        answer=answer, meta=meta)))
+        made.append(
+            (where, StepExample(id=ids(rid), question=question, steps=steps, labels=labels, answer=answer, meta=meta))
+        )
         counts = Counter[int]()
         for i, text, y in others:
             if not text.strip():
@@ -437,10 +518,19 @@ def convert_prm800k(rows: Iterable[dict[str, Any]], source: str = "rows", neutra
                 continue
             prefix = [(t.strip(), yy) for t, yy in path[:i] if t.strip()]
             counts[i] += 1
-            made.append((where, StepExample(
-                id=ids(f"{rid}-alt{i}-{counts[i] - 1}"), question=question,
-                steps=[t for t, _ in prefix] + [text.strip()], labels=[yy for _, yy in prefix] + [y],
-                answer=answer, meta=meta | {"alternative_of_step": i})))
+            made.append(
+                (
+                    where,
+                    StepExample(
+                        id=ids(f"{rid}-alt{i}-{counts[i] - 1}"),
+                        question=question,
+                        steps=[t for t, _ in prefix] + [text.strip()],
+                        labels=[yy for _, yy in prefix] + [y],
+                        answer=answer,
+                        meta=meta | {"alternative_of_step": i},
+                    ),
+                )
+            )
     return _finish(result, made, check_images)
 
 
@@ -474,8 +564,13 @@ def tree_paths(root: dict[str, Any]) -> list[tuple[list[str], list[float]]]:
     return out
 
 
-def convert_openr_tree(rows: Iterable[dict[str, Any]], source: str = "rows", image_root: str | Path = ".",
-                       id_prefix: str = "", check_images: bool = True) -> Converted:
+def convert_openr_tree(
+    rows: Iterable[dict[str, Any]],
+    source: str = "rows",
+    image_root: str | Path = ".",
+    id_prefix: str = "",
+    check_images: bool = True,
+) -> Converted:
     """openr / OmegaPRM trees: one example per distinct root-to-leaf path (see `tree_paths`).
 
     Empty node texts are dropped with their label (the next node's value covers the same
@@ -488,8 +583,7 @@ def convert_openr_tree(rows: Iterable[dict[str, Any]], source: str = "rows", ima
         try:
             root = row.get("reasoning_steps")
             if not isinstance(root, dict):
-                raise RowError("reasoning_steps", "no tree",
-                               "missing or not a node object {text, mc_value, children}")
+                raise RowError("reasoning_steps", "no tree", "missing or not a node object {text, mc_value, children}")
             question = _text(row, ("question",)) if row.get("question") else _text(root, ("text",))
             images = _images(row, Path(image_root))
             paths = tree_paths(root)
@@ -506,13 +600,22 @@ def convert_openr_tree(rows: Iterable[dict[str, Any]], source: str = "rows", ima
             continue
         answer = row.get("final_answer")
         for steps, labels in cleaned:
-            pool.add(f"{source}:{n}", rid, question, images, steps, labels,
-                     answer if isinstance(answer, str) else None, {"source": "openr_tree", "question_id": rid})
+            pool.add(
+                f"{source}:{n}",
+                rid,
+                question,
+                images,
+                steps,
+                labels,
+                answer if isinstance(answer, str) else None,
+                {"source": "openr_tree", "question_id": rid},
+            )
     return _finish(result, pool.examples(_Ids(id_prefix), result.notes), check_images)
 
 
-def prefix_paths(question: str, prefixes: list[tuple[str, float]],
-                 notes: Counter) -> list[tuple[list[str], list[float]]]:
+def prefix_paths(
+    question: str, prefixes: list[tuple[str, float]], notes: Counter
+) -> list[tuple[list[str], list[float]]]:
     """Longest step paths from openr flat prefixes (each `question + steps so far` with a value).
 
     A prefix's parent is the longest other prefix it extends at a whitespace boundary (guards
@@ -525,7 +628,7 @@ def prefix_paths(question: str, prefixes: list[tuple[str, float]],
         if not text.startswith(question):
             notes["prefix without the question text dropped"] += 1
             continue
-        rest = text[len(question):]
+        rest = text[len(question) :]
         if rest.strip():
             values.setdefault(rest.rstrip(), []).append(mc)
     notes["duplicate prefix merged (values averaged)"] += sum(len(v) - 1 for v in values.values())
@@ -554,8 +657,13 @@ def prefix_paths(question: str, prefixes: list[tuple[str, float]],
     return out
 
 
-def convert_openr_flat(rows: Iterable[dict[str, Any]], source: str = "rows", image_root: str | Path = ".",
-                       id_prefix: str = "", check_images: bool = True) -> Converted:
+def convert_openr_flat(
+    rows: Iterable[dict[str, Any]],
+    source: str = "rows",
+    image_root: str | Path = ".",
+    id_prefix: str = "",
+    check_images: bool = True,
+) -> Converted:
     """openr flat rows `reasoning_steps: [{"solution_prefix", "mc_value"}]` (see `prefix_paths`)."""
     result, pool = Converted(), _PathPool()
     for n, row in enumerate(rows, start=1):
@@ -565,8 +673,7 @@ def convert_openr_flat(rows: Iterable[dict[str, Any]], source: str = "rows", ima
             question = _text(row, ("question",))
             items = row.get("reasoning_steps")
             if not isinstance(items, list):
-                raise RowError("reasoning_steps", "no prefixes",
-                               "missing or not a list of {solution_prefix, mc_value}")
+                raise RowError("reasoning_steps", "no prefixes", "missing or not a list of {solution_prefix, mc_value}")
             prefixes = []
             for k, item in enumerate(items):
                 if not isinstance(item, dict) or not isinstance(item.get("solution_prefix"), str):
@@ -575,24 +682,41 @@ def convert_openr_flat(rows: Iterable[dict[str, Any]], source: str = "rows", ima
             images = _images(row, Path(image_root))
             paths = prefix_paths(question.strip(), [(p.strip(), v) for p, v in prefixes], result.notes)
             if not paths:
-                raise RowError("reasoning_steps", "no steps after the question",
-                               "no prefix extends the question text (nothing to label)")
+                raise RowError(
+                    "reasoning_steps",
+                    "no steps after the question",
+                    "no prefix extends the question text (nothing to label)",
+                )
             paths = [_drop_empty_steps(s, y, result.notes) for s, y in paths]
         except RowError as e:
             result.skip(f"{source}:{n}", rid, e)
             continue
         answer = row.get("final_answer")
         for steps, labels in paths:
-            pool.add(f"{source}:{n}", rid, question, images, steps, labels,
-                     answer if isinstance(answer, str) else None, {"source": "openr_flat", "question_id": rid})
+            pool.add(
+                f"{source}:{n}",
+                rid,
+                question,
+                images,
+                steps,
+                labels,
+                answer if isinstance(answer, str) else None,
+                {"source": "openr_flat", "question_id": rid},
+            )
     return _finish(result, pool.examples(_Ids(id_prefix), result.notes), check_images)
 
 
 _MMPRM_HUMAN = re.compile(r"^(?:\s*<image>\s*\n)*\s*Question:\s*(.*?)\nProcess:\s*(.*)$", re.S)
 
 
-def convert_mmprm_prm(rows: Iterable[dict[str, Any]], source: str = "rows", separator: str = "<prm>",
-                      image_root: str | Path = ".", id_prefix: str = "", check_images: bool = True) -> Converted:
+def convert_mmprm_prm(
+    rows: Iterable[dict[str, Any]],
+    source: str = "rows",
+    separator: str = "<prm>",
+    image_root: str | Path = ".",
+    id_prefix: str = "",
+    check_images: bool = True,
+) -> Converted:
     """MM-PRM rows: a process string with steps joined by `separator`, plus one float label per step.
 
     Accepts `{"question"|"prompt", "image"|"images"|"image_path", "process"|"response", "labels"}`
@@ -611,8 +735,11 @@ def convert_mmprm_prm(rows: Iterable[dict[str, Any]], source: str = "rows", sepa
             if isinstance(conv, list) and len(conv) >= 2 and all(isinstance(c, dict) for c in conv):
                 m = _MMPRM_HUMAN.match(conv[0].get("value") or "") if isinstance(conv[0].get("value"), str) else None
                 if m is None:
-                    raise RowError("conversations[0].value", "no 'Question: ...\\nProcess: ...' text",
-                                   "must read 'Question: <text>\\nProcess: <steps joined by the separator>'")
+                    raise RowError(
+                        "conversations[0].value",
+                        "no 'Question: ...\\nProcess: ...' text",
+                        "must read 'Question: <text>\\nProcess: <steps joined by the separator>'",
+                    )
                 question, process, labels = m.group(1).strip(), m.group(2), conv[1].get("value")
             else:
                 question = _text(row, ("question", "prompt"))
@@ -629,17 +756,26 @@ def convert_mmprm_prm(rows: Iterable[dict[str, Any]], source: str = "rows", sepa
             if not parts[-1].strip():
                 parts = parts[:-1]
             if len(parts) != len(labels):
-                raise RowError("labels", "steps/labels count mismatch",
-                               f"{len(labels)} labels for {len(parts)} steps split on {separator!r} "
-                               "(fix the separator with --separator or the label list)")
+                raise RowError(
+                    "labels",
+                    "steps/labels count mismatch",
+                    f"{len(labels)} labels for {len(parts)} steps split on {separator!r} "
+                    "(fix the separator with --separator or the label list)",
+                )
             ys = [_label(y, f"labels[{i}]") for i, y in enumerate(labels)]
             steps, ys = _drop_empty_steps(parts, ys, result.notes)
             images = _images(row, Path(image_root))
         except RowError as e:
             result.skip(f"{source}:{n}", rid, e)
             continue
-        made.append((f"{source}:{n}", StepExample(id=ids(rid), question=question, steps=steps, images=images,
-                                                  labels=ys, meta={"source": "mmprm_prm"})))
+        made.append(
+            (
+                f"{source}:{n}",
+                StepExample(
+                    id=ids(rid), question=question, steps=steps, images=images, labels=ys, meta={"source": "mmprm_prm"}
+                ),
+            )
+        )
     return _finish(result, made, check_images)
 
 
@@ -690,8 +826,11 @@ def read_rows(path: str | Path, image_dir: str | Path | None = None) -> Iterator
         for row in ds:
             for name in image_cols:
                 value = row[name]
-                row[name] = ([_save_embedded(v, out_dir) for v in value] if isinstance(value, list)
-                             else _save_embedded(value, out_dir))
+                row[name] = (
+                    [_save_embedded(v, out_dir) for v in value]
+                    if isinstance(value, list)
+                    else _save_embedded(value, out_dir)
+                )
             yield row
         return
     with open(path, "rb") as f:
@@ -713,10 +852,18 @@ def read_rows(path: str | Path, image_dir: str | Path | None = None) -> Iterator
         yield obj
 
 
-def convert_file(fmt: str, path: str | Path, image_root: str | Path | None = None, id_prefix: str = "",
-                 check_images: bool = True, neutral: float = 1.0, alternatives: bool = False,
-                 separator: str = "<prm>", limit: int | None = None,
-                 image_dir: str | Path | None = None) -> Converted:
+def convert_file(
+    fmt: str,
+    path: str | Path,
+    image_root: str | Path | None = None,
+    id_prefix: str = "",
+    check_images: bool = True,
+    neutral: float = 1.0,
+    alternatives: bool = False,
+    separator: str = "<prm>",
+    limit: int | None = None,
+    image_dir: str | Path | None = None,
+) -> Converted:
     """Convert one input file of format `fmt` (one of FORMATS).
 
     `image_dir` receives images embedded as bytes in a datasets/parquet input (see `read_rows`).
@@ -743,9 +890,11 @@ def convert_file(fmt: str, path: str | Path, image_root: str | Path | None = Non
 def cli_convert(argv: list[str]) -> int:
     """`mmprm convert --from FORMAT --input PATH --out OUT.jsonl`: exit 0 when examples were written."""
     parser = argparse.ArgumentParser(
-        prog="mmprm convert", description="Import PRM data into mmprm's step-labelled JSONL.",
+        prog="mmprm convert",
+        description="Import PRM data into mmprm's step-labelled JSONL.",
         epilog="Skipped rows are listed on stderr with the reason. Images embedded in a datasets/parquet input "
-               "are written to OUT_images/ next to the output.")
+        "are written to OUT_images/ next to the output.",
+    )
     parser.add_argument("--from", dest="fmt", required=True, choices=FORMATS, help="input format")
     parser.add_argument("--input", required=True, help=".jsonl, .json array, .parquet or datasets folder")
     parser.add_argument("--out", required=True, help="output step-labelled JSONL")
@@ -753,24 +902,37 @@ def cli_convert(argv: list[str]) -> int:
     parser.add_argument("--id-prefix", default="", help="prepended to every id, e.g. 'shepherd-'")
     parser.add_argument("--no-image-check", action="store_true", help="do not open image files")
     parser.add_argument("--neutral", type=float, default=1.0, help="prm800k: label of a 0 (neutral) rating")
-    parser.add_argument("--alternatives", action="store_true",
-                        help="prm800k: also emit rated completions the labeler did not follow")
+    parser.add_argument(
+        "--alternatives", action="store_true", help="prm800k: also emit rated completions the labeler did not follow"
+    )
     parser.add_argument("--separator", default="<prm>", help="mmprm_prm: step separator in the process text")
     parser.add_argument("--limit", type=int, default=None, help="convert only the first N rows")
     parser.add_argument("--show", type=int, default=10, help="how many skipped rows to list on stderr")
     args = parser.parse_args(argv)
     try:
         out = Path(args.out)
-        result = convert_file(args.fmt, args.input, args.image_root, args.id_prefix, not args.no_image_check,
-                              args.neutral, args.alternatives, args.separator, args.limit,
-                              image_dir=out.parent / f"{out.stem}_images")
+        result = convert_file(
+            args.fmt,
+            args.input,
+            args.image_root,
+            args.id_prefix,
+            not args.no_image_check,
+            args.neutral,
+            args.alternatives,
+            args.separator,
+            args.limit,
+            image_dir=out.parent / f"{out.stem}_images",
+        )
     except (DataError, ValueError) as e:
         print(f"mmprm convert: {e}", file=sys.stderr)
         return 1
     print(result.summary(args.show), file=sys.stderr)
     if not result.examples:
-        print(f"mmprm convert: no example could be converted from {args.input}; nothing written "
-              f"(is --from {args.fmt} the right format?)", file=sys.stderr)
+        print(
+            f"mmprm convert: no example could be converted from {args.input}; nothing written "
+            f"(is --from {args.fmt} the right format?)",
+            file=sys.stderr,
+        )
         return 1
     write_jsonl(args.out, result.examples)
     print(f"wrote {len(result.examples)} examples to {args.out}", file=sys.stderr)

@@ -56,16 +56,19 @@ def read_mathv(mathv_dir: str | Path) -> list[dict[str, Any]]:
             r = json.loads(line)
             image = root / r["image"]
             if not image.exists():
-                raise FileNotFoundError(f"{path}:{lineno}: id={r['id']}: image: {image} not found "
-                                        "(copy MATH-V's images/ folder next to testmini.jsonl)")
-            problems.append({
-                "id": str(r["id"]),
-                "question": mathv_question(r["question"], r["options"]),
-                "images": [str(image)],
-                "answer": str(r["answer"]),
-                "choices": list(r["options"]) or None,
-                "solution": r.get("solution"),
-                "meta": {"source": "mathv", "level": r.get("level"), "subject": r.get("subject")},
-            })
+                raise FileNotFoundError(
+                    f"{path}:{lineno}: id={r['id']}: image: {image} not found "
+                    "(copy MATH-V's images/ folder next to testmini.jsonl)"
+                )
+            problems.append(
+                {
+                    "id": str(r["id"]),
+                    "question": mathv_question(r["question"], r["options"]),
+                    "images": [str(image)],
+                    "answer": str(r["answer"]),
+                    "choices": list(r["options"]) or None,
+                    "solution": r.get("solution"),
+                    "meta": {"source": "mathv", "level": r.get("level"), "subject": r.get("subject")},
+                }
+            )
     return problems
-

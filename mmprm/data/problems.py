@@ -34,9 +34,13 @@ class Problem:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def check_problem_fields(obj: dict[str, Any], base_dir: Path, check_images: bool = True,
-                         need_answer: bool = True,
-                         image_cache: dict[Path, str | None] | None = None) -> tuple[list[tuple[str, str]], list[str]]:
+def check_problem_fields(
+    obj: dict[str, Any],
+    base_dir: Path,
+    check_images: bool = True,
+    need_answer: bool = True,
+    image_cache: dict[Path, str | None] | None = None,
+) -> tuple[list[tuple[str, str]], list[str]]:
     """Validate the problem fields of a row: ([(field, message)], absolute image paths).
 
     id, question and images are checked as in every mmprm row (`check_base_fields`). Also checks
@@ -48,8 +52,13 @@ def check_problem_fields(obj: dict[str, Any], base_dir: Path, check_images: bool
         if need_answer:
             errs.append(("answer", "missing (the gold answer is needed to verify generated solutions)"))
     elif isinstance(gold, bool) or not isinstance(gold, (str, int, float)) or not str(gold).strip():
-        errs.append(("answer", "must be the gold answer as a non-empty string or number"
-                               + ("" if need_answer else ", or null when unknown")))
+        errs.append(
+            (
+                "answer",
+                "must be the gold answer as a non-empty string or number"
+                + ("" if need_answer else ", or null when unknown"),
+            )
+        )
     choices = obj.get("choices")
     if choices is not None and (not isinstance(choices, list) or not all(isinstance(x, str) for x in choices)):
         errs.append(("choices", "must be a list of option texts in letter order, or omitted"))
@@ -65,8 +74,9 @@ def load_problems(path: str | Path, check_images: bool = True) -> list[Problem]:
     """
     path = Path(path)
     if not path.exists():
-        raise DataError([f"{path}: file not found (a JSONL of {{id, images, question, answer}} rows; "
-                         "`mmprm synthetic` writes one)"])
+        raise DataError(
+            [f"{path}: file not found (a JSONL of {{id, images, question, answer}} rows; `mmprm synthetic` writes one)"]
+        )
     problems: list[Problem] = []
     bad: list[str] = []
     seen: dict[str, int] = {}
@@ -84,8 +94,16 @@ def load_problems(path: str | Path, check_images: bool = True) -> list[Problem]:
             bad.append(f"{path}:{lineno}: id={rid}: id: duplicated (first on line {seen[rid]}; make ids unique)")
             continue
         seen[str(rid)] = lineno
-        problems.append(Problem(id=str(rid), question=obj["question"], answer=str(obj["answer"]), images=images,
-                                choices=obj.get("choices"), meta=obj.get("meta") or {}))
+        problems.append(
+            Problem(
+                id=str(rid),
+                question=obj["question"],
+                answer=str(obj["answer"]),
+                images=images,
+                choices=obj.get("choices"),
+                meta=obj.get("meta") or {},
+            )
+        )
     if not problems and not bad:
         bad.append(f"{path}:0: id=?: file: no rows (the problems file is empty)")
     if bad:

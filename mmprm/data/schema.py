@@ -22,9 +22,10 @@ import json
 import math
 import os
 import secrets
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator
+from typing import IO, Any
 
 from mmprm.steps import STEP_TOKEN, count_image_placeholders
 
@@ -42,8 +43,12 @@ class StepExample:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        row: dict[str, Any] = {"id": self.id, "images": list(self.images), "question": self.question,
-                               "steps": list(self.steps)}
+        row: dict[str, Any] = {
+            "id": self.id,
+            "images": list(self.images),
+            "question": self.question,
+            "steps": list(self.steps),
+        }
         if self.labels is not None:
             row["labels"] = [float(x) for x in self.labels]
         if self.answer is not None:
@@ -82,7 +87,11 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, s
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield lineno, None, f"not UTF-8: byte {e.start} is {raw[e.start:e.start + 1]!r} (re-save the file as UTF-8)"
+                yield (
+                    lineno,
+                    None,
+                    f"not UTF-8: byte {e.start} is {raw[e.start : e.start + 1]!r} (re-save the file as UTF-8)",
+                )
                 continue
             if not line.strip():
                 continue
@@ -91,10 +100,14 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, s
                 obj = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
                 at = "" if e.msg.endswith(" at") else " at"  # "Unterminated string starting at"
-                yield lineno, None, f"invalid JSON: {e.msg}{at} column {e.colno} (fix the line so it holds one JSON object)"
+                yield (
+                    lineno,
+                    None,
+                    f"invalid JSON: {e.msg}{at} column {e.colno} (fix the line so it holds one JSON object)",
+                )
                 continue
             if not isinstance(obj, dict):
-                yield lineno, None, "not a JSON object (each line must be one object like {\"id\": ..., \"question\": ...})"
+                yield lineno, None, 'not a JSON object (each line must be one object like {"id": ..., "question": ...})'
                 continue
             yield lineno, obj, None
 
@@ -119,15 +132,16 @@ def _check_image(path: Path, cache: dict[Path, str | None]) -> str | None:
                 from PIL import Image
 
                 with Image.open(path) as im:
-                    im.size  # reads the header: enough to know it is an image
+                    _ = im.size  # reads the header: enough to know it is an image
                 cache[path] = None
             except Exception as e:  # PIL raises many types for broken files
                 cache[path] = f"image unreadable: {path}: {type(e).__name__} (replace or re-export the file)"
     return cache[path]
 
 
-def check_base_fields(obj: dict[str, Any], base_dir: Path, check_images: bool = True,
-                      image_cache: dict[Path, str | None] | None = None) -> tuple[list[tuple[str, str]], list[str]]:
+def check_base_fields(
+    obj: dict[str, Any], base_dir: Path, check_images: bool = True, image_cache: dict[Path, str | None] | None = None
+) -> tuple[list[tuple[str, str]], list[str]]:
     """Validate the fields every row type shares (id, question, images): ([(field, message)], absolute images).
 
     With `check_images`, every image must exist and open as an image (its header is read).
@@ -163,14 +177,24 @@ def check_base_fields(obj: dict[str, Any], base_dir: Path, check_images: bool = 
     if question is not None:
         n_ph = count_image_placeholders(question)
         if n_ph and n_ph != len(images):
-            errs.append(("images", f"question has {n_ph} image placeholder(s) but {len(images)} image(s) are listed "
-                                   "(list one image per placeholder, or remove the placeholders)"))
+            errs.append(
+                (
+                    "images",
+                    f"question has {n_ph} image placeholder(s) but {len(images)} image(s) are listed "
+                    "(list one image per placeholder, or remove the placeholders)",
+                )
+            )
     return errs, resolved
 
 
-def check_row(obj: dict[str, Any], base_dir: Path, require_labels: bool = False,
-              check_images: bool = True, image_cache: dict[Path, str | None] | None = None,
-              steps_field: str = "steps") -> tuple[list[tuple[str, str]], StepExample | None]:
+def check_row(
+    obj: dict[str, Any],
+    base_dir: Path,
+    require_labels: bool = False,
+    check_images: bool = True,
+    image_cache: dict[Path, str | None] | None = None,
+    steps_field: str = "steps",
+) -> tuple[list[tuple[str, str]], StepExample | None]:
     """Validate one row. Returns ([(field, message)], example-or-None)."""
     errs, resolved = check_base_fields(obj, base_dir, check_images, image_cache)
 
@@ -217,14 +241,19 @@ def check_row(obj: dict[str, Any], base_dir: Path, require_labels: bool = False,
     if errs:
         return errs, None
     return [], StepExample(
-        id=str(obj["id"]), question=obj["question"], steps=list(steps), images=resolved,
+        id=str(obj["id"]),
+        question=obj["question"],
+        steps=list(steps),
+        images=resolved,
         labels=[float(x) for x in labels] if labels is not None else None,
-        answer=str(answer) if answer is not None else None, meta=meta,
+        answer=str(answer) if answer is not None else None,
+        meta=meta,
     )
 
 
-def validate_file(path: str | Path, require_labels: bool = False,
-                  check_images: bool = True) -> tuple[list[StepExample], list[str]]:
+def validate_file(
+    path: str | Path, require_labels: bool = False, check_images: bool = True
+) -> tuple[list[StepExample], list[str]]:
     """Check every row of a step-labelled JSONL file; return (examples, problem lines)."""
     path = Path(path)
     if not path.exists():
@@ -249,7 +278,9 @@ def validate_file(path: str | Path, require_labels: bool = False,
         if not errs:
             key = rid
             if key in seen:
-                problems.append(f"{path}:{lineno}: id={rid}: id: duplicated (first on line {seen[key]}; make ids unique)")
+                problems.append(
+                    f"{path}:{lineno}: id={rid}: id: duplicated (first on line {seen[key]}; make ids unique)"
+                )
                 continue
             seen[key] = lineno
         if ex is not None:
@@ -319,8 +350,17 @@ def to_hf_dataset(examples: list[StepExample]):
     """The examples as a `datasets.Dataset` (labels as float lists, null when unlabelled)."""
     import datasets
 
-    return datasets.Dataset.from_list([
-        {"id": e.id, "images": e.images, "question": e.question, "steps": e.steps,
-         "labels": e.labels, "answer": e.answer, "meta": json.dumps(e.meta)}
-        for e in examples
-    ])
+    return datasets.Dataset.from_list(
+        [
+            {
+                "id": e.id,
+                "images": e.images,
+                "question": e.question,
+                "steps": e.steps,
+                "labels": e.labels,
+                "answer": e.answer,
+                "meta": json.dumps(e.meta),
+            }
+            for e in examples
+        ]
+    )

@@ -52,8 +52,11 @@ def clean_solution(text: str) -> str:
 
 def _open_display(chunk: str) -> bool:
     """Whether a chunk leaves a display-math block open (`\\[` without `\\]`, odd `$$`, ...)."""
-    return (chunk.count("\\[") > chunk.count("\\]") or chunk.count("$$") % 2 == 1
-            or len(re.findall(r"\\begin\{", chunk)) > len(re.findall(r"\\end\{", chunk)))
+    return (
+        chunk.count("\\[") > chunk.count("\\]")
+        or chunk.count("$$") % 2 == 1
+        or len(re.findall(r"\\begin\{", chunk)) > len(re.findall(r"\\end\{", chunk))
+    )
 
 
 def _merge_math(chunks: list[str]) -> list[str]:
@@ -124,14 +127,29 @@ def sft_from_gsm8k(path: str | Path) -> list[StepExample]:
             raise DataError([f"{path}:{lineno}: id=?: line: {err}"])
         worked = obj.get("answer", obj.get("ground_truth"))
         if not isinstance(worked, str) or not isinstance(obj.get("question"), str):
-            raise DataError([f"{path}:{lineno}: id=?: answer: need 'question' and a worked 'answer' "
-                             "(or 'ground_truth') string: is this a GSM8K file?"])
+            raise DataError(
+                [
+                    f"{path}:{lineno}: id=?: answer: need 'question' and a worked 'answer' "
+                    "(or 'ground_truth') string: is this a GSM8K file?"
+                ]
+            )
         steps, answer = split_solution(worked, by_lines=True)
         if not steps or answer is None:
-            raise DataError([f"{path}:{lineno}: id=gsm8k-{lineno - 1}: answer: no steps or no final "
-                             "'#### N' line (fix or drop the row)"])
-        out.append(StepExample(id=f"gsm8k-{lineno - 1}", question=obj["question"], steps=steps,
-                               answer=answer.replace(",", ""), meta={"source": "gsm8k"}))
+            raise DataError(
+                [
+                    f"{path}:{lineno}: id=gsm8k-{lineno - 1}: answer: no steps or no final "
+                    "'#### N' line (fix or drop the row)"
+                ]
+            )
+        out.append(
+            StepExample(
+                id=f"gsm8k-{lineno - 1}",
+                question=obj["question"],
+                steps=steps,
+                answer=answer.replace(",", ""),
+                meta={"source": "gsm8k"},
+            )
+        )
     return out
 
 
@@ -150,8 +168,16 @@ def sft_from_mathv(mathv_dir: str | Path) -> list[StepExample]:
         steps, _ = split_solution(p["solution"])
         if not steps:
             continue
-        out.append(StepExample(id=f"mathv-{p['id']}", question=p["question"], steps=steps,
-                               images=p["images"], answer=p["answer"], meta=p["meta"]))
+        out.append(
+            StepExample(
+                id=f"mathv-{p['id']}",
+                question=p["question"],
+                steps=steps,
+                images=p["images"],
+                answer=p["answer"],
+                meta=p["meta"],
+            )
+        )
     return out
 
 
@@ -190,8 +216,9 @@ def load_sft(path: str | Path, check_images: bool = True) -> list[StepExample]:
         problems += [f"{path}:{lineno}: id={rid}: {fld}: {msg}" for fld, msg in errs]
         if ex is not None and not errs:
             if ex.id in seen:
-                problems.append(f"{path}:{lineno}: id={rid}: id: duplicated "
-                                f"(first on line {seen[ex.id]}; make ids unique)")
+                problems.append(
+                    f"{path}:{lineno}: id={rid}: id: duplicated (first on line {seen[ex.id]}; make ids unique)"
+                )
                 continue
             seen[ex.id] = lineno
             ex.labels = None
@@ -248,8 +275,14 @@ def rewrite_with_llm(example: StepExample, client: ChatClient) -> StepExample:
 
         if not answers_match(answer, example.answer):
             raise ValueError(f"id={example.id}: rewrite changed the answer {example.answer!r} -> {answer!r}")
-    return StepExample(id=example.id, question=example.question, steps=steps, images=list(example.images),
-                       answer=example.answer or answer, meta={**example.meta, "rewritten_by": client.config.model})
+    return StepExample(
+        id=example.id,
+        question=example.question,
+        steps=steps,
+        images=list(example.images),
+        answer=example.answer or answer,
+        meta={**example.meta, "rewritten_by": client.config.model},
+    )
 
 
 # ---------------------------------------------------------------- CLI
@@ -271,9 +304,17 @@ def cli_convert_sft(argv: list[str]) -> int:
     examples = sft_from_gsm8k(args.input) if args.source == "gsm8k" else sft_from_mathv(args.input)
     if args.rewrite_url:
         # Replies are cached next to the output, so rerunning after a crash pays only for the rest.
-        client = ChatClient(ChatConfig(url=args.rewrite_url, model=args.rewrite_model, api_key_env=args.api_key_env,
-                                       timeout_s=120.0, concurrency=args.concurrency),
-                            config_key="--rewrite", cache_path=f"{args.out}.rewrite_cache.jsonl")
+        client = ChatClient(
+            ChatConfig(
+                url=args.rewrite_url,
+                model=args.rewrite_model,
+                api_key_env=args.api_key_env,
+                timeout_s=120.0,
+                concurrency=args.concurrency,
+            ),
+            config_key="--rewrite",
+            cache_path=f"{args.out}.rewrite_cache.jsonl",
+        )
 
         def rewrite(e: StepExample) -> tuple[StepExample, str | None]:
             try:
@@ -286,8 +327,10 @@ def cli_convert_sft(argv: list[str]) -> int:
             if err:
                 print(f"id={e.id}: kept the rule-based steps: {err}")
         failed = sum(err is not None for _, err in results)
-        print(f"rewrote {len(examples) - failed}/{len(examples)} examples with {args.rewrite_model} "
-              f"({client.stats.cache_hits} replies from the cache)")
+        print(
+            f"rewrote {len(examples) - failed}/{len(examples)} examples with {args.rewrite_model} "
+            f"({client.stats.cache_hits} replies from the cache)"
+        )
         examples = [e for e, _ in results]
     n = write_jsonl(args.out, (e.to_json() for e in examples))
     print(f"wrote {n} SFT examples to {args.out}")

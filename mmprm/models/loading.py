@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import AddedToken
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -34,7 +35,6 @@ from transformers import (
     Qwen2_5_VLProcessor,
     Qwen2VLProcessor,
 )
-from tokenizers import AddedToken
 
 from mmprm.models.sharding import full_shape
 from mmprm.steps import STEP_TOKEN
@@ -81,39 +81,64 @@ class _ImageOnlyMixin:
 class Qwen2VLImageOnlyProcessor(_ImageOnlyMixin, Qwen2VLProcessor):
     """`Qwen2VLProcessor` without its video processor (which would need torchvision)."""
 
-    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
 class Qwen2_5_VLImageOnlyProcessor(_ImageOnlyMixin, Qwen2_5_VLProcessor):
     """`Qwen2_5_VLProcessor` without its video processor (which would need torchvision)."""
 
-    def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
 class InternVLImageOnlyProcessor(_ImageOnlyMixin, InternVLProcessor):
     """`InternVLProcessor` (HF format, e.g. InternVL3-*-hf) without its video processor."""
 
-    def __init__(self, image_processor: Any = None, tokenizer: Any = None, image_seq_length: int = 256,
-                 chat_template: str | None = None, **kwargs: Any) -> None:
-        super().__init__(image_processor, tokenizer, None, image_seq_length=image_seq_length,
-                         chat_template=chat_template, **kwargs)
+    def __init__(
+        self,
+        image_processor: Any = None,
+        tokenizer: Any = None,
+        image_seq_length: int = 256,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            image_processor, tokenizer, None, image_seq_length=image_seq_length, chat_template=chat_template, **kwargs
+        )
 
 
 class LlavaOnevisionImageOnlyProcessor(_ImageOnlyMixin, LlavaOnevisionProcessor):
     """`LlavaOnevisionProcessor` (llava-hf/llava-onevision-*-hf) without its video processor."""
 
-    def __init__(self, image_processor: Any = None, tokenizer: Any = None, num_image_tokens: int | None = None,
-                 vision_feature_select_strategy: str | None = None, chat_template: str | None = None,
-                 image_token: str = "<image>", video_token: str = "<video>",
-                 vision_aspect_ratio: str = "anyres_max_9", **kwargs: Any) -> None:
-        super().__init__(image_processor, tokenizer, None, num_image_tokens=num_image_tokens,
-                         vision_feature_select_strategy=vision_feature_select_strategy, chat_template=chat_template,
-                         image_token=image_token, video_token=video_token, vision_aspect_ratio=vision_aspect_ratio,
-                         **kwargs)
+    def __init__(
+        self,
+        image_processor: Any = None,
+        tokenizer: Any = None,
+        num_image_tokens: int | None = None,
+        vision_feature_select_strategy: str | None = None,
+        chat_template: str | None = None,
+        image_token: str = "<image>",
+        video_token: str = "<video>",
+        vision_aspect_ratio: str = "anyres_max_9",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            image_processor,
+            tokenizer,
+            None,
+            num_image_tokens=num_image_tokens,
+            vision_feature_select_strategy=vision_feature_select_strategy,
+            chat_template=chat_template,
+            image_token=image_token,
+            video_token=video_token,
+            vision_aspect_ratio=vision_aspect_ratio,
+            **kwargs,
+        )
 
 
 # model_type (config.json) -> processor class used by `load_processor`.
@@ -176,8 +201,9 @@ def _has_video_processor(path: Path) -> bool:
     """True when a checkpoint (a hub id: assumed) saved a video processor, in either file layout."""
     if not path.is_dir():
         return True
-    return (path / "video_preprocessor_config.json").is_file() or \
-        _read_json_field(path / "processor_config.json", "video_processor") is not None
+    return (path / "video_preprocessor_config.json").is_file() or _read_json_field(
+        path / "processor_config.json", "video_processor"
+    ) is not None
 
 
 def load_processor(path: str | Path) -> Any:
@@ -229,15 +255,21 @@ def resolve_attn_implementation(name: str, key: str = "model.attn_implementation
     if name == "auto":
         return "flash_attention_2" if has_flash and torch.cuda.is_available() else "sdpa"
     if name == "flash_attention_2" and not has_flash:
-        raise ConfigError(f"{key}=flash_attention_2 but flash-attn is not installed: pip install 'mmprm[flash]' "
-                          f"(on a CUDA machine), or set {key}=sdpa")
+        raise ConfigError(
+            f"{key}=flash_attention_2 but flash-attn is not installed: pip install 'mmprm[flash]' "
+            f"(on a CUDA machine), or set {key}=sdpa"
+        )
     if name == "flash_attention_2" and not torch.cuda.is_available():
         raise ConfigError(f"{key}=flash_attention_2 needs a CUDA GPU and none is visible: set {key}=sdpa")
     return name
 
 
-def load_backbone(path: str | Path, dtype: torch.dtype | str | None = None, attn_implementation: str = "sdpa",
-                  attn_key: str = "model.attn_implementation") -> tuple[nn.Module, Any]:
+def load_backbone(
+    path: str | Path,
+    dtype: torch.dtype | str | None = None,
+    attn_implementation: str = "sdpa",
+    attn_key: str = "model.attn_implementation",
+) -> tuple[nn.Module, Any]:
     """Load model and processor from a checkpoint directory (or hub id) with `from_pretrained`.
 
     Args:

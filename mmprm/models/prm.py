@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,8 +53,10 @@ def reward_token_ids(tokenizer: Any, tokens: Sequence[str]) -> list[int]:
     for tok in tokens:
         enc = tokenizer.encode(tok, add_special_tokens=False)
         if len(enc) != 1:
-            raise ValueError(f"reward token {tok!r} is {len(enc)} tokens for this tokenizer: pick single-token "
-                             "reward tokens (set prm.reward_tokens)")
+            raise ValueError(
+                f"reward token {tok!r} is {len(enc)} tokens for this tokenizer: pick single-token "
+                "reward tokens (set prm.reward_tokens)"
+            )
         ids.append(enc[0])
     return ids
 
@@ -96,10 +99,12 @@ class ProcessRewardModel(nn.Module):
         logits = lm_head(hidden.to(lm_head.weight.dtype))  # (N, V)
         return logits[:, self.reward_ids]  # (N, 2)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, step_mask: torch.Tensor,
-                **model_inputs: Any) -> torch.Tensor:
-        out = _decoder(self.backbone)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                      **model_inputs)
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, step_mask: torch.Tensor, **model_inputs: Any
+    ) -> torch.Tensor:
+        out = _decoder(self.backbone)(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_inputs
+        )
         hidden = out.last_hidden_state  # (B, S, H)
         return self.head_logits(hidden[step_mask])  # (N, 2) or (N,)
 
@@ -169,8 +174,14 @@ class PRMScorer:
     every candidate (`share_prefix=True`), which gives the same scores as the unshared path.
     """
 
-    def __init__(self, model: ProcessRewardModel, processor: Any, device: str | torch.device = "cpu",
-                 batch_size: int = 8, max_length: int | None = None):
+    def __init__(
+        self,
+        model: ProcessRewardModel,
+        processor: Any,
+        device: str | torch.device = "cpu",
+        batch_size: int = 8,
+        max_length: int | None = None,
+    ):
         self.model = model.eval().to(device)
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
@@ -182,12 +193,20 @@ class PRMScorer:
 
     def tokenize(self, ex: Any) -> TokenizedSteps:
         images = [load_image(p) for p in (_field(ex, "images") or [])]
-        tok = tokenize_steps(self.processor, _field(ex, "question"), _steps_of(ex), images,
-                             max_length=self.max_length, step_token=self.spec.step_token,
-                             system=self.spec.system_prompt)
+        tok = tokenize_steps(
+            self.processor,
+            _field(ex, "question"),
+            _steps_of(ex),
+            images,
+            max_length=self.max_length,
+            step_token=self.spec.step_token,
+            system=self.spec.system_prompt,
+        )
         if tok is None:
-            raise ValueError(f"id={_field(ex, 'id', '?')}: the prompt and the first step do not fit in "
-                             f"max_length={self.max_length}; raise max_length or shorten the question")
+            raise ValueError(
+                f"id={_field(ex, 'id', '?')}: the prompt and the first step do not fit in "
+                f"max_length={self.max_length}; raise max_length or shorten the question"
+            )
         return tok
 
     @torch.no_grad()
@@ -205,8 +224,17 @@ class PRMScorer:
             key = (_field(ex, "question"), imgs) if share_prefix else i
             group = groups.setdefault(key, [])
             # same prompt and images as the group's first: tokenize only the new steps
-            toks[i] = extend_steps(self.processor, toks[group[0]], _steps_of(ex), max_length=self.max_length,
-                                   step_token=self.spec.step_token) if group else None
+            toks[i] = (
+                extend_steps(
+                    self.processor,
+                    toks[group[0]],
+                    _steps_of(ex),
+                    max_length=self.max_length,
+                    step_token=self.spec.step_token,
+                )
+                if group
+                else None
+            )
             if toks[i] is None:
                 toks[i] = self.tokenize(ex)
             group.append(i)
@@ -284,8 +312,13 @@ class PRMScorer:
             positions = torch.arange(prefix_len, prefix_len + width).unsqueeze(0).expand(len(chunk), -1) + delta
             batch_cache = copy.deepcopy(cache)
             batch_cache.batch_repeat_interleave(len(chunk))
-            res = decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                          position_ids=positions.to(self.device), past_key_values=batch_cache, use_cache=True)
+            res = decoder(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=positions.to(self.device),
+                past_key_values=batch_cache,
+                use_cache=True,
+            )
             hidden = res.last_hidden_state  # (b, width, H)
             probs = ProcessRewardModel.probabilities(self.model.head_logits(hidden[step_mask.to(self.device)])).tolist()
             pos = 0
@@ -331,8 +364,13 @@ def build_prm(backbone: nn.Module, processor: Any, spec: PRMSpec) -> ProcessRewa
     return ProcessRewardModel(backbone, spec, ids)
 
 
-def save_prm(model: ProcessRewardModel, processor: Any, out_dir: str | Path, merge_lora: bool = True,
-             state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+def save_prm(
+    model: ProcessRewardModel,
+    processor: Any,
+    out_dir: str | Path,
+    merge_lora: bool = True,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """Write a standard HF directory plus mmprm's spec (and value head) so `load_prm` restores it.
 
     `state_dict` is the full wrapper state gathered across ranks (ZeRO-3 shards every weight, so
@@ -345,8 +383,8 @@ def save_prm(model: ProcessRewardModel, processor: Any, out_dir: str | Path, mer
     backbone = model.backbone
     backbone_sd = head_sd = None
     if state_dict is not None:
-        backbone_sd = {k[len("backbone."):]: v for k, v in state_dict.items() if k.startswith("backbone.")}
-        head_sd = {k[len("value_head."):]: v for k, v in state_dict.items() if k.startswith("value_head.")}
+        backbone_sd = {k[len("backbone.") :]: v for k, v in state_dict.items() if k.startswith("backbone.")}
+        head_sd = {k[len("value_head.") :]: v for k, v in state_dict.items() if k.startswith("value_head.")}
     if merge_lora and hasattr(backbone, "merge_and_unload"):
         backbone = copy.deepcopy(backbone).merge_and_unload()
         backbone_sd = None  # merged weights come from the module itself (LoRA keeps the base unsharded)
@@ -359,9 +397,14 @@ def save_prm(model: ProcessRewardModel, processor: Any, out_dir: str | Path, mer
     return out
 
 
-def load_prm(path: str | Path, device: str | torch.device = "cpu", batch_size: int = 8,
-             max_length: int | None = None, dtype: torch.dtype | None = None,
-             attn_implementation: str = "sdpa") -> PRMScorer:
+def load_prm(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    batch_size: int = 8,
+    max_length: int | None = None,
+    dtype: torch.dtype | None = None,
+    attn_implementation: str = "sdpa",
+) -> PRMScorer:
     """Restore a PRM saved by `save_prm` (or `recipes/prm_train.py`) as a `PRMScorer`.
 
     `attn_implementation`: sdpa (default), flash_attention_2 (needs flash-attn and CUDA), eager
@@ -374,8 +417,10 @@ def load_prm(path: str | Path, device: str | torch.device = "cpu", batch_size: i
     path = Path(path)
     spec_file = path / SPEC_FILE
     if not spec_file.exists():
-        raise FileNotFoundError(f"{path}: no {SPEC_FILE}; this is not a PRM directory written by mmprm "
-                                "(train one with recipes/prm_train.py, or use PRMSpec with build_prm)")
+        raise FileNotFoundError(
+            f"{path}: no {SPEC_FILE}; this is not a PRM directory written by mmprm "
+            "(train one with recipes/prm_train.py, or use PRMSpec with build_prm)"
+        )
     spec = PRMSpec(**json.loads(spec_file.read_text()))
     backbone, processor = load_backbone(path, dtype=dtype, attn_implementation=attn_implementation)
     model = build_prm(backbone, processor, spec)

@@ -72,8 +72,15 @@ def partition_report(model: nn.Module) -> list[dict[str, Any]]:
         partitioned = is_partitioned(param) and not getattr(param, "ds_persist", False)
         numel = int(param.ds_numel) if is_partitioned(param) else param.numel()
         local = int(param.ds_tensor.numel()) if partitioned else numel
-        rows.append({"name": name, "shape": list(full_shape(param)), "numel": numel, "local_numel": local,
-                     "partitioned": partitioned})
+        rows.append(
+            {
+                "name": name,
+                "shape": list(full_shape(param)),
+                "numel": numel,
+                "local_numel": local,
+                "partitioned": partitioned,
+            }
+        )
     return rows
 
 
@@ -93,8 +100,7 @@ def partition_summary(model: nn.Module, rows: list[dict[str, Any]] | None = None
     parts = [r for r in rows if r["partitioned"]]
     held = sum(r["local_numel"] for r in rows)
     total = sum(r["numel"] for r in rows)
-    line = (f"ZeRO-3: {len(parts)} of {len(rows)} parameters partitioned; this rank holds {held:,} of "
-            f"{total:,} elements")
+    line = f"ZeRO-3: {len(parts)} of {len(rows)} parameters partitioned; this rank holds {held:,} of {total:,} elements"
     by_name = {r["name"]: r for r in rows}
     for name in embedding_parameter_names(model):
         r = by_name[name]

@@ -46,14 +46,23 @@ def _mrope_section(head_dim: int) -> list[int]:
     """Qwen's M-RoPE (temporal, height, width) split of head_dim / 2 rotary pairs: [2, 3, 3] per 16 dims."""
     return [2 * head_dim // 16, 3 * head_dim // 16, 3 * head_dim // 16]
 
+
 _CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Named multimodal tokens each arch's processor reads from its tokenizer (tokenizer.<name>).
 _ARCH_TOKENS: dict[str, dict[str, str]] = {
     "qwen2": {},
-    "qwen2_vl": {"vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>",
-                 "image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
-    "internvl": {"start_image_token": "<img>", "end_image_token": "</img>",
-                 "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
+    "qwen2_vl": {
+        "vision_start_token": "<|vision_start|>",
+        "vision_end_token": "<|vision_end|>",
+        "image_token": "<|image_pad|>",
+        "video_token": "<|video_pad|>",
+    },
+    "internvl": {
+        "start_image_token": "<img>",
+        "end_image_token": "</img>",
+        "context_image_token": "<IMG_CONTEXT>",
+        "video_token": "<video>",
+    },
     "llava": {"image_token": "<image>"},
 }
 _ARCH_TOKENS["qwen2_5_vl"] = _ARCH_TOKENS["qwen2_vl"]
@@ -80,8 +89,7 @@ def chat_template(arch: str) -> str:
         "{{ '<|im_start|>' + message['role'] + '\\n' }}"
         "{%- if message['content'] is string -%}{{ message['content'] }}"
         "{%- else -%}{%- for part in message['content'] -%}"
-        "{%- if part['type'] == 'image' -%}" + on_image +
-        "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
+        "{%- if part['type'] == 'image' -%}" + on_image + "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
         "{%- endif -%}{%- endfor -%}{%- endif -%}"
         "{{ '<|im_end|>\\n' }}"
         "{%- endfor -%}"
@@ -142,33 +150,51 @@ def _train_tokenizer(arch: str) -> Any:
     specials = _CHATML + list(named.values())
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     bpe.train_from_iterator(_corpus(), trainer)
     # Qwen-style: no BOS is prepended; <|endoftext|> pads; <|im_end|> ends a chat turn.
     return PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        extra_special_tokens=dict(named), chat_template=chat_template(arch), model_max_length=4096,
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=dict(named),
+        chat_template=chat_template(arch),
+        model_max_length=4096,
     )
 
 
 def _text_config(tok: Any, hidden_size: int, num_layers: int, head_dim: int, **extra: Any) -> dict[str, Any]:
     heads = hidden_size // head_dim
-    size = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-                num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=head_dim,
-                max_position_embeddings=4096)
-    ids = dict(vocab_size=len(tok), bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-               pad_token_id=tok.pad_token_id)
+    size = dict(
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+    )
+    ids = dict(
+        vocab_size=len(tok), bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
     return {**size, **ids, **extra}
 
 
-def _build(arch: str, tok: Any, hidden_size: int = 64, num_layers: int = 2, head_dim: int = HEAD_DIM,
-           vllm_ready: bool = False) -> tuple[Any, Any]:
+def _build(
+    arch: str, tok: Any, hidden_size: int = 64, num_layers: int = 2, head_dim: int = HEAD_DIM, vllm_ready: bool = False
+) -> tuple[Any, Any]:
     """(model, processor) of `arch` with every special-token id taken from `tok`.
 
     vllm_ready: the standard processor with its video processor (vLLM loads nothing less);
@@ -185,63 +211,121 @@ def _build(arch: str, tok: Any, hidden_size: int = 64, num_layers: int = 2, head
     if arch in ("qwen2_vl", "qwen2_5_vl"):
         rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": _mrope_section(head_dim)}
         text = _text_config(tok, hidden_size, num_layers, head_dim, rope_parameters=rope)
-        ids = dict(image_token_id=tid("<|image_pad|>"), video_token_id=tid("<|video_pad|>"),
-                   vision_start_token_id=tid("<|vision_start|>"), vision_end_token_id=tid("<|vision_end|>"))
+        ids = dict(
+            image_token_id=tid("<|image_pad|>"),
+            video_token_id=tid("<|video_pad|>"),
+            vision_start_token_id=tid("<|vision_start|>"),
+            vision_end_token_id=tid("<|vision_end|>"),
+        )
         vision = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
         if arch == "qwen2_vl":
             vision.update(embed_dim=32, mlp_ratio=2, hidden_size=hidden_size)
             model = tf.Qwen2VLForConditionalGeneration(tf.Qwen2VLConfig(text_config=text, vision_config=vision, **ids))
         else:
             # window_size is in pixels (2 merged patches = 56 px); block 1 attends to the full image.
-            vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=hidden_size,
-                          window_size=56, fullatt_block_indexes=[1], tokens_per_second=2)
+            vision.update(
+                hidden_size=32,
+                intermediate_size=64,
+                out_hidden_size=hidden_size,
+                window_size=56,
+                fullatt_block_indexes=[1],
+                tokens_per_second=2,
+            )
             model = tf.Qwen2_5_VLForConditionalGeneration(
-                tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
+                tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+            )
         # Images are resized to 28*28..56*56 px (multiples of 28): 1-4 merged 28 px patches, 1-4 tokens.
         sizes = dict(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2)
         image_processor = tf.Qwen2VLImageProcessorPil(**sizes)
         if vllm_ready:
             full = tf.Qwen2VLProcessor if arch == "qwen2_vl" else tf.Qwen2_5_VLProcessor
-            return model, full(image_processor=image_processor, tokenizer=tok, chat_template=template,
-                               video_processor=tf.Qwen2VLVideoProcessor(**sizes))
-        processor = IMAGE_ONLY_PROCESSORS[arch](image_processor=image_processor, tokenizer=tok,
-                                                chat_template=template)
+            return model, full(
+                image_processor=image_processor,
+                tokenizer=tok,
+                chat_template=template,
+                video_processor=tf.Qwen2VLVideoProcessor(**sizes),
+            )
+        processor = IMAGE_ONLY_PROCESSORS[arch](image_processor=image_processor, tokenizer=tok, chat_template=template)
         return model, processor
     if arch == "internvl":
         # 56 px tile = 4x4 patches of 14 px; pixel shuffle (0.5) leaves 2x2 = 4 tokens per tile.
-        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      image_size=[56, 56], patch_size=[14, 14])
-        config = tf.InternVLConfig(text_config={"model_type": "qwen2", **_text_config(tok, hidden_size, num_layers, head_dim)}, vision_config=vision,
-                                   image_token_id=tid("<IMG_CONTEXT>"), image_seq_length=4, downsample_ratio=0.5)
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=[56, 56],
+            patch_size=[14, 14],
+        )
+        config = tf.InternVLConfig(
+            text_config={"model_type": "qwen2", **_text_config(tok, hidden_size, num_layers, head_dim)},
+            vision_config=vision,
+            image_token_id=tid("<IMG_CONTEXT>"),
+            image_seq_length=4,
+            downsample_ratio=0.5,
+        )
         model = tf.InternVLForConditionalGeneration(config)
-        image_processor = tf.GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}, crop_to_patches=True,
-                                                      min_patches=1, max_patches=4)
+        image_processor = tf.GotOcr2ImageProcessorPil(
+            size={"height": 56, "width": 56}, crop_to_patches=True, min_patches=1, max_patches=4
+        )
         if vllm_ready:
             video_processor = tf.InternVLVideoProcessor(size={"height": 56, "width": 56})
-            return model, tf.InternVLProcessor(image_processor=image_processor, tokenizer=tok, image_seq_length=4,
-                                               video_processor=video_processor, chat_template=template)
-        processor = IMAGE_ONLY_PROCESSORS[arch](image_processor=image_processor, tokenizer=tok,
-                                                image_seq_length=4, chat_template=template)
+            return model, tf.InternVLProcessor(
+                image_processor=image_processor,
+                tokenizer=tok,
+                image_seq_length=4,
+                video_processor=video_processor,
+                chat_template=template,
+            )
+        processor = IMAGE_ONLY_PROCESSORS[arch](
+            image_processor=image_processor, tokenizer=tok, image_seq_length=4, chat_template=template
+        )
         return model, processor
     if arch == "llava":
         # CLIP at 56 px: 4x4 patches + CLS; the "default" strategy drops CLS -> 16 image tokens.
-        vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, image_size=56, patch_size=14, projection_dim=32)
-        config = tf.LlavaConfig(text_config={"model_type": "llama", **_text_config(tok, hidden_size, num_layers, head_dim)},
-                                vision_config=vision, image_token_index=tid("<image>"), image_seq_length=16,
-                                vision_feature_layer=-2, vision_feature_select_strategy="default")
+        vision = dict(
+            model_type="clip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=14,
+            projection_dim=32,
+        )
+        config = tf.LlavaConfig(
+            text_config={"model_type": "llama", **_text_config(tok, hidden_size, num_layers, head_dim)},
+            vision_config=vision,
+            image_token_index=tid("<image>"),
+            image_seq_length=16,
+            vision_feature_layer=-2,
+            vision_feature_select_strategy="default",
+        )
         model = tf.LlavaForConditionalGeneration(config)
         image_processor = tf.LlavaImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
-        processor = tf.LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=14,
-                                      vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                                      image_token="<image>", chat_template=template)
+        processor = tf.LlavaProcessor(
+            image_processor=image_processor,
+            tokenizer=tok,
+            patch_size=14,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            image_token="<image>",
+            chat_template=template,
+        )
         return model, processor
     raise AssertionError(arch)  # unreachable: build_tiny_model validated arch
 
 
-def build_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, hidden_size: int = 64,
-                     num_layers: int = 2, head_dim: int = HEAD_DIM, vllm_ready: bool = False,
-                     tokenizer: Any | None = None) -> Path:
+def build_tiny_model(
+    arch: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    head_dim: int = HEAD_DIM,
+    vllm_ready: bool = False,
+    tokenizer: Any | None = None,
+) -> Path:
     """Build, save and return the directory of a tiny random-init model of `arch`.
 
     Args:
@@ -269,16 +353,20 @@ def build_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, hidden_size:
     if head_dim < 16 or head_dim % 16:
         raise ValueError(f"tiny head_dim={head_dim}: use a multiple of 16 (16 by default; vLLM needs {VLLM_HEAD_DIM})")
     if hidden_size < head_dim or hidden_size % head_dim:
-        raise ValueError(f"tiny hidden_size={hidden_size}: use a positive multiple of head_dim={head_dim} "
-                         f"(e.g. {head_dim}, {2 * head_dim}, {4 * head_dim})")
+        raise ValueError(
+            f"tiny hidden_size={hidden_size}: use a positive multiple of head_dim={head_dim} "
+            f"(e.g. {head_dim}, {2 * head_dim}, {4 * head_dim})"
+        )
     if num_layers < 1:
         raise ValueError(f"tiny num_layers={num_layers}: use 1 or more")
     if vllm_ready and arch in IMAGE_ONLY_ARCHS:
         from transformers.utils import is_torchvision_available
 
         if not is_torchvision_available():
-            raise ValueError(f"a vLLM-ready tiny {arch} saves its video processor, which needs torchvision; it does "
-                             "not import here: build it in the vLLM environment (make test-vllm sets one up)")
+            raise ValueError(
+                f"a vLLM-ready tiny {arch} saves its video processor, which needs torchvision; it does "
+                "not import here: build it in the vLLM environment (make test-vllm sets one up)"
+            )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = tokenizer if tokenizer is not None else _train_tokenizer(arch)
@@ -286,7 +374,8 @@ def build_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, hidden_size:
         torch.manual_seed(seed)
         model, processor = _build(arch, tok, hidden_size, num_layers, head_dim, vllm_ready)
     model.generation_config = GenerationConfig(
-        bos_token_id=tok.pad_token_id, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.pad_token_id,
+        pad_token_id=tok.pad_token_id,
         eos_token_id=[i for i in dict.fromkeys([tok.eos_token_id, tok.pad_token_id]) if i is not None],
     )
     model.save_pretrained(out)
@@ -301,19 +390,37 @@ def cli_tiny_model(argv: list[str]) -> int:
     parser.add_argument("--arch", required=True, choices=TINY_ARCHS)
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="weight init seed (default 0)")
-    parser.add_argument("--hidden-size", type=int, default=64,
-                        help="language-model width, a multiple of 16 (default 64; 128-256 for the demo)")
+    parser.add_argument(
+        "--hidden-size",
+        type=int,
+        default=64,
+        help="language-model width, a multiple of 16 (default 64; 128-256 for the demo)",
+    )
     parser.add_argument("--layers", type=int, default=2, help="language-model layers (default 2)")
-    parser.add_argument("--head-dim", type=int, default=None,
-                        help=f"language-model head width, a multiple of 16 (default {HEAD_DIM}; {VLLM_HEAD_DIM} with --vllm)")
-    parser.add_argument("--vllm", action="store_true",
-                        help=f"vLLM-ready: head_dim {VLLM_HEAD_DIM} unless given, full processor with its video "
-                             "processor (needs torchvision)")
+    parser.add_argument(
+        "--head-dim",
+        type=int,
+        default=None,
+        help=f"language-model head width, a multiple of 16 (default {HEAD_DIM}; {VLLM_HEAD_DIM} with --vllm)",
+    )
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help=f"vLLM-ready: head_dim {VLLM_HEAD_DIM} unless given, full processor with its video "
+        "processor (needs torchvision)",
+    )
     args = parser.parse_args(argv)
     head_dim = args.head_dim or (VLLM_HEAD_DIM if args.vllm else HEAD_DIM)
     try:
-        path = build_tiny_model(args.arch, args.out, seed=args.seed, hidden_size=args.hidden_size,
-                                num_layers=args.layers, head_dim=head_dim, vllm_ready=args.vllm)
+        path = build_tiny_model(
+            args.arch,
+            args.out,
+            seed=args.seed,
+            hidden_size=args.hidden_size,
+            num_layers=args.layers,
+            head_dim=head_dim,
+            vllm_ready=args.vllm,
+        )
     except ValueError as e:
         parser.error(str(e))
     print(f"tiny {args.arch} model written to {path}")

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mmprm.answers import answers_match, extract_answer
-from mmprm.data.problems import check_problem_fields, load_problems as load_problem_rows
+from mmprm.data.problems import check_problem_fields
+from mmprm.data.problems import load_problems as load_problem_rows
 from mmprm.data.schema import DataError, iter_jsonl, row_id, write_jsonl
 from mmprm.data.sft import FINAL_ANSWER_LINE, split_solution
 from mmprm.steps import STEP_TOKEN, parse_solution, prm_steps
@@ -83,8 +84,12 @@ class Problem:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        row: dict[str, Any] = {"id": self.id, "images": list(self.images), "question": self.question,
-                               "answer": self.answer}
+        row: dict[str, Any] = {
+            "id": self.id,
+            "images": list(self.images),
+            "question": self.question,
+            "answer": self.answer,
+        }
         if self.choices is not None:
             row["choices"] = list(self.choices)
         if self.meta:
@@ -99,9 +104,14 @@ class Problem:
         scored on its whole text as one step, so the PRM still judges it; one with neither gets
         `steps: []` and must not be sent to the scorer (the aggregators score it 0).
         """
-        return [{"question": self.question, "images": self.images,
-                 "steps": c.steps or ([c.text.strip()] if c.text and c.text.strip() else [])}
-                for c in self.candidates]
+        return [
+            {
+                "question": self.question,
+                "images": self.images,
+                "steps": c.steps or ([c.text.strip()] if c.text and c.text.strip() else []),
+            }
+            for c in self.candidates
+        ]
 
 
 def candidate_steps(text: str) -> list[str]:
@@ -116,8 +126,14 @@ def candidate_steps(text: str) -> list[str]:
     return steps
 
 
-def make_candidate(text: str, gold: str | None, choices: list[str] | None = None,
-                   flag: bool | None = None, label: Label = "file", **meta: Any) -> Candidate:
+def make_candidate(
+    text: str,
+    gold: str | None,
+    choices: list[str] | None = None,
+    flag: bool | None = None,
+    label: Label = "file",
+    **meta: Any,
+) -> Candidate:
     """A candidate from a solution text: steps, extracted answer, and correctness.
 
     With a source `flag`, both the flag and our verifier's verdict go to `meta`; `label` says which
@@ -135,7 +151,9 @@ def count_label_disagreements(problems: list[Problem]) -> int:
     """Candidates whose source flag and our verifier disagree."""
     return sum(
         c.meta["flag_correct"] != c.meta["verifier_correct"]
-        for p in problems for c in p.candidates if "flag_correct" in c.meta
+        for p in problems
+        for c in p.candidates
+        if "flag_correct" in c.meta
     )
 
 
@@ -166,15 +184,35 @@ def from_mathv(mathv_dir: str | Path, label: Label = "file", limit: int | None =
     for p in read_mathv(root)[:limit]:
         records = cots.get(p["id"], [])
         if len(records) != len(cot_files):
-            raise DataError([f"{root}: id={p['id']}: candidates: {len(records)} CoT records for "
-                             f"{len(cot_files)} model files (each file needs one record per problem)"])
+            raise DataError(
+                [
+                    f"{root}: id={p['id']}: candidates: {len(records)} CoT records for "
+                    f"{len(cot_files)} model files (each file needs one record per problem)"
+                ]
+            )
         candidates = [
-            make_candidate(r["response"], p["answer"], p["choices"], flag=bool(r["correct"]), label=label,
-                           model=r.get("model", stem), source_answer=r.get("model_answer"))
+            make_candidate(
+                r["response"],
+                p["answer"],
+                p["choices"],
+                flag=bool(r["correct"]),
+                label=label,
+                model=r.get("model", stem),
+                source_answer=r.get("model_answer"),
+            )
             for stem, r in records
         ]
-        problems.append(Problem(id=f"mathv-{p['id']}", question=p["question"], answer=p["answer"],
-                                candidates=candidates, images=p["images"], choices=p["choices"], meta=p["meta"]))
+        problems.append(
+            Problem(
+                id=f"mathv-{p['id']}",
+                question=p["question"],
+                answer=p["answer"],
+                candidates=candidates,
+                images=p["images"],
+                choices=p["choices"],
+                meta=p["meta"],
+            )
+        )
     return problems
 
 
@@ -191,13 +229,26 @@ def from_gsm8k_solutions(path: str | Path, label: Label = "file") -> list[Proble
         gold = extract_answer(obj.get("ground_truth", ""))
         missing = [m for m in GSM8K_MODELS if not isinstance(obj.get(m), dict)]
         if gold is None or missing:
-            raise DataError([f"{path}:{lineno}: id=gsm8k-{lineno - 1}: ground_truth/{','.join(missing) or 'A:'}: "
-                             "not GSM8K example_model_solutions format (need ground_truth ending in "
-                             f"'A: N' and the fields {', '.join(GSM8K_MODELS)})"])
-        candidates = [make_candidate(obj[m]["solution"], gold, flag=bool(obj[m]["is_correct"]), label=label, model=m)
-                      for m in GSM8K_MODELS]
-        problems.append(Problem(id=f"gsm8k-{lineno - 1}", question=obj["question"], answer=gold,
-                                candidates=candidates, meta={"source": "gsm8k"}))
+            raise DataError(
+                [
+                    f"{path}:{lineno}: id=gsm8k-{lineno - 1}: ground_truth/{','.join(missing) or 'A:'}: "
+                    "not GSM8K example_model_solutions format (need ground_truth ending in "
+                    f"'A: N' and the fields {', '.join(GSM8K_MODELS)})"
+                ]
+            )
+        candidates = [
+            make_candidate(obj[m]["solution"], gold, flag=bool(obj[m]["is_correct"]), label=label, model=m)
+            for m in GSM8K_MODELS
+        ]
+        problems.append(
+            Problem(
+                id=f"gsm8k-{lineno - 1}",
+                question=obj["question"],
+                answer=gold,
+                candidates=candidates,
+                meta={"source": "gsm8k"},
+            )
+        )
     return problems
 
 
@@ -213,17 +264,33 @@ def from_qwen_math_bon(path: str | Path, label: Label = "file") -> list[Problem]
             raise DataError([f"{path}:{lineno}: id=?: line: {err}"])
         responses, scores = obj.get("response"), obj.get("score")
         if not isinstance(responses, list) or not isinstance(scores, list) or len(responses) != len(scores):
-            raise DataError([f"{path}:{lineno}: id={row_id(obj, 'idx')}: response/score: need two lists of equal "
-                             "length (is this Qwen2.5-Math's eval_rm_maj_example format?)"])
+            raise DataError(
+                [
+                    f"{path}:{lineno}: id={row_id(obj, 'idx')}: response/score: need two lists of equal "
+                    "length (is this Qwen2.5-Math's eval_rm_maj_example format?)"
+                ]
+            )
         rm = obj.get("pred_score") or [None] * len(responses)
         candidates = [
-            make_candidate(text, str(obj["gt"]), flag=bool(flag), label=label,
-                           source_answer=(obj.get("pred") or [None] * len(responses))[k],
-                           rm_score=rm[k][0] if isinstance(rm[k], list) else rm[k])
+            make_candidate(
+                text,
+                str(obj["gt"]),
+                flag=bool(flag),
+                label=label,
+                source_answer=(obj.get("pred") or [None] * len(responses))[k],
+                rm_score=rm[k][0] if isinstance(rm[k], list) else rm[k],
+            )
             for k, (text, flag) in enumerate(zip(responses, scores))
         ]
-        problems.append(Problem(id=f"qwen-math-{obj['idx']}", question=obj["question"], answer=str(obj["gt"]),
-                                candidates=candidates, meta={"source": "qwen_math_bon", "level": obj.get("level")}))
+        problems.append(
+            Problem(
+                id=f"qwen-math-{obj['idx']}",
+                question=obj["question"],
+                answer=str(obj["gt"]),
+                candidates=candidates,
+                meta={"source": "qwen_math_bon", "level": obj.get("level")},
+            )
+        )
     return problems
 
 
@@ -246,8 +313,9 @@ def from_text_solutions(path: str | Path) -> list[Problem]:
         gold = obj.get("answer")
         choices = obj.get("choices")
         row = {k: obj[k] for k in ("id", "question", "images", "answer", "choices", "meta") if k in obj}
-        row["candidates"] = [make_candidate(s, str(gold) if gold is not None else None, choices).to_json()
-                             for s in sols]
+        row["candidates"] = [
+            make_candidate(s, str(gold) if gold is not None else None, choices).to_json() for s in sols
+        ]
         errs, problem = _check_problem(row, path.parent, check_images=True)
         bad += [f"{path}:{lineno}: id={rid}: {fld}: {msg}" for fld, msg in errs]
         if problem is not None:
@@ -263,7 +331,7 @@ def from_text_solutions(path: str | Path) -> list[Problem]:
 def _check_candidate(c: Any, where: str) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     errs: list[tuple[str, str]] = []
     if not isinstance(c, dict):
-        return [(where, "must be an object like {\"text\": ...} or {\"steps\": [...]}")], {}
+        return [(where, 'must be an object like {"text": ...} or {"steps": [...]}')], {}
     text, steps = c.get("text"), c.get("steps")
     if text is None and steps is None:
         errs.append((where, "has neither 'text' nor 'steps' (give the solution text, its steps, or both)"))
@@ -284,14 +352,15 @@ def _check_candidate(c: Any, where: str) -> tuple[list[tuple[str, str]], dict[st
     return errs, c
 
 
-def _check_problem(obj: dict[str, Any], base_dir: Path,
-                   check_images: bool) -> tuple[list[tuple[str, str]], Problem | None]:
+def _check_problem(
+    obj: dict[str, Any], base_dir: Path, check_images: bool
+) -> tuple[list[tuple[str, str]], Problem | None]:
     """Validate one problem row; returns ([(field, message)], Problem-or-None) with answers filled in."""
     errs, resolved = check_problem_fields(obj, base_dir, check_images, need_answer=False)
     rid, question, gold, choices = obj.get("id"), obj.get("question"), obj.get("answer"), obj.get("choices")
     cands = obj.get("candidates")
     if not isinstance(cands, list) or not cands:
-        errs.append(("candidates", "missing or empty (a list of {\"text\"|\"steps\", ...} objects)"))
+        errs.append(("candidates", 'missing or empty (a list of {"text"|"steps", ...} objects)'))
         cands = []
     for j, c in enumerate(cands):
         errs += _check_candidate(c, f"candidates[{j}]")[0]
@@ -308,11 +377,25 @@ def _check_problem(obj: dict[str, Any], base_dir: Path,
         correct = c.get("correct")
         if correct is None and gold_s is not None:
             correct = answers_match(str(answer) if answer is not None else None, gold_s, choices)
-        candidates.append(Candidate(text=text, steps=list(steps), answer=str(answer) if answer is not None else None,
-                                    correct=correct, meta=c.get("meta") or {},
-                                    extra={k: v for k, v in c.items() if k not in _CANDIDATE_KEYS}))
-    return [], Problem(id=str(rid), question=question, answer=gold_s, candidates=candidates, images=resolved,
-                       choices=choices, meta=obj.get("meta") or {})
+        candidates.append(
+            Candidate(
+                text=text,
+                steps=list(steps),
+                answer=str(answer) if answer is not None else None,
+                correct=correct,
+                meta=c.get("meta") or {},
+                extra={k: v for k, v in c.items() if k not in _CANDIDATE_KEYS},
+            )
+        )
+    return [], Problem(
+        id=str(rid),
+        question=question,
+        answer=gold_s,
+        candidates=candidates,
+        images=resolved,
+        choices=choices,
+        meta=obj.get("meta") or {},
+    )
 
 
 def load_candidates(path: str | Path, check_images: bool = True) -> list[Problem]:
@@ -348,8 +431,18 @@ def load_candidates(path: str | Path, check_images: bool = True) -> list[Problem
 
 def load_problems(path: str | Path, check_images: bool = True) -> list[Problem]:
     """The problems of `mmprm.data.problems.load_problems` with no candidates yet (the input of generation)."""
-    return [Problem(id=p.id, question=p.question, answer=p.answer, candidates=[], images=p.images,
-                    choices=p.choices, meta=p.meta) for p in load_problem_rows(path, check_images)]
+    return [
+        Problem(
+            id=p.id,
+            question=p.question,
+            answer=p.answer,
+            candidates=[],
+            images=p.images,
+            choices=p.choices,
+            meta=p.meta,
+        )
+        for p in load_problem_rows(path, check_images)
+    ]
 
 
 def write_candidates(path: str | Path, problems: list[Problem]) -> int:
@@ -359,15 +452,23 @@ def write_candidates(path: str | Path, problems: list[Problem]) -> int:
 
 def cli_convert_candidates(argv: list[str]) -> int:
     """`mmprm convert-candidates --from mathv|gsm8k|qwen_math|text --input P --out F [--label L] [--limit N]`."""
-    ap = argparse.ArgumentParser(prog="mmprm convert-candidates",
-                                 description="Convert public Best-of-N data to mmprm candidates JSONL.")
+    ap = argparse.ArgumentParser(
+        prog="mmprm convert-candidates", description="Convert public Best-of-N data to mmprm candidates JSONL."
+    )
     ap.add_argument("--from", dest="source", choices=("mathv", "gsm8k", "qwen_math", "text"), required=True)
-    ap.add_argument("--input", required=True,
-                    help="mathv: the MATH-V folder; gsm8k: example_model_solutions.jsonl; "
-                         "qwen_math: math_cot_100.jsonl; text: JSONL of {id, question, answer, solutions}")
+    ap.add_argument(
+        "--input",
+        required=True,
+        help="mathv: the MATH-V folder; gsm8k: example_model_solutions.jsonl; "
+        "qwen_math: math_cot_100.jsonl; text: JSONL of {id, question, answer, solutions}",
+    )
     ap.add_argument("--out", required=True, help="output candidates JSONL")
-    ap.add_argument("--label", choices=("file", "verifier"), default="file",
-                    help="which verdict becomes `correct` where the source ships a flag (default: file)")
+    ap.add_argument(
+        "--label",
+        choices=("file", "verifier"),
+        default="file",
+        help="which verdict becomes `correct` where the source ships a flag (default: file)",
+    )
     ap.add_argument("--limit", type=int, default=None, help="keep the first N problems (small demo files)")
     args = ap.parse_args(argv)
     try:
@@ -375,8 +476,11 @@ def cli_convert_candidates(argv: list[str]) -> int:
             problems = from_text_solutions(args.input)
         else:
             convert = {"mathv": from_mathv, "gsm8k": from_gsm8k_solutions, "qwen_math": from_qwen_math_bon}[args.source]
-            problems = (from_mathv(args.input, args.label, args.limit) if args.source == "mathv"
-                        else convert(args.input, label=args.label))
+            problems = (
+                from_mathv(args.input, args.label, args.limit)
+                if args.source == "mathv"
+                else convert(args.input, label=args.label)
+            )
     except (DataError, FileNotFoundError) as e:
         print(f"error: {e}")
         return 2
@@ -384,6 +488,16 @@ def cli_convert_candidates(argv: list[str]) -> int:
     write_candidates(args.out, problems)
     n = sum(len(p.candidates) for p in problems)
     correct = sum(bool(c.correct) for p in problems for c in p.candidates)
-    print(json.dumps({"out": str(args.out), "problems": len(problems), "candidates": n, "correct": correct,
-                      "label": args.label, "label_disagreements": count_label_disagreements(problems)}))
+    print(
+        json.dumps(
+            {
+                "out": str(args.out),
+                "problems": len(problems),
+                "candidates": n,
+                "correct": correct,
+                "label": args.label,
+                "label_disagreements": count_label_disagreements(problems),
+            }
+        )
+    )
     return 0

@@ -32,9 +32,10 @@ import itertools
 import json
 import math
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -175,7 +176,8 @@ def bon_curve(
         k = idx.shape[1]
 
         def take(a: np.ndarray) -> np.ndarray:
-            return np.take_along_axis(np.broadcast_to(a[:, None, :], (p, k, n_max)), idx, axis=-1)  # (P, K, n)
+            # used within this iteration only, so binding the loop variables late is what we want
+            return np.take_along_axis(np.broadcast_to(a[:, None, :], (p, k, n_max)), idx, axis=-1)  # noqa: B023
 
         corr = take(arr["correct"])
         for name, s in arr["scores"].items():
@@ -218,9 +220,7 @@ def _ci(boot: np.ndarray) -> list[float]:
     return [float(lo), float(hi)]
 
 
-def paired_bootstrap(
-    acc_a: np.ndarray, acc_b: np.ndarray, n_resamples: int = 1000, seed: int = 0
-) -> dict[str, Any]:
+def paired_bootstrap(acc_a: np.ndarray, acc_b: np.ndarray, n_resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
     """Mean per-problem difference a - b with a 95% percentile bootstrap CI over problems.
 
     Args:
@@ -285,8 +285,7 @@ def _markdown(report: dict[str, Any], title: str) -> str:
         f"Best aggregator at N={b['n']}: **{b['method']}** {verdict} random: difference "
         f"{b['diff']:+.3f}, 95% CI [{b['ci95'][0]:+.3f}, {b['ci95'][1]:+.3f}] (paired bootstrap over problems).",
         "",
-        f"Weighted vote weights: `{report['settings']['weighted_by']}` scores. Ties: "
-        f"{report['settings']['tie_rule']}.",
+        f"Weighted vote weights: `{report['settings']['weighted_by']}` scores. Ties: {report['settings']['tie_rule']}.",
         "",
     ]
     if report.get("truncated_candidates"):
@@ -322,8 +321,17 @@ def _plot(report: dict[str, Any], path: Path, title: str) -> None:
         if name in BASELINES:
             ax.plot(ns, y, ls="--", marker="s", ms=4, lw=1.6, color=baseline_color[name], label=f"{name} (baseline)")
         else:
-            ax.plot(ns, y, ls="-", marker=markers[k % len(markers)], ms=5, lw=1.6, color=colors[k % 8],
-                    label=name, alpha=0.9)
+            ax.plot(
+                ns,
+                y,
+                ls="-",
+                marker=markers[k % len(markers)],
+                ms=5,
+                lw=1.6,
+                color=colors[k % 8],
+                label=name,
+                alpha=0.9,
+            )
     # The one comparison the report makes: shade the best aggregator's CI and random's.
     best = report["best_vs_random"]["method"]
     for name, color in ((best, colors[list(AGGREGATORS).index(best) % 8]), ("random", "0.5")):
@@ -350,8 +358,11 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def write_report(
-    curve: BonCurve, out_dir: str | Path, title: str = "Best-of-N accuracy",
-    n_resamples: int = 1000, seed: int = 0,
+    curve: BonCurve,
+    out_dir: str | Path,
+    title: str = "Best-of-N accuracy",
+    n_resamples: int = 1000,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Write report.json, report.md and bon_curve.png to `out_dir`; return the JSON dict."""
     out = Path(out_dir)
@@ -378,8 +389,10 @@ def read_candidates(path: str | Path) -> list[list[dict[str, Any]]]:
             continue
         rid, cands = row_id(row), row.get("candidates")
         if not isinstance(cands, list) or not cands:
-            bad.append(f"{path}:{lineno}: id={rid}: candidates: missing or empty (a list of "
-                       "{step_probs, answer, correct} objects)")
+            bad.append(
+                f"{path}:{lineno}: id={rid}: candidates: missing or empty (a list of "
+                "{step_probs, answer, correct} objects)"
+            )
             continue
         for j, c in enumerate(cands):
             bad += [f"{path}:{lineno}: id={rid}: candidates[{j}].{fld}: {msg}" for fld, msg in check_candidate(c)]
@@ -394,17 +407,25 @@ def read_candidates(path: str | Path) -> list[list[dict[str, Any]]]:
 def cli_bon_report(argv: list[str]) -> int:
     """`mmprm bon-report --candidates C.jsonl --out DIR`: Best-of-N curve from scored candidates."""
     ap = argparse.ArgumentParser(prog="mmprm bon-report", description=cli_bon_report.__doc__)
-    ap.add_argument("--candidates", required=True,
-                    help="JSONL, one problem per line: {id, candidates: [{step_probs, answer, correct}]}")
+    ap.add_argument(
+        "--candidates",
+        required=True,
+        help="JSONL, one problem per line: {id, candidates: [{step_probs, answer, correct}]}",
+    )
     ap.add_argument("--out", required=True, help="folder for report.json, report.md, bon_curve.png")
     ap.add_argument("--n-max", type=int, default=None)
     ap.add_argument("--n-subsets", type=int, default=32)
     ap.add_argument("--resamples", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--weighted-by", default="min",
-                    choices=[m for m in AGGREGATORS if m not in ("sum_logpr", "sum_logodds")])
-    ap.add_argument("--answer-match", default="strip", choices=["strip", "math"],
-                    help="vote grouping: exact after strip, or mmprm.answers.answers_match")
+    ap.add_argument(
+        "--weighted-by", default="min", choices=[m for m in AGGREGATORS if m not in ("sum_logpr", "sum_logodds")]
+    )
+    ap.add_argument(
+        "--answer-match",
+        default="strip",
+        choices=["strip", "math"],
+        help="vote grouping: exact after strip, or mmprm.answers.answers_match",
+    )
     ap.add_argument("--title", default="Best-of-N accuracy")
     args = ap.parse_args(argv)
     same = None
@@ -414,13 +435,21 @@ def cli_bon_report(argv: list[str]) -> int:
         same = answers_match
     try:
         problems = read_candidates(args.candidates)
-        curve = bon_curve(problems, n_max=args.n_max, n_subsets=args.n_subsets, seed=args.seed,
-                          weighted_by=args.weighted_by, same=same)
+        curve = bon_curve(
+            problems,
+            n_max=args.n_max,
+            n_subsets=args.n_subsets,
+            seed=args.seed,
+            weighted_by=args.weighted_by,
+            same=same,
+        )
     except ValueError as e:
         print(f"mmprm bon-report: {e}", file=sys.stderr)
         return 2
     report = write_report(curve, args.out, args.title, args.resamples, args.seed)
     b = report["best_vs_random"]
-    print(f"wrote {args.out}/report.json, report.md, bon_curve.png; best {b['method']} vs random at "
-          f"N={b['n']}: {b['diff']:+.3f} [{b['ci95'][0]:+.3f}, {b['ci95'][1]:+.3f}]")
+    print(
+        f"wrote {args.out}/report.json, report.md, bon_curve.png; best {b['method']} vs random at "
+        f"N={b['n']}: {b['diff']:+.3f} [{b['ci95'][0]:+.3f}, {b['ci95'][1]:+.3f}]"
+    )
     return 0

@@ -17,8 +17,9 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from mmprm.data.schema import read_jsonl, write_jsonl
 
@@ -61,24 +62,30 @@ def merge_scored(out_dir: str | Path, count: int | None = None) -> Path:
         if m and (count is None or int(m.group(2)) == count):
             shards[(int(m.group(1)), int(m.group(2)))] = p
     if not shards:
-        raise FileNotFoundError(f"{out}: no scored.shard*-of-{count or '*'}.jsonl files (run recipes/bon_rerank.py "
-                                "with shard.index=I shard.count=C first)")
+        raise FileNotFoundError(
+            f"{out}: no scored.shard*-of-{count or '*'}.jsonl files (run recipes/bon_rerank.py "
+            "with shard.index=I shard.count=C first)"
+        )
     counts = {c for _, c in shards}
     if len(counts) != 1:
-        raise ValueError(f"{out}: shard files from runs with different shard counts {sorted(counts)}; "
-                         "delete the stale ones")
+        raise ValueError(
+            f"{out}: shard files from runs with different shard counts {sorted(counts)}; delete the stale ones"
+        )
     count = counts.pop()
     missing = [i for i in range(count) if (i, count) not in shards]
     if missing:
-        raise ValueError(f"{out}: shard(s) {missing} of {count} missing: run them (shard.index=I "
-                         f"shard.count={count}) before merging")
+        raise ValueError(
+            f"{out}: shard(s) {missing} of {count} missing: run them (shard.index=I shard.count={count}) before merging"
+        )
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
     for i in range(count):
         for row in read_jsonl(shards[(i, count)]):
             if row["id"] in seen:
-                raise ValueError(f"{shards[(i, count)]}: id={row['id']} appears in more than one shard "
-                                 "(shards of different runs? rerun them into an empty folder)")
+                raise ValueError(
+                    f"{shards[(i, count)]}: id={row['id']} appears in more than one shard "
+                    "(shards of different runs? rerun them into an empty folder)"
+                )
             seen.add(row["id"])
             rows.append(row)
     merged = out / "scored.jsonl"
@@ -86,8 +93,15 @@ def merge_scored(out_dir: str | Path, count: int | None = None) -> Path:
     return merged
 
 
-def report_from_scored(scored: str | Path, out_dir: str | Path, n_subsets: int = 32, resamples: int = 1000,
-                       seed: int = 0, weighted_by: str = "min", title: str = "Best-of-N accuracy") -> dict[str, Any]:
+def report_from_scored(
+    scored: str | Path,
+    out_dir: str | Path,
+    n_subsets: int = 32,
+    resamples: int = 1000,
+    seed: int = 0,
+    weighted_by: str = "min",
+    title: str = "Best-of-N accuracy",
+) -> dict[str, Any]:
     """Best-of-N report (report.json/md, bon_curve.png) from a scored file.
 
     Votes group answers with `mmprm.answers.answers_match` (so "1/2" and "0.5" agree).
@@ -96,8 +110,9 @@ def report_from_scored(scored: str | Path, out_dir: str | Path, n_subsets: int =
     from mmprm.rerank.report import bon_curve, read_candidates, write_report
 
     problems = read_candidates(scored)  # every row checked first; DataError names the line
-    curve = bon_curve(problems, n_subsets=n_subsets, seed=seed, weighted_by=weighted_by,
-                      same=lambda a, b: answers_match(a, b))
+    curve = bon_curve(
+        problems, n_subsets=n_subsets, seed=seed, weighted_by=weighted_by, same=lambda a, b: answers_match(a, b)
+    )
     return write_report(curve, out_dir, title=title, n_resamples=resamples, seed=seed)
 
 

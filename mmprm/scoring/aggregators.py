@@ -19,7 +19,7 @@ Numerical rules, the same for every aggregator:
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 EPS = 1e-6
 """Clamp for step probabilities: every p is read as min(max(p, EPS), 1 - EPS)."""

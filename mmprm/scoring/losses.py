@@ -14,7 +14,7 @@ truncated away) they return a zero that keeps the graph, not NaN.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +37,9 @@ def _mean(per_step: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     return (w * per_step).sum() / w.sum().clamp_min(1e-12)
 
 
-def soft_ce_token_pair(pair_logits: torch.Tensor, targets: torch.Tensor,
-                       weights: torch.Tensor | None = None) -> torch.Tensor:
+def soft_ce_token_pair(
+    pair_logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Cross-entropy of the [pos, neg] token pair against [t, 1 - t], mean over steps.
 
     Args:
@@ -58,8 +59,7 @@ def soft_ce_token_pair(pair_logits: torch.Tensor, targets: torch.Tensor,
     return _mean(-(t * logp[:, 0] + (1 - t) * logp[:, 1]), weights)
 
 
-def soft_bce_value(logits: torch.Tensor, targets: torch.Tensor,
-                   weights: torch.Tensor | None = None) -> torch.Tensor:
+def soft_bce_value(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Binary cross-entropy with logits against soft targets, mean over steps.
 
     Args:
@@ -75,9 +75,7 @@ def soft_bce_value(logits: torch.Tensor, targets: torch.Tensor,
     return _mean(F.binary_cross_entropy_with_logits(logits.float(), t, reduction="none"), weights)
 
 
-def gather_steps(
-    values: torch.Tensor, steps: torch.Tensor | Sequence[Sequence[int]]
-) -> torch.Tensor:
+def gather_steps(values: torch.Tensor, steps: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
     """Rows of `values` at step positions, in batch order then position order.
 
     Args:
@@ -94,9 +92,7 @@ def gather_steps(
     b, s = values.shape[:2]
     if isinstance(steps, torch.Tensor):
         if steps.dtype != torch.bool or tuple(steps.shape) != (b, s):
-            raise ValueError(
-                f"gather_steps: mask must be bool ({b}, {s}), got {steps.dtype} {tuple(steps.shape)}"
-            )
+            raise ValueError(f"gather_steps: mask must be bool ({b}, {s}), got {steps.dtype} {tuple(steps.shape)}")
         return values[steps]  # boolean indexing is row-major: batch, then position
     if len(steps) != b:
         raise ValueError(f"gather_steps: {len(steps)} position lists for a batch of {b}")

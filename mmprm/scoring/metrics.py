@@ -15,7 +15,8 @@ Conventions: a step is *predicted correct* when its score is >= threshold (an er
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

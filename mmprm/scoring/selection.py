@@ -21,7 +21,7 @@ Best-of-N report can score thousands of candidate subsets at once.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -160,8 +160,6 @@ def weighted_vote(
     `scores` must be >= 0 (a probability-scale aggregate such as min or product).
     """
     if not len(answers) == len(scores) == len(correct):
-        raise ValueError(
-            f"weighted_vote: {len(answers)} answers, {len(scores)} scores, {len(correct)} correct flags"
-        )
+        raise ValueError(f"weighted_vote: {len(answers)} answers, {len(scores)} scores, {len(correct)} correct flags")
     g = np.asarray(answer_groups(answers, normalize, same))
     return float(vote_accuracy(g, np.asarray(scores, dtype=float), np.asarray(correct, dtype=bool)))

@@ -11,15 +11,25 @@ PRM into a TRL GRPO reward, `store` keeps per-problem results resumable.
 """
 
 from mmprm.search.core import (
-           SearchConfig,
-           SearchNode,
-           SearchTree,
-           StepProposal,
-           StepRequest,
-           run_search,
+    SearchConfig,
+    SearchNode,
+    SearchTree,
+    StepProposal,
+    StepRequest,
+    run_search,
 )
 from mmprm.search.policy import BackendProposer, parse_step, sample_solutions
 from mmprm.search.reward import PRMReward
 
-__all__ = ["SearchConfig", "SearchNode", "SearchTree", "StepProposal", "StepRequest", "run_search",
-           "BackendProposer", "parse_step", "sample_solutions", "PRMReward"]
+__all__ = [
+    "SearchConfig",
+    "SearchNode",
+    "SearchTree",
+    "StepProposal",
+    "StepRequest",
+    "run_search",
+    "BackendProposer",
+    "parse_step",
+    "sample_solutions",
+    "PRMReward",
+]

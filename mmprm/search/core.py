@@ -31,8 +31,9 @@ the tree for the record but never scored or expanded.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, Sequence
+from typing import Any, Literal, Protocol
 
 from mmprm.scoring.aggregators import AGGREGATORS
 from mmprm.steps import ANSWER_CLOSE, ANSWER_OPEN, prm_steps
@@ -144,12 +145,23 @@ class SearchNode:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "parent": self.parent, "step": self.step, "answer": self.answer, "depth": self.depth,
-                "status": self.status, "probs": self.probs, "score": self.score, "tokens": self.tokens,
-                "round": self.round, "kept": self.kept, "meta": self.meta}
+        return {
+            "id": self.id,
+            "parent": self.parent,
+            "step": self.step,
+            "answer": self.answer,
+            "depth": self.depth,
+            "status": self.status,
+            "probs": self.probs,
+            "score": self.score,
+            "tokens": self.tokens,
+            "round": self.round,
+            "kept": self.kept,
+            "meta": self.meta,
+        }
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "SearchNode":
+    def from_json(cls, obj: dict[str, Any]) -> SearchNode:
         return cls(**obj)
 
 
@@ -170,8 +182,16 @@ class SearchTree:
 
     def add(self, parent: SearchNode, proposal: StepProposal, round_: int) -> SearchNode:
         status: NodeStatus = "dead" if proposal.dead else "finished" if proposal.answer is not None else "open"
-        node = SearchNode(len(self.nodes), parent.id, proposal.step.strip(), proposal.answer, parent.depth + 1,
-                          status, tokens=proposal.tokens, round=round_)
+        node = SearchNode(
+            len(self.nodes),
+            parent.id,
+            proposal.step.strip(),
+            proposal.answer,
+            parent.depth + 1,
+            status,
+            tokens=proposal.tokens,
+            round=round_,
+        )
         self.nodes.append(node)
         return node
 
@@ -204,13 +224,25 @@ class SearchTree:
         return node
 
     def to_json(self) -> dict[str, Any]:
-        return {"problem_id": self.problem_id, "question": self.question, "images": list(self.images),
-                "chosen": self.chosen, "stats": self.stats, "nodes": [n.to_json() for n in self.nodes]}
+        return {
+            "problem_id": self.problem_id,
+            "question": self.question,
+            "images": list(self.images),
+            "chosen": self.chosen,
+            "stats": self.stats,
+            "nodes": [n.to_json() for n in self.nodes],
+        }
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "SearchTree":
-        return cls(obj["problem_id"], obj["question"], list(obj["images"]),
-                   [SearchNode.from_json(n) for n in obj["nodes"]], obj.get("chosen"), dict(obj.get("stats", {})))
+    def from_json(cls, obj: dict[str, Any]) -> SearchTree:
+        return cls(
+            obj["problem_id"],
+            obj["question"],
+            list(obj["images"]),
+            [SearchNode.from_json(n) for n in obj["nodes"]],
+            obj.get("chosen"),
+            dict(obj.get("stats", {})),
+        )
 
     def to_treeval(self) -> Any:
         """This tree as a `mmprm.treeval.Tree` (Think360 width/depth, RPTS, `render_tree`).
@@ -223,17 +255,33 @@ class SearchTree:
         """
         from mmprm.treeval.tree import Node, Tree
 
-        tree = Tree(question=self.question, images=list(self.images),
-                    meta={"problem_id": self.problem_id, "dead_nodes": sum(n.status == "dead" for n in self.nodes)})
+        tree = Tree(
+            question=self.question,
+            images=list(self.images),
+            meta={"problem_id": self.problem_id, "dead_nodes": sum(n.status == "dead" for n in self.nodes)},
+        )
         chosen_path = {n.id for n in self.path(self.nodes[self.chosen])} if self.chosen else set()
         for n in self.nodes[1:]:
             if n.status == "dead" or not n.probs:
                 continue
             text = n.step if n.answer is None else f"{n.step}\n{ANSWER_OPEN}{n.answer}{ANSWER_CLOSE}".strip()
             parent = [f"n{n.parent}"] if n.parent else []
-            tree.add(Node(f"n{n.id}", text, parents=parent, score=float(n.probs[-1]),
-                          meta={"path_score": n.score, "status": n.status, "kept": n.kept, "round": n.round,
-                                "chosen_path": n.id in chosen_path, "answer": n.answer}))
+            tree.add(
+                Node(
+                    f"n{n.id}",
+                    text,
+                    parents=parent,
+                    score=float(n.probs[-1]),
+                    meta={
+                        "path_score": n.score,
+                        "status": n.status,
+                        "kept": n.kept,
+                        "round": n.round,
+                        "chosen_path": n.id in chosen_path,
+                        "answer": n.answer,
+                    },
+                )
+            )
         if self.chosen and f"n{self.chosen}" in tree.nodes:
             tree.root = f"n{self.chosen}"
         tree.validate()
@@ -304,7 +352,7 @@ class _DiverseTreeSearch(_Search):
     def update(self, children: list[list[SearchNode]]) -> None:
         if self.round == 0:  # the root's W*M children: M per subtree, in order
             kids = children[0]
-            groups = {s: kids[s * self.cfg.expansions:(s + 1) * self.cfg.expansions] for s in range(self.cfg.width)}
+            groups = {s: kids[s * self.cfg.expansions : (s + 1) * self.cfg.expansions] for s in range(self.cfg.width)}
         else:
             groups = dict(zip(self.active, children))
         self.active = {}
@@ -342,19 +390,28 @@ class _BestFirstSearch(_Search):
             self.expanded = 1
         self.frontier += [c for kids in children for c in kids if c.status != "dead"]
         # Nodes at the depth limit can never grow: only finished ones may stay as answers.
-        self.frontier = self._distinct(sorted(
-            (n for n in self.frontier if n.status == "finished" or self._expandable(n)), key=lambda n: (-n.score, n.id)))
+        self.frontier = self._distinct(
+            sorted(
+                (n for n in self.frontier if n.status == "finished" or self._expandable(n)),
+                key=lambda n: (-n.score, n.id),
+            )
+        )
         self.round += 1
         top = self.frontier[0] if self.frontier else None
-        self.done = (top is None or top.status == "finished" or self.expanded >= self.cfg.max_expansions
-                     or not any(self._expandable(n) for n in self.frontier[: self.cfg.width]))
+        self.done = (
+            top is None
+            or top.status == "finished"
+            or self.expanded >= self.cfg.max_expansions
+            or not any(self._expandable(n) for n in self.frontier[: self.cfg.width])
+        )
 
 
 _METHODS = {"beam": _BeamSearch, "dvts": _DiverseTreeSearch, "best_first": _BestFirstSearch}
 
 
-def run_search(problems: Sequence[Any], proposer: StepProposer, scorer: PrefixScorer,
-               cfg: SearchConfig) -> list[SearchTree]:
+def run_search(
+    problems: Sequence[Any], proposer: StepProposer, scorer: PrefixScorer, cfg: SearchConfig
+) -> list[SearchTree]:
     """Search every problem (objects or dicts with id, question, images) in lockstep.
 
     Returns one `SearchTree` per problem, its `chosen` node set and `stats` holding
@@ -371,8 +428,12 @@ def run_search(problems: Sequence[Any], proposer: StepProposer, scorer: PrefixSc
         work = [(s, node, n) for s in searches if not s.done for node, n in s.requests()]
         if not work:
             break
-        props = proposer.propose([StepRequest(s.tree.problem_id, s.tree.question, s.tree.images,
-                                              s.tree.steps(node), n) for s, node, n in work])
+        props = proposer.propose(
+            [
+                StepRequest(s.tree.problem_id, s.tree.question, s.tree.images, s.tree.steps(node), n)
+                for s, node, n in work
+            ]
+        )
         if len(props) != len(work):
             raise ValueError(f"proposer returned {len(props)} lists for {len(work)} requests")
         children: list[list[SearchNode]] = []
@@ -383,8 +444,12 @@ def run_search(problems: Sequence[Any], proposer: StepProposer, scorer: PrefixSc
             children.append(kids)
         to_score = [(s, k) for (s, _, _), kids in zip(work, children) for k in kids if k.status != "dead"]
         if to_score:
-            probs = scorer.score([{"question": s.tree.question, "images": s.tree.images,
-                                   "steps": s.tree.prm_path(k)} for s, k in to_score])
+            probs = scorer.score(
+                [
+                    {"question": s.tree.question, "images": s.tree.images, "steps": s.tree.prm_path(k)}
+                    for s, k in to_score
+                ]
+            )
             for (s, k), p in zip(to_score, probs):
                 k.probs = [float(x) for x in p]
                 k.score = AGGREGATORS[cfg.aggregator](k.probs)

@@ -17,7 +17,8 @@ equal-budget comparison counts every method the same way.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mmprm.annotate.backends.base import RolloutBackend, RolloutRequest, StepMode
 from mmprm.search.core import StepProposal, StepRequest
@@ -91,8 +92,9 @@ class BackendProposer:
         if not requests:
             return []
         stop = STEP_STOPS[self.step_mode]
-        texts = self.backend.generate([RolloutRequest(r.problem_id, r.question, r.images, list(r.prefix_steps), r.n,
-                                                      stop=stop) for r in requests])
+        texts = self.backend.generate(
+            [RolloutRequest(r.problem_id, r.question, r.images, list(r.prefix_steps), r.n, stop=stop) for r in requests]
+        )
         out = []
         for outs in texts:
             tokens = count_tokens(self.tokenizer, outs)
@@ -100,8 +102,14 @@ class BackendProposer:
         return out
 
 
-def sample_solutions(backend: RolloutBackend, problems: Sequence[Any], n: int, step_mode: StepMode = "tags",
-                     batch_size: int = 64, tokenizer: Any = None) -> list[list[dict[str, Any]]]:
+def sample_solutions(
+    backend: RolloutBackend,
+    problems: Sequence[Any],
+    n: int,
+    step_mode: StepMode = "tags",
+    batch_size: int = 64,
+    tokenizer: Any = None,
+) -> list[list[dict[str, Any]]]:
     """N whole solutions per problem (Best-of-N's candidates), with their generated tokens.
 
     Returns per problem a list of `{"text", "steps", "answer", "complete", "tokens"}`, steps as
@@ -113,15 +121,26 @@ def sample_solutions(backend: RolloutBackend, problems: Sequence[Any], n: int, s
     per_call = max(1, batch_size // n)
     out: list[list[dict[str, Any]]] = []
     for lo in range(0, len(problems), per_call):
-        chunk = problems[lo:lo + per_call]
-        texts = backend.generate([RolloutRequest(str(_get(p, "id")), _get(p, "question"),
-                                                 list(_get(p, "images") or []), [], n) for p in chunk])
+        chunk = problems[lo : lo + per_call]
+        texts = backend.generate(
+            [
+                RolloutRequest(str(_get(p, "id")), _get(p, "question"), list(_get(p, "images") or []), [], n)
+                for p in chunk
+            ]
+        )
         for outs in texts:
             cands = []
             for text, k in zip(outs, count_tokens(tokenizer, outs)):
                 parsed = parse_solution(text, step_mode)
-                cands.append({"text": text, "steps": prm_steps(parsed.steps, parsed.answer), "answer": parsed.answer,
-                              "complete": parsed.complete, "tokens": k})
+                cands.append(
+                    {
+                        "text": text,
+                        "steps": prm_steps(parsed.steps, parsed.answer),
+                        "answer": parsed.answer,
+                        "complete": parsed.complete,
+                        "tokens": k,
+                    }
+                )
             out.append(cands)
     return out
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -42,8 +43,9 @@ def bootstrap_mean(acc: Sequence[float], n_resamples: int = 1000, seed: int = 0)
     return {"mean": float(a.mean()), "ci95": [float(lo), float(hi)]}
 
 
-def bon_points(bon_rows: Sequence[Mapping[str, Any]], ns: Sequence[int], aggregator: str, n_subsets: int = 32,
-               seed: int = 0) -> dict[str, dict[int, dict[str, np.ndarray]]]:
+def bon_points(
+    bon_rows: Sequence[Mapping[str, Any]], ns: Sequence[int], aggregator: str, n_subsets: int = 32, seed: int = 0
+) -> dict[str, dict[int, dict[str, np.ndarray]]]:
     """Per-problem accuracy and generated tokens of PRM Best-of-N and majority vote at each N.
 
     Returns {"bon_prm": {N: {"acc": (P,), "tokens": (P,)}}, "majority": {...}, "single": {1: ...}}
@@ -54,11 +56,15 @@ def bon_points(bon_rows: Sequence[Mapping[str, Any]], ns: Sequence[int], aggrega
 
     n_max = max(ns)
     problems = [row["candidates"][:n_max] for row in bon_rows]
-    curve = bon_curve(problems, n_max=n_max, n_subsets=n_subsets, seed=seed, weighted_by="min",
-                      same=lambda a, b: answers_match(a, b))
+    curve = bon_curve(
+        problems, n_max=n_max, n_subsets=n_subsets, seed=seed, weighted_by="min", same=lambda a, b: answers_match(a, b)
+    )
     per_candidate = np.asarray([np.mean([c["tokens"] for c in cands]) for cands in problems])  # (P,)
     out: dict[str, dict[int, dict[str, np.ndarray]]] = {
-        "bon_prm": {}, "majority": {}, "single": {1: {"acc": curve.per_problem["random"][n_max], "tokens": per_candidate}}}
+        "bon_prm": {},
+        "majority": {},
+        "single": {1: {"acc": curve.per_problem["random"][n_max], "tokens": per_candidate}},
+    }
     for n in ns:
         n_eff = n if n in curve.per_problem[aggregator] else n_max
         out["bon_prm"][n] = {"acc": curve.per_problem[aggregator][n_eff], "tokens": per_candidate * n}
@@ -66,9 +72,14 @@ def bon_points(bon_rows: Sequence[Mapping[str, Any]], ns: Sequence[int], aggrega
     return out
 
 
-def search_report(search_runs: Mapping[str, Sequence[Mapping[str, Any]]],
-                  bon_rows: Sequence[Mapping[str, Any]] | None = None, bon_ns: Sequence[int] = (4, 8, 16),
-                  aggregator: str = "min", n_resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
+def search_report(
+    search_runs: Mapping[str, Sequence[Mapping[str, Any]]],
+    bon_rows: Sequence[Mapping[str, Any]] | None = None,
+    bon_ns: Sequence[int] = (4, 8, 16),
+    aggregator: str = "min",
+    n_resamples: int = 1000,
+    seed: int = 0,
+) -> dict[str, Any]:
     """The report.json content (pure: rows in, numbers out).
 
     Args:
@@ -96,57 +107,101 @@ def search_report(search_runs: Mapping[str, Sequence[Mapping[str, Any]]],
         acc = np.asarray([float(bool(r["correct"])) for r in rows])
         per_problem[label] = acc
         st = [r["stats"] for r in rows]
-        methods[label] = {"kind": "search", **bootstrap_mean(acc, n_resamples, seed),
-                          "tokens_per_problem": float(np.mean([s["generated_tokens"] for s in st])),
-                          "prm_sequences_per_problem": float(np.mean([s["prm_sequences"] for s in st])),
-                          "seconds_per_problem": float(np.mean([s["seconds"] for s in st])),
-                          "finished_share": float(np.mean([bool(r.get("complete")) for r in rows]))}
+        methods[label] = {
+            "kind": "search",
+            **bootstrap_mean(acc, n_resamples, seed),
+            "tokens_per_problem": float(np.mean([s["generated_tokens"] for s in st])),
+            "prm_sequences_per_problem": float(np.mean([s["prm_sequences"] for s in st])),
+            "seconds_per_problem": float(np.mean([s["seconds"] for s in st])),
+            "finished_share": float(np.mean([bool(r.get("complete")) for r in rows])),
+        }
     if bon_rows is not None:
         bon_rows = aligned(bon_rows, "Best-of-N rows")
         for kind, by_n in bon_points(bon_rows, bon_ns, aggregator, seed=seed).items():
             for n, pts in by_n.items():
-                label = {"bon_prm": f"Best-of-N (PRM {aggregator}) N={n}", "majority": f"majority vote N={n}",
-                         "single": "one sample"}[kind]
+                label = {
+                    "bon_prm": f"Best-of-N (PRM {aggregator}) N={n}",
+                    "majority": f"majority vote N={n}",
+                    "single": "one sample",
+                }[kind]
                 per_problem[label] = pts["acc"]
-                methods[label] = {"kind": kind, "n": n, **bootstrap_mean(pts["acc"], n_resamples, seed),
-                                  "tokens_per_problem": float(pts["tokens"].mean()),
-                                  "prm_sequences_per_problem": float(n if kind == "bon_prm" else 0)}
+                methods[label] = {
+                    "kind": kind,
+                    "n": n,
+                    **bootstrap_mean(pts["acc"], n_resamples, seed),
+                    "tokens_per_problem": float(pts["tokens"].mean()),
+                    "prm_sequences_per_problem": float(n if kind == "bon_prm" else 0),
+                }
     matches = []
     bon_labels = [m for m, v in methods.items() if v["kind"] == "bon_prm"]
     for label, v in methods.items():
         if v["kind"] != "search" or not bon_labels:
             continue
-        near = min(bon_labels, key=lambda b: (abs(math.log(methods[b]["tokens_per_problem"] + 1)
-                                                  - math.log(v["tokens_per_problem"] + 1)), b))
-        matches.append({"search": label, "bon": near, "search_tokens": v["tokens_per_problem"],
-                        "bon_tokens": methods[near]["tokens_per_problem"],
-                        "search_acc": v["mean"], "bon_acc": methods[near]["mean"],
-                        **paired_bootstrap(per_problem[label], per_problem[near], n_resamples, seed)})
-    return {"num_problems": len(ids or []), "aggregator": aggregator, "methods": methods, "matched": matches,
-            "settings": {"n_resamples": n_resamples, "seed": seed, "bon_ns": list(bon_ns),
-                         "tokens": "generated tokens of the policy's text (EOS and prompts not counted)"}}
+        near = min(
+            bon_labels,
+            key=lambda b: (
+                abs(math.log(methods[b]["tokens_per_problem"] + 1) - math.log(v["tokens_per_problem"] + 1)),
+                b,
+            ),
+        )
+        matches.append(
+            {
+                "search": label,
+                "bon": near,
+                "search_tokens": v["tokens_per_problem"],
+                "bon_tokens": methods[near]["tokens_per_problem"],
+                "search_acc": v["mean"],
+                "bon_acc": methods[near]["mean"],
+                **paired_bootstrap(per_problem[label], per_problem[near], n_resamples, seed),
+            }
+        )
+    return {
+        "num_problems": len(ids or []),
+        "aggregator": aggregator,
+        "methods": methods,
+        "matched": matches,
+        "settings": {
+            "n_resamples": n_resamples,
+            "seed": seed,
+            "bon_ns": list(bon_ns),
+            "tokens": "generated tokens of the policy's text (EOS and prompts not counted)",
+        },
+    }
 
 
 def _markdown(report: dict[str, Any], title: str) -> str:
-    lines = [f"# {title}", "",
-             f"{report['num_problems']} problems; accuracy with 95% bootstrap interval over problems; cost per "
-             f"problem: generated tokens (policy text, prompts not counted), PRM-scored sequences, wall seconds.", "",
-             "| method | accuracy [95% CI] | gen. tokens / problem | PRM sequences / problem | s / problem |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# {title}",
+        "",
+        f"{report['num_problems']} problems; accuracy with 95% bootstrap interval over problems; cost per "
+        f"problem: generated tokens (policy text, prompts not counted), PRM-scored sequences, wall seconds.",
+        "",
+        "| method | accuracy [95% CI] | gen. tokens / problem | PRM sequences / problem | s / problem |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for name, m in sorted(report["methods"].items(), key=lambda kv: kv[1]["tokens_per_problem"]):
         secs = f"{m['seconds_per_problem']:.2f}" if "seconds_per_problem" in m else "-"
-        lines.append(f"| {name} | {m['mean']:.3f} [{m['ci95'][0]:.3f}, {m['ci95'][1]:.3f}] | "
-                     f"{m['tokens_per_problem']:.0f} | {m['prm_sequences_per_problem']:.1f} | {secs} |")
+        lines.append(
+            f"| {name} | {m['mean']:.3f} [{m['ci95'][0]:.3f}, {m['ci95'][1]:.3f}] | "
+            f"{m['tokens_per_problem']:.0f} | {m['prm_sequences_per_problem']:.1f} | {secs} |"
+        )
     if report["matched"]:
-        lines += ["", "## Equal budget: search vs Best-of-N with the same PRM", "",
-                  "Each search setting against the Best-of-N size with the closest generated tokens; the difference "
-                  "is paired over problems (95% bootstrap CI; above zero = search wins).", "",
-                  "| search | tokens | Best-of-N | tokens | search acc | BoN acc | diff [95% CI] |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "## Equal budget: search vs Best-of-N with the same PRM",
+            "",
+            "Each search setting against the Best-of-N size with the closest generated tokens; the difference "
+            "is paired over problems (95% bootstrap CI; above zero = search wins).",
+            "",
+            "| search | tokens | Best-of-N | tokens | search acc | BoN acc | diff [95% CI] |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for m in report["matched"]:
-            lines.append(f"| {m['search']} | {m['search_tokens']:.0f} | {m['bon']} | {m['bon_tokens']:.0f} | "
-                         f"{m['search_acc']:.3f} | {m['bon_acc']:.3f} | {m['diff']:+.3f} "
-                         f"[{m['ci95'][0]:+.3f}, {m['ci95'][1]:+.3f}] |")
+            lines.append(
+                f"| {m['search']} | {m['search_tokens']:.0f} | {m['bon']} | {m['bon_tokens']:.0f} | "
+                f"{m['search_acc']:.3f} | {m['bon_acc']:.3f} | {m['diff']:+.3f} "
+                f"[{m['ci95'][0]:+.3f}, {m['ci95'][1]:+.3f}] |"
+            )
     lines += ["", "![accuracy vs generated tokens](search_vs_bon.png)", ""]
     return "\n".join(lines)
 
@@ -159,8 +214,11 @@ def _plot(report: dict[str, Any], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     methods = report["methods"]
-    for kind, style, name in (("bon_prm", "o-", f"Best-of-N (PRM, {report['aggregator']})"),
-                              ("majority", "s--", "majority vote"), ("single", "kx", "one sample")):
+    for kind, style, name in (
+        ("bon_prm", "o-", f"Best-of-N (PRM, {report['aggregator']})"),
+        ("majority", "s--", "majority vote"),
+        ("single", "kx", "one sample"),
+    ):
         pts = sorted((m for m in methods.values() if m["kind"] == kind), key=lambda m: m["tokens_per_problem"])
         if pts:
             x = [m["tokens_per_problem"] for m in pts]
@@ -172,9 +230,15 @@ def _plot(report: dict[str, Any], path: Path, title: str) -> None:
     markers = {"beam": "^", "dvts": "D", "best_first": "*"}
     for label, m in methods.items():
         if m["kind"] == "search":
-            ax.errorbar([m["tokens_per_problem"]], [m["mean"]],
-                        yerr=[[m["mean"] - m["ci95"][0]], [m["ci95"][1] - m["mean"]]],
-                        fmt=markers.get(label.split()[0], "x"), markersize=9, capsize=3, label=label)
+            ax.errorbar(
+                [m["tokens_per_problem"]],
+                [m["mean"]],
+                yerr=[[m["mean"] - m["ci95"][0]], [m["ci95"][1] - m["mean"]]],
+                fmt=markers.get(label.split()[0], "x"),
+                markersize=9,
+                capsize=3,
+                label=label,
+            )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("generated tokens per problem (log scale)")
     ax.set_ylabel("accuracy")

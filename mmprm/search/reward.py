@@ -21,7 +21,8 @@ of `mmprm.scoring.AGGREGATORS`. A completion with no step at all gets `empty_rew
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mmprm.annotate.backends.base import StepMode
 from mmprm.scoring.aggregators import AGGREGATORS
@@ -60,8 +61,15 @@ class PRMReward:
         empty_reward: reward of a completion with no parsable step (e.g. cut off before `</step>`).
     """
 
-    def __init__(self, scorer: PrefixScorer, aggregator: str = "min", step_mode: StepMode = "tags",
-                 question_column: str = "question", images_column: str = "images", empty_reward: float = 0.0):
+    def __init__(
+        self,
+        scorer: PrefixScorer,
+        aggregator: str = "min",
+        step_mode: StepMode = "tags",
+        question_column: str = "question",
+        images_column: str = "images",
+        empty_reward: float = 0.0,
+    ):
         if aggregator not in AGGREGATORS:
             raise ValueError(f"aggregator {aggregator!r} is not one of {list(AGGREGATORS)}")
         self.scorer, self.aggregator, self.step_mode = scorer, aggregator, step_mode
@@ -70,8 +78,13 @@ class PRMReward:
         self.__name__ = f"prm_{aggregator}"  # TRL logs each reward under its function's name
         self.calls = 0
 
-    def __call__(self, prompts: Sequence[Any] | None = None, completions: Sequence[Any] = (),
-                 completion_ids: Any = None, **columns: Any) -> list[float]:
+    def __call__(
+        self,
+        prompts: Sequence[Any] | None = None,
+        completions: Sequence[Any] = (),
+        completion_ids: Any = None,
+        **columns: Any,
+    ) -> list[float]:
         n = len(completions)
         questions = columns.get(self.question_column) or [_question_of(p) for p in (prompts or [""] * n)]
         images = columns.get(self.images_column)
@@ -79,8 +92,10 @@ class PRMReward:
             images = [[im] if im is not None else [] for im in columns["image"]]
         images = images or [[] for _ in range(n)]
         if not len(questions) == len(images) == n:
-            raise ValueError(f"PRMReward: {n} completions but {len(questions)} questions and {len(images)} image "
-                             f"lists (columns {self.question_column!r}/{self.images_column!r})")
+            raise ValueError(
+                f"PRMReward: {n} completions but {len(questions)} questions and {len(images)} image "
+                f"lists (columns {self.question_column!r}/{self.images_column!r})"
+            )
         examples, where = [], []
         for i, c in enumerate(completions):
             parsed = parse_solution(completion_text(c), self.step_mode)

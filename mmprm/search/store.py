@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Any, Iterable
+from typing import IO, Any
 
 
 def shard_file(folder: str | Path, stem: str, index: int, count: int) -> Path:
@@ -36,10 +37,14 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         try:
             rows.append(json.loads(raw))
         except (json.JSONDecodeError, UnicodeDecodeError):
-            if any(x.strip() for x in lines[i + 1:]):
-                raise ValueError(f"{path}:{i + 1}: not a JSON row (the file is damaged; delete it to redo the shard)")
-            print(f"note: {path}:{i + 1}: dropping a torn last row (the run was killed); redoing that problem",
-                  file=sys.stderr)
+            if any(x.strip() for x in lines[i + 1 :]):
+                raise ValueError(
+                    f"{path}:{i + 1}: not a JSON row (the file is damaged; delete it to redo the shard)"
+                ) from None
+            print(
+                f"note: {path}:{i + 1}: dropping a torn last row (the run was killed); redoing that problem",
+                file=sys.stderr,
+            )
     return rows
 
 

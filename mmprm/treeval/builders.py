@@ -21,7 +21,8 @@ RPTS treats as an unscored leaf, like the reference's error node) and append a o
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from mmprm.data.schema import row_id
 from mmprm.treeval.tree import Node, Tree
@@ -67,24 +68,34 @@ def from_rpts_lines(
 
     def missing(line_no: int, token: str, why: str) -> str:
         nid = f"?{line_no}.{len([n for n in tree.nodes if n.startswith(f'?{line_no}.')])}"
-        tree.add(Node(nid, f"(missing {token.strip() or 'premise'})", kind="evidence", label="?",
-                      meta={"missing": True, "token": token.strip()}))
+        tree.add(
+            Node(
+                nid,
+                f"(missing {token.strip() or 'premise'})",
+                kind="evidence",
+                label="?",
+                meta={"missing": True, "token": token.strip()},
+            )
+        )
         tree.warnings.append(f"{where}reasoning[{line_no}]: {why}; counted as a missing (unscored) premise")
         return nid
 
     for i, raw in enumerate(lines):
         antecedent, arrow, consequent = raw.partition("->")
         if not arrow:
-            tree.warnings.append(f"{where}reasoning[{i}]: no '->' in {raw[:60]!r}; "
-                                 "read as a conclusion with no premises")
+            tree.warnings.append(
+                f"{where}reasoning[{i}]: no '->' in {raw[:60]!r}; read as a conclusion with no premises"
+            )
             antecedent, consequent = "", raw
         m = _CONSEQUENT.match(consequent)
         text = consequent.strip()
         if m:
             text = m.group(2).strip()
             if int(m.group(1)) != i:
-                tree.warnings.append(f"{where}reasoning[{i}]: labelled Conclusion{m.group(1)} but is line {i}; "
-                                     "premises refer to line positions as in the RPTS reference")
+                tree.warnings.append(
+                    f"{where}reasoning[{i}]: labelled Conclusion{m.group(1)} but is line {i}; "
+                    "premises refer to line positions as in the RPTS reference"
+                )
         parents: list[str] = []
         tokens = [t for t in antecedent.split("+") if t.strip()]
         if arrow and not tokens:
@@ -130,8 +141,10 @@ def from_rpts_lines(
         unique = list(dict.fromkeys(parents))
         for p in unique:
             if parents.count(p) > 1:
-                tree.warnings.append(f"{where}reasoning[{i}]: premise {tree.nodes[p].label} cited "
-                                     f"{parents.count(p)} times; counted once (the RPTS reference counts it each time)")
+                tree.warnings.append(
+                    f"{where}reasoning[{i}]: premise {tree.nodes[p].label} cited "
+                    f"{parents.count(p)} times; counted once (the RPTS reference counts it each time)"
+                )
         tree.add(Node(f"C{i}", text, kind="conclusion", parents=unique))
     tree.root = f"C{len(lines) - 1}" if lines else None
     tree.validate()
@@ -147,9 +160,15 @@ def from_rpts_record(record: Mapping[str, Any], image_dir: str | None = None, so
     clues = list(record.get("textual_clue", []))
     visual = list(record.get("visual_clue", []))
     images = [f"{image_dir}/{v}" if image_dir else v for v in visual]
-    tree = from_rpts_lines(record.get("reasoning", []), textual_clues=clues, num_images=len(visual),
-                           context=record.get("context"), question=rpts_question(record), images=images,
-                           source=source or f"id={row_id(record)}")
+    tree = from_rpts_lines(
+        record.get("reasoning", []),
+        textual_clues=clues,
+        num_images=len(visual),
+        context=record.get("context"),
+        question=rpts_question(record),
+        images=images,
+        source=source or f"id={row_id(record)}",
+    )
     tree.meta.update({"id": record.get("id"), "answer": record.get("answer")})
     return tree
 
@@ -157,10 +176,12 @@ def from_rpts_record(record: Mapping[str, Any], image_dir: str | None = None, so
 def rpts_question(record: Mapping[str, Any]) -> str:
     """Question text for an RPTS-style record: context, numbered clues, statement, the ask."""
     clues = "\n".join(f"Text{k}: {c}" for k, c in enumerate(record.get("textual_clue", [])))
-    parts = [f"Context: {record['context']}" if record.get("context") else "",
-             f"Clues:\n{clues}" if clues else "",
-             f"Statement: {record.get('statement', '')}",
-             "Do the images and clues support the statement (agree or disagree)?"]
+    parts = [
+        f"Context: {record['context']}" if record.get("context") else "",
+        f"Clues:\n{clues}" if clues else "",
+        f"Statement: {record.get('statement', '')}",
+        "Do the images and clues support the statement (agree or disagree)?",
+    ]
     return "\n".join(p for p in parts if p)
 
 
@@ -186,7 +207,7 @@ def from_think360_blocks(text: str, question: str = "", images: Sequence[str] = 
     marks = list(_MARKER.finditer(text))
     for k, m in enumerate(marks):
         name = m.group(1).lower()
-        value = text[m.end(): marks[k + 1].start() if k + 1 < len(marks) else len(text)]
+        value = text[m.end() : marks[k + 1].start() if k + 1 < len(marks) else len(text)]
         if name == "node" or not blocks:
             blocks.append({})
         blocks[-1][name] = value
@@ -302,8 +323,10 @@ def from_annotation_tree(obj: Mapping[str, Any], root_is_question: bool = True, 
 
     root = obj.get("reasoning_steps", obj)
     if not isinstance(root, Mapping) or "text" not in root:
-        raise ValueError(f"{where}annotation tree: expected 'reasoning_steps' (a node with text, mc_value, "
-                         "children) or 'nodes' (a flat list); got keys " + ", ".join(map(str, obj)))
+        raise ValueError(
+            f"{where}annotation tree: expected 'reasoning_steps' (a node with text, mc_value, "
+            "children) or 'nodes' (a flat list); got keys " + ", ".join(map(str, obj))
+        )
     stack: list[tuple[Mapping[str, Any], str, str | None]] = []
     if root_is_question:
         tree.question = tree.question or str(root["text"])
@@ -314,8 +337,9 @@ def from_annotation_tree(obj: Mapping[str, Any], root_is_question: bool = True, 
     stack.reverse()
     while stack:  # depth-first, children in order, so parents always come before children
         node, nid, parent = stack.pop()
-        tree.add(Node(nid, str(node.get("text", "")), parents=[parent] if parent else [],
-                      meta={"mc_value": value(node)}))
+        tree.add(
+            Node(nid, str(node.get("text", "")), parents=[parent] if parent else [], meta={"mc_value": value(node)})
+        )
         kids = node.get("children", []) or []
         stack.extend((c, f"{nid}.{i}", nid) for i, c in reversed(list(enumerate(kids))))
     return tree

@@ -16,8 +16,9 @@ The prompts are ours; the formats are the papers'.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from mmprm.chat import ChatClient, ChatReply, messages_for
 from mmprm.treeval.builders import from_think360_blocks
@@ -95,13 +96,23 @@ class Extraction:
 
     @property
     def tokens(self) -> dict[str, int]:
-        return {"prompt": sum(r.prompt_tokens for r in self.replies),
-                "completion": sum(r.completion_tokens for r in self.replies)}
+        return {
+            "prompt": sum(r.prompt_tokens for r in self.replies),
+            "completion": sum(r.completion_tokens for r in self.replies),
+        }
 
 
-def extract_think360(client: ChatClient, question: str, response: str, reference: str | None = None,
-                     images: Sequence[str] = (), send_images: bool = False, retries: int = 2,
-                     retry_temperature: float = 0.7, source: str = "") -> Extraction:
+def extract_think360(
+    client: ChatClient,
+    question: str,
+    response: str,
+    reference: str | None = None,
+    images: Sequence[str] = (),
+    send_images: bool = False,
+    retries: int = 2,
+    retry_temperature: float = 0.7,
+    source: str = "",
+) -> Extraction:
     """Ask `client` for the Think360 tree of `response`; retry while it is invalid.
 
     The first ask is greedy; retries sample at `retry_temperature` with a new seed (see
@@ -149,8 +160,9 @@ def rpts_answer_prompt(record: Mapping[str, Any]) -> str:
     n = len(record.get("visual_clue", []))
     images = ", ".join(f"Image{k}" for k in range(n)) + " (shown above)" if n else "(none)"
     context = f"Context: {record['context']}" if record.get("context") else ""
-    return RPTS_ANSWER_PROMPT.format(context=context, images=images, clues=clues,
-                                     statement=record.get("statement", "")).strip()
+    return RPTS_ANSWER_PROMPT.format(
+        context=context, images=images, clues=clues, statement=record.get("statement", "")
+    ).strip()
 
 
 _FENCE = re.compile(r"^\s*```")
@@ -180,7 +192,7 @@ _AGREE = re.compile(r"\b(?:agrees?|supports?)\b|支持", re.I)
 
 
 def rpts_verdict(text: str) -> str | None:
-    """"agree", "disagree" or None: the last verdict word in the final step, else in the whole answer."""
+    """ "agree", "disagree" or None: the last verdict word in the final step, else in the whole answer."""
     steps = rpts_lines(text)
     for part in ([steps[-1]] if steps else []) + [text]:
         hits = [(m.start(), "disagree") for m in _DISAGREE.finditer(part)]

@@ -23,7 +23,7 @@ steps is counted once per path that reaches it.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from mmprm.treeval.tree import Tree
 

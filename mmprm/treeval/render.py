@@ -52,7 +52,8 @@ def _tidy_positions(tree: Tree, layers: dict[str, int]) -> dict[str, tuple[float
 def _positions(tree: Tree, layers: dict[str, int]) -> dict[str, tuple[float, float]]:
     """x within each row by the mean x of the nodes it connects to above (fewer crossings), y by row."""
     if all(len(n.parents) <= 1 for n in tree.nodes.values()) and not any(
-            n.kind == "evidence" for n in tree.nodes.values()):
+        n.kind == "evidence" for n in tree.nodes.values()
+    ):
         return _tidy_positions(tree, layers)
     kids = tree.children()
     rows: dict[int, list[str]] = {}
@@ -60,9 +61,11 @@ def _positions(tree: Tree, layers: dict[str, int]) -> dict[str, tuple[float, flo
         rows.setdefault(layers[nid], []).append(nid)
     pos: dict[str, tuple[float, float]] = {}
     for r in sorted(rows):
+
         def key(nid: str) -> float:
             above = [pos[o][0] for o in tree.nodes[nid].parents + kids[nid] if o in pos]
-            return sum(above) / len(above) if above else float(rows[r].index(nid))
+            return sum(above) / len(above) if above else float(rows[r].index(nid))  # noqa: B023 (sorted now)
+
         ordered = sorted(rows[r], key=key)
         width = len(ordered)
         for i, nid in enumerate(ordered):
@@ -70,8 +73,9 @@ def _positions(tree: Tree, layers: dict[str, int]) -> dict[str, tuple[float, flo
     return pos
 
 
-def render_tree(tree: Tree, path: str | Path, title: str = "", threshold: float = 0.5,
-                max_text: int = 110, max_listed: int = 40) -> Path:
+def render_tree(
+    tree: Tree, path: str | Path, title: str = "", threshold: float = 0.5, max_text: int = 110, max_listed: int = 40
+) -> Path:
     """Draw `tree` to a PNG at `path` and return the path.
 
     Conclusions are circles coloured by score (red 0 -> green 1, colorbar; grey when unscored) with
@@ -118,21 +122,36 @@ def render_tree(tree: Tree, path: str | Path, title: str = "", threshold: float 
     norm = colors.Normalize(vmin=0.0, vmax=1.0)
     concl = [n for n in tree.nodes.values() if n.kind == "conclusion"]
     evid = [n for n in tree.nodes.values() if n.kind == "evidence"]
-    nx.draw_networkx_edges(g, pos, ax=ax, arrows=True, arrowstyle="-|>", arrowsize=12,
-                           edge_color="#777777", node_size=node_size, width=1.0)
+    nx.draw_networkx_edges(
+        g, pos, ax=ax, arrows=True, arrowstyle="-|>", arrowsize=12, edge_color="#777777", node_size=node_size, width=1.0
+    )
     if evid:
         nx.draw_networkx_nodes(
-            g, pos, ax=ax, nodelist=[n.id for n in evid], node_shape="s", node_size=0.6 * node_size,
+            g,
+            pos,
+            ax=ax,
+            nodelist=[n.id for n in evid],
+            node_shape="s",
+            node_size=0.6 * node_size,
             node_color="#dddddd",
-            edgecolors=["#cc0000" if n.meta.get("missing") else "#888888" for n in evid], linewidths=1.5)
+            edgecolors=["#cc0000" if n.meta.get("missing") else "#888888" for n in evid],
+            linewidths=1.5,
+        )
     if concl:
         nx.draw_networkx_nodes(
-            g, pos, ax=ax, nodelist=[n.id for n in concl], node_size=node_size,
+            g,
+            pos,
+            ax=ax,
+            nodelist=[n.id for n in concl],
+            node_size=node_size,
             node_color=[cmap(norm(n.score)) if n.score is not None else "#bbbbbb" for n in concl],
             edgecolors=["black" if n.score is not None and n.score < threshold else "#555555" for n in concl],
-            linewidths=[2.5 if n.score is not None and n.score < threshold else 1.0 for n in concl])
-    labels = {n.id: n.label if n.score is None or n.kind == "evidence" else f"{n.label}\n{n.score:.2f}"
-              for n in tree.nodes.values()}
+            linewidths=[2.5 if n.score is not None and n.score < threshold else 1.0 for n in concl],
+        )
+    labels = {
+        n.id: n.label if n.score is None or n.kind == "evidence" else f"{n.label}\n{n.score:.2f}"
+        for n in tree.nodes.values()
+    }
     nx.draw_networkx_labels(g, pos, labels=labels, ax=ax, font_size=font)
     ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
     ax.set_ylim(-(n_rows - 1) - 0.6, 0.6)
@@ -145,8 +164,9 @@ def render_tree(tree: Tree, path: str | Path, title: str = "", threshold: float 
         lines.append(textwrap.fill(f"{n.label}{score}: {text}", width=62, subsequent_indent="    "))
     if len(tree.nodes) > max_listed:
         lines.append(f"... and {len(tree.nodes) - max_listed} more nodes (see trees.jsonl)")
-    side.text(0.0, 1.0, "\n".join(lines), va="top", ha="left", fontsize=7.5, family="monospace",
-              transform=side.transAxes)
+    side.text(
+        0.0, 1.0, "\n".join(lines), va="top", ha="left", fontsize=7.5, family="monospace", transform=side.transAxes
+    )
 
     sm = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
     cax = fig.add_axes((0.06, 0.55 / fig_h, graph_w * 0.7, 0.15 / fig_h))

@@ -27,8 +27,9 @@ descriptions of an image are listed once each plus, when there are several, all 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from mmprm.chat import ChatClient, ChatReply, messages_for
 from mmprm.treeval.scorers import JudgedTree, parse_verdict
@@ -136,8 +137,12 @@ class RPTSJudge:
         self.config.validate()
 
     def _score(self, prompt: str, replies: list[ChatReply]) -> float | None:
-        value, got = self.client.ask(messages_for(prompt, system=RPTS_SYSTEM),
-                                     lambda t: parse_verdict(t, "graded"), self.config.parse_retries, max_tokens=8)
+        value, got = self.client.ask(
+            messages_for(prompt, system=RPTS_SYSTEM),
+            lambda t: parse_verdict(t, "graded"),
+            self.config.parse_retries,
+            max_tokens=8,
+        )
         replies.extend(got)
         return value
 
@@ -151,8 +156,10 @@ class RPTSJudge:
             premises = [tree.nodes[p] for p in node.parents]
             detail: dict[str, Any] = {"node": node.id}
             only = premises[0] if len(premises) == 1 else None
-            is_image_step = only is not None and (only.meta.get("image") is not None or (
-                only.meta.get("missing") and _IMAGE.search(only.meta.get("token", ""))))
+            is_image_step = only is not None and (
+                only.meta.get("image") is not None
+                or (only.meta.get("missing") and _IMAGE.search(only.meta.get("token", "")))
+            )
             if self.config.compare_images and is_image_step:
                 detail["kind"] = "image"
                 k = only.meta.get("image")
@@ -162,8 +169,7 @@ class RPTSJudge:
                     score = 1.0
                 else:
                     listed = facts[k] + (["; ".join(facts[k])] if len(facts[k]) > 1 else [])
-                    score = self._score(IMAGE_PROMPT.format(facts="\n".join(listed), sentence=node.text),
-                                        out.replies)
+                    score = self._score(IMAGE_PROMPT.format(facts="\n".join(listed), sentence=node.text), out.replies)
                 detail["first"] = score
             else:
                 detail["kind"] = "inference"
@@ -175,14 +181,17 @@ class RPTSJudge:
                         texts += facts[p.meta["image"]] or [f"(Image{p.meta['image']}, no reference description)"]
                     else:
                         texts.append(p.text)
-                prompt = INFERENCE_PROMPT.format(context=context, premises="\n".join(texts) or "(none)",
-                                                 conclusion=node.text)
+                prompt = INFERENCE_PROMPT.format(
+                    context=context, premises="\n".join(texts) or "(none)", conclusion=node.text
+                )
                 score = first = self._score(prompt, out.replies)
                 detail["first"] = first
                 if first is not None and self.config.correction and first < self.config.correction_below:
                     wider = texts + [c for c in clues if c not in texts] + [c for c in earlier if c not in texts]
-                    second = self._score(INFERENCE_PROMPT.format(context=context, premises="\n".join(wider),
-                                                                 conclusion=node.text), out.replies)
+                    second = self._score(
+                        INFERENCE_PROMPT.format(context=context, premises="\n".join(wider), conclusion=node.text),
+                        out.replies,
+                    )
                     detail["second"] = second
                     # an unreadable second reply leaves the node unscored, not silently uncorrected
                     score = None if second is None else corrected_score(first, second, self.config.penalty)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Protocol, Sequence
+from typing import Any, Literal, Protocol
 
 from mmprm.chat import ChatClient, ChatReply, messages_for
 from mmprm.treeval.tree import Tree
@@ -43,8 +44,10 @@ def mc_scores(tree: Tree) -> dict[str, float]:
     for n in tree.conclusions():
         v = n.meta.get("mc_value")
         if v is None:
-            raise ValueError(f"node {n.id} has no mc_value: the MC scorer needs trees built with "
-                             "from_annotation_tree from annotation output")
+            raise ValueError(
+                f"node {n.id} has no mc_value: the MC scorer needs trees built with "
+                "from_annotation_tree from annotation output"
+            )
         out[n.id] = float(v)
     return out
 
@@ -86,22 +89,27 @@ def prm_scores(tree: Tree, scorer: StepScorer) -> dict[str, float]:
     if not paths:
         return {}
     kept, where = covering_paths(paths)
-    examples = [{"question": tree.question, "images": list(tree.images),
-                 "steps": [tree.nodes[nid].text for nid in path]} for path in kept]
+    examples = [
+        {"question": tree.question, "images": list(tree.images), "steps": [tree.nodes[nid].text for nid in path]}
+        for path in kept
+    ]
     results = scorer.score(examples)
     if len(results) != len(kept):
         raise ValueError(f"PRM returned {len(results)} score lists for {len(kept)} paths")
     out = {}
     for nid, (k, pos) in where.items():
         if pos >= len(results[k]) or math.isnan(results[k][pos]):
-            raise ValueError(f"node {nid}: the PRM scored {len(results[k])} of {len(kept[k])} steps on its path "
-                             "(the input was truncated); raise the PRM's max_length")
+            raise ValueError(
+                f"node {nid}: the PRM scored {len(results[k])} of {len(kept[k])} steps on its path "
+                "(the input was truncated); raise the PRM's max_length"
+            )
         out[nid] = float(results[k][pos])
     return out
 
 
-def rollout_mc_scores(tree: Tree, backend: Any, verify: Callable[[str], bool], k: int = 8,
-                      problem_id: str = "") -> dict[str, float]:
+def rollout_mc_scores(
+    tree: Tree, backend: Any, verify: Callable[[str], bool], k: int = 8, problem_id: str = ""
+) -> dict[str, float]:
     """Monte-Carlo value of every conclusion: the share of `k` rollouts from its path that end right.
 
     The policy (`backend`, any `mmprm.annotate.backends.RolloutBackend`) continues the path of each
@@ -115,8 +123,16 @@ def rollout_mc_scores(tree: Tree, backend: Any, verify: Callable[[str], bool], k
     if not paths:
         return {}
     ids = list(paths)
-    requests = [RolloutRequest(problem_id or str(tree.meta.get("id", "")), tree.question, list(tree.images),
-                               [tree.nodes[p].text for p in paths[nid]], k) for nid in ids]
+    requests = [
+        RolloutRequest(
+            problem_id or str(tree.meta.get("id", "")),
+            tree.question,
+            list(tree.images),
+            [tree.nodes[p].text for p in paths[nid]],
+            k,
+        )
+        for nid in ids
+    ]
     rollouts = backend.generate(requests)
     out = {}
     for nid, req, texts in zip(ids, requests, rollouts):
@@ -142,8 +158,7 @@ Is this step correct - true to the problem and the images, and validly following
 before it? Reply with one word: yes or no."""
 
 # Think360 checks the last step against the reference answer as well as for its logic.
-FINAL_STEP_NOTE = ("\n(This is the final step: it is correct only if its answer agrees with the reference "
-                   "answer.)")
+FINAL_STEP_NOTE = "\n(This is the final step: it is correct only if its answer agrees with the reference answer.)"
 
 JUDGE_GRADED = """Problem:
 {question}
@@ -206,8 +221,10 @@ class JudgedTree:
 
     @property
     def tokens(self) -> dict[str, int]:
-        return {"prompt": sum(r.prompt_tokens for r in self.replies),
-                "completion": sum(r.completion_tokens for r in self.replies)}
+        return {
+            "prompt": sum(r.prompt_tokens for r in self.replies),
+            "completion": sum(r.completion_tokens for r in self.replies),
+        }
 
 
 class JudgeScorer:
@@ -223,8 +240,13 @@ class JudgeScorer:
         parse_retries: extra asks when a reply holds no verdict.
     """
 
-    def __init__(self, client: ChatClient, mode: Literal["binary", "graded"] = "binary", send_images: bool = False,
-                 parse_retries: int = 2):
+    def __init__(
+        self,
+        client: ChatClient,
+        mode: Literal["binary", "graded"] = "binary",
+        send_images: bool = False,
+        parse_retries: int = 2,
+    ):
         self.client = client
         self.mode = mode
         self.send_images = send_images
@@ -249,8 +271,9 @@ class JudgeScorer:
         images = tree.images if self.send_images else ()
         for n in tree.conclusions():
             messages = messages_for(self.prompt(tree, n.id, reference), system=JUDGE_SYSTEM, images=images)
-            verdict, replies = self.client.ask(messages, lambda t: parse_verdict(t, self.mode), self.parse_retries,
-                                               max_tokens=16)
+            verdict, replies = self.client.ask(
+                messages, lambda t: parse_verdict(t, self.mode), self.parse_retries, max_tokens=16
+            )
             out.replies.extend(replies)
             out.details.append({"node": n.id, "kind": self.mode, "reply": replies[-1].text[:200], "score": verdict})
             if verdict is None:

@@ -16,8 +16,9 @@ Evidence nodes are given, not reasoned, so scorers and metrics only use conclusi
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 NodeKind = Literal["evidence", "conclusion"]
 
@@ -152,33 +153,57 @@ class Tree:
             if p not in seen:
                 seen.add(p)
                 todo.extend(self.nodes[p].parents)
-        return [nid for nid in self.topo_order()
-                if nid in seen and (kind is None or self.nodes[nid].kind == kind)]
+        return [nid for nid in self.topo_order() if nid in seen and (kind is None or self.nodes[nid].kind == kind)]
 
     def final_conclusions(self) -> list[str]:
         """The root if set, else every conclusion no other conclusion cites."""
         if self.root is not None:
             return [self.root]
         kids = self.children()
-        return [n.id for n in self.conclusions()
-                if not any(self.nodes[c].kind == "conclusion" for c in kids[n.id])]
+        return [n.id for n in self.conclusions() if not any(self.nodes[c].kind == "conclusion" for c in kids[n.id])]
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "root": self.root, "question": self.question, "images": list(self.images),
-            "warnings": list(self.warnings), "meta": self.meta,
-            "nodes": [{"id": n.id, "text": n.text, "kind": n.kind, "parents": list(n.parents),
-                       "score": n.score, "label": n.label, "meta": n.meta} for n in self.nodes.values()],
+            "root": self.root,
+            "question": self.question,
+            "images": list(self.images),
+            "warnings": list(self.warnings),
+            "meta": self.meta,
+            "nodes": [
+                {
+                    "id": n.id,
+                    "text": n.text,
+                    "kind": n.kind,
+                    "parents": list(n.parents),
+                    "score": n.score,
+                    "label": n.label,
+                    "meta": n.meta,
+                }
+                for n in self.nodes.values()
+            ],
         }
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> "Tree":
-        tree = cls(root=obj.get("root"), question=obj.get("question", ""), images=list(obj.get("images", [])),
-                   warnings=list(obj.get("warnings", [])), meta=dict(obj.get("meta", {})))
+    def from_json(cls, obj: Mapping[str, Any]) -> Tree:
+        tree = cls(
+            root=obj.get("root"),
+            question=obj.get("question", ""),
+            images=list(obj.get("images", [])),
+            warnings=list(obj.get("warnings", [])),
+            meta=dict(obj.get("meta", {})),
+        )
         for n in obj["nodes"]:
-            tree.add(Node(id=str(n["id"]), text=n.get("text", ""), kind=n.get("kind", "conclusion"),
-                          parents=[str(p) for p in n.get("parents", [])], score=n.get("score"),
-                          label=n.get("label", ""), meta=dict(n.get("meta", {}))))
+            tree.add(
+                Node(
+                    id=str(n["id"]),
+                    text=n.get("text", ""),
+                    kind=n.get("kind", "conclusion"),
+                    parents=[str(p) for p in n.get("parents", [])],
+                    score=n.get("score"),
+                    label=n.get("label", ""),
+                    meta=dict(n.get("meta", {})),
+                )
+            )
         tree.validate()
         return tree
 

@@ -13,5 +13,11 @@ from mmprm.annotate.backends.base import (
     rollout_prompt,
 )
 
-__all__ = ["GenerationStats", "RolloutBackend", "RolloutInputError", "RolloutRequest", "SamplingConfig",
-           "rollout_prompt"]
+__all__ = [
+    "GenerationStats",
+    "RolloutBackend",
+    "RolloutInputError",
+    "RolloutRequest",
+    "SamplingConfig",
+    "rollout_prompt",
+]

@@ -11,8 +11,9 @@ requests into one call).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, Sequence
+from typing import Any, Literal, Protocol
 
 from mmprm.steps import ANSWER_CLOSE, continuation_prompt, continue_assistant
 
@@ -72,7 +73,7 @@ class Completion(str):
 
     truncated: bool
 
-    def __new__(cls, text: str, truncated: bool = False) -> "Completion":
+    def __new__(cls, text: str, truncated: bool = False) -> Completion:
         obj = super().__new__(cls, text)
         obj.truncated = truncated
         return obj
@@ -150,8 +151,14 @@ class RolloutBackend(Protocol):
         ...
 
 
-def rollout_prompt(processor: Any, question: str, num_images: int, prefix_steps: Sequence[str],
-                   step_mode: StepMode = "tags", system: str | None = None) -> str:
+def rollout_prompt(
+    processor: Any,
+    question: str,
+    num_images: int,
+    prefix_steps: Sequence[str],
+    step_mode: StepMode = "tags",
+    system: str | None = None,
+) -> str:
     """Chat prompt whose assistant turn already holds the prefix, for the policy to continue.
 
     tags: `<step>...</step>` per step (`mmprm.steps.continuation_prompt`); blank_lines: steps
@@ -159,8 +166,9 @@ def rollout_prompt(processor: Any, question: str, num_images: int, prefix_steps:
     """
     if step_mode == "tags":
         return continuation_prompt(processor, question, num_images, prefix_steps, system)
-    return continue_assistant(processor, question, num_images, "".join(f"{s.strip()}\n\n" for s in prefix_steps),
-                              system)
+    return continue_assistant(
+        processor, question, num_images, "".join(f"{s.strip()}\n\n" for s in prefix_steps), system
+    )
 
 
 def stop_strings(step_mode: StepMode) -> list[str]:

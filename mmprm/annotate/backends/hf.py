@@ -23,12 +23,11 @@ from mmprm.annotate.backends.base import (
     SamplingConfig,
     StepMode,
     request_stops,
-    stop_strings,
     rollout_prompt,
+    stop_strings,
 )
 from mmprm.data.schema import load_image
 from mmprm.steps import needs_special_tokens
-
 
 
 class HFBackend:
@@ -43,8 +42,15 @@ class HFBackend:
         system: optional system prompt for every rollout.
     """
 
-    def __init__(self, model: Any, processor: Any, sampling: SamplingConfig, step_mode: StepMode = "tags",
-                 batch_size: int = 64, system: str | None = None):
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        sampling: SamplingConfig,
+        step_mode: StepMode = "tags",
+        batch_size: int = 64,
+        system: str | None = None,
+    ):
         sampling.validate()
         self.model = model.eval()
         self.processor = processor
@@ -66,9 +72,15 @@ class HFBackend:
         self._images: dict[str, Any] = {}
 
     @classmethod
-    def from_pretrained(cls, path: str, sampling: SamplingConfig, dtype: str | None = None,
-                        device: str | None = None, attn_implementation: str = "sdpa",
-                        **kwargs: Any) -> "HFBackend":
+    def from_pretrained(
+        cls,
+        path: str,
+        sampling: SamplingConfig,
+        dtype: str | None = None,
+        device: str | None = None,
+        attn_implementation: str = "sdpa",
+        **kwargs: Any,
+    ) -> HFBackend:
         """Load with `mmprm.models.loading.load_backbone`; device defaults to cuda when present.
 
         `attn_implementation` is the recipe's `model.attn_implementation` (sdpa, flash_attention_2,
@@ -93,8 +105,9 @@ class HFBackend:
             if req.images and not self.multimodal:
                 raise ValueError(f"{len(req.images)} image(s) given but the model is text-only")
             images = [self._image(p) for p in req.images]
-            text = rollout_prompt(self.processor, req.question, len(images), req.prefix_steps, self.step_mode,
-                                  self.system)
+            text = rollout_prompt(
+                self.processor, req.question, len(images), req.prefix_steps, self.step_mode, self.system
+            )
         except (OSError, ValueError) as e:
             raise RolloutInputError(index, f"problem {req.problem_id}: {e}") from e
         return text, images
@@ -109,24 +122,34 @@ class HFBackend:
         rows.sort(key=lambda row: -len(requests[row[0]].prefix_steps))
         out: list[list[str]] = [[] for _ in requests]
         for lo in range(0, len(rows), self.batch_size):
-            chunk = rows[lo: lo + self.batch_size]
+            chunk = rows[lo : lo + self.batch_size]
             texts = [t for _, t, _ in chunk]
             special = needs_special_tokens(self.tokenizer, texts[0])  # one template: same for every row
             if self.multimodal and any(imgs for _, _, imgs in chunk):
-                enc = self.processor(text=texts, images=[imgs for _, _, imgs in chunk], padding=True,
-                                     return_tensors="pt", add_special_tokens=special)
+                enc = self.processor(
+                    text=texts,
+                    images=[imgs for _, _, imgs in chunk],
+                    padding=True,
+                    return_tensors="pt",
+                    add_special_tokens=special,
+                )
             else:
                 enc = self.tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=special)
             enc = enc.to(self.model.device)
             # One seed per chunk: reruns of the same work sample the same rollouts.
             torch.manual_seed(self.sampling.seed + 1_000_003 * self.stats.calls + lo)
             gen = self.model.generate(
-                **enc, do_sample=True, temperature=self.sampling.temperature, top_k=self.sampling.top_k,  # 0 = off
-                top_p=self.sampling.top_p, max_new_tokens=self.sampling.max_new_tokens,
-                pad_token_id=self.tokenizer.pad_token_id, stop_strings=request_stops(self.step_mode, requests) or None,
+                **enc,
+                do_sample=True,
+                temperature=self.sampling.temperature,
+                top_k=self.sampling.top_k,  # 0 = off
+                top_p=self.sampling.top_p,
+                max_new_tokens=self.sampling.max_new_tokens,
+                pad_token_id=self.tokenizer.pad_token_id,
+                stop_strings=request_stops(self.step_mode, requests) or None,
                 tokenizer=self.tokenizer,
             )
-            new = gen[:, enc["input_ids"].shape[1]:].tolist()  # (rows, new tokens)
+            new = gen[:, enc["input_ids"].shape[1] :].tolist()  # (rows, new tokens)
             for (i, _, _), ids in zip(chunk, new):
                 stops = stop_strings(self.step_mode) + (requests[i].stop or [])
                 ended = next((k + 1 for k, t in enumerate(ids) if t in self._stop_ids), None)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from mmprm.annotate.backends.base import (
     Completion,
@@ -38,8 +39,16 @@ from mmprm.steps import needs_special_tokens
 
 # Launcher variables that would make vLLM think it is part of a torch.distributed job; each
 # annotation rank runs an independent engine (data parallel over problems), so hide them.
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                  "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+_LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 @contextlib.contextmanager
@@ -74,13 +83,21 @@ class VLLMBackend:
             tensor_parallel_size, ...).
     """
 
-    def __init__(self, model_path: str, sampling: SamplingConfig, step_mode: StepMode = "tags",
-                 system: str | None = None, max_images_per_prompt: int = 4, **llm_kwargs: Any):
+    def __init__(
+        self,
+        model_path: str,
+        sampling: SamplingConfig,
+        step_mode: StepMode = "tags",
+        system: str | None = None,
+        max_images_per_prompt: int = 4,
+        **llm_kwargs: Any,
+    ):
         try:
             import vllm
         except ImportError:
-            raise ImportError("the vllm backend needs vllm: pip install 'mmprm[vllm]' "
-                              "(or use model.backend=hf)") from None
+            raise ImportError(
+                "the vllm backend needs vllm: pip install 'mmprm[vllm]' (or use model.backend=hf)"
+            ) from None
         from mmprm.models.loading import load_processor
 
         sampling.validate()
@@ -99,8 +116,13 @@ class VLLMBackend:
         # The engine seeds numpy with it, which takes < 2**32 only; worker_seed streams (rank or shard
         # >= 1) are larger. Sampling is seeded per request (request_seeds), so the fold changes no sample.
         with _independent_engine():
-            self.llm = vllm.LLM(model=model_path, enable_prefix_caching=True, seed=sampling.seed % (1 << 32),
-                                limit_mm_per_prompt={"image": max_images_per_prompt}, **llm_kwargs)
+            self.llm = vllm.LLM(
+                model=model_path,
+                enable_prefix_caching=True,
+                seed=sampling.seed % (1 << 32),
+                limit_mm_per_prompt={"image": max_images_per_prompt},
+                **llm_kwargs,
+            )
         self.stats = GenerationStats()
 
     def generate(self, requests: list[RolloutRequest]) -> list[list[Completion]]:
@@ -111,8 +133,9 @@ class VLLMBackend:
         for i, req in enumerate(requests):
             try:
                 images = [load_image(p) for p in req.images]
-                text = rollout_prompt(self.processor, req.question, len(images), req.prefix_steps, self.step_mode,
-                                      self.system)
+                text = rollout_prompt(
+                    self.processor, req.question, len(images), req.prefix_steps, self.step_mode, self.system
+                )
             except (OSError, ValueError) as e:
                 raise RolloutInputError(i, f"problem {req.problem_id}: {e}") from e
             prompt: dict[str, Any] = {"prompt": text}
@@ -125,18 +148,24 @@ class VLLMBackend:
         seeds = request_seeds(s.seed, self.stats.calls, [req.n for req in requests])
         params = [
             self._vllm.SamplingParams(
-                n=req.n, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=s.max_new_tokens,
-                seed=seed, stop=(stop_strings(self.step_mode) + (req.stop or [])) or None,
-                include_stop_str_in_output=True)
+                n=req.n,
+                temperature=s.temperature,
+                top_k=s.top_k,
+                top_p=s.top_p,
+                max_tokens=s.max_new_tokens,
+                seed=seed,
+                stop=(stop_strings(self.step_mode) + (req.stop or [])) or None,
+                include_stop_str_in_output=True,
+            )
             for req, seed in zip(requests, seeds)
         ]
         # A BOS only where the chat template did not write one (LLaVA-1.5's does not; Llama 3's does).
         tokenizer = getattr(self.processor, "tokenizer", self.processor)
         special = bool(prompts) and needs_special_tokens(tokenizer, prompts[0]["prompt"])
-        outputs = self.llm.generate(prompts, params, use_tqdm=False,
-                                    tokenization_kwargs={"add_special_tokens": special})
-        texts = [[Completion(c.text, truncated=c.finish_reason == "length") for c in out.outputs]
-                 for out in outputs]
+        outputs = self.llm.generate(
+            prompts, params, use_tqdm=False, tokenization_kwargs={"add_special_tokens": special}
+        )
+        texts = [[Completion(c.text, truncated=c.finish_reason == "length") for c in out.outputs] for out in outputs]
         self.stats.calls += 1
         self.stats.sequences += sum(r.n for r in requests)
         self.stats.generated_tokens += sum(len(c.token_ids) for out in outputs for c in out.outputs)
