@@ -12,7 +12,10 @@ NOT_DATA = {"README.md", "build_subset.py"}
 
 def data_files() -> list[Path]:
     return sorted(
-        p for p in REPO_DATA.rglob("*") if p.is_file() and p.name not in NOT_DATA and "LICENSES" not in p.parts
+        p
+        for p in REPO_DATA.rglob("*")
+        # __pycache__: Python's own bytecode of build_subset.py, not data
+        if p.is_file() and p.name not in NOT_DATA and "LICENSES" not in p.parts and "__pycache__" not in p.parts
     )
 
 
