@@ -152,8 +152,14 @@ def main(argv: list[str]) -> None:
     if not out.is_absolute():
         out = REPO / out
     out.mkdir(parents=True, exist_ok=True)
-    data, model_dir, policy, mcts, prm, bon = (out / "data", out / "tiny_model", out / "policy", out / "mcts",
-                                               out / "prm", out / "bon")
+    data, model_dir, policy, mcts, prm, bon = (
+        out / "data",
+        out / "tiny_model",
+        out / "policy",
+        out / "mcts",
+        out / "prm",
+        out / "bon",
+    )
     timings: list[tuple[str, float, str]] = []
     attn = f"model.attn_implementation={cfg.model.attn_implementation}"  # every stage loads with this kernel
 
@@ -162,60 +168,151 @@ def main(argv: list[str]) -> None:
         from mmprm.data.synthetic import SyntheticConfig, generate, problem_key, text_only_accuracy, write_split
 
         t = cfg.task
-        common = dict(min_tiles=t.min_tiles, max_tiles=t.max_tiles, ops=tuple(t.ops.split(",")), max_ops=t.max_ops,
-                      digits=(0, t.max_digit))
+        common = dict(
+            min_tiles=t.min_tiles,
+            max_tiles=t.max_tiles,
+            ops=tuple(t.ops.split(",")),
+            max_ops=t.max_ops,
+            digits=(0, t.max_digit),
+        )
         train = generate(SyntheticConfig(num_problems=t.train, seed=cfg.seed, id_prefix="train", **common))
         seen = {problem_key(p.meta["template"], p.meta["cells"]) for p in train}
-        annotate = generate(SyntheticConfig(num_problems=t.annotate, seed=cfg.seed + 1, id_prefix="ann", **common),
-                            exclude=seen)
+        annotate = generate(
+            SyntheticConfig(num_problems=t.annotate, seed=cfg.seed + 1, id_prefix="ann", **common), exclude=seen
+        )
         seen |= {problem_key(p.meta["template"], p.meta["cells"]) for p in annotate}
-        test = generate(SyntheticConfig(num_problems=t.test, seed=cfg.seed + 2, id_prefix="test", **common),
-                        exclude=seen)
+        test = generate(
+            SyntheticConfig(num_problems=t.test, seed=cfg.seed + 2, id_prefix="test", **common), exclude=seen
+        )
         for name, split in (("train", train), ("annotate", annotate), ("test", test)):
             write_split(split, data, name)
-        (data / "task.json").write_text(json.dumps({"text_only_accuracy": text_only_accuracy(train, test),
-                                                    **to_dict(cfg.task)}, indent=2))
+        (data / "task.json").write_text(
+            json.dumps({"text_only_accuracy": text_only_accuracy(train, test), **to_dict(cfg.task)}, indent=2)
+        )
 
     stage("data", data / "task.json", out, cfg.force, timings, make_data)
 
     # ---- 2. tiny model ---------------------------------------------------------------------
-    stage("model", model_dir / "config.json", out, cfg.force, timings, lambda: run(
-        "-m", "mmprm.cli", "tiny-model", "--arch", cfg.arch, "--out", str(model_dir), "--seed", str(cfg.seed),
-        "--hidden-size", str(cfg.hidden_size), "--layers", str(cfg.num_layers)))
+    stage(
+        "model",
+        model_dir / "config.json",
+        out,
+        cfg.force,
+        timings,
+        lambda: run(
+            "-m",
+            "mmprm.cli",
+            "tiny-model",
+            "--arch",
+            cfg.arch,
+            "--out",
+            str(model_dir),
+            "--seed",
+            str(cfg.seed),
+            "--hidden-size",
+            str(cfg.hidden_size),
+            "--layers",
+            str(cfg.num_layers),
+        ),
+    )
 
     # ---- 3. policy SFT ---------------------------------------------------------------------
-    stage("policy", policy / "model.safetensors", out, cfg.force, timings, lambda: run(
-        "recipes/policy_sft.py", "--config", "recipes/configs/tiny/policy_sft.yaml",
-        f"model.name_or_path={model_dir}", f"data.train_file={data / 'train_sft.jsonl'}",
-        f"data.eval_file={data / 'test_sft.jsonl'}", f"output_dir={policy}", f"train.seed={cfg.seed}",
-        "train.report_to=none", attn, *cfg.sft))
+    stage(
+        "policy",
+        policy / "model.safetensors",
+        out,
+        cfg.force,
+        timings,
+        lambda: run(
+            "recipes/policy_sft.py",
+            "--config",
+            "recipes/configs/tiny/policy_sft.yaml",
+            f"model.name_or_path={model_dir}",
+            f"data.train_file={data / 'train_sft.jsonl'}",
+            f"data.eval_file={data / 'test_sft.jsonl'}",
+            f"output_dir={policy}",
+            f"train.seed={cfg.seed}",
+            "train.report_to=none",
+            attn,
+            *cfg.sft,
+        ),
+    )
 
     # ---- 4. MCTS annotation ----------------------------------------------------------------
-    stage("annotate", mcts / "prm_data.jsonl", out, cfg.force, timings, lambda: run(
-        "recipes/mcts_annotate.py", "--config", "recipes/configs/tiny/mcts_annotate.yaml",
-        f"model.name_or_path={policy}", f"data.problems_file={data / 'annotate_problems.jsonl'}",
-        f"output_dir={mcts}", f"sampling.seed={cfg.seed}", attn, *cfg.annotate))
+    stage(
+        "annotate",
+        mcts / "prm_data.jsonl",
+        out,
+        cfg.force,
+        timings,
+        lambda: run(
+            "recipes/mcts_annotate.py",
+            "--config",
+            "recipes/configs/tiny/mcts_annotate.yaml",
+            f"model.name_or_path={policy}",
+            f"data.problems_file={data / 'annotate_problems.jsonl'}",
+            f"output_dir={mcts}",
+            f"sampling.seed={cfg.seed}",
+            attn,
+            *cfg.annotate,
+        ),
+    )
 
     # ---- 5. PRM training (initialised from the policy, as MM-PRM does from its base) ---------
-    stage("prm", prm / "mmprm_prm.json", out, cfg.force, timings, lambda: run(
-        "recipes/prm_train.py", "--config", "recipes/configs/tiny/prm_train.yaml",
-        f"model.name_or_path={policy}", f"data.train_file={mcts / 'prm_data.jsonl'}", "data.eval_file=null",
-        f"output_dir={prm}", f"train.seed={cfg.seed}", "train.report_to=none", attn, *cfg.prm))
+    stage(
+        "prm",
+        prm / "mmprm_prm.json",
+        out,
+        cfg.force,
+        timings,
+        lambda: run(
+            "recipes/prm_train.py",
+            "--config",
+            "recipes/configs/tiny/prm_train.yaml",
+            f"model.name_or_path={policy}",
+            f"data.train_file={mcts / 'prm_data.jsonl'}",
+            "data.eval_file=null",
+            f"output_dir={prm}",
+            f"train.seed={cfg.seed}",
+            "train.report_to=none",
+            attn,
+            *cfg.prm,
+        ),
+    )
 
     # ---- 6. Best-of-N on held-out problems -------------------------------------------------
-    stage("bon", bon / "report.json", out, cfg.force, timings, lambda: run(
-        "recipes/bon_rerank.py", "--config", "recipes/configs/tiny/bon_rerank.yaml", f"prm={prm}",
-        "candidates_file=null", "generate.enabled=true", f"generate.policy={policy}",
-        f"generate.problems_file={data / 'test_problems.jsonl'}", f"generate.n={cfg.n}",
-        f"generate.sampling.seed={cfg.seed}", f"output_dir={bon}", f"report.seed={cfg.seed}", attn, *cfg.bon))
+    stage(
+        "bon",
+        bon / "report.json",
+        out,
+        cfg.force,
+        timings,
+        lambda: run(
+            "recipes/bon_rerank.py",
+            "--config",
+            "recipes/configs/tiny/bon_rerank.yaml",
+            f"prm={prm}",
+            "candidates_file=null",
+            "generate.enabled=true",
+            f"generate.policy={policy}",
+            f"generate.problems_file={data / 'test_problems.jsonl'}",
+            f"generate.n={cfg.n}",
+            f"generate.sampling.seed={cfg.seed}",
+            f"output_dir={bon}",
+            f"report.seed={cfg.seed}",
+            attn,
+            *cfg.bon,
+        ),
+    )
 
     # ---- 7. ground-truth step evaluation and the report -------------------------------------
     print("==> [report] ...", flush=True)
     t0 = time.time()
     step_eval = evaluate_steps(data, bon, prm, policy, cfg.model.attn_implementation)
     timings.append(("step eval", time.time() - t0, "ran"))
-    write_demo_report(out, cfg, data, policy, mcts, bon, step_eval, timings,
-                      sum(t for _, t, _ in timings if t == t))  # NaN-safe sum of stage times
+    write_demo_report(
+        out, cfg, data, policy, mcts, bon, step_eval, timings, sum(t for _, t, _ in timings if t == t)
+    )  # NaN-safe sum of stage times
     print(f"==> [report] {out / 'report.md'}", flush=True)
 
 
@@ -251,13 +348,20 @@ def evaluate_steps(data: Path, bon: Path, prm: Path, policy: Path, attn_implemen
     def within(scores: list[list[float]]) -> float:
         return stratified_auroc([x for s in scores for x in s], flat, strata)
 
-    return {"candidates": len(examples), "steps": len(flat), "share_correct_steps": sum(flat) / max(1, len(flat)),
-            "auroc_trained": within(trained), "auroc_untrained": within(untrained),
-            "pooled_auroc_trained": auroc(trained, truth), "pooled_auroc_untrained": auroc(untrained, truth)}
+    return {
+        "candidates": len(examples),
+        "steps": len(flat),
+        "share_correct_steps": sum(flat) / max(1, len(flat)),
+        "auroc_trained": within(trained),
+        "auroc_untrained": within(untrained),
+        "pooled_auroc_trained": auroc(trained, truth),
+        "pooled_auroc_untrained": auroc(untrained, truth),
+    }
 
 
-def write_demo_report(out: Path, cfg: Config, data: Path, policy: Path, mcts: Path, bon: Path, step_eval: dict,
-                      timings: list, wall: float) -> None:
+def write_demo_report(
+    out: Path, cfg: Config, data: Path, policy: Path, mcts: Path, bon: Path, step_eval: dict, timings: list, wall: float
+) -> None:
     from mmprm.data.schema import read_jsonl
     from mmprm.rerank.report import BASELINES
 
@@ -271,49 +375,73 @@ def write_demo_report(out: Path, cfg: Config, data: Path, policy: Path, mcts: Pa
     best = max(aggs, key=lambda m: methods[m][n_max]["mean"])
     shutil.copyfile(bon / "bon_curve.png", out / "bon_curve.png")
     summary = {
-        "seed": cfg.seed, "wall_seconds": round(wall, 1),
-        "task": task, "policy_eval": sft_evals[-1] if sft_evals else None,
+        "seed": cfg.seed,
+        "wall_seconds": round(wall, 1),
+        "task": task,
+        "policy_eval": sft_evals[-1] if sft_evals else None,
         "policy_single_sample_accuracy": methods["random"]["1"]["mean"],
-        "best_aggregator": best, "best_vs_random": bon_report.get("best_vs_random"),
-        "bon": bon_report, "step_eval": step_eval, "annotation_export": export,
+        "best_aggregator": best,
+        "best_vs_random": bon_report.get("best_vs_random"),
+        "bon": bon_report,
+        "step_eval": step_eval,
+        "annotation_export": export,
         "stages": [{"stage": s, "seconds": round(t, 1), "status": st} for s, t, st in timings],
     }
     (out / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
 
     ns = sorted(methods["random"], key=int)
     lines = [
-        "# mmprm demo report", "",
+        "# mmprm demo report",
+        "",
         f"Seed {cfg.seed}; {bon_report['num_problems']} held-out problems; N up to {n_max}; "
-        f"sum of stage wall times {wall / 60:.1f} min.", "",
-        "## Best-of-N accuracy (mean, 95% bootstrap interval)", "",
+        f"sum of stage wall times {wall / 60:.1f} min.",
+        "",
+        "## Best-of-N accuracy (mean, 95% bootstrap interval)",
+        "",
         "| method | " + " | ".join(f"N={n}" for n in ns) + " |",
         "| --- | " + " | ".join("---" for _ in ns) + " |",
     ]
     for m in list(aggs) + list(BASELINES):
-        cells = [f"{methods[m][n]['mean']:.3f} [{methods[m][n]['ci95'][0]:.3f}, {methods[m][n]['ci95'][1]:.3f}]" for n in ns]
+        cells = [
+            f"{methods[m][n]['mean']:.3f} [{methods[m][n]['ci95'][0]:.3f}, {methods[m][n]['ci95'][1]:.3f}]" for n in ns
+        ]
         lines.append(f"| {m}{' (best PRM)' if m == best else ''} | " + " | ".join(cells) + " |")
     bvr = bon_report.get("best_vs_random") or {}
-    lines += ["", f"Best PRM aggregator `{best}` minus random pick at N={n_max}: "
-              f"{bvr.get('diff', float('nan')):+.3f}, 95% CI {bvr.get('ci95')}.", "",
-              "![Best-of-N curve](bon_curve.png)", "",
-              "## Step-level check against exact labels", "",
-              f"Every step of every test candidate is checked against the image's true digits "
-              f"({step_eval['steps']} steps, {step_eval['share_correct_steps']:.1%} correct).", "",
-              "Step AUROC compares a right step with a wrong one at the same step of another candidate for the "
-              "same problem - the comparison a reranker makes. The pooled AUROC over all steps is shown beside "
-              "it: it mixes positions (later steps are wrong more often, and an MC label rises toward the end "
-              "of a right solution) and problems, so it can sit below 0.5 for a PRM that ranks well.", "",
-              "| PRM | step AUROC (same problem, same step) | pooled AUROC |", "| --- | --- | --- |",
-              f"| trained (MCTS labels) | {step_eval['auroc_trained']:.3f} | {step_eval['pooled_auroc_trained']:.3f} |",
-              f"| untrained (same backbone, fresh head) | {step_eval['auroc_untrained']:.3f} | "
-              f"{step_eval['pooled_auroc_untrained']:.3f} |", "",
-              "## Policy", ""]
+    lines += [
+        "",
+        f"Best PRM aggregator `{best}` minus random pick at N={n_max}: "
+        f"{bvr.get('diff', float('nan')):+.3f}, 95% CI {bvr.get('ci95')}.",
+        "",
+        "![Best-of-N curve](bon_curve.png)",
+        "",
+        "## Step-level check against exact labels",
+        "",
+        f"Every step of every test candidate is checked against the image's true digits "
+        f"({step_eval['steps']} steps, {step_eval['share_correct_steps']:.1%} correct).",
+        "",
+        "Step AUROC compares a right step with a wrong one at the same step of another candidate for the "
+        "same problem - the comparison a reranker makes. The pooled AUROC over all steps is shown beside "
+        "it: it mixes positions (later steps are wrong more often, and an MC label rises toward the end "
+        "of a right solution) and problems, so it can sit below 0.5 for a PRM that ranks well.",
+        "",
+        "| PRM | step AUROC (same problem, same step) | pooled AUROC |",
+        "| --- | --- | --- |",
+        f"| trained (MCTS labels) | {step_eval['auroc_trained']:.3f} | {step_eval['pooled_auroc_trained']:.3f} |",
+        f"| untrained (same backbone, fresh head) | {step_eval['auroc_untrained']:.3f} | "
+        f"{step_eval['pooled_auroc_untrained']:.3f} |",
+        "",
+        "## Policy",
+        "",
+    ]
     if sft_evals:
         first, last = sft_evals[0], sft_evals[-1]
-        lines += [f"Greedy format compliance {first.get('format_compliance', 0):.1%} -> {last.get('format_compliance', 0):.1%}, "
-                  f"answer accuracy {first.get('answer_accuracy', 0):.1%} -> {last.get('answer_accuracy', 0):.1%} "
-                  f"(eval split, before -> after SFT). Sampled single-candidate accuracy on the test set: "
-                  f"{methods['random']['1']['mean']:.1%}. A text-only model can reach {task['text_only_accuracy']:.1%}.", ""]
+        lines += [
+            f"Greedy format compliance {first.get('format_compliance', 0):.1%} -> {last.get('format_compliance', 0):.1%}, "
+            f"answer accuracy {first.get('answer_accuracy', 0):.1%} -> {last.get('answer_accuracy', 0):.1%} "
+            f"(eval split, before -> after SFT). Sampled single-candidate accuracy on the test set: "
+            f"{methods['random']['1']['mean']:.1%}. A text-only model can reach {task['text_only_accuracy']:.1%}.",
+            "",
+        ]
     lines += ["## Stage timings", "", "| stage | seconds | |", "| --- | --- | --- |"]
     lines += [f"| {s} | {t:.1f} | {st} |" for s, t, st in timings]
     (out / "report.md").write_text("\n".join(lines) + "\n")

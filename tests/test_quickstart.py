@@ -19,16 +19,26 @@ def test_reduced_demo_pipeline(tmp_path):
 
     out = tmp_path / "demo"
     # smaller than `make demo` (2000/60/80 problems, N=4, 900 SFT steps) but the same recipes
-    cmd = [sys.executable, "recipes/quickstart.py", "--config", "recipes/configs/tiny/quickstart.yaml",
-           f"output_dir={out}", "task.train=2000", "task.annotate=60", "task.test=80", "n=4",
-           "sft=[train.max_steps=900, train.lr=2e-3, train.warmup_steps=20, model.freeze_vision_tower=false, "
-           "train.eval_every=900, train.save_every=900, train.eval_generations=16, train.max_new_tokens=100]",
-           "annotate=[sampling.max_new_tokens=100, engine.concurrency=32, search.max_rollouts=64, search.max_searches=12, "
-           "export.edges=step]",
-           "prm=[train.max_steps=200, train.save_every=200, train.lr=5e-4, train.batch_size=16]",
-           "bon=[generate.sampling.max_new_tokens=100, generate.batch_size=64, report.resamples=200]"]
-    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "recipes/quickstart.py",
+        "--config",
+        "recipes/configs/tiny/quickstart.yaml",
+        f"output_dir={out}",
+        "task.train=2000",
+        "task.annotate=60",
+        "task.test=80",
+        "n=4",
+        "sft=[train.max_steps=900, train.lr=2e-3, train.warmup_steps=20, model.freeze_vision_tower=false, "
+        "train.eval_every=900, train.save_every=900, train.eval_generations=16, train.max_new_tokens=100]",
+        "annotate=[sampling.max_new_tokens=100, engine.concurrency=32, search.max_rollouts=64, search.max_searches=12, "
+        "export.edges=step]",
+        "prm=[train.max_steps=200, train.save_every=200, train.lr=5e-4, train.batch_size=16]",
+        "bon=[generate.sampling.max_new_tokens=100, generate.batch_size=64, report.resamples=200]",
+    ]
+    res = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for stage in ("data", "model", "policy", "annotate", "prm", "bon"):
         assert f"==> [{stage}] done" in res.stdout, stage

@@ -10,6 +10,7 @@ from mmprm.config import ConfigError, load_config
 from mmprm.data.schema import load_examples, read_jsonl
 from mmprm.data.synthetic import (
     BACKGROUND_RGB,
+    DEFAULT_TEMPLATES,
     DISTRACTOR_RGB,
     PALETTE,
     TEMPLATES,
@@ -28,19 +29,28 @@ _ARITH = re.compile(r"^(-?\d+) ([-+*]) (-?\d+) = (-?\d+)\.$")
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 
-@pytest.mark.parametrize("name, digits, steps, answer", [
-    ("add", [3, 5, 2, 4], ["3 + 5 = 8.", "8 + 2 = 10.", "10 + 4 = 14."], 14),
-    ("add", [9, 0], ["9 + 0 = 9."], 9),
-    ("mul", [7, 6], ["7 * 6 = 42."], 42),
-    ("gap", [2, 9], ["9 - 2 = 7."], 7),
-    ("mul_sub", [0, 4, 9], ["0 * 4 = 0.", "0 - 9 = -9."], -9),
-    ("add_mul", [2, 3, 4], ["2 + 3 = 5.", "5 * 4 = 20."], 20),
-    ("compare", [3, 5, 2], ["3 + 5 = 8.", "8 > 2.", "8 - 2 = 6."], 6),
-    ("compare", [1, 2, 9], ["1 + 2 = 3.", "3 < 9.", "9 - 3 = 6."], 6),
-    ("compare", [4, 4, 8], ["4 + 4 = 8.", "8 = 8.", "8 - 8 = 0."], 0),
-    ("pair_diff", [1, 2, 8, 7], ["1 + 2 = 3.", "8 + 7 = 15.", "3 - 15 = -12."], -12),
-    ("range", [4, 9, 1, 6], ["The largest is 9.", "The smallest is 1.", "9 - 1 = 8."], 8),
-])
+@pytest.mark.parametrize(
+    "name, digits, steps, answer",
+    [
+        ("add", [3, 5, 2, 4], ["3 + 5 = 8.", "8 + 2 = 10.", "10 + 4 = 14."], 14),
+        ("add", [9, 0], ["9 + 0 = 9."], 9),
+        ("mul", [7, 6], ["7 * 6 = 42."], 42),
+        ("gap", [2, 9], ["9 - 2 = 7."], 7),
+        ("mul_sub", [0, 4, 9], ["0 * 4 = 0.", "0 - 9 = -9."], -9),
+        ("add_mul", [2, 3, 4], ["2 + 3 = 5.", "5 * 4 = 20."], 20),
+        ("compare", [3, 5, 2], ["3 + 5 = 8.", "8 > 2.", "8 - 2 = 6."], 6),
+        ("compare", [1, 2, 9], ["1 + 2 = 3.", "3 < 9.", "9 - 3 = 6."], 6),
+        ("compare", [4, 4, 8], ["4 + 4 = 8.", "8 = 8.", "8 - 8 = 0."], 0),
+        ("pair_diff", [1, 2, 8, 7], ["1 + 2 = 3.", "8 + 7 = 15.", "3 - 15 = -12."], -12),
+        ("range", [4, 9, 1, 6], ["The largest is 9.", "The smallest is 1.", "9 - 1 = 8."], 8),
+        (
+            "running_sum",
+            [3, 5, 2],
+            ["Tile 1 is 3. Total 3.", "Tile 2 is 5. Total 3 + 5 = 8.", "Tile 3 is 2. Total 8 + 2 = 10."],
+            10,
+        ),
+    ],
+)
 def test_templates_compute_hand_checked_solutions(name, digits, steps, answer):
     assert TEMPLATES[name].solve(digits) == (steps, answer)
 
@@ -52,7 +62,7 @@ def _tile_pixel(image, k, cols, tile_px):
 
 def test_problems_are_self_consistent_and_the_image_holds_the_digits():
     problems = generate(SyntheticConfig(num_problems=300, seed=1))
-    assert {p.meta["template"] for p in problems} == set(TEMPLATES)
+    assert {p.meta["template"] for p in problems} == set(DEFAULT_TEMPLATES)
     for p in problems:
         tiles, cells = p.meta["tiles"], p.meta["cells"]
         assert p.image.size == (56, 56) and 2 <= len(tiles) <= 4
@@ -61,7 +71,7 @@ def test_problems_are_self_consistent_and_the_image_holds_the_digits():
         for k in range(len(cells), 4):
             assert _tile_pixel(p.image, k, 2, 28) == BACKGROUND_RGB
         assert p.steps[: len(tiles)] == [f"Tile {i + 1} is {d}." for i, d in enumerate(tiles)]
-        for step in p.steps[len(tiles):]:
+        for step in p.steps[len(tiles) :]:
             m = _ARITH.match(step)
             if m:  # every equation in a gold step is true
                 a, op, b, c = m.groups()
@@ -87,8 +97,9 @@ def test_text_only_predictor_is_near_chance_while_reading_the_image_solves_every
         colours = {rgb: d for d, rgb in PALETTE.items()}
         return [colours[_tile_pixel(image, k, 2, 28)] for k in range(n_cells)]
 
-    solved = sum(str(TEMPLATES[p.meta["template"]].solve(read(p.image, len(p.meta["cells"])))[1]) == p.answer
-                 for p in test)
+    solved = sum(
+        str(TEMPLATES[p.meta["template"]].solve(read(p.image, len(p.meta["cells"])))[1]) == p.answer for p in test
+    )
     assert solved == len(test)
 
 
@@ -112,8 +123,9 @@ def test_tiles_cover_whole_patches_and_fit_the_tiny_qwen_processor_unresized():
             patch = {image.getpixel((px + i, py + j)) for i in range(14) for j in range(14)}
             assert len(patch) == 1, (px, py)
     # Same settings as the tiny qwen2_vl preset: one merged image token per 28 px tile.
-    processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2,
-                                         temporal_patch_size=2)
+    processor = Qwen2VLImageProcessorPil(
+        min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
     assert processor(images=[image], return_tensors="pt")["image_grid_thw"].tolist() == [[1, 4, 4]]
 
 
@@ -148,14 +160,17 @@ def test_knobs_restrict_templates_tiles_ops_and_digits():
     assert {d for p in ones for d in p.meta["tiles"]} == {1}
 
 
-@pytest.mark.parametrize("override, field", [
-    ("tile_px=20", "tile_px"),
-    ("grid=[1,3]", "grid"),
-    ("ops=[+,/]", "ops"),
-    ("min_tiles=3", "min_tiles"),
-    ("digits=[5,12]", "digits"),
-    ("templates=[sum]", "templates"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("tile_px=20", "tile_px"),
+        ("grid=[1,3]", "grid"),
+        ("ops=[+,/]", "ops"),
+        ("min_tiles=3", "min_tiles"),
+        ("digits=[5,12]", "digits"),
+        ("templates=[sum]", "templates"),
+    ],
+)
 def test_bad_config_fails_early_naming_the_field(override, field):
     # min_tiles=3 with max_tiles=2 is impossible; the rest are out of range.
     overrides = [override] + (["max_tiles=2"] if field == "min_tiles" else [])
@@ -169,8 +184,11 @@ def test_config_with_no_fitting_template_says_so():
 
 
 def _digests(folder):
-    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(folder.rglob("*")) if f.is_file()}
+    return {
+        str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(folder.rglob("*"))
+        if f.is_file()
+    }
 
 
 def test_same_seed_gives_byte_identical_files_and_gold_steps_load(tmp_path):
@@ -193,8 +211,10 @@ def test_same_seed_gives_byte_identical_files_and_gold_steps_load(tmp_path):
 
 
 def test_cli_writes_disjoint_train_and_test_splits(tmp_path, capsys):
-    assert cli_synthetic(["--out", str(tmp_path), "--train", "150", "--test", "40", "--seed", "3",
-                          "--max-tiles", "2"]) == 0
+    assert (
+        cli_synthetic(["--out", str(tmp_path), "--train", "150", "--test", "40", "--seed", "3", "--max-tiles", "2"])
+        == 0
+    )
     assert "text-only ceiling" in capsys.readouterr().out
     train = read_jsonl(tmp_path / "train_problems.jsonl")
     test = read_jsonl(tmp_path / "test_problems.jsonl")
@@ -222,10 +242,51 @@ def test_check_steps_hand_cases():
     assert check_steps([3, 5], ["Tile 1 is 3.", "Tile 2 is 5.", "3 + 5 = 8."], "7") == [True, True, False]
     assert check_steps([3, 5], ["Tile 1 is 3.", "garbled"]) == [True, False]
     # skipping tile 3: every line is true, but the answer is off track
-    assert check_steps([7, 8, 8], ["Tile 1 is 7.", "Tile 2 is 8.", "7 + 8 = 15."], "15", gold="23") == [True, True, False]
+    assert check_steps([7, 8, 8], ["Tile 1 is 7.", "Tile 2 is 8.", "7 + 8 = 15."], "15", gold="23") == [
+        True,
+        True,
+        False,
+    ]
     assert check_steps([7, 8], ["Tile 1 is 7.", "Tile 2 is 8.", "7 + 8 = 15."], "15", gold="15") == [True] * 3
-    assert check_steps([2, 9, 4], ["Tile 1 is 2.", "Tile 2 is 9.", "Tile 3 is 4.", "The largest is 9.",
-                                   "The smallest is 2.", "9 - 2 = 7."], "7") == [True] * 6
+    assert (
+        check_steps(
+            [2, 9, 4],
+            ["Tile 1 is 2.", "Tile 2 is 9.", "Tile 3 is 4.", "The largest is 9.", "The smallest is 2.", "9 - 2 = 7."],
+            "7",
+        )
+        == [True] * 6
+    )
+
+
+def test_check_steps_running_total_hand_cases():
+    from mmprm.data.synthetic import check_steps
+
+    gold = ["Tile 1 is 3. Total 3.", "Tile 2 is 5. Total 3 + 5 = 8.", "Tile 3 is 2. Total 8 + 2 = 10."]
+    assert check_steps([3, 5, 2], gold, "10", gold="10") == [True, True, True]
+    # misread tile 2: the read is wrong though the sum on that line is true
+    assert check_steps(
+        [3, 5, 2],
+        ["Tile 1 is 3. Total 3.", "Tile 2 is 6. Total 3 + 6 = 9.", "Tile 3 is 2. Total 9 + 2 = 11."],
+        "11",
+        gold="10",
+    ) == [True, False, False]
+    # a slip in the sum, and a carried total that is not the previous one
+    assert check_steps([3, 5, 2], ["Tile 1 is 3. Total 3.", "Tile 2 is 5. Total 3 + 5 = 9."]) == [True, False]
+    assert check_steps([3, 5, 2], ["Tile 1 is 3. Total 3.", "Tile 2 is 5. Total 4 + 5 = 9."]) == [True, False]
+    # a skipped tile, or a first total that is not the tile
+    assert check_steps([3, 5, 2], ["Tile 1 is 3. Total 3.", "Tile 3 is 2. Total 3 + 2 = 5."]) == [True, False]
+    assert check_steps([3, 5], ["Tile 1 is 3. Total 4."]) == [False]
+
+
+def test_running_sum_is_opt_in_and_its_gold_solutions_check():
+    from mmprm.data.synthetic import check_steps
+
+    assert "running_sum" not in DEFAULT_TEMPLATES
+    problems = generate(SyntheticConfig(num_problems=50, seed=4, templates=("running_sum",), max_ops=4))
+    assert {len(p.steps) for p in problems} == {2, 3, 4}
+    for p in problems:
+        assert len(p.steps) == len(p.meta["tiles"]) and p.answer == str(sum(p.meta["tiles"]))
+        assert all(check_steps(p.meta["tiles"], p.steps, p.answer, gold=p.answer))
 
 
 def test_gold_solutions_check_as_all_correct():

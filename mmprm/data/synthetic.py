@@ -31,9 +31,10 @@ import argparse
 import random
 import re
 from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from mmprm.steps import render_solution
 
@@ -42,20 +43,20 @@ if TYPE_CHECKING:
 
 # Digit -> RGB. Saturated, pairwise far apart (RGB distance > 120) and far from grey and white.
 PALETTE: dict[int, tuple[int, int, int]] = {
-    0: (0, 0, 0),          # black
-    1: (255, 0, 0),        # red
-    2: (0, 170, 0),        # green
-    3: (0, 0, 255),        # blue
-    4: (255, 230, 0),      # yellow
-    5: (255, 0, 255),      # magenta
-    6: (0, 230, 230),      # cyan
-    7: (255, 140, 0),      # orange
-    8: (120, 0, 170),      # purple
-    9: (140, 70, 20),      # brown
+    0: (0, 0, 0),  # black
+    1: (255, 0, 0),  # red
+    2: (0, 170, 0),  # green
+    3: (0, 0, 255),  # blue
+    4: (255, 230, 0),  # yellow
+    5: (255, 0, 255),  # magenta
+    6: (0, 230, 230),  # cyan
+    7: (255, 140, 0),  # orange
+    8: (120, 0, 170),  # purple
+    9: (140, 70, 20),  # brown
 }
 COLOUR_NAMES = ("black", "red", "green", "blue", "yellow", "magenta", "cyan", "orange", "purple", "brown")
-DISTRACTOR_RGB = (128, 128, 128)   # grey: "ignore grey tiles"
-BACKGROUND_RGB = (255, 255, 255)   # white: an empty cell
+DISTRACTOR_RGB = (128, 128, 128)  # grey: "ignore grey tiles"
+BACKGROUND_RGB = (255, 255, 255)  # white: an empty cell
 OPS = ("+", "-", "*", "cmp")
 IGNORE_GREY = " Ignore grey tiles."
 
@@ -76,7 +77,8 @@ class SyntheticConfig:
         tile_px: tile side in pixels; a multiple of 14 so a tile covers whole ViT patches.
         grid: (rows, cols) of cells; rows * cols must hold max_tiles + distractors.
         digits: (lowest, highest) digit drawn, within 0-9.
-        templates: names of question templates to use (None = all that fit, see `TEMPLATES`).
+        templates: names of question templates to use (None = all of `DEFAULT_TEMPLATES` that fit;
+            "running_sum", one step per tile that reads it and updates a total, must be named).
         style: "tiles" = solid tiles (train on this); "human" = digits drawn on the tiles.
         id_prefix: problem ids are f"{id_prefix}-{index:05d}"; use one prefix per split.
     """
@@ -100,8 +102,10 @@ class SyntheticConfig:
         if self.num_problems < 0:
             raise ValueError(f"synthetic.num_problems: {self.num_problems} is negative (use 0 or more)")
         if not 2 <= self.min_tiles <= self.max_tiles <= 4:
-            raise ValueError(f"synthetic.min_tiles/max_tiles: need 2 <= min_tiles <= max_tiles <= 4, "
-                             f"got {self.min_tiles}/{self.max_tiles}")
+            raise ValueError(
+                f"synthetic.min_tiles/max_tiles: need 2 <= min_tiles <= max_tiles <= 4, "
+                f"got {self.min_tiles}/{self.max_tiles}"
+            )
         bad = [op for op in self.ops if op not in OPS]
         if bad:
             raise ValueError(f"synthetic.ops: unknown {bad} (choose from {list(OPS)})")
@@ -110,12 +114,16 @@ class SyntheticConfig:
         if self.distractors < 0:
             raise ValueError(f"synthetic.distractors: {self.distractors} is negative (use 0 or more)")
         if self.tile_px <= 0 or self.tile_px % 14:
-            raise ValueError(f"synthetic.tile_px: {self.tile_px} is not a positive multiple of 14 "
-                             "(tiles must cover whole 14 px patches; use 14, 28, 56)")
+            raise ValueError(
+                f"synthetic.tile_px: {self.tile_px} is not a positive multiple of 14 "
+                "(tiles must cover whole 14 px patches; use 14, 28, 56)"
+            )
         rows, cols = self.grid
         if rows < 1 or cols < 1 or rows * cols < self.max_tiles + self.distractors:
-            raise ValueError(f"synthetic.grid: {rows}x{cols} cells cannot hold max_tiles + distractors = "
-                             f"{self.max_tiles + self.distractors} tiles (enlarge the grid)")
+            raise ValueError(
+                f"synthetic.grid: {rows}x{cols} cells cannot hold max_tiles + distractors = "
+                f"{self.max_tiles + self.distractors} tiles (enlarge the grid)"
+            )
         lo, hi = self.digits
         if not 0 <= lo <= hi <= 9:
             raise ValueError(f"synthetic.digits: need 0 <= low <= high <= 9, got {list(self.digits)}")
@@ -126,8 +134,10 @@ class SyntheticConfig:
         if self.style not in ("tiles", "human"):
             raise ValueError(f"synthetic.style: {self.style!r} (use 'tiles' or 'human')")
         if not _choices(self):
-            raise ValueError("synthetic: no question template fits min_tiles/max_tiles, ops, max_ops and "
-                             "templates (widen ops or the tile range; see mmprm.data.synthetic.describe())")
+            raise ValueError(
+                "synthetic: no question template fits min_tiles/max_tiles, ops, max_ops and "
+                "templates (widen ops or the tile range; see mmprm.data.synthetic.describe())"
+            )
 
 
 @dataclass
@@ -164,15 +174,32 @@ class Template:
     tile_counts: tuple[int, ...]
     ops: frozenset[str]
     solve: Callable[[list[int]], tuple[list[str], int]]
+    reads_tiles: bool = False  # True: `solve` writes the read steps itself (no separate "Tile i is d.")
 
     def num_ops(self, n_tiles: int) -> int:
         return len(self.solve([0] * n_tiles)[0])
+
+    def steps(self, digits: list[int]) -> tuple[list[str], int]:
+        """All steps of the gold solution (read steps included) and the answer."""
+        arithmetic, answer = self.solve(digits)
+        reads = [] if self.reads_tiles else [f"Tile {i} is {d}." for i, d in enumerate(digits, start=1)]
+        return reads + arithmetic, answer
 
 
 def _add_all(d: list[int]) -> tuple[list[str], int]:
     steps, total = [], d[0]
     for x in d[1:]:
         steps.append(f"{total} + {x} = {total + x}.")
+        total += x
+    return steps, total
+
+
+def _running_sum(d: list[int]) -> tuple[list[str], int]:
+    # One step per tile: read it and update the total. A step is checked against the image and
+    # the previous step alone, but a slip anywhere carries into every later total.
+    steps, total = [f"Tile 1 is {d[0]}. Total {d[0]}."], d[0]
+    for i, x in enumerate(d[1:], start=2):
+        steps.append(f"Tile {i} is {x}. Total {total} + {x} = {total + x}.")
         total += x
     return steps, total
 
@@ -199,8 +226,11 @@ def _add_mul(d: list[int]) -> tuple[list[str], int]:
 def _compare(d: list[int]) -> tuple[list[str], int]:
     s, last = d[0] + d[1], d[2]
     sign = ">" if s > last else "<" if s < last else "="
-    return [f"{d[0]} + {d[1]} = {s}.", f"{s} {sign} {last}.",
-            f"{max(s, last)} - {min(s, last)} = {abs(s - last)}."], abs(s - last)
+    return [
+        f"{d[0]} + {d[1]} = {s}.",
+        f"{s} {sign} {last}.",
+        f"{max(s, last)} - {min(s, last)} = {abs(s - last)}.",
+    ], abs(s - last)
 
 
 def _pair_diff(d: list[int]) -> tuple[list[str], int]:
@@ -213,30 +243,52 @@ def _range(d: list[int]) -> tuple[list[str], int]:
     return [f"The largest is {hi}.", f"The smallest is {lo}.", f"{hi} - {lo} = {hi - lo}."], hi - lo
 
 
-TEMPLATES: dict[str, Template] = {t.name: t for t in [
-    Template("add", "Add up all the tiles.", (2, 3, 4), frozenset({"+"}), _add_all),
-    Template("mul", "Multiply the two tiles.", (2,), frozenset({"*"}), _mul),
-    Template("gap", "Subtract the smaller tile from the larger.", (2,), frozenset({"-", "cmp"}), _gap),
-    Template("mul_sub", "Multiply tile 1 by tile 2, then subtract tile 3.", (3,), frozenset({"*", "-"}), _mul_sub),
-    Template("add_mul", "Add tiles 1 and 2, then multiply by tile 3.", (3,), frozenset({"+", "*"}), _add_mul),
-    Template("compare", "Which is larger: tile 1 plus tile 2, or tile 3? Give the difference.", (3,),
-             frozenset({"+", "-", "cmp"}), _compare),
-    Template("pair_diff", "Subtract the sum of tiles 3 and 4 from the sum of tiles 1 and 2.", (4,),
-             frozenset({"+", "-"}), _pair_diff),
-    Template("range", "Subtract the smallest tile from the largest.", (3, 4), frozenset({"-", "cmp"}), _range),
-]}
+TEMPLATES: dict[str, Template] = {
+    t.name: t
+    for t in [
+        Template("add", "Add up all the tiles.", (2, 3, 4), frozenset({"+"}), _add_all),
+        Template("mul", "Multiply the two tiles.", (2,), frozenset({"*"}), _mul),
+        Template("gap", "Subtract the smaller tile from the larger.", (2,), frozenset({"-", "cmp"}), _gap),
+        Template("mul_sub", "Multiply tile 1 by tile 2, then subtract tile 3.", (3,), frozenset({"*", "-"}), _mul_sub),
+        Template("add_mul", "Add tiles 1 and 2, then multiply by tile 3.", (3,), frozenset({"+", "*"}), _add_mul),
+        Template(
+            "compare",
+            "Which is larger: tile 1 plus tile 2, or tile 3? Give the difference.",
+            (3,),
+            frozenset({"+", "-", "cmp"}),
+            _compare,
+        ),
+        Template(
+            "pair_diff",
+            "Subtract the sum of tiles 3 and 4 from the sum of tiles 1 and 2.",
+            (4,),
+            frozenset({"+", "-"}),
+            _pair_diff,
+        ),
+        Template("range", "Subtract the smallest tile from the largest.", (3, 4), frozenset({"-", "cmp"}), _range),
+        Template(
+            "running_sum",
+            "Add up the tiles one by one, keeping a running total.",
+            (2, 3, 4),
+            frozenset({"+"}),
+            _running_sum,
+            reads_tiles=True,
+        ),
+    ]
+}
+# `templates=None` draws from these; running_sum is opt-in, so existing seeds keep their problems.
+DEFAULT_TEMPLATES: tuple[str, ...] = tuple(name for name in TEMPLATES if name != "running_sum")
 
 
 def _choices(cfg: SyntheticConfig) -> list[tuple[Template, tuple[int, ...]]]:
     """Templates allowed by the config, each with the tile counts it may use."""
-    names = cfg.templates if cfg.templates is not None else tuple(TEMPLATES)
+    names = cfg.templates if cfg.templates is not None else DEFAULT_TEMPLATES
     out = []
     for name in names:
         t = TEMPLATES[name]
         if not t.ops <= set(cfg.ops):
             continue
-        counts = tuple(n for n in t.tile_counts
-                       if cfg.min_tiles <= n <= cfg.max_tiles and t.num_ops(n) <= cfg.max_ops)
+        counts = tuple(n for n in t.tile_counts if cfg.min_tiles <= n <= cfg.max_tiles and t.num_ops(n) <= cfg.max_ops)
         if counts:
             out.append((t, counts))
     return out
@@ -251,8 +303,12 @@ def _contrast(rgb: tuple[int, int, int]) -> tuple[int, int, int]:
     return (0, 0, 0) if 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2] > 140 else (255, 255, 255)
 
 
-def render_image(cells: Sequence[int | None], grid: tuple[int, int] = (2, 2), tile_px: int = 28,
-                 style: Literal["tiles", "human"] = "tiles") -> Image.Image:
+def render_image(
+    cells: Sequence[int | None],
+    grid: tuple[int, int] = (2, 2),
+    tile_px: int = 28,
+    style: Literal["tiles", "human"] = "tiles",
+) -> Image.Image:
     """Draw tiles in reading order into a `grid` (rows, cols); None is a grey distractor.
 
     Returns an RGB image of (cols * tile_px) x (rows * tile_px) px; cells past the last tile
@@ -308,8 +364,10 @@ def generate(config: SyntheticConfig, exclude: set[str] | frozenset[str] = froze
     while len(problems) < config.num_problems:
         attempts += 1
         if attempts > 100 * config.num_problems + 1000:
-            raise ValueError(f"synthetic: could only draw {len(problems)} of {config.num_problems} problems "
-                             f"not in `exclude` (ask for fewer, or allow more tiles/templates)")
+            raise ValueError(
+                f"synthetic: could only draw {len(problems)} of {config.num_problems} problems "
+                f"not in `exclude` (ask for fewer, or allow more tiles/templates)"
+            )
         template, counts = rng.choice(choices)
         n = rng.choice(counts)
         digits = [rng.randint(lo, hi) for _ in range(n)]
@@ -320,15 +378,18 @@ def generate(config: SyntheticConfig, exclude: set[str] | frozenset[str] = froze
         key = problem_key(template.name, cells)
         if key in exclude:
             continue
-        arithmetic, answer = template.solve(digits)
-        steps = [f"Tile {i} is {d}." for i, d in enumerate(digits, start=1)] + arithmetic
+        steps, answer = template.steps(digits)
         question = template.question + (IGNORE_GREY if config.distractors > 0 else "")
-        problems.append(SyntheticProblem(
-            id=f"{config.id_prefix}-{len(problems):05d}",
-            image=render_image(cells, config.grid, config.tile_px, config.style),
-            question=question, steps=steps, answer=str(answer),
-            meta={"source": "synthetic", "template": template.name, "tiles": digits, "cells": cells},
-        ))
+        problems.append(
+            SyntheticProblem(
+                id=f"{config.id_prefix}-{len(problems):05d}",
+                image=render_image(cells, config.grid, config.tile_px, config.style),
+                question=question,
+                steps=steps,
+                answer=str(answer),
+                meta={"source": "synthetic", "template": template.name, "tiles": digits, "cells": cells},
+            )
+        )
     return problems
 
 
@@ -356,8 +417,7 @@ def write_split(problems: Sequence[SyntheticProblem], out_dir: str | Path, name:
         base = {"id": p.id, "images": [rel], "question": p.question}
         problem_rows.append({**base, "answer": p.answer, "meta": p.meta})
         sft_rows.append({**base, "steps": p.steps, "answer": p.answer, "meta": p.meta})
-        gold_rows.append({**base, "steps": p.steps, "labels": [1.0] * len(p.steps), "answer": p.answer,
-                          "meta": p.meta})
+        gold_rows.append({**base, "steps": p.steps, "labels": [1.0] * len(p.steps), "answer": p.answer, "meta": p.meta})
     write_jsonl(out / f"{name}_problems.jsonl", problem_rows)
     write_jsonl(out / f"{name}_sft.jsonl", sft_rows)
     write_jsonl(out / f"{name}_gold_steps.jsonl", gold_rows)
@@ -388,8 +448,8 @@ def describe() -> str:
     """The task, the palette and the question templates as Markdown (for the README)."""
     lines = [
         "Each image is a grid of solid square tiles read left to right, top to bottom. A tile's "
-        "colour is a digit; grey tiles are distractors (questions then say \"Ignore grey tiles.\"), "
-        "white cells are empty. A solution reads every tile (\"Tile 1 is 3.\") and then computes.",
+        'colour is a digit; grey tiles are distractors (questions then say "Ignore grey tiles."), '
+        'white cells are empty. A solution reads every tile ("Tile 1 is 3.") and then computes.',
         "",
         "| digit | colour | RGB |",
         "| --- | --- | --- |",
@@ -402,10 +462,11 @@ def describe() -> str:
     ]
     for t in TEMPLATES.values():
         n = t.tile_counts[-1]
-        example = [3, 5, 2, 4][:n]
-        steps = [f"Tile {i} is {d}." for i, d in enumerate(example, start=1)] + t.solve(example)[0]
-        lines.append(f"| {t.name} | {', '.join(map(str, t.tile_counts))} | {' '.join(sorted(t.ops))} | "
-                     f"{t.question} | {' '.join(steps)} -> {t.solve(example)[1]} |")
+        steps, answer = t.steps([3, 5, 2, 4][:n])
+        lines.append(
+            f"| {t.name} | {', '.join(map(str, t.tile_counts))} | {' '.join(sorted(t.ops))} | "
+            f"{t.question} | {' '.join(steps)} -> {answer} |"
+        )
     return "\n".join(lines)
 
 
@@ -428,21 +489,32 @@ def cli_synthetic(argv: list[str]) -> int:
     parser.add_argument("--grid", default="2x2", help="ROWSxCOLS of cells (default 2x2)")
     parser.add_argument("--tile-px", type=int, default=28)
     parser.add_argument("--style", choices=["tiles", "human"], default="tiles")
-    parser.add_argument("--labelled", action="store_true",
-                        help="also write {split}_labelled.jsonl: half the solutions with one planted error")
+    parser.add_argument(
+        "--labelled",
+        action="store_true",
+        help="also write {split}_labelled.jsonl: half the solutions with one planted error",
+    )
     args = parser.parse_args(argv)
     try:
         rows, cols = (int(x) for x in args.grid.lower().split("x"))
     except ValueError:
         parser.error(f"--grid {args.grid!r}: write it as ROWSxCOLS, e.g. 2x2")
-    common = dict(min_tiles=args.min_tiles, max_tiles=args.max_tiles, max_ops=args.max_ops,
-                  ops=tuple(o.strip() for o in args.ops.split(",") if o.strip()), distractors=args.distractors,
-                  grid=(rows, cols), tile_px=args.tile_px, style=args.style)
+    common = dict(
+        min_tiles=args.min_tiles,
+        max_tiles=args.max_tiles,
+        max_ops=args.max_ops,
+        ops=tuple(o.strip() for o in args.ops.split(",") if o.strip()),
+        distractors=args.distractors,
+        grid=(rows, cols),
+        tile_px=args.tile_px,
+        style=args.style,
+    )
     try:
         train = generate(SyntheticConfig(num_problems=args.train, seed=args.seed, id_prefix="train", **common))
         seen = {problem_key(p.meta["template"], p.meta["cells"]) for p in train}
-        test = generate(SyntheticConfig(num_problems=args.test, seed=args.seed + 1, id_prefix="test", **common),
-                        exclude=seen)
+        test = generate(
+            SyntheticConfig(num_problems=args.test, seed=args.seed + 1, id_prefix="test", **common), exclude=seen
+        )
     except ValueError as e:
         parser.error(str(e))
     out = Path(args.out)
@@ -453,8 +525,10 @@ def cli_synthetic(argv: list[str]) -> int:
 
         for name, split in (("train", train), ("test", test)):
             write_jsonl(out / f"{name}_labelled.jsonl", labelled_examples(split, name, seed=args.seed))
-    print(f"wrote {len(train)} train and {len(test)} test problems to {out} "
-          f"(text-only ceiling on test: {text_only_accuracy(train, test):.1%})")
+    print(
+        f"wrote {len(train)} train and {len(test)} test problems to {out} "
+        f"(text-only ceiling on test: {text_only_accuracy(train, test):.1%})"
+    )
     return 0
 
 
@@ -465,10 +539,12 @@ _READ_RE = re.compile(r"^Tile (\d+) is (-?\d+)\.$")
 _ARITH_RE = re.compile(r"^(-?\d+) ([-+*]) (-?\d+) = (-?\d+)\.$")
 _EXTREME_RE = re.compile(r"^The (largest|smallest) is (-?\d+)\.$")
 _CMP_RE = re.compile(r"^(-?\d+) ([<>=]) (-?\d+)\.$")
+_RUNNING_RE = re.compile(r"^Tile (\d+) is (-?\d+)\. Total (?:(-?\d+) \+ (-?\d+) = )?(-?\d+)\.$")
 
 
-def check_steps(tiles: Sequence[int], steps: Sequence[str], answer: str | None = None,
-                gold: str | None = None) -> list[bool]:
+def check_steps(
+    tiles: Sequence[int], steps: Sequence[str], answer: str | None = None, gold: str | None = None
+) -> list[bool]:
     """True per-step correctness of a solution to a synthetic problem whose digits are `tiles`.
 
     A step is right when its claim is true and it only uses values already established (the
@@ -481,10 +557,22 @@ def check_steps(tiles: Sequence[int], steps: Sequence[str], answer: str | None =
     known: set[int] = set()
     ok, out = True, []
     last_value: int | None = None
+    running = 0  # running-total steps so far
     for step in steps:
         text = step.strip().split("\n")[0].strip()
         good = False
-        if m := _READ_RE.match(text):
+        if m := _RUNNING_RE.match(text):
+            # "Tile i is d. Total a + d = c.": the read, the carried total and the sum must all hold.
+            i, d, c = int(m.group(1)), int(m.group(2)), int(m.group(5))
+            running += 1
+            read_ok = i == running <= len(tiles) and tiles[i - 1] == d  # tiles in order, none skipped
+            if m.group(3) is None:
+                good = read_ok and last_value is None and c == d
+            else:
+                a, b = int(m.group(3)), int(m.group(4))
+                good = read_ok and a == last_value and b == d and a + b == c
+            value = c
+        elif m := _READ_RE.match(text):
             i, d = int(m.group(1)), int(m.group(2))
             good = 1 <= i <= len(tiles) and tiles[i - 1] == d
             value = d
@@ -523,11 +611,12 @@ def corrupt_step(step: str, rng: random.Random) -> str:
     numbers = list(re.finditer(r"-?\d+", step))
     m = numbers[-1]
     wrong = int(m.group()) + rng.choice([-2, -1, 1, 2])
-    return step[: m.start()] + str(wrong) + step[m.end():]
+    return step[: m.start()] + str(wrong) + step[m.end() :]
 
 
-def labelled_examples(problems: Sequence[SyntheticProblem], name: str, seed: int = 0,
-                      error_rate: float = 0.5) -> list[dict]:
+def labelled_examples(
+    problems: Sequence[SyntheticProblem], name: str, seed: int = 0, error_rate: float = 0.5
+) -> list[dict]:
     """Step-labelled rows with planted first errors: a toy PRM training set with exact labels.
 
     With probability `error_rate` one step gets a wrong number; it and every later step are
@@ -543,6 +632,15 @@ def labelled_examples(problems: Sequence[SyntheticProblem], name: str, seed: int
             k = rng.choice([i for i, st in enumerate(steps) if not _CMP_RE.match(st)])
             steps[k] = corrupt_step(steps[k], rng)
             labels = [1.0] * k + [0.0] * (len(steps) - k)
-        rows.append({"id": p.id, "images": [f"images/{name}_{p.id}.png"], "question": p.question,
-                     "steps": steps, "labels": labels, "answer": p.answer, "meta": p.meta})
+        rows.append(
+            {
+                "id": p.id,
+                "images": [f"images/{name}_{p.id}.png"],
+                "question": p.question,
+                "steps": steps,
+                "labels": labels,
+                "answer": p.answer,
+                "meta": p.meta,
+            }
+        )
     return rows
