@@ -9,8 +9,71 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the language model (peft); off trains all unfrozen weights.
+
+    Attributes:
+        enabled: train LoRA adapters instead of the full language model
+        r: adapter rank
+        alpha: adapter scaling numerator (scale = alpha / r)
+        dropout: dropout on the adapter input
+        target_modules: names of the linear layers that get adapters
+    """
+
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class TrainConfig:
+    """The training loop of prm_train and policy_sft (policy_sft adds its eval generations).
+
+    Attributes:
+        seed: seed of data order, initialisation of new weights and dropout
+        max_steps: optimizer steps to train (one epoch = ceil(rows / global batch))
+        batch_size: examples per process per micro-step
+        grad_accum: micro-steps per optimizer step (global batch = batch_size x grad_accum x processes)
+        weight_decay: AdamW weight decay
+        warmup_steps: linear warmup steps before the schedule
+        schedule: learning-rate schedule after warmup: cosine | linear | constant
+        max_grad_norm: clip the global gradient norm to this (0 turns clipping off)
+        bf16: bf16 mixed precision (where the device supports it)
+        group_by_length: batch examples of similar length together (less padding)
+        log_every: log loss and learning rate every N optimizer steps
+        eval_every: evaluate on data.eval_file every N optimizer steps
+        save_every: write a resumable checkpoint every N optimizer steps
+        eval_batch_size: examples per forward during evaluation
+        report_to: tracker for metrics: tensorboard | wandb | none
+        stop_at_step: stop early at this step with a checkpoint (e.g. before a Slurm time limit); null runs to
+            max_steps
+        lr: peak learning rate (AdamW)
+    """
+
+    seed: int = 42
+    max_steps: int = 100
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 2e-6
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    max_grad_norm: float = 1.0
+    bf16: bool = False
+    group_by_length: bool = True
+    log_every: int = 10
+    eval_every: int = 100
+    save_every: int = 100
+    eval_batch_size: int = 8
+    report_to: str = "tensorboard"
+    stop_at_step: int | None = None
 
 
 def epoch_batches(
