@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PYTHON) recipes/quickstart.py --config recipes/configs/tiny/quickstart.yaml
+	$(PYTHON) recipes/quickstart.py --config recipes/configs/tiny/quickstart.yaml publish=true
 
 # ruff (configured in pyproject.toml): lint and format check of the whole tree; both test targets run it first.
 lint: $(STAMP)

@@ -4,13 +4,19 @@
     python recipes/quickstart.py --config recipes/configs/tiny/quickstart.yaml [key=value ...]
 
 Stages (each one the real recipe, run as a user would run it, with a tiny config):
-  1. data      synthetic colour-tile problems: SFT train set, annotation set, held-out test set
+  1. data      synthetic colour-tile problems: SFT train set, annotation set, held-out dev + test sets
   2. model     `mmprm tiny-model`: a random-init Qwen2-VL-architecture model
   3. policy    recipes/policy_sft.py: learn to solve in tagged steps
   4. annotate  recipes/mcts_annotate.py: OmegaPRM MCTS labels the policy's own steps (HF backend)
-  5. prm       recipes/prm_train.py: soft-label PRM on the exported labels
-  6. bon       recipes/bon_rerank.py: N samples per test problem, PRM reranking, every aggregator
-  7. report    OUTPUT_DIR/report.md + report.json + bon_curve.png, with a stage timing table
+  5. prm       recipes/prm_train.py, three times on the same rollouts: the PRM with soft MC labels,
+               the PRM with hard labels (MC > 0 -> 1), and an outcome model (one label per solution,
+               from its final answer, read at its last token)
+  6. bon       recipes/bon_rerank.py: N samples per held-out problem, scored by each of the three
+  7. report    OUTPUT_DIR/report.md + report.json + bon_curve.png: the aggregator is chosen on dev
+               and read on test; every model against the outcome model with paired intervals
+
+With `publish=true` (what `make demo` passes) the report, its JSON and plot are copied to
+docs/demo/ and the README's demo section is rewritten from them.
 
 A finished stage is skipped when rerun (its output is there); `force=true` reruns everything.
 The PRM is also judged against ground truth: the synthetic task lets us check every step of every
@@ -21,6 +27,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -40,22 +48,29 @@ class TaskConfig:
     Attributes:
         train: SFT problems
         annotate: problems MCTS labels
-        test: held-out Best-of-N problems
+        dev: held-out problems that choose the aggregator and the first-error threshold
+        test: held-out problems every reported number is read on
         min_tiles: fewest tiles per image
         max_tiles: most tiles per image
         ops: comma-separated operations the questions use: +, -, *, cmp
         max_ops: most arithmetic/comparison steps per solution
         max_digit: tiles show digits 0..max_digit
+        templates: comma-separated template names; empty: the synthetic module's defaults
+        marks: a colour in the top half of each cell names its slot (a tiny VLM then finds
+            "tile 3" by what it looks like, not by where it is; `mmprm.data.synthetic.SLOT_MARKS`)
     """
 
     train: int = 3000
     annotate: int = 150
+    dev: int = 100
     test: int = 300
     min_tiles: int = 2
     max_tiles: int = 3
     ops: str = "+"
     max_ops: int = 3
     max_digit: int = 9
+    templates: str = ""
+    marks: bool = False
 
 
 @dataclass
@@ -83,12 +98,13 @@ class Config:
         num_layers: tiny model layers
         task: the synthetic task (section)
         model: model loading, passed to every stage (section)
-        n: candidates per test problem
+        n: candidates per held-out problem
         threads: intra-op threads per stage: tiny models gain nothing from more, and lose to contention
         sft: extra key=value overrides for the policy_sft stage
         annotate: extra key=value overrides for the mcts_annotate stage
-        prm: extra key=value overrides for the prm_train stage
+        prm: extra key=value overrides for prm_train, shared by the soft PRM, the hard PRM and the outcome model
         bon: extra key=value overrides for the bon_rerank stage
+        publish: copy the report to docs/demo/ and rewrite the README's demo section
     """
 
     seed: int = 0
@@ -105,28 +121,47 @@ class Config:
     annotate: list[str] = field(default_factory=list)
     prm: list[str] = field(default_factory=list)
     bon: list[str] = field(default_factory=list)
+    publish: bool = False
+
+
+MODELS = {  # report key -> (training output, Best-of-N output, name in the report)
+    "soft": ("prm", "bon", "PRM, soft MC labels"),
+    "hard": ("prm_hard", "bon_hard", "PRM, hard labels (MC > 0 -> 1)"),
+    "outcome": ("orm", "bon_orm", "outcome model (final answer only)"),
+}
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process and its finished children.
+
+    On a shared machine wall time measures the neighbours; CPU time of a one-thread stage is what
+    its wall time would be on an idle core.
+    """
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def stage(name: str, done: Path, out: Path, force: bool, timings: list, fn) -> None:
-    """Run one stage unless its output exists; time it; one line before and after.
+    """Run one stage unless its output exists; time it (wall and CPU); one line before and after.
 
-    Each stage's wall time is kept in OUTPUT_DIR/stage_times.json, so a rerun that skips it
-    still reports the time it took when it ran.
+    Each stage's times are kept in OUTPUT_DIR/stage_times.json, so a rerun that skips it still
+    reports the time it took when it ran.
     """
     times_file = out / "stage_times.json"
     recorded = json.loads(times_file.read_text()) if times_file.exists() else {}
     if done.exists() and not force:
         print(f"==> [{name}] already done ({done}), skipping", flush=True)
-        timings.append((name, recorded.get(name, float("nan")), "done in an earlier run"))
+        prev = recorded.get(name, {})
+        timings.append((name, prev.get("wall", float("nan")), prev.get("cpu", float("nan")), "done in an earlier run"))
         return
     print(f"==> [{name}] ...", flush=True)
-    t0 = time.time()
+    t0, c0 = time.time(), cpu_seconds()
     fn()
-    took = time.time() - t0
-    timings.append((name, took, "ran"))
-    recorded[name] = took
+    wall, cpu = time.time() - t0, cpu_seconds() - c0
+    timings.append((name, wall, cpu, "ran"))
+    recorded[name] = {"wall": round(wall, 1), "cpu": round(cpu, 1)}
     times_file.write_text(json.dumps(recorded, indent=2) + "\n")
-    print(f"==> [{name}] done in {took:.1f}s", flush=True)
+    print(f"==> [{name}] done in {wall:.1f}s (CPU {cpu:.1f}s)", flush=True)
 
 
 def run(*args: str) -> None:
@@ -136,6 +171,47 @@ def run(*args: str) -> None:
     res = subprocess.run([sys.executable, *args], cwd=REPO, env=env)
     if res.returncode != 0:
         raise SystemExit(f"quickstart: stage command failed (exit {res.returncode}): python {' '.join(args)}")
+
+
+def write_outcome_data(prm_file: Path, out_file: Path) -> dict:
+    """Outcome-model rows from the same rollouts: each distinct complete solution once, its steps
+    joined into one step, labelled 1.0/0.0 by its final answer, so the head is read at its end only.
+    Solutions without an answer (cut off) are left out."""
+    from mmprm.answers import answers_match
+    from mmprm.data.schema import read_jsonl, write_jsonl
+    from mmprm.steps import parse_solution
+
+    rows, seen = [], set()
+    for r in read_jsonl(prm_file):
+        answer = parse_solution(r["steps"][-1]).answer if r["steps"] else None
+        key = (r["meta"].get("problem_id"), tuple(r["steps"]))
+        if answer is None or key in seen:
+            continue
+        seen.add(key)
+        label = 1.0 if answers_match(answer, r["meta"]["gold"]) else 0.0
+        rows.append(
+            {
+                "id": r["id"],
+                "images": r["images"],
+                "question": r["question"],
+                "steps": [" ".join(r["steps"])],
+                "labels": [label],
+                "meta": r["meta"],
+            }
+        )
+    write_jsonl(out_file, rows)
+    return {"solutions": len(rows), "correct": int(sum(x["labels"][0] for x in rows))}
+
+
+def write_outcome_candidates(cand_file: Path, out_file: Path) -> None:
+    """The same candidates with each solution's steps joined into one, as the outcome model reads them."""
+    from mmprm.data.schema import read_jsonl, write_jsonl
+
+    rows = read_jsonl(cand_file)
+    for row in rows:
+        for c in row["candidates"]:
+            c["steps"] = [" ".join(c["steps"])] if c["steps"] else []
+    write_jsonl(out_file, rows)
 
 
 def main(argv: list[str]) -> None:
@@ -152,15 +228,8 @@ def main(argv: list[str]) -> None:
     if not out.is_absolute():
         out = REPO / out
     out.mkdir(parents=True, exist_ok=True)
-    data, model_dir, policy, mcts, prm, bon = (
-        out / "data",
-        out / "tiny_model",
-        out / "policy",
-        out / "mcts",
-        out / "prm",
-        out / "bon",
-    )
-    timings: list[tuple[str, float, str]] = []
+    data, model_dir, policy, mcts = out / "data", out / "tiny_model", out / "policy", out / "mcts"
+    timings: list[tuple[str, float, float, str]] = []
     attn = f"model.attn_implementation={cfg.model.attn_implementation}"  # every stage loads with this kernel
 
     # ---- 1. data ---------------------------------------------------------------------------
@@ -174,20 +243,27 @@ def main(argv: list[str]) -> None:
             ops=tuple(t.ops.split(",")),
             max_ops=t.max_ops,
             digits=(0, t.max_digit),
+            templates=tuple(t.templates.split(",")) if t.templates else None,
+            marks=t.marks,
         )
-        train = generate(SyntheticConfig(num_problems=t.train, seed=cfg.seed, id_prefix="train", **common))
-        seen = {problem_key(p.meta["template"], p.meta["cells"]) for p in train}
-        annotate = generate(
-            SyntheticConfig(num_problems=t.annotate, seed=cfg.seed + 1, id_prefix="ann", **common), exclude=seen
-        )
-        seen |= {problem_key(p.meta["template"], p.meta["cells"]) for p in annotate}
-        test = generate(
-            SyntheticConfig(num_problems=t.test, seed=cfg.seed + 2, id_prefix="test", **common), exclude=seen
-        )
-        for name, split in (("train", train), ("annotate", annotate), ("test", test)):
-            write_split(split, data, name)
+        splits, seen = {}, set()
+        # Disjoint splits: no (template, tiles) pair is in two of them.
+        for k, (name, size) in enumerate(
+            (("train", t.train), ("annotate", t.annotate), ("dev", t.dev), ("test", t.test))
+        ):
+            prefix = "ann" if name == "annotate" else name
+            splits[name] = generate(
+                SyntheticConfig(num_problems=size, seed=cfg.seed + k, id_prefix=prefix, **common), exclude=seen
+            )
+            seen |= {problem_key(p.meta["template"], p.meta["cells"]) for p in splits[name]}
+        write_split(splits["train"], data, "train")
+        write_split(splits["annotate"], data, "annotate")
+        write_split(splits["dev"] + splits["test"], data, "heldout")  # one Best-of-N run, split by id prefix
         (data / "task.json").write_text(
-            json.dumps({"text_only_accuracy": text_only_accuracy(train, test), **to_dict(cfg.task)}, indent=2)
+            json.dumps(
+                {"text_only_accuracy": text_only_accuracy(splits["train"], splits["test"]), **to_dict(cfg.task)},
+                indent=2,
+            )
         )
 
     stage("data", data / "task.json", out, cfg.force, timings, make_data)
@@ -229,7 +305,7 @@ def main(argv: list[str]) -> None:
             "recipes/configs/tiny/policy_sft.yaml",
             f"model.name_or_path={model_dir}",
             f"data.train_file={data / 'train_sft.jsonl'}",
-            f"data.eval_file={data / 'test_sft.jsonl'}",
+            f"data.eval_file={data / 'heldout_sft.jsonl'}",
             f"output_dir={policy}",
             f"train.seed={cfg.seed}",
             "train.report_to=none",
@@ -258,29 +334,56 @@ def main(argv: list[str]) -> None:
         ),
     )
 
-    # ---- 5. PRM training (initialised from the policy, as MM-PRM does from its base) ---------
-    stage(
-        "prm",
-        prm / "mmprm_prm.json",
-        out,
-        cfg.force,
-        timings,
-        lambda: run(
+    # ---- 5. three reward models on the same rollouts (initialised from the policy, as MM-PRM
+    # does from its base): soft MC labels, hard labels, and outcome labels only -----------------
+    def train(train_file: Path, model_out: Path, *extra: str) -> None:
+        run(
             "recipes/prm_train.py",
             "--config",
             "recipes/configs/tiny/prm_train.yaml",
             f"model.name_or_path={policy}",
-            f"data.train_file={mcts / 'prm_data.jsonl'}",
+            f"data.train_file={train_file}",
             "data.eval_file=null",
-            f"output_dir={prm}",
+            f"output_dir={model_out}",
             f"train.seed={cfg.seed}",
             "train.report_to=none",
             attn,
             *cfg.prm,
+            *extra,
+        )
+
+    orm_file = mcts / "outcome_data.jsonl"
+    stage(
+        "prm",
+        out / "prm" / "mmprm_prm.json",
+        out,
+        cfg.force,
+        timings,
+        lambda: train(mcts / "prm_data.jsonl", out / "prm", "data.label_mode=soft"),
+    )
+    # MC > 0 -> 1: a step from which any rollout reached the gold answer counts as right.
+    stage(
+        "prm_hard",
+        out / "prm_hard" / "mmprm_prm.json",
+        out,
+        cfg.force,
+        timings,
+        lambda: train(mcts / "prm_data.jsonl", out / "prm_hard", "data.label_mode=hard", "data.hard_threshold=1e-6"),
+    )
+    stage(
+        "orm",
+        out / "orm" / "mmprm_prm.json",
+        out,
+        cfg.force,
+        timings,
+        lambda: (
+            print(f"outcome data: {write_outcome_data(mcts / 'prm_data.jsonl', orm_file)}"),
+            train(orm_file, out / "orm", "data.label_mode=soft"),
         ),
     )
 
-    # ---- 6. Best-of-N on held-out problems -------------------------------------------------
+    # ---- 6. Best-of-N on held-out problems: one set of candidates, three scorers -------------
+    bon = out / "bon"
     stage(
         "bon",
         bon / "report.json",
@@ -291,11 +394,11 @@ def main(argv: list[str]) -> None:
             "recipes/bon_rerank.py",
             "--config",
             "recipes/configs/tiny/bon_rerank.yaml",
-            f"prm={prm}",
+            f"prm={out / 'prm'}",
             "candidates_file=null",
             "generate.enabled=true",
             f"generate.policy={policy}",
-            f"generate.problems_file={data / 'test_problems.jsonl'}",
+            f"generate.problems_file={data / 'heldout_problems.jsonl'}",
             f"generate.n={cfg.n}",
             f"generate.sampling.seed={cfg.seed}",
             f"output_dir={bon}",
@@ -305,146 +408,72 @@ def main(argv: list[str]) -> None:
         ),
     )
 
+    def rescore(model: str, cand_file: Path) -> None:
+        run(
+            "recipes/bon_rerank.py",
+            "--config",
+            "recipes/configs/tiny/bon_rerank.yaml",
+            f"prm={out / MODELS[model][0]}",
+            f"candidates_file={cand_file}",
+            "generate.enabled=false",
+            f"output_dir={out / MODELS[model][1]}",
+            f"report.seed={cfg.seed}",
+            attn,
+            *[o for o in cfg.bon if not o.startswith("generate.")],
+        )
+
+    stage(
+        "bon_hard",
+        out / "bon_hard" / "report.json",
+        out,
+        cfg.force,
+        timings,
+        lambda: rescore("hard", bon / "candidates.jsonl"),
+    )
+    stage(
+        "bon_orm",
+        out / "bon_orm" / "report.json",
+        out,
+        cfg.force,
+        timings,
+        lambda: (
+            write_outcome_candidates(bon / "candidates.jsonl", bon / "candidates_outcome.jsonl"),
+            rescore("outcome", bon / "candidates_outcome.jsonl"),
+        ),
+    )
+
     # ---- 7. ground-truth step evaluation and the report -------------------------------------
     print("==> [report] ...", flush=True)
-    t0 = time.time()
-    step_eval = evaluate_steps(data, bon, prm, policy, cfg.model.attn_implementation)
-    timings.append(("step eval", time.time() - t0, "ran"))
-    write_demo_report(
-        out, cfg, data, policy, mcts, bon, step_eval, timings, sum(t for _, t, _ in timings if t == t)
-    )  # NaN-safe sum of stage times
+    t0, c0 = time.time(), cpu_seconds()
+    from mmprm.rerank.ablation import evaluate, write_report
+
+    results = evaluate(
+        out, data, policy, MODELS, n_resamples=1000, seed=cfg.seed, attn_implementation=cfg.model.attn_implementation
+    )
+    timings.append(("step eval + report", time.time() - t0, cpu_seconds() - c0, "ran"))
+    write_report(out, to_dict(cfg), results, timings)
     print(f"==> [report] {out / 'report.md'}", flush=True)
+    if cfg.publish:
+        publish(out)
 
 
-def evaluate_steps(data: Path, bon: Path, prm: Path, policy: Path, attn_implementation: str = "sdpa") -> dict:
-    """Step-level AUROC on the test candidates against exact labels: trained PRM vs untrained."""
-    import torch
-
-    from mmprm.data.schema import read_jsonl
-    from mmprm.data.synthetic import check_steps
-    from mmprm.models.loading import load_backbone
-    from mmprm.models.prm import PRMScorer, PRMSpec, build_prm
-    from mmprm.scoring.metrics import auroc, stratified_auroc
-
-    problems = {r["id"]: r for r in read_jsonl(data / "test_problems.jsonl")}
-    scored = {r["id"]: r for r in read_jsonl(bon / "scored.jsonl")}
-    cands = {r["id"]: r for r in read_jsonl(bon / "candidates.jsonl")}
-    examples, truth, trained, strata = [], [], [], []
-    for pid, row in cands.items():
-        tiles = problems[pid]["meta"]["tiles"]
-        for c, s in zip(row["candidates"], scored[pid]["candidates"]):
-            if not c["steps"]:
-                continue
-            examples.append({"question": row["question"], "images": row["images"], "steps": c["steps"]})
-            gold = problems[pid]["answer"]
-            truth.append([1.0 if ok else 0.0 for ok in check_steps(tiles, c["steps"], c["answer"], gold)])
-            trained.append(s["step_probs"])
-            strata.extend((pid, k) for k in range(len(c["steps"])))
-    backbone, processor = load_backbone(policy, attn_implementation=attn_implementation)
-    torch.manual_seed(0)
-    untrained = PRMScorer(build_prm(backbone, processor, PRMSpec()), processor, batch_size=16).score(examples)
-    flat = [x for t in truth for x in t]
-
-    def within(scores: list[list[float]]) -> float:
-        return stratified_auroc([x for s in scores for x in s], flat, strata)
-
-    return {
-        "candidates": len(examples),
-        "steps": len(flat),
-        "share_correct_steps": sum(flat) / max(1, len(flat)),
-        "auroc_trained": within(trained),
-        "auroc_untrained": within(untrained),
-        "pooled_auroc_trained": auroc(trained, truth),
-        "pooled_auroc_untrained": auroc(untrained, truth),
-    }
-
-
-def write_demo_report(
-    out: Path, cfg: Config, data: Path, policy: Path, mcts: Path, bon: Path, step_eval: dict, timings: list, wall: float
-) -> None:
-    from mmprm.data.schema import read_jsonl
-    from mmprm.rerank.report import BASELINES
-
-    bon_report = json.loads((bon / "report.json").read_text())
-    task = json.loads((data / "task.json").read_text())
-    sft_evals = [r for r in read_jsonl(policy / "metrics.jsonl") if r["split"] == "eval"]
-    export = json.loads((mcts / "export_report.json").read_text()) if (mcts / "export_report.json").exists() else {}
-    n_max = str(bon_report["n_max"])
-    methods = bon_report["methods"]
-    aggs = [m for m in methods if m not in BASELINES]
-    best = max(aggs, key=lambda m: methods[m][n_max]["mean"])
-    shutil.copyfile(bon / "bon_curve.png", out / "bon_curve.png")
-    summary = {
-        "seed": cfg.seed,
-        "wall_seconds": round(wall, 1),
-        "task": task,
-        "policy_eval": sft_evals[-1] if sft_evals else None,
-        "policy_single_sample_accuracy": methods["random"]["1"]["mean"],
-        "best_aggregator": best,
-        "best_vs_random": bon_report.get("best_vs_random"),
-        "bon": bon_report,
-        "step_eval": step_eval,
-        "annotation_export": export,
-        "stages": [{"stage": s, "seconds": round(t, 1), "status": st} for s, t, st in timings],
-    }
-    (out / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
-
-    ns = sorted(methods["random"], key=int)
-    lines = [
-        "# mmprm demo report",
-        "",
-        f"Seed {cfg.seed}; {bon_report['num_problems']} held-out problems; N up to {n_max}; "
-        f"sum of stage wall times {wall / 60:.1f} min.",
-        "",
-        "## Best-of-N accuracy (mean, 95% bootstrap interval)",
-        "",
-        "| method | " + " | ".join(f"N={n}" for n in ns) + " |",
-        "| --- | " + " | ".join("---" for _ in ns) + " |",
-    ]
-    for m in list(aggs) + list(BASELINES):
-        cells = [
-            f"{methods[m][n]['mean']:.3f} [{methods[m][n]['ci95'][0]:.3f}, {methods[m][n]['ci95'][1]:.3f}]" for n in ns
-        ]
-        lines.append(f"| {m}{' (best PRM)' if m == best else ''} | " + " | ".join(cells) + " |")
-    bvr = bon_report.get("best_vs_random") or {}
-    lines += [
-        "",
-        f"Best PRM aggregator `{best}` minus random pick at N={n_max}: "
-        f"{bvr.get('diff', float('nan')):+.3f}, 95% CI {bvr.get('ci95')}.",
-        "",
-        "![Best-of-N curve](bon_curve.png)",
-        "",
-        "## Step-level check against exact labels",
-        "",
-        f"Every step of every test candidate is checked against the image's true digits "
-        f"({step_eval['steps']} steps, {step_eval['share_correct_steps']:.1%} correct).",
-        "",
-        "Step AUROC compares a right step with a wrong one at the same step of another candidate for the "
-        "same problem - the comparison a reranker makes. The pooled AUROC over all steps is shown beside "
-        "it: it mixes positions (later steps are wrong more often, and an MC label rises toward the end "
-        "of a right solution) and problems, so it can sit below 0.5 for a PRM that ranks well.",
-        "",
-        "| PRM | step AUROC (same problem, same step) | pooled AUROC |",
-        "| --- | --- | --- |",
-        f"| trained (MCTS labels) | {step_eval['auroc_trained']:.3f} | {step_eval['pooled_auroc_trained']:.3f} |",
-        f"| untrained (same backbone, fresh head) | {step_eval['auroc_untrained']:.3f} | "
-        f"{step_eval['pooled_auroc_untrained']:.3f} |",
-        "",
-        "## Policy",
-        "",
-    ]
-    if sft_evals:
-        first, last = sft_evals[0], sft_evals[-1]
-        lines += [
-            f"Greedy format compliance {first.get('format_compliance', 0):.1%} -> {last.get('format_compliance', 0):.1%}, "
-            f"answer accuracy {first.get('answer_accuracy', 0):.1%} -> {last.get('answer_accuracy', 0):.1%} "
-            f"(eval split, before -> after SFT). Sampled single-candidate accuracy on the test set: "
-            f"{methods['random']['1']['mean']:.1%}. A text-only model can reach {task['text_only_accuracy']:.1%}.",
-            "",
-        ]
-    lines += ["## Stage timings", "", "| stage | seconds | |", "| --- | --- | --- |"]
-    lines += [f"| {s} | {t:.1f} | {st} |" for s, t, st in timings]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+def publish(out: Path) -> None:
+    """Copy the report to docs/demo/ and rewrite the README between its demo-results markers."""
+    docs = REPO / "docs" / "demo"
+    docs.mkdir(parents=True, exist_ok=True)
+    for name in ("report.md", "report.json", "bon_curve.png"):
+        shutil.copyfile(out / name, docs / name)
+    readme = REPO / "README.md"
+    text = readme.read_text()
+    start, end = "<!-- demo-results:start -->", "<!-- demo-results:end -->"
+    if start not in text or end not in text:
+        print(f"quickstart: README.md has no {start} ... {end} block; left it alone", file=sys.stderr)
+        return
+    section = (out / "readme_section.md").read_text()
+    readme.write_text(
+        re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: f"{start}\n{section}{end}", text, flags=re.S)
+    )
+    print(f"==> [publish] docs/demo/ and README.md updated from {out}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The demo pipeline, reduced: every stage is the real recipe; each output is checked, and the
-trained PRM must rank steps better than an untrained one against exact ground truth."""
+report compares the soft-label PRM, the hard-label PRM and the outcome model on the same candidates,
+with the aggregator chosen on dev and every step checked against exact labels."""
 
 import json
 import os
@@ -18,47 +19,71 @@ def test_reduced_demo_pipeline(tmp_path):
     from mmprm.rerank.report import METHODS
 
     out = tmp_path / "demo"
-    # smaller than `make demo` (2000/60/80 problems, N=4, 900 SFT steps) but the same recipes
+    readme_before = (REPO / "README.md").read_text()
+    # much smaller than `make demo` (fewer problems and steps, N=4) but the same recipes
     cmd = [
         sys.executable,
         "recipes/quickstart.py",
         "--config",
         "recipes/configs/tiny/quickstart.yaml",
         f"output_dir={out}",
-        "task.train=2000",
-        "task.annotate=60",
-        "task.test=80",
+        "task.train=1000",
+        "task.annotate=24",
+        "task.dev=16",
+        "task.test=24",
         "n=4",
-        "sft=[train.max_steps=900, train.lr=2e-3, train.warmup_steps=20, model.freeze_vision_tower=false, "
-        "train.eval_every=900, train.save_every=900, train.eval_generations=16, train.max_new_tokens=100]",
-        "annotate=[sampling.max_new_tokens=100, engine.concurrency=32, search.max_rollouts=64, search.max_searches=12, "
+        "sft=[train.max_steps=300, train.lr=3e-3, train.warmup_steps=20, model.freeze_vision_tower=false, "
+        "train.eval_every=300, train.save_every=300, train.eval_generations=16, train.max_new_tokens=80]",
+        "annotate=[sampling.max_new_tokens=80, engine.concurrency=32, search.max_rollouts=48, search.max_searches=8, "
         "export.edges=step]",
-        "prm=[train.max_steps=200, train.save_every=200, train.lr=5e-4, train.batch_size=16]",
-        "bon=[generate.sampling.max_new_tokens=100, generate.batch_size=64, report.resamples=200]",
+        "prm=[train.max_steps=60, train.save_every=60, train.lr=1e-3, train.batch_size=16]",
+        "bon=[generate.sampling.max_new_tokens=80, generate.batch_size=64, report.resamples=200]",
     ]
     res = subprocess.run(
         cmd, cwd=REPO, capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    for stage in ("data", "model", "policy", "annotate", "prm", "bon"):
+    for stage in ("data", "model", "policy", "annotate", "prm", "prm_hard", "orm", "bon", "bon_hard", "bon_orm"):
         assert f"==> [{stage}] done" in res.stdout, stage
 
     # every stage's output is what the next stage (or a user) reads
-    assert len(load_examples(out / "data" / "train_sft.jsonl")) == 2000
+    assert len(load_examples(out / "data" / "train_sft.jsonl")) == 1000
+    held = read_jsonl(out / "data" / "heldout_problems.jsonl")
+    assert [r["id"] for r in held] == [f"dev-{i:05d}" for i in range(16)] + [f"test-{i:05d}" for i in range(24)]
     assert (out / "policy" / "model.safetensors").exists()
     prm_rows = load_examples(out / "mcts" / "prm_data.jsonl", require_labels=True)
     assert prm_rows and all(0.0 <= x <= 1.0 for e in prm_rows for x in e.labels)
+    # the outcome model's rows: one step (the whole solution) and a 0/1 label from its final answer
+    orm_rows = load_examples(out / "mcts" / "outcome_data.jsonl", require_labels=True)
+    assert orm_rows and all(len(e.steps) == 1 and e.labels[0] in (0.0, 1.0) for e in orm_rows)
     trees = read_jsonl(out / "mcts" / "trees.jsonl")
-    assert sorted(t["id"] for t in trees) == sorted(f"ann-{i:05d}" for i in range(60))
-    assert (out / "prm" / "mmprm_prm.json").exists()
-    bon = json.loads((out / "bon" / "report.json").read_text())
-    assert bon["num_problems"] == 80 and bon["n_max"] == 4 and set(bon["methods"]) == set(METHODS)
+    assert sorted(t["id"] for t in trees) == sorted(f"ann-{i:05d}" for i in range(24))
+    for model in ("prm", "prm_hard", "orm"):
+        assert (out / model / "mmprm_prm.json").exists(), model
+    for bon_dir in ("bon", "bon_hard", "bon_orm"):
+        bon = json.loads((out / bon_dir / "report.json").read_text())
+        assert bon["num_problems"] == 40 and bon["n_max"] == 4 and set(bon["methods"]) == set(METHODS), bon_dir
 
     report = json.loads((out / "report.json").read_text())
-    assert {s["stage"] for s in report["stages"]} >= {"data", "model", "policy", "annotate", "prm", "bon"}
-    ev = report["step_eval"]
-    assert ev["steps"] > 100
-    # the issue's bar: better than an untrained PRM at step-level AUROC against exact step labels
-    # (right vs wrong step at the same step of the same problem: what reranking relies on)
-    assert ev["auroc_trained"] > ev["auroc_untrained"], ev
-    assert (out / "report.md").exists() and (out / "bon_curve.png").stat().st_size > 10_000
+    assert report["splits"] == {"dev": 16, "test": 24}
+    stages = {s["stage"]: s for s in report["stages"]}
+    assert set(stages) >= {"data", "model", "policy", "annotate", "prm", "prm_hard", "orm", "bon"}
+    assert all(s["cpu_seconds"] > 0 for s in stages.values() if s["status"] == "ran")
+    step = report["step"]
+    assert report["test_steps"] > 100
+    # better than an untrained head at telling a right step from a wrong one at the same step of
+    # the same problem, against exact labels
+    assert step["soft"]["auroc_same_problem_step"] > step["untrained"]["auroc_same_problem_step"], step
+    for m in ("soft", "hard", "outcome"):
+        assert 0.0 <= step[m]["first_error_f1"] <= 1.0 or step[m]["first_error_f1"] != step[m]["first_error_f1"]
+        b = report["bon"][m]
+        assert b["best_on_dev"] in report["bon"][m]["dev_accuracy_at_n_max"] or m == "outcome"
+        for _agg, by_n in b["test"].items():
+            cell = by_n["4"]
+            lo, hi = cell["vs_outcome"]["ci95"]
+            assert lo <= cell["vs_outcome"]["diff"] <= hi
+    assert set(report["bon"]["soft"]["test"]) >= {"min", "average", "last"}
+    text = (out / "report.md").read_text()
+    assert "outcome model" in text and "chosen on dev" in text
+    assert (out / "bon_curve.png").stat().st_size > 10_000 and (out / "readme_section.md").exists()
+    assert (REPO / "README.md").read_text() == readme_before  # publish is off unless asked

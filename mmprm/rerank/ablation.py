@@ -1,0 +1,415 @@
+"""Reward-model ablation on synthetic Best-of-N candidates, where every step has an exact label.
+
+`recipes/quickstart.py` trains three reward models on the same MCTS rollouts (PRM with soft MC
+labels, PRM with hard labels, outcome model) and scores one set of held-out candidates with each.
+This module turns those scored files into the report:
+
+* step level, on the test split, against `mmprm.data.synthetic.check_steps`: AUROC within
+  (problem, step index) - right vs wrong step at the same point of two candidates for the same
+  problem, what reranking relies on - the pooled AUROC, and ProcessBench first-error F1 with the
+  threshold chosen on the dev split;
+* Best-of-N on the test split for `min`, `average`, `last` and the aggregator chosen on dev, each
+  against the outcome model with a 95% paired bootstrap interval over test problems.
+
+The outcome model reads a whole solution as one step; its per-step scores (for the step metrics)
+are its scores of each prefix, read the same way.
+
+Files read under OUTPUT_DIR: data/heldout_problems.jsonl, bon/candidates.jsonl and
+{bon dir}/scored.jsonl per model. Files written: report.json, report.md, bon_curve.png and
+readme_section.md (the README's demo block).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mmprm.rerank.compare import choose_on_dev, compare_at
+from mmprm.rerank.report import bon_curve, summarize
+from mmprm.scoring.metrics import auroc, best_threshold, first_error, first_error_f1, stratified_auroc
+
+SPLITS = ("dev", "test")
+REPORTED = ("min", "average", "last")  # plus each model's dev-chosen aggregator
+OUTCOME = "outcome"
+
+
+def _split_of(problem_id: str) -> str | None:
+    return next((s for s in SPLITS if problem_id.startswith(f"{s}-")), None)
+
+
+def _prefix_scores(scorer: Any, rows: Sequence[dict]) -> dict[tuple[str, int], list[float]]:
+    """Outcome-model score of every prefix of every candidate, keyed (problem id, candidate index)."""
+    keys, examples = [], []
+    for row in rows:
+        for j, c in enumerate(row["candidates"]):
+            for k in range(len(c["steps"])):
+                keys.append((row["id"], j))
+                examples.append(
+                    {"question": row["question"], "images": row["images"], "steps": [" ".join(c["steps"][: k + 1])]}
+                )
+    out: dict[tuple[str, int], list[float]] = {}
+    for key, probs in zip(keys, scorer.score(examples, share_prefix=True, progress=True)):
+        out.setdefault(key, []).extend(probs)
+    return out
+
+
+def _step_metrics(scores: dict, labels: dict, dev_keys: list, test_keys: list) -> dict[str, float]:
+    """AUROC (same problem and step; pooled) and first-error F1 on test, threshold picked on dev."""
+    test_scores = [scores[k] for k in test_keys]
+    test_labels = [labels[k] for k in test_keys]
+    strata = [(k[0], i) for k in test_keys for i in range(len(labels[k]))]
+    flat_s = [x for s in test_scores for x in s]
+    flat_y = [y for ys in test_labels for y in ys]
+    try:
+        threshold = best_threshold([scores[k] for k in dev_keys], [first_error(labels[k]) for k in dev_keys])
+    except ValueError:  # dev holds only right or only wrong solutions
+        threshold = 0.5
+    f1 = first_error_f1(test_scores, [first_error(y) for y in test_labels], threshold)
+    return {
+        "auroc_same_problem_step": stratified_auroc(flat_s, flat_y, strata),
+        "auroc_pooled": auroc(test_scores, test_labels),
+        "first_error_f1": f1["f1"],
+        "first_error_threshold": threshold,
+        "first_error_acc_erroneous": f1["error_acc"],
+        "first_error_acc_correct": f1["correct_acc"],
+    }
+
+
+def evaluate(
+    out: Path,
+    data: Path,
+    policy: Path,
+    models: Mapping[str, tuple[str, str, str]],
+    n_resamples: int = 1000,
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+) -> dict[str, Any]:
+    """Every number of the report, as a JSON-ready dict.
+
+    Args:
+        out: the demo's output folder.
+        data: its data folder (heldout_problems.jsonl with dev-* and test-* ids).
+        policy: the policy checkpoint (the untrained-head PRM is built on it).
+        models: report key -> (training folder, Best-of-N folder, display name); the key
+            "outcome" is the reference every other model is compared with.
+        n_resamples, seed: paired bootstrap settings.
+        attn_implementation: attention kernel of the models loaded here (the demo's `model.attn_implementation`).
+    """
+    import torch
+
+    from mmprm.data.schema import read_jsonl
+    from mmprm.data.synthetic import check_steps
+    from mmprm.models.loading import load_backbone
+    from mmprm.models.prm import PRMScorer, PRMSpec, build_prm, load_prm
+
+    problems = {r["id"]: r for r in read_jsonl(data / "heldout_problems.jsonl")}
+    rows = read_jsonl(out / "bon" / "candidates.jsonl")
+    scored = {
+        m: {r["id"]: r for r in read_jsonl(out / bon_dir / "scored.jsonl")} for m, (_, bon_dir, _) in models.items()
+    }
+    ids = {s: [r["id"] for r in rows if _split_of(r["id"]) == s] for s in SPLITS}
+
+    # Exact labels of every candidate with steps; candidate keys per split.
+    labels: dict[tuple[str, int], list[float]] = {}
+    for r in rows:
+        p = problems[r["id"]]
+        for j, c in enumerate(r["candidates"]):
+            if c["steps"]:
+                ok = check_steps(p["meta"]["tiles"], c["steps"], c["answer"], p["answer"])
+                labels[(r["id"], j)] = [1.0 if x else 0.0 for x in ok]
+    keys = {s: [k for k in labels if _split_of(k[0]) == s] for s in SPLITS}
+
+    step_scores: dict[str, dict[tuple[str, int], list[float]]] = {}
+    for m in models:
+        if m == OUTCOME:
+            step_scores[m] = _prefix_scores(
+                load_prm(out / models[m][0], batch_size=32, attn_implementation=attn_implementation), rows
+            )
+        else:
+            step_scores[m] = {k: scored[m][k[0]]["candidates"][k[1]]["step_probs"] for k in labels}
+    backbone, processor = load_backbone(policy, attn_implementation=attn_implementation)
+    torch.manual_seed(0)
+    untrained = PRMScorer(build_prm(backbone, processor, PRMSpec()), processor, batch_size=32)
+    test_rows = {r["id"]: r for r in rows}
+    probs = untrained.score(
+        [
+            {
+                "question": test_rows[k[0]]["question"],
+                "images": test_rows[k[0]]["images"],
+                "steps": test_rows[k[0]]["candidates"][k[1]]["steps"],
+            }
+            for k in keys["test"]
+        ]
+    )
+    untrained_scores = dict(zip(keys["test"], probs))
+
+    step = {m: _step_metrics(step_scores[m], labels, keys["dev"], keys["test"]) for m in models}
+    flat_test = [y for k in keys["test"] for y in labels[k]]
+    strata = [(k[0], i) for k in keys["test"] for i in range(len(labels[k]))]
+    step["untrained"] = {
+        "auroc_same_problem_step": stratified_auroc(
+            [x for k in keys["test"] for x in untrained_scores[k]], flat_test, strata
+        ),
+        "auroc_pooled": auroc([untrained_scores[k] for k in keys["test"]], [labels[k] for k in keys["test"]]),
+    }
+
+    # Best-of-N: one curve per model and split; aggregators chosen on dev, read on test.
+    curves = {
+        m: {s: bon_curve([scored[m][i]["candidates"] for i in ids[s]], seed=seed) for s in SPLITS} for m in models
+    }
+    ns = curves[OUTCOME]["test"].ns
+    bon: dict[str, Any] = {}
+    for m in models:
+        test = summarize(curves[m]["test"], n_resamples, seed)["methods"]
+        best = choose_on_dev(curves[m]["dev"])
+        aggs = ["last"] if m == OUTCOME else list(dict.fromkeys([*REPORTED, best]))
+        bon[m] = {
+            "best_on_dev": best,
+            "dev_accuracy_at_n_max": {
+                a: float(curves[m]["dev"].per_problem[a][curves[m]["dev"].n_max].mean()) for a in aggs
+            },
+            "test": {
+                a: {
+                    str(n): {
+                        **test[a][str(n)],
+                        "vs_outcome": compare_at(
+                            curves[m]["test"], a, curves[OUTCOME]["test"], "last", n, n_resamples, seed
+                        ),
+                    }
+                    for n in ns
+                }
+                for a in aggs
+            },
+        }
+    baselines = summarize(curves["soft"]["test"], n_resamples, seed)["methods"]
+    return {
+        "splits": {s: len(ids[s]) for s in SPLITS},
+        "n_max": curves[OUTCOME]["test"].n_max,
+        "ns": ns,
+        "test_steps": len(flat_test),
+        "test_share_correct_steps": sum(flat_test) / max(1, len(flat_test)),
+        "test_candidates_with_steps": len(keys["test"]),
+        "models": {m: name for m, (_, _, name) in models.items()},
+        "step": step,
+        "bon": bon,
+        "baselines": {b: baselines[b] for b in ("random", "majority", "weighted_vote", "oracle")},
+        "bootstrap": {"resamples": n_resamples, "seed": seed},
+    }
+
+
+def _ci(lo_hi: Sequence[float]) -> str:
+    return f"[{lo_hi[0]:+.3f}, {lo_hi[1]:+.3f}]"
+
+
+def _outcome_wins(results: dict) -> list[str]:
+    """Every (model, aggregator, N) where the outcome model is ahead; significant when the CI is below 0."""
+    out = []
+    for m, b in results["bon"].items():
+        if m == OUTCOME:
+            continue
+        for a, by_n in b["test"].items():
+            for n, cell in by_n.items():
+                v = cell["vs_outcome"]
+                if v["diff"] < 0:
+                    sig = "significant" if v["ci95"][1] < 0 else "within noise"
+                    out.append(f"{results['models'][m]} `{a}` at N={n}: {v['diff']:+.3f} {_ci(v['ci95'])} ({sig})")
+    return out
+
+
+def _plot(results: dict, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    ns = results["ns"]
+    fig = Figure(figsize=(8.5, 5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    lines = [
+        (m, a) for m in results["bon"] if m != OUTCOME for a in ("min", "average", results["bon"][m]["best_on_dev"])
+    ]
+    styles = {"soft": "tab:blue", "hard": "tab:orange"}
+    for m, a in dict.fromkeys(lines):
+        cells = results["bon"][m]["test"][a]
+        ax.plot(
+            ns,
+            [cells[str(n)]["mean"] for n in ns],
+            marker="o",
+            ms=4,
+            lw=1.6,
+            color=styles.get(m, "tab:green"),
+            ls={"min": "-", "average": ":"}.get(a, "-."),
+            label=f"{results['models'][m]}: {a}",
+        )
+    ref = results["bon"][OUTCOME]["test"]["last"]
+    ax.plot(
+        ns, [ref[str(n)]["mean"] for n in ns], marker="s", ms=4, lw=2, color="tab:red", label=results["models"][OUTCOME]
+    )
+    ax.fill_between(
+        ns,
+        [ref[str(n)]["ci95"][0] for n in ns],
+        [ref[str(n)]["ci95"][1] for n in ns],
+        color="tab:red",
+        alpha=0.12,
+        lw=0,
+    )
+    for b, color in (("random", "0.5"), ("majority", "tab:purple"), ("oracle", "black")):
+        ax.plot(
+            ns,
+            [results["baselines"][b][str(n)]["mean"] for n in ns],
+            ls="--",
+            marker="s",
+            ms=3,
+            lw=1.2,
+            color=color,
+            label=f"{b} (baseline)",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns)
+    ax.set_xticklabels([str(n) for n in ns])
+    ax.set_xlabel("N (candidates per problem)")
+    ax.set_ylabel("accuracy on the test split")
+    ax.set_title(
+        f"Best-of-N, {results['splits']['test']} held-out test problems (aggregators chosen on dev)\n"
+        "shaded: 95% CI of the outcome model",
+        fontsize=10,
+    )
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, bbox_inches="tight")
+
+
+def _bon_table(results: dict) -> list[str]:
+    ns = results["ns"]
+    lines = [
+        "| model | aggregator | step AUROC (same problem, step) | pooled step AUROC | first-error F1 | "
+        + " | ".join(f"N={n}" for n in ns)
+        + " |",
+        "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in ns) + " |",
+    ]
+    for m, b in results["bon"].items():
+        st = results["step"][m]
+        for i, (a, by_n) in enumerate(b["test"].items()):
+            head = (
+                f"{st['auroc_same_problem_step']:.3f} | {st['auroc_pooled']:.3f} | {st['first_error_f1']:.3f}"
+                if i == 0
+                else " | | "
+            )
+            tag = " (chosen on dev)" if a == b["best_on_dev"] and m != OUTCOME else ""
+            cells = []
+            for n in ns:
+                c = by_n[str(n)]
+                if m == OUTCOME:
+                    cells.append(f"{c['mean']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}]")
+                else:
+                    v = c["vs_outcome"]
+                    cells.append(f"{c['mean']:.3f} ({v['diff']:+.3f} {_ci(v['ci95'])})")
+            lines.append(
+                f"| {results['models'][m] if i == 0 else ''} | `{a}`{tag} | {head} | " + " | ".join(cells) + " |"
+            )
+    for b in ("random", "majority", "oracle"):
+        lines.append(
+            f"| {b} (baseline) | | | | | "
+            + " | ".join(f"{results['baselines'][b][str(n)]['mean']:.3f}" for n in ns)
+            + " |"
+        )
+    return lines
+
+
+def write_report(out: Path, config: dict, results: dict, timings: Sequence[tuple[str, float, float, str]]) -> None:
+    """report.json, report.md, bon_curve.png and readme_section.md in `out`."""
+    task = json.loads((out / "data" / "task.json").read_text())
+    policy_eval = None
+    metrics = out / "policy" / "metrics.jsonl"
+    if metrics.exists():
+        evals = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip() and '"eval"' in x]
+        policy_eval = evals[-1] if evals else None
+    cpu = sum(c for _, _, c, _ in timings if not math.isnan(c))
+    wall = sum(w for _, w, _, _ in timings if not math.isnan(w))
+    summary = {
+        "config": config,
+        "task": task,
+        "policy_eval": policy_eval,
+        **results,
+        "stages": [
+            {"stage": s, "wall_seconds": round(w, 1), "cpu_seconds": round(c, 1), "status": st}
+            for s, w, c, st in timings
+        ],
+        "cpu_seconds": round(cpu, 1),
+        "wall_seconds": round(wall, 1),
+    }
+    (out / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _plot(results, out / "bon_curve.png")
+
+    n = str(results["n_max"])
+    soft, ref = results["bon"]["soft"], results["bon"][OUTCOME]["test"]["last"][n]
+    st = results["step"]
+    rnd, orc = results["baselines"]["random"], results["baselines"]["oracle"]
+    wins = _outcome_wins(results)
+    best_soft = max(("min", "average"), key=lambda a: soft["test"][a][n]["mean"])
+    key = soft["test"][best_soft][n]["vs_outcome"]
+    facts = [
+        f"- Step level (test split, {results['test_steps']} steps of {results['test_candidates_with_steps']} "
+        f"candidates, {results['test_share_correct_steps']:.1%} right): the soft-label PRM's step AUROC within the same "
+        f"problem and step is {st['soft']['auroc_same_problem_step']:.3f} (pooled {st['soft']['auroc_pooled']:.3f}); "
+        f"hard labels {st['hard']['auroc_same_problem_step']:.3f} ({st['hard']['auroc_pooled']:.3f}); the outcome "
+        f"model read on each prefix {st[OUTCOME]['auroc_same_problem_step']:.3f} ({st[OUTCOME]['auroc_pooled']:.3f}); "
+        f"an untrained head on the policy {st['untrained']['auroc_same_problem_step']:.3f} "
+        f"({st['untrained']['auroc_pooled']:.3f}).",
+        f"- Best-of-{n}: soft-label PRM `{best_soft}` {soft['test'][best_soft][n]['mean']:.3f} vs outcome model "
+        f"{ref['mean']:.3f}: {key['diff']:+.3f}, 95% paired interval {_ci(key['ci95'])}. Aggregator chosen on dev "
+        f"for the soft PRM: `{soft['best_on_dev']}`; for the hard PRM: `{results['bon']['hard']['best_on_dev']}`.",
+        f"- The policy is imperfect: one sample is right {rnd['1']['mean']:.1%} of the time; "
+        f"some of {n} is right (oracle) {orc[n]['mean']:.1%}. A text-only model can reach "
+        f"{task['text_only_accuracy']:.1%}."
+        + (
+            f" Greedy, after SFT: format compliance {policy_eval.get('format_compliance', 0):.1%}, answer accuracy "
+            f"{policy_eval.get('answer_accuracy', 0):.1%}."
+            if policy_eval
+            else ""
+        ),
+        ("- Where the outcome model is ahead of a process model: " + "; ".join(wins) + ".")
+        if wins
+        else "- The outcome model is ahead of no process-model row at any N.",
+        f"- CPU time of all stages {cpu / 60:.1f} min (user + system; on an idle machine each one-thread stage's wall "
+        f"time is about its CPU time); wall time here {wall / 60:.1f} min.",
+    ]
+    table = _bon_table(results)
+    lines = [
+        "# mmprm demo report",
+        "",
+        f"Seed {config['seed']}. Held-out problems: {results['splits']['dev']} dev (choose the aggregator and the "
+        f"first-error threshold) and {results['splits']['test']} test (every number below); {n} candidates per problem "
+        "from the policy, scored by three reward models trained on the same MCTS rollouts:",
+        "",
+        *(f"- **{name}**" for name in results["models"].values()),
+        "",
+        "## Summary",
+        "",
+        *facts,
+        "",
+        "## Reward models against the outcome model (test split)",
+        "",
+        "Step metrics are against exact step labels (`mmprm.data.synthetic.check_steps`): step AUROC counts right vs "
+        "wrong steps at the same step of two candidates for the same problem; the pooled AUROC mixes all steps; "
+        "first-error F1 is ProcessBench's, with the threshold chosen on dev. Best-of-N cells: accuracy, then the "
+        f"difference to the outcome model with its 95% paired bootstrap interval over test problems "
+        f"({results['bootstrap']['resamples']} resamples); N < {n} averages over candidate subsets.",
+        "",
+        *table,
+        "",
+        "![Best-of-N accuracy on the test split](bon_curve.png)",
+        "",
+        "## Stage timings",
+        "",
+        "| stage | wall s | CPU s | |",
+        "| --- | --- | --- | --- |",
+        *(f"| {s} | {w:.1f} | {c:.1f} | {status} |" for s, w, c, status in timings),
+        "",
+    ]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    readme = [*table, "", *facts, "", "![Best-of-N accuracy on the test split](docs/demo/bon_curve.png)", ""]
+    (out / "readme_section.md").write_text("\n".join(readme))
