@@ -25,13 +25,14 @@ test candidate exactly (`mmprm.data.synthetic.check_steps`), so step-level AUROC
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
-import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,9 @@ class Config:
         annotate: extra key=value overrides for the mcts_annotate stage
         prm: extra key=value overrides for prm_train, shared by the soft PRM, the hard PRM and the outcome model
         bon: extra key=value overrides for the bon_rerank stage
+        search_problems: test problems (the first ones) that PRM-guided search and its Best-of-N baseline
+            run on at equal generated tokens; 0 skips the search stage
+        search: extra key=value overrides for the prm_search stage (its `searches` and `bon.n`)
         publish: copy the report to docs/demo/ and rewrite the README's demo section
     """
 
@@ -121,6 +125,8 @@ class Config:
     annotate: list[str] = field(default_factory=list)
     prm: list[str] = field(default_factory=list)
     bon: list[str] = field(default_factory=list)
+    search_problems: int = 150
+    search: list[str] = field(default_factory=list)
     publish: bool = False
 
 
@@ -131,46 +137,92 @@ MODELS = {  # report key -> (training output, Best-of-N output, name in the repo
 }
 
 
-def cpu_seconds() -> float:
-    """User + system CPU time of this process and its finished children.
+_lane = threading.local()  # per lane: CPU seconds of its finished stage commands, its log file
+_times_lock = threading.Lock()
 
-    On a shared machine wall time measures the neighbours; CPU time of a one-thread stage is what
-    its wall time would be on an idle core.
-    """
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+def _child_cpu() -> float:
+    return getattr(_lane, "cpu", 0.0)
 
 
 def stage(name: str, done: Path, out: Path, force: bool, timings: list, fn) -> None:
     """Run one stage unless its output exists; time it (wall and CPU); one line before and after.
 
     Each stage's times are kept in OUTPUT_DIR/stage_times.json, so a rerun that skips it still
-    reports the time it took when it ran.
+    reports the time it took when it ran. CPU time counts this thread and the stage's own
+    commands only, so it stays right when two lanes run side by side.
     """
     times_file = out / "stage_times.json"
-    recorded = json.loads(times_file.read_text()) if times_file.exists() else {}
+    with _times_lock:
+        recorded = json.loads(times_file.read_text()) if times_file.exists() else {}
     if done.exists() and not force:
         print(f"==> [{name}] already done ({done}), skipping", flush=True)
         prev = recorded.get(name, {})
         timings.append((name, prev.get("wall", float("nan")), prev.get("cpu", float("nan")), "done in an earlier run"))
         return
-    print(f"==> [{name}] ...", flush=True)
-    t0, c0 = time.time(), cpu_seconds()
+    log = getattr(_lane, "log_dir", None)
+    _lane.log = log / f"{name}.log" if log else None
+    print(f"==> [{name}] ..." + (f" (output: {_lane.log})" if _lane.log else ""), flush=True)
+    t0, c0, k0 = time.time(), time.thread_time(), _child_cpu()
     fn()
-    wall, cpu = time.time() - t0, cpu_seconds() - c0
+    wall, cpu = time.time() - t0, time.thread_time() - c0 + _child_cpu() - k0
     timings.append((name, wall, cpu, "ran"))
-    recorded[name] = {"wall": round(wall, 1), "cpu": round(cpu, 1)}
-    times_file.write_text(json.dumps(recorded, indent=2) + "\n")
+    with _times_lock:
+        recorded = json.loads(times_file.read_text()) if times_file.exists() else {}
+        recorded[name] = {"wall": round(wall, 1), "cpu": round(cpu, 1)}
+        times_file.write_text(json.dumps(recorded, indent=2) + "\n")
     print(f"==> [{name}] done in {wall:.1f}s (CPU {cpu:.1f}s)", flush=True)
 
 
 def run(*args: str) -> None:
-    """A recipe or CLI as a subprocess: its own progress bars show; failure stops the demo."""
+    """A recipe or CLI as a subprocess; failure stops the demo.
+
+    In a lane its output goes to the stage's log (two lanes' progress bars would interleave), and
+    a failure prints the log's tail; otherwise its progress bars show. Its CPU time is added to the lane.
+    """
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("OMP_NUM_THREADS", os.environ.get("MMPRM_THREADS", "1"))
-    res = subprocess.run([sys.executable, *args], cwd=REPO, env=env)
-    if res.returncode != 0:
-        raise SystemExit(f"quickstart: stage command failed (exit {res.returncode}): python {' '.join(args)}")
+    log = getattr(_lane, "log", None)
+    sink = open(log, "a") if log else None  # closed below, after the child exits
+    try:
+        child = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=sink, stderr=sink)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+    finally:
+        if sink:
+            sink.close()
+    _lane.cpu = _child_cpu() + usage.ru_utime + usage.ru_stime
+    if child.returncode != 0:
+        if log:
+            tail = "".join(Path(log).read_text(errors="replace").splitlines(keepends=True)[-30:])
+            print(f"---- last lines of {log} ----\n{tail}", file=sys.stderr)
+        raise SystemExit(f"quickstart: stage command failed (exit {child.returncode}): python {' '.join(args)}")
+
+
+def in_lanes(out: Path, *lanes) -> None:
+    """Run each lane (a function running stages one after another) in its own thread: on two
+    cores, two one-thread stages side by side halve the wait. Stage output goes to OUTPUT_DIR/logs/.
+    A failed lane stops the demo once the others finish."""
+
+    def lane(fn) -> None:
+        _lane.log_dir = out / "logs"
+        _lane.log_dir.mkdir(exist_ok=True)
+        fn()
+
+    with concurrent.futures.ThreadPoolExecutor(len(lanes)) as pool:
+        futures = [pool.submit(lane, fn) for fn in lanes]
+    for f in futures:
+        f.result()  # re-raises a lane's failure
+
+
+def test_problems(data: Path, limit: int) -> Path:
+    """The first `limit` test problems of the held-out file, beside it (same relative image paths)."""
+    from mmprm.data.schema import read_jsonl, write_jsonl
+
+    rows = [r for r in read_jsonl(data / "heldout_problems.jsonl") if r["id"].startswith("test-")][:limit]
+    path = data / "search_problems.jsonl"
+    write_jsonl(path, rows)
+    return path
 
 
 def write_outcome_data(prm_file: Path, out_file: Path) -> dict:
@@ -353,60 +405,67 @@ def main(argv: list[str]) -> None:
         )
 
     orm_file = mcts / "outcome_data.jsonl"
-    stage(
-        "prm",
-        out / "prm" / "mmprm_prm.json",
-        out,
-        cfg.force,
-        timings,
-        lambda: train(mcts / "prm_data.jsonl", out / "prm", "data.label_mode=soft"),
-    )
-    # MC > 0 -> 1: a step from which any rollout reached the gold answer counts as right.
-    stage(
-        "prm_hard",
-        out / "prm_hard" / "mmprm_prm.json",
-        out,
-        cfg.force,
-        timings,
-        lambda: train(mcts / "prm_data.jsonl", out / "prm_hard", "data.label_mode=hard", "data.hard_threshold=1e-6"),
-    )
-    stage(
-        "orm",
-        out / "orm" / "mmprm_prm.json",
-        out,
-        cfg.force,
-        timings,
-        lambda: (
-            print(f"outcome data: {write_outcome_data(mcts / 'prm_data.jsonl', orm_file)}"),
-            train(orm_file, out / "orm", "data.label_mode=soft"),
-        ),
-    )
+    bon, search = out / "bon", out / "search"
+
+    def soft_prm() -> None:
+        stage(
+            "prm",
+            out / "prm" / "mmprm_prm.json",
+            out,
+            cfg.force,
+            timings,
+            lambda: train(mcts / "prm_data.jsonl", out / "prm", "data.label_mode=soft"),
+        )
+
+    def baselines() -> None:
+        # MC > 0 -> 1: a step from which any rollout reached the gold answer counts as right.
+        stage(
+            "prm_hard",
+            out / "prm_hard" / "mmprm_prm.json",
+            out,
+            cfg.force,
+            timings,
+            lambda: train(
+                mcts / "prm_data.jsonl", out / "prm_hard", "data.label_mode=hard", "data.hard_threshold=1e-6"
+            ),
+        )
+        stage(
+            "orm",
+            out / "orm" / "mmprm_prm.json",
+            out,
+            cfg.force,
+            timings,
+            lambda: (
+                print(f"outcome data: {write_outcome_data(mcts / 'prm_data.jsonl', orm_file)}"),
+                train(orm_file, out / "orm", "data.label_mode=soft"),
+            ),
+        )
 
     # ---- 6. Best-of-N on held-out problems: one set of candidates, three scorers -------------
-    bon = out / "bon"
-    stage(
-        "bon",
-        bon / "report.json",
-        out,
-        cfg.force,
-        timings,
-        lambda: run(
-            "recipes/bon_rerank.py",
-            "--config",
-            "recipes/configs/tiny/bon_rerank.yaml",
-            f"prm={out / 'prm'}",
-            "candidates_file=null",
-            "generate.enabled=true",
-            f"generate.policy={policy}",
-            f"generate.problems_file={data / 'heldout_problems.jsonl'}",
-            f"generate.n={cfg.n}",
-            f"generate.sampling.seed={cfg.seed}",
-            f"output_dir={bon}",
-            f"report.seed={cfg.seed}",
-            attn,
-            *cfg.bon,
-        ),
-    )
+    def best_of_n() -> None:
+        stage(
+            "bon",
+            bon / "report.json",
+            out,
+            cfg.force,
+            timings,
+            lambda: run(
+                "recipes/bon_rerank.py",
+                "--config",
+                "recipes/configs/tiny/bon_rerank.yaml",
+                f"prm={out / 'prm'}",
+                "candidates_file=null",
+                "generate.enabled=true",
+                f"generate.policy={policy}",
+                f"generate.problems_file={data / 'heldout_problems.jsonl'}",
+                f"generate.n={cfg.n}",
+                f"generate.sampling.seed={cfg.seed}",
+                f"output_dir={bon}",
+                f"report.seed={cfg.seed}",
+                attn,
+                *cfg.bon,
+            ),
+        )
 
     def rescore(model: str, cand_file: Path) -> None:
         run(
@@ -422,35 +481,88 @@ def main(argv: list[str]) -> None:
             *[o for o in cfg.bon if not o.startswith("generate.")],
         )
 
-    stage(
-        "bon_hard",
-        out / "bon_hard" / "report.json",
-        out,
-        cfg.force,
-        timings,
-        lambda: rescore("hard", bon / "candidates.jsonl"),
-    )
-    stage(
-        "bon_orm",
-        out / "bon_orm" / "report.json",
-        out,
-        cfg.force,
-        timings,
-        lambda: (
-            write_outcome_candidates(bon / "candidates.jsonl", bon / "candidates_outcome.jsonl"),
-            rescore("outcome", bon / "candidates_outcome.jsonl"),
-        ),
-    )
+    def rescore_baselines() -> None:
+        stage(
+            "bon_hard",
+            out / "bon_hard" / "report.json",
+            out,
+            cfg.force,
+            timings,
+            lambda: rescore("hard", bon / "candidates.jsonl"),
+        )
+        stage(
+            "bon_orm",
+            out / "bon_orm" / "report.json",
+            out,
+            cfg.force,
+            timings,
+            lambda: (
+                write_outcome_candidates(bon / "candidates.jsonl", bon / "candidates_outcome.jsonl"),
+                rescore("outcome", bon / "candidates_outcome.jsonl"),
+            ),
+        )
 
-    # ---- 7. ground-truth step evaluation and the report -------------------------------------
+    # ---- 7. PRM-guided search vs Best-of-N at the same generated tokens (soft PRM) ------------
+    def guided_search() -> None:
+        if cfg.search_problems <= 0:
+            return
+        stage(
+            "search",
+            search / "report.json",
+            out,
+            cfg.force,
+            timings,
+            lambda: run(
+                "recipes/prm_search.py",
+                "--config",
+                "recipes/configs/tiny/prm_search.yaml",
+                f"policy.path={policy}",
+                f"prm={out / 'prm'}",
+                f"problems_file={test_problems(data, cfg.search_problems)}",
+                "limit=null",
+                f"policy.sampling.seed={cfg.seed}",
+                f"report.seed={cfg.seed}",
+                f"output_dir={search}",
+                attn,
+                *cfg.search,
+            ),
+        )
+
+    # Two lanes, one per core. Lane 1: the soft PRM, its Best-of-N candidates, then the baselines'
+    # rescoring of them; lane 2: the two baselines, then the search with the soft PRM. Each waits
+    # only for what it reads; a failed lane sets its events so that the other one does not hang.
+    prm_ready, baselines_ready = threading.Event(), threading.Event()
+
+    def lane_soft() -> None:
+        try:
+            soft_prm()
+        finally:
+            prm_ready.set()
+        best_of_n()
+        baselines_ready.wait()
+        if (out / "orm" / "mmprm_prm.json").exists():  # else lane 2 failed and says why
+            rescore_baselines()
+
+    def lane_baselines() -> None:
+        try:
+            baselines()
+        finally:
+            baselines_ready.set()
+        prm_ready.wait()
+        if (out / "prm" / "mmprm_prm.json").exists():
+            guided_search()
+
+    in_lanes(out, lane_soft, lane_baselines)
+
+    # ---- 8. ground-truth step evaluation and the report -------------------------------------
     print("==> [report] ...", flush=True)
-    t0, c0 = time.time(), cpu_seconds()
+    t0, c0 = time.time(), time.thread_time()
     from mmprm.rerank.ablation import evaluate, write_report
 
     results = evaluate(
         out, data, policy, MODELS, n_resamples=1000, seed=cfg.seed, attn_implementation=cfg.model.attn_implementation
     )
-    timings.append(("step eval + report", time.time() - t0, cpu_seconds() - c0, "ran"))
+    timings.append(("step eval + report", time.time() - t0, time.thread_time() - c0, "ran"))
     write_report(out, to_dict(cfg), results, timings)
     print(f"==> [report] {out / 'report.md'}", flush=True)
     if cfg.publish:
@@ -461,8 +573,9 @@ def publish(out: Path) -> None:
     """Copy the report to docs/demo/ and rewrite the README between its demo-results markers."""
     docs = REPO / "docs" / "demo"
     docs.mkdir(parents=True, exist_ok=True)
-    for name in ("report.md", "report.json", "bon_curve.png"):
-        shutil.copyfile(out / name, docs / name)
+    for name in ("report.md", "report.json", "bon_curve.png", "search_vs_bon.png"):
+        if (out / name).exists():
+            shutil.copyfile(out / name, docs / name)
     readme = REPO / "README.md"
     text = readme.read_text()
     start, end = "<!-- demo-results:start -->", "<!-- demo-results:end -->"

@@ -38,13 +38,31 @@ def test_reduced_demo_pipeline(tmp_path):
         "export.edges=step]",
         "prm=[train.max_steps=60, train.save_every=60, train.lr=1e-3, train.batch_size=16]",
         "bon=[generate.sampling.max_new_tokens=80, generate.batch_size=64, report.resamples=200]",
+        "search_problems=8",
+        "search=[policy.sampling.max_new_tokens=40, bon.max_new_tokens=80, 'bon.n=[2, 4]', report.resamples=100, "
+        "'searches=[{method: beam, width: 2, expansions: 2, max_steps: 6, aggregator: min}]']",
     ]
     res = subprocess.run(
         cmd, cwd=REPO, capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    for stage in ("data", "model", "policy", "annotate", "prm", "prm_hard", "orm", "bon", "bon_hard", "bon_orm"):
+    for stage in (
+        "data",
+        "model",
+        "policy",
+        "annotate",
+        "prm",
+        "prm_hard",
+        "orm",
+        "bon",
+        "bon_hard",
+        "bon_orm",
+        "search",
+    ):
         assert f"==> [{stage}] done" in res.stdout, stage
+    # stages that ran side by side wrote their output to logs, not over each other
+    for stage in ("prm", "prm_hard", "orm", "bon", "bon_hard", "bon_orm", "search"):
+        assert (out / "logs" / f"{stage}.log").stat().st_size > 0, stage
 
     # every stage's output is what the next stage (or a user) reads
     assert len(load_examples(out / "data" / "train_sft.jsonl")) == 1000
@@ -85,5 +103,10 @@ def test_reduced_demo_pipeline(tmp_path):
     assert set(report["bon"]["soft"]["test"]) >= {"min", "average", "last"}
     text = (out / "report.md").read_text()
     assert "outcome model" in text and "chosen on dev" in text
+    # PRM-guided search against Best-of-N at matched generated tokens, on the first 8 test problems
+    search = json.loads((out / "search" / "report.json").read_text())
+    assert search["num_problems"] == 8 and search["matched"]
+    assert "## PRM-guided search vs Best-of-N at equal generated tokens" in text and "beam W2xM2" in text
+    assert (out / "search_vs_bon.png").exists()
     assert (out / "bon_curve.png").stat().st_size > 10_000 and (out / "readme_section.md").exists()
     assert (REPO / "README.md").read_text() == readme_before  # publish is off unless asked

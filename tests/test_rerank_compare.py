@@ -37,3 +37,30 @@ def test_compare_at_is_the_paired_mean_difference_with_its_interval():
     assert compare_at(a, "min", a, "min", n=2)["ci95"] == [0.0, 0.0]
     with pytest.raises(ValueError, match="same candidates"):
         compare_at(a, "min", _curve({"last": [1, 0]}), "last", n=2)
+
+
+def test_search_section_reads_the_matched_budgets(tmp_path):
+    import json
+
+    from mmprm.rerank.ablation import search_section
+
+    assert search_section(tmp_path) == ([], None)  # the search did not run
+    report = {
+        "num_problems": 3,
+        "aggregator": "min",
+        "methods": {"majority vote N=4": {"kind": "majority", "mean": 0.5}},
+        "matched": [
+            {"search": "beam W2xM2", "bon": "Best-of-N (PRM min) N=4", "search_tokens": 100.4, "bon_tokens": 98.0,
+             "search_acc": 0.6667, "bon_acc": 0.3333, "diff": 0.3333, "ci95": [0.0, 0.6667]},
+            {"search": "beam W4xM4", "bon": "Best-of-N (PRM min) N=16", "search_tokens": 390.0, "bon_tokens": 401.0,
+             "search_acc": 1.0, "bon_acc": 0.6667, "diff": 0.3333, "ci95": [0.1, 0.6667]},
+        ],
+    }  # fmt: skip
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    lines, summary = search_section(tmp_path, image_prefix="docs/demo/")
+    assert "| beam W2xM2 | 100 | 0.667 | Best-of-N (PRM min) N=4 | 98 | 0.333 | +0.333 [+0.000, +0.667] |" in lines
+    assert lines[-1] == "![Accuracy against generated tokens](docs/demo/search_vs_bon.png)"
+    assert "majority vote N=4 0.500" in "\n".join(lines)
+    # the summary is about the largest budget, and its interval decides the verdict
+    assert summary.startswith("- PRM-guided search at the largest matched budget: beam W4xM4 1.000 vs")
+    assert summary.endswith("+0.333, 95% paired interval [+0.100, +0.667] - search is ahead of Best-of-N.")

@@ -13,6 +13,7 @@ from mmprm.data.synthetic import (
     DEFAULT_TEMPLATES,
     DISTRACTOR_RGB,
     PALETTE,
+    SLOT_MARKS,
     TEMPLATES,
     SyntheticConfig,
     cli_synthetic,
@@ -137,6 +138,23 @@ def test_human_style_draws_digits_only_on_top_of_the_same_tiles():
     assert human.getpixel((4, 4)) == PALETTE[0] and human.getpixel((116, 4)) == DISTRACTOR_RGB
 
 
+def test_slot_marks_paint_the_top_half_of_each_cell_and_leave_the_digit_below():
+    plain = render_image([3, 7, None], grid=(2, 2), tile_px=28)
+    marked = render_image([3, 7, None], grid=(2, 2), tile_px=28, marks=True)
+    # top half: slot k's mark; bottom half: the digit (or grey), exactly as without marks
+    for k, (x, y) in enumerate([(0, 0), (28, 0), (0, 28)]):
+        assert marked.getpixel((x + 5, y + 5)) == SLOT_MARKS[k]
+        assert marked.getpixel((x + 5, y + 20)) == plain.getpixel((x + 5, y + 20))
+    assert marked.getpixel((30, 30)) == plain.getpixel((30, 30)) == BACKGROUND_RGB  # an empty cell stays white
+    # the top half is a whole 14 px patch row: each Qwen2-VL patch is one flat colour
+    assert marked.crop((0, 0, 28, 14)).getcolors() == [(28 * 14, SLOT_MARKS[0])]
+    # marks change only the pictures: same seed, same problems and steps
+    with_marks = generate(SyntheticConfig(num_problems=20, seed=3, marks=True))
+    without = generate(SyntheticConfig(num_problems=20, seed=3))
+    assert [(p.question, p.steps) for p in with_marks] == [(p.question, p.steps) for p in without]
+    assert len(set(SLOT_MARKS)) == len(SLOT_MARKS) and not set(SLOT_MARKS) & {*PALETTE.values(), DISTRACTOR_RGB}
+
+
 def test_distractors_are_grey_skipped_by_the_steps_and_announced_in_every_question():
     problems = generate(SyntheticConfig(num_problems=200, seed=3, distractors=2, grid=(2, 3)))
     assert all(p.question.endswith("Ignore grey tiles.") for p in problems)
@@ -169,11 +187,12 @@ def test_knobs_restrict_templates_tiles_ops_and_digits():
         ("min_tiles=3", "min_tiles"),
         ("digits=[5,12]", "digits"),
         ("templates=[sum]", "templates"),
+        ("marks=true;grid=[4,4]", "marks"),
     ],
 )
 def test_bad_config_fails_early_naming_the_field(override, field):
     # min_tiles=3 with max_tiles=2 is impossible; the rest are out of range.
-    overrides = [override] + (["max_tiles=2"] if field == "min_tiles" else [])
+    overrides = override.split(";") + (["max_tiles=2"] if field == "min_tiles" else [])
     with pytest.raises(ConfigError, match=f"synthetic.{field}"):
         load_config(SyntheticConfig, None, overrides)
 

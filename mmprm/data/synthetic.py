@@ -139,6 +139,11 @@ class SyntheticConfig:
                 f"synthetic.grid: {rows}x{cols} cells cannot hold max_tiles + distractors = "
                 f"{self.max_tiles + self.distractors} tiles (enlarge the grid)"
             )
+        if self.marks and self.grid[0] * self.grid[1] > len(SLOT_MARKS):
+            raise ValueError(
+                f"synthetic.marks: {self.grid[0]}x{self.grid[1]} cells but only {len(SLOT_MARKS)} slot marks "
+                "(use a smaller grid or marks=false)"
+            )
         lo, hi = self.digits
         if not 0 <= lo <= hi <= 9:
             raise ValueError(f"synthetic.digits: need 0 <= low <= high <= 9, got {list(self.digits)}")

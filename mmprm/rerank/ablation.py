@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -319,6 +320,48 @@ def _bon_table(results: dict) -> list[str]:
     return lines
 
 
+def search_section(search_dir: Path, image_prefix: str = "") -> tuple[list[str], str | None]:
+    """Markdown of `recipes/prm_search.py`'s equal-budget comparison (its report.json), and one
+    summary line on the largest matched budget; ([], None) when the search did not run."""
+    path = search_dir / "report.json"
+    if not path.exists():
+        return [], None
+    rep = json.loads(path.read_text())
+    methods, matched = rep["methods"], rep["matched"]
+    lines = [
+        f"PRM-guided search with the soft-label PRM (`{rep['aggregator']}` of the step scores ranks beams) against "
+        f"Best-of-N with the same PRM and policy on the first {rep['num_problems']} test problems; each search "
+        "setting is paired with the Best-of-N whose generated tokens per problem are closest "
+        "(95% paired bootstrap interval of the difference over problems).",
+        "",
+        "| search | tokens / problem | accuracy | Best-of-N at that budget | tokens / problem | accuracy | "
+        "search - Best-of-N |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for m in matched:
+        lines.append(
+            f"| {m['search']} | {m['search_tokens']:.0f} | {m['search_acc']:.3f} | {m['bon']} | {m['bon_tokens']:.0f} "
+            f"| {m['bon_acc']:.3f} | {m['diff']:+.3f} {_ci(m['ci95'])} |"
+        )
+    votes = [(k, v) for k, v in methods.items() if v.get("kind") == "majority"]
+    if votes:
+        lines += [
+            "",
+            "Majority vote over the same samples: " + "; ".join(f"{k} {v['mean']:.3f}" for k, v in votes) + ".",
+        ]
+    lines += ["", f"![Accuracy against generated tokens]({image_prefix}search_vs_bon.png)"]
+    summary = None
+    if matched:
+        top = max(matched, key=lambda m: (m["bon_tokens"], m["search_tokens"]))  # the costliest search on a tie
+        verdict = "ahead of" if top["ci95"][0] > 0 else "behind" if top["ci95"][1] < 0 else "level with"
+        summary = (
+            f"- PRM-guided search at the largest matched budget: {top['search']} {top['search_acc']:.3f} vs "
+            f"{top['bon']} {top['bon_acc']:.3f} ({top['search_tokens']:.0f} vs {top['bon_tokens']:.0f} tokens per "
+            f"problem): {top['diff']:+.3f}, 95% paired interval {_ci(top['ci95'])} - search is {verdict} Best-of-N."
+        )
+    return lines, summary
+
+
 def write_report(out: Path, config: dict, results: dict, timings: Sequence[tuple[str, float, float, str]]) -> None:
     """report.json, report.md, bon_curve.png and readme_section.md in `out`."""
     task = json.loads((out / "data" / "task.json").read_text())
@@ -377,6 +420,11 @@ def write_report(out: Path, config: dict, results: dict, timings: Sequence[tuple
         f"- CPU time of all stages {cpu / 60:.1f} min (user + system; on an idle machine each one-thread stage's wall "
         f"time is about its CPU time); wall time here {wall / 60:.1f} min.",
     ]
+    search_lines, search_fact = search_section(out / "search")
+    if search_fact:
+        facts.insert(2, search_fact)
+    if (out / "search" / "search_vs_bon.png").exists():
+        shutil.copyfile(out / "search" / "search_vs_bon.png", out / "search_vs_bon.png")
     table = _bon_table(results)
     lines = [
         "# mmprm demo report",
@@ -403,6 +451,11 @@ def write_report(out: Path, config: dict, results: dict, timings: Sequence[tuple
         "",
         "![Best-of-N accuracy on the test split](bon_curve.png)",
         "",
+        *(
+            ["## PRM-guided search vs Best-of-N at equal generated tokens", "", *search_lines, ""]
+            if search_lines
+            else []
+        ),
         "## Stage timings",
         "",
         "| stage | wall s | CPU s | |",
@@ -412,4 +465,6 @@ def write_report(out: Path, config: dict, results: dict, timings: Sequence[tuple
     ]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     readme = [*table, "", *facts, "", "![Best-of-N accuracy on the test split](docs/demo/bon_curve.png)", ""]
+    if search_lines:
+        readme += [*search_section(out / "search", image_prefix="docs/demo/")[0], ""]
     (out / "readme_section.md").write_text("\n".join(readme))
