@@ -214,7 +214,7 @@ def _outcome_wins(results: dict) -> list[str]:
         for a, by_n in b["test"].items():
             for n, cell in by_n.items():
                 v = cell["vs_outcome"]
-                if v["diff"] < 0:
+                if round(v["diff"], 3) < 0:  # -0.000 is a tie at the precision shown
                     sig = "significant" if v["ci95"][1] < 0 else "within noise"
                     out.append(f"{results['models'][m]} `{a}` at N={n}: {v['diff']:+.3f} {_ci(v['ci95'])} ({sig})")
     return out
