@@ -281,7 +281,9 @@ def main(argv: list[str]) -> None:
         ds.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
         ds.deepspeed_config["gradient_clipping"] = cfg.train.max_grad_norm
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    partitions = partition_report(accelerator.unwrap_model(model))
+    # Only DeepSpeed partitions weights; without it, skip unwrap_model, which imports deepspeed
+    # whenever it is installed (half a second before the first step of every plain run).
+    partitions = partition_report(accelerator.unwrap_model(model)) if ds is not None else []
     if any(r["partitioned"] for r in partitions):
         # ZeRO-3: say what each rank really holds (weights under the persistence threshold stay whole)
         log(partition_summary(accelerator.unwrap_model(model), partitions))

@@ -272,6 +272,7 @@ def main(argv: list[str]) -> None:
     from mmprm.models.loading import resolve_attn_implementation
 
     resolve_attn_implementation(cfg.model.attn_implementation)  # fail before the first stage, not in it
+    started = time.time()
     os.environ.setdefault("MMPRM_THREADS", str(cfg.threads))
     import torch
 
@@ -563,7 +564,13 @@ def main(argv: list[str]) -> None:
         out, data, policy, MODELS, n_resamples=1000, seed=cfg.seed, attn_implementation=cfg.model.attn_implementation
     )
     timings.append(("step eval + report", time.time() - t0, time.thread_time() - c0, "ran"))
-    write_report(out, to_dict(cfg), results, timings)
+    # The whole run's wall time, when this run made every output; a rerun reports the run that did.
+    times_file = out / "stage_times.json"
+    recorded = json.loads(times_file.read_text())
+    if all(status == "ran" for *_, status in timings):
+        recorded["whole run"] = {"wall": round(time.time() - started, 1)}
+        times_file.write_text(json.dumps(recorded, indent=2) + "\n")
+    write_report(out, to_dict(cfg), results, timings, recorded.get("whole run", {}).get("wall"))
     print(f"==> [report] {out / 'report.md'}", flush=True)
     if cfg.publish:
         publish(out)
