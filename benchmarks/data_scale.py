@@ -1,6 +1,7 @@
 """PRM training at growing data sizes: does memory stay flat, and does a rerun skip tokenization?
 
-    python benchmarks/data_scale.py              # 2k and 32k rows (12 min here: 2 cores shared at load ~10)
+    python benchmarks/data_scale.py              # 2k and 32k rows (2 min on 2 idle cores; 12 min at load ~10)
+    python benchmarks/data_scale.py --sizes 2000,32000,128000   # the README table (5 min)
     python benchmarks/data_scale.py --quick      # smoke test (200 and 800 rows)
     python benchmarks/data_scale.py --num-proc 8 --sizes 2000,32000,256000
 
