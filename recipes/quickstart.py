@@ -215,7 +215,7 @@ def in_lanes(out: Path, *lanes) -> None:
         f.result()  # re-raises a lane's failure
 
 
-def test_problems(data: Path, limit: int) -> Path:
+def search_problems_file(data: Path, limit: int) -> Path:
     """The first `limit` test problems of the held-out file, beside it (same relative image paths)."""
     from mmprm.data.schema import read_jsonl, write_jsonl
 
@@ -519,7 +519,7 @@ def main(argv: list[str]) -> None:
                 "recipes/configs/tiny/prm_search.yaml",
                 f"policy.path={policy}",
                 f"prm={out / 'prm'}",
-                f"problems_file={test_problems(data, cfg.search_problems)}",
+                f"problems_file={search_problems_file(data, cfg.search_problems)}",
                 "limit=null",
                 f"policy.sampling.seed={cfg.seed}",
                 f"report.seed={cfg.seed}",
