@@ -413,6 +413,9 @@ def main(argv: list[str]) -> None:
         # The prompt it learned, for annotation and Best-of-N (they read it unless overridden).
         save_policy_spec(out_dir, PolicySpec(system_prompt=cfg.model.system_prompt, step_mode="tags"))
         log(f"saved policy to {out_dir}")
+    # Every rank leaves together: a rank that tears the process group down while rank 0 still
+    # writes can abort at exit (seen once with 2 gloo ranks under ZeRO-3).
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 

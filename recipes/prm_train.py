@@ -420,6 +420,9 @@ def main(argv: list[str]) -> None:
     if accelerator.is_main_process:
         save_prm(accelerator.unwrap_model(model), processor, out_dir, state_dict=state)
         log(f"saved PRM to {out_dir} (load with mmprm.load_prm('{out_dir}'))")
+    # Every rank leaves together: a rank that tears the process group down while rank 0 still
+    # writes can abort at exit (seen once with 2 gloo ranks under ZeRO-3).
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 
