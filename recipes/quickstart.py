@@ -12,8 +12,13 @@ Stages (each one the real recipe, run as a user would run it, with a tiny config
                the PRM with hard labels (MC > 0 -> 1), and an outcome model (one label per solution,
                from its final answer, read at its last token)
   6. bon       recipes/bon_rerank.py: N samples per held-out problem, scored by each of the three
-  7. report    OUTPUT_DIR/report.md + report.json + bon_curve.png: the aggregator is chosen on dev
-               and read on test; every model against the outcome model with paired intervals
+  7. search    recipes/prm_search.py: PRM-guided beam search with the soft PRM against Best-of-N
+               with the same PRM at matched generated tokens (the first `search_problems` test problems)
+  8. report    OUTPUT_DIR/report.md + report.json + bon_curve.png + search_vs_bon.png: the aggregator
+               is chosen on dev and read on test; every model against the outcome model with paired
+               intervals
+
+Stages 5-7 run in two lanes, one per core (`in_lanes`); their output goes to OUTPUT_DIR/logs/.
 
 With `publish=true` (what `make demo` passes) the report, its JSON and plot are copied to
 docs/demo/ and the README's demo section is rewritten from them.
