@@ -31,7 +31,7 @@ from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir,
 from mmprm.data.schema import DataError
 from mmprm.models.loading import load_backbone, resolve_attn_implementation, vision_tower_parameters
 from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, model_input_keys, save_prm
-from mmprm.models.sharding import partition_report, partition_summary
+from mmprm.models.sharding import log_zero3_partitions
 from mmprm.scoring.losses import soft_bce_value, soft_ce_token_pair
 from mmprm.scoring.metrics import step_metrics
 from mmprm.steps import StepTokenError
@@ -281,17 +281,7 @@ def main(argv: list[str]) -> None:
         ds.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
         ds.deepspeed_config["gradient_clipping"] = cfg.train.max_grad_norm
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    # Only DeepSpeed partitions weights; without it, skip unwrap_model, which imports deepspeed
-    # whenever it is installed (half a second before the first step of every plain run).
-    partitions = partition_report(accelerator.unwrap_model(model)) if ds is not None else []
-    if any(r["partitioned"] for r in partitions):
-        # ZeRO-3: say what each rank really holds (weights under the persistence threshold stay whole)
-        log(partition_summary(accelerator.unwrap_model(model), partitions))
-        if accelerator.is_main_process:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "zero3_partitions.json").write_text(
-                json.dumps({"num_processes": accelerator.num_processes, "rank": 0, "parameters": partitions}, indent=1)
-            )
+    log_zero3_partitions(accelerator, model, out_dir, log)
     global_batch = cfg.train.batch_size * accelerator.num_processes
     stream = BatchStream(list(train_data["length"]), global_batch, cfg.train.seed, cfg.train.group_by_length)
     if padded := wrap_padding(len(train_data), global_batch):

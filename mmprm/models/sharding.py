@@ -15,7 +15,9 @@ deepspeed is imported only when a parameter is partitioned (which means it is in
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import json
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +28,7 @@ __all__ = [
     "full_shape",
     "gathered",
     "is_partitioned",
+    "log_zero3_partitions",
     "partition_report",
     "partition_summary",
 ]
@@ -107,3 +110,22 @@ def partition_summary(model: nn.Module, rows: list[dict[str, Any]] | None = None
         state = "partitioned" if r["partitioned"] else "whole: under stage3_param_persistence_threshold"
         line += f"; {name} {r['shape']}: {r['local_numel']:,} of {r['numel']:,} here ({state})"
     return line
+
+
+def log_zero3_partitions(accelerator: Any, model: nn.Module, out_dir: Path, log: Callable[[str], None]) -> None:
+    """After `accelerator.prepare`: under ZeRO-3, log what this rank really holds (`partition_summary`)
+    and write rank 0's `partition_report` to OUT_DIR/zero3_partitions.json. Nothing without DeepSpeed:
+    then `unwrap_model` is not called, as it imports deepspeed whenever it is installed (half a
+    second before the first step of every plain run)."""
+    if accelerator.state.deepspeed_plugin is None:
+        return
+    unwrapped = accelerator.unwrap_model(model)
+    partitions = partition_report(unwrapped)
+    if not any(r["partitioned"] for r in partitions):
+        return  # ZeRO-2, or every weight under the persistence threshold
+    log(partition_summary(unwrapped, partitions))
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "zero3_partitions.json").write_text(
+            json.dumps({"num_processes": accelerator.num_processes, "rank": 0, "parameters": partitions}, indent=1)
+        )
