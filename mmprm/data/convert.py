@@ -564,6 +564,41 @@ def tree_paths(root: dict[str, Any]) -> list[tuple[list[str], list[float]]]:
     return out
 
 
+def _convert_paths(
+    rows: Iterable[dict[str, Any]],
+    fmt: str,
+    read: Callable[[dict[str, Any], Counter[str]], tuple[str, list[str], list[tuple[list[str], list[float]]]]],
+    source: str,
+    id_prefix: str,
+    check_images: bool,
+) -> Converted:
+    """The loop the search-tree formats share: `read` turns one row into (question, images,
+    [(steps, labels)]) or raises RowError (the row is skipped, named); paths go through one
+    `_PathPool`, so a path repeated anywhere in the input is one example."""
+    result, pool = Converted(), _PathPool()
+    for n, row in enumerate(rows, start=1):
+        result.rows += 1
+        rid = _row_id(row, fmt, n)
+        try:
+            question, images, paths = read(row, result.notes)
+        except RowError as e:
+            result.skip(f"{source}:{n}", rid, e)
+            continue
+        answer = row.get("final_answer")
+        for steps, labels in paths:
+            pool.add(
+                f"{source}:{n}",
+                rid,
+                question,
+                images,
+                steps,
+                labels,
+                answer if isinstance(answer, str) else None,
+                {"source": fmt, "question_id": rid},
+            )
+    return _finish(result, pool.examples(_Ids(id_prefix), result.notes), check_images)
+
+
 def convert_openr_tree(
     rows: Iterable[dict[str, Any]],
     source: str = "rows",
@@ -576,41 +611,25 @@ def convert_openr_tree(
     Empty node texts are dropped with their label (the next node's value covers the same
     prefix). Paths that repeat (equal texts on sibling nodes) are merged by `_PathPool`.
     """
-    result, pool = Converted(), _PathPool()
-    for n, row in enumerate(rows, start=1):
-        result.rows += 1
-        rid = _row_id(row, "openr_tree", n)
-        try:
-            root = row.get("reasoning_steps")
-            if not isinstance(root, dict):
-                raise RowError("reasoning_steps", "no tree", "missing or not a node object {text, mc_value, children}")
-            question = _text(row, ("question",)) if row.get("question") else _text(root, ("text",))
-            images = _images(row, Path(image_root))
-            paths = tree_paths(root)
-            if not paths:
-                raise RowError("reasoning_steps", "tree has no steps", "the root has no children")
-            cleaned = []
-            for steps, labels in paths:
-                try:
-                    cleaned.append(_drop_empty_steps(steps, labels, result.notes))
-                except RowError:
-                    result.notes["path of empty steps dropped"] += 1
-        except RowError as e:
-            result.skip(f"{source}:{n}", rid, e)
-            continue
-        answer = row.get("final_answer")
-        for steps, labels in cleaned:
-            pool.add(
-                f"{source}:{n}",
-                rid,
-                question,
-                images,
-                steps,
-                labels,
-                answer if isinstance(answer, str) else None,
-                {"source": "openr_tree", "question_id": rid},
-            )
-    return _finish(result, pool.examples(_Ids(id_prefix), result.notes), check_images)
+
+    def read(row: dict[str, Any], notes: Counter[str]) -> tuple[str, list[str], list[tuple[list[str], list[float]]]]:
+        root = row.get("reasoning_steps")
+        if not isinstance(root, dict):
+            raise RowError("reasoning_steps", "no tree", "missing or not a node object {text, mc_value, children}")
+        question = _text(row, ("question",)) if row.get("question") else _text(root, ("text",))
+        images = _images(row, Path(image_root))
+        paths = tree_paths(root)
+        if not paths:
+            raise RowError("reasoning_steps", "tree has no steps", "the root has no children")
+        cleaned = []
+        for steps, labels in paths:
+            try:
+                cleaned.append(_drop_empty_steps(steps, labels, notes))
+            except RowError:
+                notes["path of empty steps dropped"] += 1
+        return question, images, cleaned
+
+    return _convert_paths(rows, "openr_tree", read, source, id_prefix, check_images)
 
 
 def prefix_paths(
@@ -665,45 +684,28 @@ def convert_openr_flat(
     check_images: bool = True,
 ) -> Converted:
     """openr flat rows `reasoning_steps: [{"solution_prefix", "mc_value"}]` (see `prefix_paths`)."""
-    result, pool = Converted(), _PathPool()
-    for n, row in enumerate(rows, start=1):
-        result.rows += 1
-        rid = _row_id(row, "openr_flat", n)
-        try:
-            question = _text(row, ("question",))
-            items = row.get("reasoning_steps")
-            if not isinstance(items, list):
-                raise RowError("reasoning_steps", "no prefixes", "missing or not a list of {solution_prefix, mc_value}")
-            prefixes = []
-            for k, item in enumerate(items):
-                if not isinstance(item, dict) or not isinstance(item.get("solution_prefix"), str):
-                    raise RowError(f"reasoning_steps[{k}]", "prefix without text", "needs a 'solution_prefix' string")
-                prefixes.append((item["solution_prefix"], _mc(item, f"reasoning_steps[{k}]")))
-            images = _images(row, Path(image_root))
-            paths = prefix_paths(question.strip(), [(p.strip(), v) for p, v in prefixes], result.notes)
-            if not paths:
-                raise RowError(
-                    "reasoning_steps",
-                    "no steps after the question",
-                    "no prefix extends the question text (nothing to label)",
-                )
-            paths = [_drop_empty_steps(s, y, result.notes) for s, y in paths]
-        except RowError as e:
-            result.skip(f"{source}:{n}", rid, e)
-            continue
-        answer = row.get("final_answer")
-        for steps, labels in paths:
-            pool.add(
-                f"{source}:{n}",
-                rid,
-                question,
-                images,
-                steps,
-                labels,
-                answer if isinstance(answer, str) else None,
-                {"source": "openr_flat", "question_id": rid},
+
+    def read(row: dict[str, Any], notes: Counter[str]) -> tuple[str, list[str], list[tuple[list[str], list[float]]]]:
+        question = _text(row, ("question",))
+        items = row.get("reasoning_steps")
+        if not isinstance(items, list):
+            raise RowError("reasoning_steps", "no prefixes", "missing or not a list of {solution_prefix, mc_value}")
+        prefixes = []
+        for k, item in enumerate(items):
+            if not isinstance(item, dict) or not isinstance(item.get("solution_prefix"), str):
+                raise RowError(f"reasoning_steps[{k}]", "prefix without text", "needs a 'solution_prefix' string")
+            prefixes.append((item["solution_prefix"], _mc(item, f"reasoning_steps[{k}]")))
+        images = _images(row, Path(image_root))
+        paths = prefix_paths(question.strip(), [(p.strip(), v) for p, v in prefixes], notes)
+        if not paths:
+            raise RowError(
+                "reasoning_steps",
+                "no steps after the question",
+                "no prefix extends the question text (nothing to label)",
             )
-    return _finish(result, pool.examples(_Ids(id_prefix), result.notes), check_images)
+        return question, images, [_drop_empty_steps(steps, labels, notes) for steps, labels in paths]
+
+    return _convert_paths(rows, "openr_flat", read, source, id_prefix, check_images)
 
 
 _MMPRM_HUMAN = re.compile(r"^(?:\s*<image>\s*\n)*\s*Question:\s*(.*?)\nProcess:\s*(.*)$", re.S)
