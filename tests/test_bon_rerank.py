@@ -9,23 +9,22 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from PIL import Image
+from recipe_runs import REPO, recipe_env, run_recipe
 
 from mmprm.answers import answers_match
 from mmprm.data.schema import DataError, read_jsonl
 from mmprm.rerank.candidates import Candidate, Problem, load_candidates, load_problems
 from mmprm.rerank.shards import cli_merge_bon, merge_scored, shard_path, take_shard
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "bon_rerank.py"
 CONFIG = REPO / "recipes" / "configs" / "tiny" / "bon_rerank.yaml"
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+ENV = recipe_env()
 N_PROBLEMS = 20
 
 
@@ -35,14 +34,6 @@ def recipe():
     sys.modules[spec.name] = mod  # dataclasses resolve string annotations through sys.modules
     spec.loader.exec_module(mod)
     return mod
-
-
-def run_recipe(*overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    res = subprocess.run(
-        [sys.executable, str(RECIPE), *overrides], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=ENV
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    return res
 
 
 @pytest.fixture
@@ -81,6 +72,7 @@ def unsharded(prm_dir, mathv_file, tmp_path_factory) -> Path:
     """One run of the real entry point (a subprocess) over the MATH-V slice."""
     out = tmp_path_factory.mktemp("bon") / "unsharded"
     run_recipe(
+        "bon_rerank",
         "--config",
         str(CONFIG),
         f"prm={prm_dir}",

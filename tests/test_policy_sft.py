@@ -7,28 +7,15 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from recipe_runs import REPO, read_metrics, run_recipe
 from safetensors.torch import load_file
 
 from mmprm.training import lr_factor
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "policy_sft.py"
 IGNORE = -100
-
-
-def run_recipe(*overrides, timeout=600):
-    cmd = [sys.executable, str(RECIPE)] + [str(o) for o in overrides]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    return res
-
-
-def metrics(out):
-    return [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
 
 
 def common(model, train, out, steps, ev=None):
@@ -155,6 +142,7 @@ def test_recipe_trains_saves_and_reloads(tiny_models, synthetic, tmp_path, arch)
     data.write_text("".join(json.dumps(r) + "\n" for r in rows + [long_row]))
     out = tmp_path / arch
     res = run_recipe(
+        "policy_sft",
         *common(tiny_models(arch), data, out, steps=6, ev=ev),
         "train.eval_generations=2",
         "train.max_new_tokens=8",
@@ -163,7 +151,7 @@ def test_recipe_trains_saves_and_reloads(tiny_models, synthetic, tmp_path, arch)
     assert (
         f"train: {len(rows)} examples kept, 1 dropped (no assistant token left within max_length=256)" in res.stdout
     ), res.stdout[-2000:]
-    rows = metrics(out)
+    rows = read_metrics(out)
     train_rows = [r for r in rows if r["split"] == "train"]
     eval_rows = [r for r in rows if r["split"] == "eval"]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]
@@ -206,18 +194,18 @@ def test_exact_resume_matches_straight_run(tiny_models, synthetic, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     # grad_accum and warmup put the batch stream and the scheduler in the resumed state too.
     extra = ["train.save_every=100", "train.warmup_steps=3", "train.grad_accum=2"]
-    run_recipe(*common(model, train, straight, steps=8), *extra)
-    run_recipe(*common(model, train, resumed, steps=8), *extra, "train.stop_at_step=4")
+    run_recipe("policy_sft", *common(model, train, straight, steps=8), *extra)
+    run_recipe("policy_sft", *common(model, train, resumed, steps=8), *extra, "train.stop_at_step=4")
     assert not (resumed / "model.safetensors").exists() and (resumed / "checkpoints" / "step_4").is_dir()
-    res = run_recipe(*common(model, train, resumed, steps=8), *extra, "resume_from_checkpoint=latest")
+    res = run_recipe("policy_sft", *common(model, train, resumed, steps=8), *extra, "resume_from_checkpoint=latest")
     assert "resumed from" in res.stdout and "at step 4" in res.stdout
     a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys()
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     assert worst <= 1e-6, f"resumed run differs from straight run by {worst}"
     # The resumed run logs steps 5..8 only, with the straight run's losses.
-    losses = {r["step"]: r["loss"] for r in metrics(straight) if r["split"] == "train"}
-    again = {r["step"]: r["loss"] for r in metrics(resumed) if r["split"] == "train"}
+    losses = {r["step"]: r["loss"] for r in read_metrics(straight, "train")}
+    again = {r["step"]: r["loss"] for r in read_metrics(resumed, "train")}
     assert sorted(again) == list(range(1, 9))
     assert all(abs(again[s] - losses[s]) <= 1e-5 for s in range(5, 9)), (losses, again)
 
@@ -250,7 +238,7 @@ def test_two_process_ddp_keeps_the_lr_schedule(tiny_models, synthetic, tmp_path)
     }
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    rows = [r for r in metrics(out) if r["split"] == "train"]
+    rows = read_metrics(out, "train")
     assert [r["lr"] for r in rows] == pytest.approx([3e-3 * lr_factor(s, 0, 4, "cosine") for s in range(1, 5)]), (
         rows,
         res.stdout[-3000:],
@@ -288,6 +276,7 @@ def test_format_compliance_rises_after_short_training(tmp_path):
     model = build_tiny_model("qwen2_vl", tmp_path / "model", seed=0, hidden_size=128)
     out = tmp_path / "run"
     run_recipe(
+        "policy_sft",
         *common(model, data / "train_sft.jsonl", out, steps=150, ev=data / "test_sft.jsonl"),
         "train.batch_size=16",
         "train.warmup_steps=5",
@@ -296,7 +285,7 @@ def test_format_compliance_rises_after_short_training(tmp_path):
         "train.max_new_tokens=128",
         "train.eval_batch_size=16",
     )
-    evals = [r for r in metrics(out) if r["split"] == "eval"]
+    evals = read_metrics(out, "eval")
     before, after = evals[0], evals[-1]
     assert before["step"] == 0 and after["step"] == 150 and after["generated"] == 32
     print(
@@ -330,7 +319,7 @@ def test_annotation_and_generation_prompt_the_policy_exactly_as_sft_trained_it(t
     train, _ = synthetic
     out = tmp_path / "policy"
     system = "You are a careful tile counter. Write one step per tile."
-    run_recipe(*common(tiny_models("qwen2_vl"), train, out, steps=1), f"model.system_prompt={system}")
+    run_recipe("policy_sft", *common(tiny_models("qwen2_vl"), train, out, steps=1), f"model.system_prompt={system}")
     spec = json.loads((out / "mmprm_policy.json").read_text())
     assert spec == {"format": "mmprm-policy", "version": 1, "system_prompt": system, "step_mode": "tags"}
 

@@ -11,31 +11,16 @@ import time
 from pathlib import Path
 
 import pytest
+from recipe_runs import REPO, recipe_env, run_recipe
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "prm_search.py"
 YAML = REPO / "recipes" / "configs" / "tiny" / "prm_search.yaml"
-ENV = {
-    **os.environ,
-    "PYTHONUNBUFFERED": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "OMP_NUM_THREADS": "1",
-    "PYTHONPATH": str(REPO),
-}
+# the recipe imports mmprm from this checkout, installed or not
+ENV = recipe_env(PYTHONPATH=str(REPO))
 
 
 def run(args, timeout=600):
-    res = subprocess.run(
-        [sys.executable, str(RECIPE), *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=ENV,
-        timeout=timeout,
-        check=False,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-4000:]
-    return res
+    return run_recipe("prm_search", *args, timeout=timeout, extra_env={"PYTHONPATH": str(REPO)})
 
 
 def lines(path: Path) -> list[dict]:

@@ -2,35 +2,15 @@
 
 import json
 import math
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from recipe_runs import REPO, read_metrics, run_recipe
 from safetensors.torch import load_file
 from toy_data import write_toy_prm_data
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "prm_train.py"
-
-
-def run_recipe(*overrides, launcher=None, timeout=600, extra_env=None):
-    cmd = (launcher or [sys.executable]) + [str(RECIPE)] + [str(o) for o in overrides]
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-        **(extra_env or {}),
-    }
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    return res
-
-
-def metrics(out):
-    return [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +43,12 @@ def test_every_arch_trains_and_loss_goes_down(tiny_models, toy, tmp_path, arch):
         train = write_toy_prm_data(tmp_path / "text", 32, 0, images=False)
         ev = write_toy_prm_data(tmp_path / "text", 16, 1, images=False, name="eval.jsonl")
     out = tmp_path / arch
-    run_recipe(*common(tiny_models(arch), train, ev, out, steps=16), "train.warmup_steps=0")
-    rows = [r for r in metrics(out) if r["split"] == "train"]
+    run_recipe("prm_train", *common(tiny_models(arch), train, ev, out, steps=16), "train.warmup_steps=0")
+    rows = read_metrics(out, "train")
     first, last = sum(r["loss"] for r in rows[:4]) / 4, sum(r["loss"] for r in rows[-4:]) / 4
     assert last < first, f"{arch}: loss did not go down ({first:.4f} -> {last:.4f})"
     assert (out / "mmprm_prm.json").exists() and (out / "checkpoints" / "step_16").is_dir()
-    ev_rows = [r for r in metrics(out) if r["split"] == "eval"]
+    ev_rows = read_metrics(out, "eval")
     assert {"bce", "brier", "step_accuracy", "first_error_f1"} <= set(ev_rows[-1])
 
 
@@ -79,6 +59,7 @@ def test_value_head_hard_labels_balance_and_load_prm_round_trip(tiny_models, toy
     train, ev = toy
     out = tmp_path / "value"
     run_recipe(
+        "prm_train",
         *common(tiny_models("qwen2_vl"), train, ev, out, steps=6),
         "prm.head=value",
         "data.label_mode=hard",
@@ -98,12 +79,24 @@ def test_exact_resume_matches_straight_run(tiny_models, toy, tmp_path):
     model = tiny_models("qwen2_vl")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     args = common(model, train, ev, straight, steps=20)
-    run_recipe(*args, "train.save_every=100", "train.warmup_steps=3", "train.grad_accum=2")
+    run_recipe("prm_train", *args, "train.save_every=100", "train.warmup_steps=3", "train.grad_accum=2")
     args_r = common(model, train, ev, resumed, steps=20)
-    run_recipe(*args_r, "train.save_every=100", "train.warmup_steps=3", "train.grad_accum=2", "train.stop_at_step=10")
+    run_recipe(
+        "prm_train",
+        *args_r,
+        "train.save_every=100",
+        "train.warmup_steps=3",
+        "train.grad_accum=2",
+        "train.stop_at_step=10",
+    )
     assert not (resumed / "model.safetensors").exists()
     run_recipe(
-        *args_r, "train.save_every=100", "train.warmup_steps=3", "train.grad_accum=2", "resume_from_checkpoint=latest"
+        "prm_train",
+        *args_r,
+        "train.save_every=100",
+        "train.warmup_steps=3",
+        "train.grad_accum=2",
+        "resume_from_checkpoint=latest",
     )
     a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys()
@@ -133,6 +126,7 @@ def test_two_process_ddp(tiny_models, toy, tmp_path):
     ]
     # without ACCELERATE_USE_CPU each process would see no GPU and run alone (world size 1)
     run_recipe(
+        "prm_train",
         *common(tiny_models("qwen2_vl"), train, ev, out, steps=6),
         launcher=launcher,
         extra_env={"ACCELERATE_USE_CPU": "true"},
@@ -140,7 +134,7 @@ def test_two_process_ddp(tiny_models, toy, tmp_path):
     assert (out / "mmprm_prm.json").exists()
     # two real processes in one group, not two independent single-process runs
     assert json.loads((out / "config.resolved.json").read_text())["num_processes"] == 2
-    ev_rows = [r for r in metrics(out) if r["split"] == "eval"]
+    ev_rows = read_metrics(out, "eval")
     assert ev_rows and math.isfinite(ev_rows[-1]["bce"])
 
 
@@ -168,13 +162,14 @@ def test_two_processes_with_a_row_count_that_used_to_starve_a_rank(tiny_models, 
         "29519",
     ]
     res = run_recipe(
+        "prm_train",
         *common(tiny_models("qwen2_vl"), train, ev, out, steps=4),
         launcher=launcher,
         extra_env={"ACCELERATE_USE_CPU": "true"},
     )
     assert json.loads((out / "config.resolved.json").read_text())["num_processes"] == 2
     assert "9 rows do not fill whole global batches of 8: each epoch's last batch repeats 7 rows" in res.stdout
-    rows = metrics(out)
+    rows = read_metrics(out)
     assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2, 3, 4]  # two full epochs
     assert all(math.isfinite(r["loss"]) for r in rows if r["split"] == "train")
     ev_rows = [r for r in rows if r["split"] == "eval"]

@@ -1,0 +1,49 @@
+"""Run a recipe the way a user does - its own process, from the repository root - and read what
+it wrote. One copy for every recipe test, so they all see the same environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def recipe_env(**extra: str) -> dict[str, str]:
+    """The caller's environment with unbuffered output and one thread per process: tiny models
+    gain nothing from more, and two test processes on two cores would fight over them."""
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
+
+
+def run_recipe(
+    recipe: str,
+    *overrides: Any,
+    launcher: Sequence[str] | None = None,
+    timeout: int = 600,
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """`python recipes/<recipe>.py OVERRIDES...` (or under `launcher`, e.g. accelerate launch);
+    fails the test with the tail of its output when it exits non-zero."""
+    cmd = [*(launcher or [sys.executable]), str(REPO / "recipes" / f"{recipe}.py"), *map(str, overrides)]
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=recipe_env(**(extra_env or {}))
+    )
+    assert res.returncode == 0, f"{recipe} {' '.join(cmd[2:])}\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    return res
+
+
+def read_metrics(out: Path | str, split: str | None = None) -> list[dict[str, Any]]:
+    """The rows of `out/metrics.jsonl`, only those of `split` when given."""
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if split is None or r["split"] == split]
