@@ -106,6 +106,8 @@ class Config:
         model: model loading, passed to every stage (section)
         n: candidates per held-out problem
         threads: intra-op threads per stage: tiny models gain nothing from more, and lose to contention
+        annotate_ranks: annotation processes side by side, each on its share of the problems (the last
+            to finish merges): one per core here, one per GPU on a node
         sft: extra key=value overrides for the policy_sft stage
         annotate: extra key=value overrides for the mcts_annotate stage
         prm: extra key=value overrides for prm_train, shared by the soft PRM, the hard PRM and the outcome model
@@ -126,6 +128,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     n: int = 8
     threads: int = 1
+    annotate_ranks: int = 2
     sft: list[str] = field(default_factory=list)
     annotate: list[str] = field(default_factory=list)
     prm: list[str] = field(default_factory=list)
@@ -133,6 +136,10 @@ class Config:
     search_problems: int = 150
     search: list[str] = field(default_factory=list)
     publish: bool = False
+
+    def validate(self) -> None:
+        if self.annotate_ranks < 1:
+            raise ValueError(f"annotate_ranks: {self.annotate_ranks} must be >= 1")
 
 
 MODELS = {  # report key -> (training output, Best-of-N output, name in the report)
@@ -202,6 +209,25 @@ def run(*args: str) -> None:
             tail = "".join(Path(log).read_text(errors="replace").splitlines(keepends=True)[-30:])
             print(f"---- last lines of {log} ----\n{tail}", file=sys.stderr)
         raise SystemExit(f"quickstart: stage command failed (exit {child.returncode}): python {' '.join(args)}")
+
+
+def run_ranks(ranks: int, logs: Path, *args: str) -> None:
+    """One command as `ranks` processes side by side (`rank=K world_size=ranks` appended), as a
+    multi-GPU user runs it with one process per GPU. With more than one, rank K's output goes to
+    `logs`.rankK.log (two progress bars would interleave). Their CPU time is added to the caller's."""
+
+    def one(rank: int) -> float:
+        if ranks > 1:
+            _lane.log = logs.with_name(f"{logs.name}.rank{rank}.log")
+        run(*args, f"rank={rank}", f"world_size={ranks}")
+        return _child_cpu()
+
+    if ranks > 1:
+        logs.parent.mkdir(parents=True, exist_ok=True)
+        print(f"    {ranks} ranks side by side, output in {logs}.rank*.log", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(ranks) as pool:
+        cpu = sum(pool.map(one, range(ranks)))  # re-raises a rank's failure
+    _lane.cpu = _child_cpu() + cpu
 
 
 def in_lanes(out: Path, *lanes) -> None:
@@ -379,7 +405,9 @@ def main(argv: list[str]) -> None:
         out,
         cfg.force,
         timings,
-        lambda: run(
+        lambda: run_ranks(
+            cfg.annotate_ranks,
+            out / "logs" / "annotate",
             "recipes/mcts_annotate.py",
             "--config",
             "recipes/configs/tiny/mcts_annotate.yaml",

@@ -76,6 +76,10 @@ def test_reduced_demo_pipeline(tmp_path):
     assert orm_rows and all(len(e.steps) == 1 and e.labels[0] in (0.0, 1.0) for e in orm_rows)
     trees = read_jsonl(out / "mcts" / "trees.jsonl")
     assert sorted(t["id"] for t in trees) == sorted(f"ann-{i:05d}" for i in range(24))
+    # annotation ran as two ranks side by side (annotate_ranks=2), each on its half, then merged
+    for rank in (0, 1):
+        assert len(read_jsonl(out / "mcts" / f"trees.rank{rank}-of-2.jsonl")) == 12, rank
+        assert "problems in this shard" in (out / "logs" / f"annotate.rank{rank}.log").read_text(), rank
     for model in ("prm", "prm_hard", "orm"):
         assert (out / model / "mmprm_prm.json").exists(), model
     for bon_dir in ("bon", "bon_hard", "bon_orm"):
