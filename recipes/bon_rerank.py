@@ -241,6 +241,7 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
 def make_backend(cfg: Config):
     """The generation backend, prompting the policy as its SFT saved it (`mmprm_policy.json`)
     unless `generate.system_prompt` / `generate.step_mode` say otherwise (then with a warning)."""
+    from mmprm.annotate.backends import make_rollout_backend
     from mmprm.annotate.backends.base import SamplingConfig as BackendSampling
     from mmprm.annotate.backends.base import worker_seed
     from mmprm.policy import resolve_prompt_format
@@ -260,21 +261,15 @@ def make_backend(cfg: Config):
         )
     except ValueError as e:  # a broken mmprm_policy.json
         raise ConfigError(f"generate.policy: {e}") from None
-    if cfg.generate.backend == "vllm":
-        from mmprm.annotate.backends.vllm import VLLMBackend
-
-        return VLLMBackend(
-            cfg.generate.policy, sampling, step_mode=step_mode, system=system, **cfg.generate.vllm_kwargs
-        )
-    from mmprm.annotate.backends.hf import HFBackend
-
-    return HFBackend.from_pretrained(
+    return make_rollout_backend(
         cfg.generate.policy,
         sampling,
-        step_mode=step_mode,
+        step_mode,
+        system,
+        backend=cfg.generate.backend,
         batch_size=cfg.generate.batch_size,
-        system=system,
         attn_implementation=cfg.model.attn_implementation,
+        vllm_kwargs=cfg.generate.vllm_kwargs,
     )
 
 

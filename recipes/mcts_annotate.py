@@ -22,7 +22,6 @@ erroring out the rest. A second worker started on the same OUTPUT_DIR and rank s
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -31,6 +30,7 @@ from typing import Any, Literal
 
 from tqdm.auto import tqdm
 
+from mmprm.annotate.backends import make_rollout_backend
 from mmprm.annotate.backends.base import SamplingConfig, worker_seed
 from mmprm.annotate.engine import (
     AnnotationEngine,
@@ -183,29 +183,19 @@ def make_backend(cfg: AnnotateConfig, rank: int = 0):
     except ValueError as e:  # a broken mmprm_policy.json
         raise ConfigError(f"model.name_or_path: {e}") from None
     sampling = replace(cfg.sampling, seed=worker_seed(cfg.sampling.seed, rank))
-    if cfg.model.backend == "vllm":
-        from mmprm.annotate.backends.vllm import VLLMBackend, pin_local_gpu
-
-        pin_local_gpu()  # several ranks on a node: each engine gets its own GPU
-        llm_kwargs = {"gpu_memory_utilization": cfg.model.vllm_gpu_memory_utilization, "dtype": cfg.model.dtype}
-        if cfg.model.vllm_max_model_len:
-            llm_kwargs["max_model_len"] = cfg.model.vllm_max_model_len
-        llm_kwargs.update(cfg.model.vllm_kwargs)
-        return VLLMBackend(cfg.model.name_or_path, sampling, step_mode, system, **llm_kwargs)
-    import torch
-
-    from mmprm.annotate.backends.hf import HFBackend
-
-    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-    return HFBackend.from_pretrained(
+    llm_kwargs = {"gpu_memory_utilization": cfg.model.vllm_gpu_memory_utilization, "dtype": cfg.model.dtype}
+    if cfg.model.vllm_max_model_len:
+        llm_kwargs["max_model_len"] = cfg.model.vllm_max_model_len
+    return make_rollout_backend(
         cfg.model.name_or_path,
         sampling,
-        dtype=cfg.model.dtype,
-        device=device,
-        step_mode=step_mode,
+        step_mode,
+        system,
+        backend=cfg.model.backend,
         batch_size=cfg.model.hf_batch_size,
-        system=system,
+        dtype=cfg.model.dtype,
         attn_implementation=cfg.model.attn_implementation,
+        vllm_kwargs={**llm_kwargs, **cfg.model.vllm_kwargs},
     )
 
 

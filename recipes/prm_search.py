@@ -209,6 +209,7 @@ def slug(label: str) -> str:
 def make_backend(cfg: Config, max_new_tokens: int):
     """The policy's rollout backend, prompting it as its SFT saved it (`mmprm_policy.json`)
     unless `policy.system_prompt` / `policy.step_mode` say otherwise (then with a warning)."""
+    from mmprm.annotate.backends import make_rollout_backend
     from mmprm.annotate.backends.base import SamplingConfig as BackendSampling
     from mmprm.annotate.backends.base import worker_seed
     from mmprm.policy import resolve_prompt_format
@@ -228,28 +229,20 @@ def make_backend(cfg: Config, max_new_tokens: int):
         )
     except ValueError as e:  # a broken mmprm_policy.json
         raise ConfigError(f"policy.path: {e}") from None
-    if cfg.policy.backend == "vllm":
-        from mmprm.annotate.backends.vllm import VLLMBackend
-
-        return VLLMBackend(
-            cfg.policy.path,
-            sampling,
-            step_mode=step_mode,
-            system=system,
-            gpu_memory_utilization=cfg.policy.gpu_memory_utilization,
-            max_model_len=cfg.policy.max_model_len,
-            dtype=cfg.policy.dtype or "auto",
-        )
-    from mmprm.annotate.backends.hf import HFBackend
-
-    return HFBackend.from_pretrained(
+    return make_rollout_backend(
         cfg.policy.path,
         sampling,
-        dtype=cfg.policy.dtype,
-        step_mode=step_mode,
+        step_mode,
+        system,
+        backend=cfg.policy.backend,
         batch_size=cfg.policy.batch_size,
-        system=system,
+        dtype=cfg.policy.dtype,
         attn_implementation=cfg.model.attn_implementation,
+        vllm_kwargs={
+            "gpu_memory_utilization": cfg.policy.gpu_memory_utilization,
+            "max_model_len": cfg.policy.max_model_len,
+            "dtype": cfg.policy.dtype or "auto",
+        },
     )
 
 

@@ -211,6 +211,19 @@ class OutputConfig:
 
 
 @dataclass
+class ModelConfig:
+    """Model loading.
+
+    Attributes:
+        attn_implementation: attention kernel of every model this recipe loads (the model under test
+            with answers.source=hf or scorer.kind=mc, the PRM): sdpa | flash_attention_2 (mmprm[flash], CUDA) |
+            eager | auto (flash-attn when installed and a GPU is visible, else sdpa)
+    """
+
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
 class ReasoningEvalConfig:
     """Evaluate a model's own reasoning: problems -> answers -> trees -> node scores -> report.
 
@@ -219,6 +232,7 @@ class ReasoningEvalConfig:
         answers: where the answers come from (section)
         tree: how answers become trees (section)
         scorer: what scores each node (section)
+        model: model loading (section)
         metrics: tree metrics (section)
         output: where results go (section)
     """
@@ -227,6 +241,7 @@ class ReasoningEvalConfig:
     answers: AnswersConfig = field(default_factory=AnswersConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -252,6 +267,10 @@ class ReasoningEvalConfig:
             raise ValueError("scorer.kind=mc rolls out answers.model from every node: set answers.model")
         if len(self.metrics.rpts_lambdas) == 0 or len(self.metrics.rpts_h_fs) == 0:
             raise ValueError("metrics.rpts_lambdas and metrics.rpts_h_fs need at least one value each")
+        if a.source == "hf" or s.kind in ("prm", "mc"):
+            from mmprm.models.loading import resolve_attn_implementation
+
+            resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
 
 
 def load_problems(cfg: ProblemsConfig) -> list[dict[str, Any]]:
@@ -297,19 +316,23 @@ def load_problems(cfg: ProblemsConfig) -> list[dict[str, Any]]:
     return out[: cfg.limit] if cfg.limit is not None else out
 
 
-def make_backend(a: AnswersConfig, step_mode: str = "blank_lines") -> Any:
+def make_backend(a: AnswersConfig, attn_implementation: str, step_mode: str = "blank_lines") -> Any:
     """The model under test as a rollout backend (`mmprm.annotate.backends`), continuing free text."""
-    if a.source == "vllm":
-        from mmprm.annotate.backends.vllm import VLLMBackend
+    from mmprm.annotate.backends import make_rollout_backend
 
-        kw = {"gpu_memory_utilization": a.vllm_gpu_memory_utilization, "dtype": a.dtype}
-        if a.vllm_max_model_len:
-            kw["max_model_len"] = a.vllm_max_model_len
-        return VLLMBackend(a.model, a.sampling, step_mode=step_mode, system=a.system_prompt, **kw)
-    from mmprm.annotate.backends.hf import HFBackend
-
-    return HFBackend.from_pretrained(
-        a.model, a.sampling, dtype=a.dtype, step_mode=step_mode, batch_size=a.batch_size, system=a.system_prompt
+    kw: dict[str, Any] = {"gpu_memory_utilization": a.vllm_gpu_memory_utilization, "dtype": a.dtype}
+    if a.vllm_max_model_len:
+        kw["max_model_len"] = a.vllm_max_model_len
+    return make_rollout_backend(
+        a.model,
+        a.sampling,
+        step_mode,
+        a.system_prompt,
+        backend="vllm" if a.source == "vllm" else "hf",
+        batch_size=a.batch_size,
+        dtype=a.dtype,
+        attn_implementation=attn_implementation,
+        vllm_kwargs=kw,
     )
 
 
@@ -371,7 +394,7 @@ def run(cfg: ReasoningEvalConfig) -> int:
         # the benchmark's own reasoning reaches its own answer
         answers = {p["id"]: {"response": p["gold"], "correct": True} for p in problems if p["gold"]}
     if a.source in ("hf", "vllm") or sc.kind == "mc":
-        backend = make_backend(a)
+        backend = make_backend(a, cfg.model.attn_implementation)
         proc = getattr(backend, "processor", None)  # vLLM keeps the processor, HF the tokenizer too
         tokenizer = getattr(backend, "tokenizer", None) or getattr(proc, "tokenizer", proc)
     if a.source in ("hf", "vllm"):
@@ -494,7 +517,9 @@ def run(cfg: ReasoningEvalConfig) -> int:
         from mmprm import load_prm
 
         device = ("cuda" if torch.cuda.is_available() else "cpu") if sc.device == "auto" else sc.device
-        prm = load_prm(sc.prm_path, device=device, batch_size=sc.prm_batch_size)
+        prm = load_prm(
+            sc.prm_path, device=device, batch_size=sc.prm_batch_size, attn_implementation=cfg.model.attn_implementation
+        )
         for i in scored:
             set_scores(trees[i], prm_scores(trees[i], prm))
     elif sc.kind == "mc":

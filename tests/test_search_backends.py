@@ -45,6 +45,30 @@ def prm(toy_policy):
     return PRMScorer(build_prm(backbone, processor, PRMSpec()), processor, batch_size=16)
 
 
+def test_make_rollout_backend_samples_on_this_process_device(tiny_models, monkeypatch):
+    """The one builder every recipe uses: HF on the local rank's device (the CPU without CUDA,
+    whatever the rank), with the recipe's batch size, system prompt and step format; an unknown
+    backend is named."""
+    from mmprm.annotate.backends import make_rollout_backend
+    from mmprm.annotate.backends.base import SamplingConfig
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    sampling = SamplingConfig(max_new_tokens=4, seed=7)
+    backend = make_rollout_backend(
+        str(tiny_models("qwen2")), sampling, "blank_lines", "Be brief.", batch_size=5, attn_implementation="eager"
+    )
+    assert next(backend.model.parameters()).device.type == "cpu"
+    assert (backend.batch_size, backend.system, backend.step_mode, backend.sampling) == (
+        5,
+        "Be brief.",
+        "blank_lines",
+        sampling,
+    )
+    assert backend.model.config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match=r"backend: 'tgi' is not one of \['hf', 'vllm'\]"):
+        make_rollout_backend("unused", sampling, "tags", None, backend="tgi")
+
+
 @pytest.mark.slow
 def test_hf_greedy_search_rebuilds_the_greedy_solution(toy_policy, prm):
     from mmprm.annotate.backends.base import SamplingConfig

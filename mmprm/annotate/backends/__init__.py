@@ -1,8 +1,13 @@
 """Rollout backends behind one interface (`base.RolloutBackend`): HF generate, vLLM, simulated.
 
 Backends import their engine lazily, so `import mmprm.annotate.backends` needs neither torch
-generation nor vllm.
+generation nor vllm. `make_rollout_backend` is how every recipe builds one.
 """
+
+from __future__ import annotations
+
+import os
+from typing import Any
 
 from mmprm.annotate.backends.base import (
     GenerationStats,
@@ -13,11 +18,62 @@ from mmprm.annotate.backends.base import (
     rollout_prompt,
 )
 
+
+def make_rollout_backend(
+    path: str,
+    sampling: SamplingConfig,
+    step_mode: str,
+    system: str | None,
+    *,
+    backend: str = "hf",
+    batch_size: int = 32,
+    dtype: str | None = None,
+    attn_implementation: str = "sdpa",
+    vllm_kwargs: dict[str, Any] | None = None,
+) -> RolloutBackend:
+    """A policy's rollout backend on this process's own accelerator.
+
+    With several processes on a node (torchrun/accelerate: LOCAL_RANK; srun: SLURM_LOCALID), each
+    takes the GPU of its node-local rank: vLLM through CUDA_VISIBLE_DEVICES (set before the engine
+    starts CUDA; one the user set wins), HF generate as `cuda:<local rank>`. CPU without CUDA.
+    `vllm_kwargs` go to `vllm.LLM` (gpu_memory_utilization, max_model_len, dtype, ...);
+    `attn_implementation` is the HF model's kernel (sdpa, flash_attention_2, eager, auto).
+    """
+    if backend == "vllm":
+        from mmprm.annotate.backends.vllm import VLLMBackend, pin_local_gpu
+
+        pin_local_gpu()
+        return VLLMBackend(path, sampling, step_mode=step_mode, system=system, **(vllm_kwargs or {}))
+    if backend != "hf":
+        raise ValueError(f"backend: {backend!r} is not one of ['hf', 'vllm']")
+    import torch
+
+    from mmprm.annotate.backends.hf import HFBackend
+
+    local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    # One visible GPU (the user or srun narrowed it) is this process's, whatever its local rank.
+    if torch.cuda.is_available():
+        device = "cuda:0" if torch.cuda.device_count() == 1 else f"cuda:{local}"
+    else:
+        device = "cpu"
+    return HFBackend.from_pretrained(
+        path,
+        sampling,
+        dtype=dtype,
+        device=device,
+        step_mode=step_mode,
+        batch_size=batch_size,
+        system=system,
+        attn_implementation=attn_implementation,
+    )
+
+
 __all__ = [
     "GenerationStats",
     "RolloutBackend",
     "RolloutInputError",
     "RolloutRequest",
     "SamplingConfig",
+    "make_rollout_backend",
     "rollout_prompt",
 ]
