@@ -306,12 +306,11 @@ def main(argv: list[str]) -> None:
     print(f"shard {cfg.shard.index}/{cfg.shard.count}: {len(problems)} problems, {n_cands} candidates")
 
     # ---- scoring: one forward per candidate, the problem's prompt encoded once ---------------
-    import torch
-
+    from mmprm.models.loading import resolve_device
     from mmprm.models.prm import load_prm
     from mmprm.steps import StepTokenError
 
-    device = cfg.scoring.device if cfg.scoring.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(cfg.scoring.device)
     require_model_dir(cfg, "prm", hub=False)
     scorer = load_prm(
         cfg.prm,

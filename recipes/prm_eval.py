@@ -302,11 +302,11 @@ def main(argv: list[str]) -> int:
 
     # ---- scorer
     require_model_dir(cfg, "scorer.prm_path", hub=False)  # named here, not in a traceback from the loader
-    import torch
 
     from mmprm import load_prm
+    from mmprm.models.loading import resolve_device
 
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.scorer.device == "auto" else cfg.scorer.device
+    device = resolve_device(cfg.scorer.device)
     scorer = load_prm(
         cfg.scorer.prm_path,
         device=device,

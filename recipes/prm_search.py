@@ -273,14 +273,14 @@ def main(argv: list[str]) -> None:
     print(f"shard {sh.index}/{sh.count}: {len(problems)} problems")
 
     # ---- models: the policy behind a rollout backend, the PRM scorer -------------------------
-    import torch
 
+    from mmprm.models.loading import resolve_device
     from mmprm.models.prm import load_prm
     from mmprm.search.core import run_search
     from mmprm.search.policy import BackendProposer, sample_solutions
     from mmprm.treeval import think360_depth, think360_width
 
-    device = cfg.scoring.device if cfg.scoring.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(cfg.scoring.device)
     scorer = load_prm(
         cfg.prm,
         device=device,

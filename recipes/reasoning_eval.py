@@ -512,11 +512,10 @@ def run(cfg: ReasoningEvalConfig) -> int:
             else:
                 set_scores(trees[i], res.scores)
     elif sc.kind == "prm":
-        import torch
-
         from mmprm import load_prm
+        from mmprm.models.loading import resolve_device
 
-        device = ("cuda" if torch.cuda.is_available() else "cpu") if sc.device == "auto" else sc.device
+        device = resolve_device(sc.device)
         prm = load_prm(
             sc.prm_path, device=device, batch_size=sc.prm_batch_size, attn_implementation=cfg.model.attn_implementation
         )

@@ -294,11 +294,10 @@ def main(argv: list[str]) -> int:
     sc = cfg.scorer
     prm = judge = None
     if sc.kind == "prm":
-        import torch
-
         from mmprm import load_prm
+        from mmprm.models.loading import resolve_device
 
-        device = ("cuda" if torch.cuda.is_available() else "cpu") if sc.device == "auto" else sc.device
+        device = resolve_device(sc.device)
         prm = load_prm(
             sc.prm_path,
             device=device,

@@ -45,6 +45,27 @@ def prm(toy_policy):
     return PRMScorer(build_prm(backbone, processor, PRMSpec()), processor, batch_size=16)
 
 
+def test_auto_device_is_the_local_ranks_gpu(monkeypatch):
+    """resolve_device("auto"): the node-local rank's GPU when several are visible, the one GPU
+    when one is (srun or the user narrowed it), the CPU without CUDA; anything else as given."""
+    import torch
+
+    from mmprm.models.loading import resolve_device
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    assert resolve_device("cuda:1") == "cuda:1" and resolve_device("cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert resolve_device("auto") == "cuda:3"
+    monkeypatch.setenv("LOCAL_RANK", "5")  # torchrun/accelerate's rank wins over srun's
+    assert resolve_device("auto") == "cuda:5"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("auto") == "cuda:0"
+
+
 def test_make_rollout_backend_samples_on_this_process_device(tiny_models, monkeypatch):
     """The one builder every recipe uses: HF on the local rank's device (the CPU without CUDA,
     whatever the rank), with the recipe's batch size, system prompt and step format; an unknown

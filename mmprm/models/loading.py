@@ -17,6 +17,7 @@ exercises the very classes a user trains. Two environment facts shape this file:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -262,6 +263,20 @@ def resolve_attn_implementation(name: str, key: str = "model.attn_implementation
     if name == "flash_attention_2" and not torch.cuda.is_available():
         raise ConfigError(f"{key}=flash_attention_2 needs a CUDA GPU and none is visible: set {key}=sdpa")
     return name
+
+
+def resolve_device(device: str = "auto") -> str:
+    """`device` as given, or for "auto" this process's accelerator: with several GPUs visible, the
+    one of its node-local rank (LOCAL_RANK from torchrun/accelerate, SLURM_LOCALID from srun), so
+    eight shards on a node do not all load onto cuda:0; with one visible (narrowed by the user or
+    srun), that one; the CPU without CUDA."""
+    if device != "auto":
+        return device
+    if not torch.cuda.is_available():
+        return "cpu"
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+    count = torch.cuda.device_count()
+    return f"cuda:{local}" if count > 1 and local < count else "cuda:0"
 
 
 def load_backbone(

@@ -6,7 +6,6 @@ generation nor vllm. `make_rollout_backend` is how every recipe builds one.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from mmprm.annotate.backends.base import (
@@ -35,7 +34,7 @@ def make_rollout_backend(
 
     With several processes on a node (torchrun/accelerate: LOCAL_RANK; srun: SLURM_LOCALID), each
     takes the GPU of its node-local rank: vLLM through CUDA_VISIBLE_DEVICES (set before the engine
-    starts CUDA; one the user set wins), HF generate as `cuda:<local rank>`. CPU without CUDA.
+    starts CUDA; one the user set wins), HF generate on `mmprm.models.loading.resolve_device("auto")`.
     `vllm_kwargs` go to `vllm.LLM` (gpu_memory_utilization, max_model_len, dtype, ...);
     `attn_implementation` is the HF model's kernel (sdpa, flash_attention_2, eager, auto).
     """
@@ -46,21 +45,14 @@ def make_rollout_backend(
         return VLLMBackend(path, sampling, step_mode=step_mode, system=system, **(vllm_kwargs or {}))
     if backend != "hf":
         raise ValueError(f"backend: {backend!r} is not one of ['hf', 'vllm']")
-    import torch
-
     from mmprm.annotate.backends.hf import HFBackend
+    from mmprm.models.loading import resolve_device
 
-    local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
-    # One visible GPU (the user or srun narrowed it) is this process's, whatever its local rank.
-    if torch.cuda.is_available():
-        device = "cuda:0" if torch.cuda.device_count() == 1 else f"cuda:{local}"
-    else:
-        device = "cpu"
     return HFBackend.from_pretrained(
         path,
         sampling,
         dtype=dtype,
-        device=device,
+        device=resolve_device("auto"),
         step_mode=step_mode,
         batch_size=batch_size,
         system=system,
