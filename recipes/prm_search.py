@@ -273,7 +273,6 @@ def main(argv: list[str]) -> None:
     print(f"shard {sh.index}/{sh.count}: {len(problems)} problems")
 
     # ---- models: the policy behind a rollout backend, the PRM scorer -------------------------
-
     from mmprm.models.loading import resolve_device
     from mmprm.models.prm import load_prm
     from mmprm.search.core import run_search
