@@ -7,7 +7,8 @@ Stages (each one the real recipe, run as a user would run it, with a tiny config
   1. data      synthetic colour-tile problems: SFT train set, annotation set, held-out dev + test sets
   2. model     `mmprm tiny-model`: a random-init Qwen2-VL-architecture model
   3. policy    recipes/policy_sft.py: learn to solve in tagged steps
-  4. annotate  recipes/mcts_annotate.py: OmegaPRM MCTS labels the policy's own steps (HF backend)
+  4. annotate  recipes/mcts_annotate.py: OmegaPRM MCTS labels the policy's own steps (HF backend),
+               as `annotate_ranks` processes side by side, each on its share of the problems
   5. prm       recipes/prm_train.py, three times on the same rollouts: the PRM with soft MC labels,
                the PRM with hard labels (MC > 0 -> 1), and an outcome model (one label per solution,
                from its final answer, read at its last token)
