@@ -217,15 +217,17 @@ def run_ranks(ranks: int, logs: Path, *args: str) -> None:
     multi-GPU user runs it with one process per GPU. With more than one, rank K's output goes to
     `logs`.rankK.log (two progress bars would interleave). Their CPU time is added to the caller's."""
 
+    if ranks == 1:  # in this thread, so the output goes where the stage's would
+        run(*args, "rank=0", "world_size=1")
+        return
+
     def one(rank: int) -> float:
-        if ranks > 1:
-            _lane.log = logs.with_name(f"{logs.name}.rank{rank}.log")
+        _lane.log = logs.with_name(f"{logs.name}.rank{rank}.log")
         run(*args, f"rank={rank}", f"world_size={ranks}")
         return _child_cpu()
 
-    if ranks > 1:
-        logs.parent.mkdir(parents=True, exist_ok=True)
-        print(f"    {ranks} ranks side by side, output in {logs}.rank*.log", flush=True)
+    logs.parent.mkdir(parents=True, exist_ok=True)
+    print(f"    {ranks} ranks side by side, output in {logs}.rank*.log", flush=True)
     with concurrent.futures.ThreadPoolExecutor(ranks) as pool:
         cpu = sum(pool.map(one, range(ranks)))  # re-raises a rank's failure
     _lane.cpu = _child_cpu() + cpu

@@ -46,8 +46,9 @@ def prm(toy_policy):
 
 
 def test_auto_device_is_the_local_ranks_gpu(monkeypatch):
-    """resolve_device("auto"): the node-local rank's GPU when several are visible, the one GPU
-    when one is (srun or the user narrowed it), the CPU without CUDA; anything else as given."""
+    """resolve_device("auto"): the node-local rank's GPU when several are visible (a rank past
+    them is an error), the one GPU when one is (srun or the user narrowed it), the CPU without
+    CUDA; anything else as given."""
     import torch
 
     from mmprm.models.loading import resolve_device
@@ -62,6 +63,9 @@ def test_auto_device_is_the_local_ranks_gpu(monkeypatch):
     assert resolve_device("auto") == "cuda:3"
     monkeypatch.setenv("LOCAL_RANK", "5")  # torchrun/accelerate's rank wins over srun's
     assert resolve_device("auto") == "cuda:5"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=5 but only 4 GPUs are visible"):
+        resolve_device("auto")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert resolve_device("auto") == "cuda:0"
 

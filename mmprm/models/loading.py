@@ -269,14 +269,22 @@ def resolve_device(device: str = "auto") -> str:
     """`device` as given, or for "auto" this process's accelerator: with several GPUs visible, the
     one of its node-local rank (LOCAL_RANK from torchrun/accelerate, SLURM_LOCALID from srun), so
     eight shards on a node do not all load onto cuda:0; with one visible (narrowed by the user or
-    srun), that one; the CPU without CUDA."""
+    srun), that one; the CPU without CUDA. A local rank past the visible GPUs is an error."""
     if device != "auto":
         return device
     if not torch.cuda.is_available():
         return "cpu"
-    local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
     count = torch.cuda.device_count()
-    return f"cuda:{local}" if count > 1 and local < count else "cuda:0"
+    if count == 1:
+        return "cuda:0"
+    key = "LOCAL_RANK" if "LOCAL_RANK" in os.environ else "SLURM_LOCALID"
+    local = int(os.environ.get(key, "0"))
+    if local >= count:  # never two ranks silently sharing one GPU
+        raise ValueError(
+            f"{key}={local} but only {count} GPUs are visible: start at most {count} processes per node, "
+            "or set the device explicitly"
+        )
+    return f"cuda:{local}"
 
 
 def load_backbone(

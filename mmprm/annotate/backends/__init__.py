@@ -34,7 +34,8 @@ def make_rollout_backend(
 
     With several processes on a node (torchrun/accelerate: LOCAL_RANK; srun: SLURM_LOCALID), each
     takes the GPU of its node-local rank: vLLM through CUDA_VISIBLE_DEVICES (set before the engine
-    starts CUDA; one the user set wins), HF generate on `mmprm.models.loading.resolve_device("auto")`.
+    starts CUDA; one the user set wins), HF generate on `mmprm.models.loading.resolve_device("auto")`
+    (HFBackend's default device).
     `vllm_kwargs` go to `vllm.LLM` (gpu_memory_utilization, max_model_len, dtype, ...);
     `attn_implementation` is the HF model's kernel (sdpa, flash_attention_2, eager, auto).
     """
@@ -46,13 +47,11 @@ def make_rollout_backend(
     if backend != "hf":
         raise ValueError(f"backend: {backend!r} is not one of ['hf', 'vllm']")
     from mmprm.annotate.backends.hf import HFBackend
-    from mmprm.models.loading import resolve_device
 
     return HFBackend.from_pretrained(
         path,
         sampling,
         dtype=dtype,
-        device=resolve_device("auto"),
         step_mode=step_mode,
         batch_size=batch_size,
         system=system,

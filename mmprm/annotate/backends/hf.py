@@ -81,16 +81,17 @@ class HFBackend:
         attn_implementation: str = "sdpa",
         **kwargs: Any,
     ) -> HFBackend:
-        """Load with `mmprm.models.loading.load_backbone`; device defaults to cuda when present.
+        """Load with `mmprm.models.loading.load_backbone`; device defaults to this process's
+        accelerator (`mmprm.models.loading.resolve_device("auto")`: its local rank's GPU, else the CPU).
 
         `attn_implementation` is the recipe's `model.attn_implementation` (sdpa, flash_attention_2,
         eager or auto), checked before loading.
         """
-        from mmprm.models.loading import load_backbone
+        from mmprm.models.loading import load_backbone, resolve_device
 
         torch_dtype = None if dtype in (None, "auto") else getattr(torch, dtype)
         model, processor = load_backbone(path, dtype=torch_dtype, attn_implementation=attn_implementation)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = device or resolve_device("auto")
         return cls(model.to(device), processor, sampling, **kwargs)
 
     def _image(self, path: str) -> Any:
