@@ -5,7 +5,8 @@
 
 Stages (each one the real recipe, run as a user would run it, with a tiny config):
   1. data      synthetic colour-tile problems: SFT train set, annotation set, held-out dev + test sets
-  2. model     `mmprm tiny-model`: a random-init Qwen2-VL-architecture model
+  2. model     `mmprm tiny-model`: a random-init Qwen2-VL-architecture model, or the checkpoint
+               named by model.name_or_path (its own tokenizer, processor and chat template)
   3. policy    recipes/policy_sft.py: learn to solve in tagged steps
   4. annotate  recipes/mcts_annotate.py: OmegaPRM MCTS labels the policy's own steps (HF backend),
                as `annotate_ranks` processes side by side, each on its share of the problems
@@ -43,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmprm.config import ConfigError, load_config, parse_cli, to_dict
+from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,13 +83,17 @@ class TaskConfig:
 
 @dataclass
 class ModelConfig:
-    """Model loading.
+    """The model every stage starts from, and how it is loaded.
 
     Attributes:
+        name_or_path: a checkpoint (directory or hub id) the policy is fine-tuned from and the reward
+            models start from, with its own tokenizer, processor and chat template; empty: build the
+            tiny random-init model (`arch`, `hidden_size`, `num_layers`)
         attn_implementation: attention kernel of every model the demo loads (passed to each stage): sdpa | flash_attention_2
             (mmprm[flash], CUDA) | eager | auto (flash-attn when installed and a GPU is visible, else sdpa)
     """
 
+    name_or_path: str = ""
     attn_implementation: str = "sdpa"
 
 
@@ -100,7 +105,7 @@ class Config:
         seed: seed of every stage
         output_dir: where each stage's output goes (a finished stage is skipped on rerun)
         force: redo every stage even when its output exists
-        arch: tiny model architecture (mmprm tiny-model --arch)
+        arch: tiny model architecture (mmprm tiny-model --arch), when model.name_or_path is empty
         hidden_size: tiny model hidden size
         num_layers: tiny model layers
         task: the synthetic task (section)
@@ -303,6 +308,8 @@ def write_outcome_candidates(cand_file: Path, out_file: Path) -> None:
 def main(argv: list[str]) -> None:
     config_path, overrides = parse_cli(argv, Config)
     cfg = load_config(Config, config_path, overrides)
+    if cfg.model.name_or_path:
+        require_model_dir(cfg, "model.name_or_path")
     from mmprm.models.loading import resolve_attn_implementation
 
     resolve_attn_implementation(cfg.model.attn_implementation)  # fail before the first stage, not in it
@@ -315,7 +322,8 @@ def main(argv: list[str]) -> None:
     if not out.is_absolute():
         out = REPO / out
     out.mkdir(parents=True, exist_ok=True)
-    data, model_dir, policy, mcts = out / "data", out / "tiny_model", out / "policy", out / "mcts"
+    data, policy, mcts = out / "data", out / "policy", out / "mcts"
+    model_dir = cfg.model.name_or_path or out / "tiny_model"
     timings: list[tuple[str, float, float, str]] = []
     attn = f"model.attn_implementation={cfg.model.attn_implementation}"  # every stage loads with this kernel
 
@@ -339,9 +347,12 @@ def main(argv: list[str]) -> None:
             (("train", t.train), ("annotate", t.annotate), ("dev", t.dev), ("test", t.test))
         ):
             prefix = "ann" if name == "annotate" else name
-            splits[name] = generate(
-                SyntheticConfig(num_problems=size, seed=cfg.seed + k, id_prefix=prefix, **common), exclude=seen
-            )
+            try:
+                splits[name] = generate(
+                    SyntheticConfig(num_problems=size, seed=cfg.seed + k, id_prefix=prefix, **common), exclude=seen
+                )
+            except ValueError as e:  # too few distinct problems for the splits asked for
+                raise SystemExit(f"quickstart: task.{name}={size}: {e}") from None
             seen |= {problem_key(p.meta["template"], p.meta["cells"]) for p in splits[name]}
         write_split(splits["train"], data, "train")
         write_split(splits["annotate"], data, "annotate")
@@ -355,29 +366,15 @@ def main(argv: list[str]) -> None:
 
     stage("data", data / "task.json", out, cfg.force, timings, make_data)
 
-    # ---- 2. tiny model ---------------------------------------------------------------------
-    stage(
-        "model",
-        model_dir / "config.json",
-        out,
-        cfg.force,
-        timings,
-        lambda: run(
-            "-m",
-            "mmprm.cli",
-            "tiny-model",
-            "--arch",
-            cfg.arch,
-            "--out",
-            str(model_dir),
-            "--seed",
-            str(cfg.seed),
-            "--hidden-size",
-            str(cfg.hidden_size),
-            "--layers",
-            str(cfg.num_layers),
-        ),
-    )
+    # ---- 2. tiny model (unless the user names a checkpoint to start from) ---------------------
+    if cfg.model.name_or_path:
+        print(f"==> [model] starting from {model_dir}", flush=True)
+    else:
+        tiny_model = [
+            "-m", "mmprm.cli", "tiny-model", "--arch", cfg.arch, "--out", str(model_dir), "--seed", str(cfg.seed),
+            "--hidden-size", str(cfg.hidden_size), "--layers", str(cfg.num_layers),
+        ]  # fmt: skip
+        stage("model", Path(model_dir) / "config.json", out, cfg.force, timings, lambda: run(*tiny_model))
 
     # ---- 3. policy SFT ---------------------------------------------------------------------
     stage(

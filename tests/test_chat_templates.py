@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from template_families import FAMILIES, FIXTURES, NAMES, TEXT_ARCHS, build_family_checkpoint
 
 from mmprm.models import add_step_token, load_backbone
-from mmprm.models.tiny import _ARCH_TOKENS, _corpus, build_tiny_model
 from mmprm.steps import (
     STEP_TOKEN,
     assistant_start,
@@ -34,17 +34,6 @@ from mmprm.steps import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
-FAMILIES: dict[str, dict] = json.loads((FIXTURES / "families.json").read_text(encoding="utf-8"))
-NAMES = sorted(FAMILIES)
-TEXT_ARCHS = ("qwen2", "llama", "mistral")
-# Named tokens each processor reads from its tokenizer: the tiny presets' archs, plus the two
-# LLaVA generations built here (tiny.py has no preset for them).
-NAMED_TOKENS = {
-    **_ARCH_TOKENS,
-    "llava_next": {"image_token": "<image>"},
-    "llava_onevision": {"image_token": "<image>", "video_token": "<video>"},
-}
 SYSTEMS = [None, "Answer in short numbered steps."]
 SYSTEM_IDS = ["no_system", "system"]
 
@@ -75,157 +64,6 @@ MODEL_CLASS = {
 }
 
 
-def family_tokenizer(name: str):
-    """A byte-level BPE trained here with the family's special tokens, settings and real template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    fam = FAMILIES[name]
-    named = dict(NAMED_TOKENS.get(fam["arch"], {}))
-    roles = [fam[k] for k in ("bos", "eos", "pad", "unk") if fam[k]]
-    specials = list(dict.fromkeys([*fam["special_tokens"], *roles, *named.values()]))
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1024,
-        special_tokens=specials,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(_corpus(), trainer)
-    if fam["add_bos_token"]:  # Llama 3, Mistral, LLaVA-1.5/NeXT tokenizers prepend BOS themselves
-        bos = fam["bos"]
-        bpe.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bpe.token_to_id(bos))]
-        )
-    template = (FIXTURES / fam["template"]).read_text(encoding="utf-8")
-    return PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        bos_token=fam["bos"],
-        eos_token=fam["eos"],
-        pad_token=fam["pad"],
-        unk_token=fam["unk"],
-        extra_special_tokens=named,
-        chat_template=template,
-        padding_side=fam["padding_side"],
-        model_max_length=4096,
-    )
-
-
-def _text_model(arch: str, tok, tie: bool):
-    import transformers as tf
-
-    config_cls, model_cls = {
-        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-    }[arch]
-    config = config_cls(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=tie,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return model_cls(config)
-
-
-def _llava_anyres_model(arch: str, tok):
-    """Tiny LLaVA-NeXT (Mistral LM) or LLaVA-OneVision (Qwen2 LM): CLIP at 56 px, anyres grids of 56 px tiles."""
-    import transformers as tf
-
-    from mmprm.models.loading import LlavaOnevisionImageOnlyProcessor
-
-    text = {
-        "model_type": "mistral" if arch == "llava_next" else "qwen2",
-        "vocab_size": len(tok),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
-        "bos_token_id": tok.bos_token_id,
-        "eos_token_id": tok.eos_token_id,
-        "pad_token_id": tok.pad_token_id,
-    }
-    vision = {
-        "model_type": "clip_vision_model",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "image_size": 56,
-        "patch_size": 14,
-        "projection_dim": 32,
-    }
-    grids = [[56, 56], [56, 112], [112, 56]]
-    image_id = tok.convert_tokens_to_ids("<image>")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        if arch == "llava_next":
-            model = tf.LlavaNextForConditionalGeneration(
-                tf.LlavaNextConfig(
-                    text_config=text,
-                    vision_config=vision,
-                    image_token_index=image_id,
-                    image_grid_pinpoints=grids,
-                    vision_feature_layer=-2,
-                    vision_feature_select_strategy="default",
-                )
-            )
-            images = tf.LlavaNextImageProcessorPil(
-                size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}, image_grid_pinpoints=grids
-            )
-            processor = tf.LlavaNextProcessor(
-                image_processor=images,
-                tokenizer=tok,
-                patch_size=14,
-                vision_feature_select_strategy="default",
-                num_additional_image_tokens=1,
-                image_token="<image>",
-                chat_template=tok.chat_template,
-            )
-        else:
-            model = tf.LlavaOnevisionForConditionalGeneration(
-                tf.LlavaOnevisionConfig(
-                    text_config=text,
-                    vision_config=vision,
-                    image_token_index=image_id,
-                    video_token_index=tok.convert_tokens_to_ids("<video>"),
-                    image_grid_pinpoints=grids,
-                    vision_feature_layer=-1,
-                    vision_feature_select_strategy="default",
-                )
-            )
-            images = tf.LlavaOnevisionImageProcessorPil(size={"height": 56, "width": 56}, image_grid_pinpoints=grids)
-            # 16 patch tokens + CLS, which the "default" strategy drops
-            processor = LlavaOnevisionImageOnlyProcessor(
-                image_processor=images,
-                tokenizer=tok,
-                num_image_tokens=17,
-                vision_feature_select_strategy="default",
-                chat_template=tok.chat_template,
-            )
-    return model, processor
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """name -> directory of that family's tiny checkpoint (built once; load it, never write into it)."""
@@ -234,18 +72,7 @@ def checkpoint(tmp_path_factory):
 
     def get(name: str) -> Path:
         if name not in built:
-            fam, out = FAMILIES[name], root / name
-            tok = family_tokenizer(name)
-            if fam["arch"] in TEXT_ARCHS:
-                _text_model(fam["arch"], tok, fam["tie_word_embeddings"]).save_pretrained(out)
-                tok.save_pretrained(out)
-            elif fam["arch"] in ("llava_next", "llava_onevision"):
-                model, processor = _llava_anyres_model(fam["arch"], tok)
-                model.save_pretrained(out)
-                processor.save_pretrained(out)
-            else:
-                build_tiny_model(fam["arch"], out, seed=0, tokenizer=tok)
-            built[name] = out
+            built[name] = build_family_checkpoint(name, root / name)
         return built[name]
 
     return get

@@ -117,3 +117,66 @@ def test_reduced_demo_pipeline(tmp_path):
     assert (out / "search_vs_bon.png").exists()
     assert (out / "bon_curve.png").stat().st_size > 10_000 and (out / "readme_section.md").exists()
     assert (REPO / "README.md").read_text() == readme_before  # publish is off unless asked
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava_1_5_hf"])
+def test_pipeline_on_a_real_chat_template(tmp_path, family):
+    """Every stage on a checkpoint shaped like a real one (`model.name_or_path`), not our tiny preset.
+
+    Qwen2-VL's real template adds a default system prompt; LLaVA-1.5's tokenizer prepends BOS, pads
+    on the left and its template writes "ASSISTANT:" then a space before the answer. SFT, annotation,
+    the three reward models, Best-of-N and search must all agree with the template they are given.
+    """
+    sys.path.insert(0, str(Path(__file__).parent))
+    from template_families import FAMILIES, FIXTURES, build_family_checkpoint
+
+    from mmprm.data.schema import load_examples, read_jsonl
+
+    base = build_family_checkpoint(family, tmp_path / "base", hidden_size=128, num_layers=4)
+    out = tmp_path / "demo"
+    cmd = [
+        sys.executable,
+        "recipes/quickstart.py",
+        "--config",
+        "recipes/configs/tiny/quickstart.yaml",
+        f"output_dir={out}",
+        f"model.name_or_path={base}",
+        "task.train=1000",
+        "task.max_tiles=3",
+        "task.max_ops=3",
+        "task.annotate=16",
+        "task.dev=8",
+        "task.test=8",
+        "n=2",
+        "sft=[train.max_steps=300, train.lr=3e-3, train.warmup_steps=10, model.freeze_vision_tower=false, "
+        "train.eval_every=300, train.save_every=300, train.eval_generations=8, train.max_new_tokens=100]",
+        "annotate=[sampling.max_new_tokens=100, engine.concurrency=8, search.max_rollouts=32, search.max_searches=4, "
+        "export.edges=step]",
+        "prm=[train.max_steps=4, train.save_every=4, train.batch_size=4]",
+        "bon=[generate.sampling.max_new_tokens=100, generate.batch_size=16, report.resamples=50]",
+        "search_problems=4",
+        "search=[policy.sampling.max_new_tokens=30, bon.max_new_tokens=100, 'bon.n=[2]', report.resamples=50, "
+        "'searches=[{method: beam, width: 2, expansions: 2, max_steps: 4, aggregator: min}]']",
+    ]
+    res = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"==> [model] starting from {base}" in res.stdout and not (out / "tiny_model").exists()
+    for stage in ("policy", "annotate", "prm", "prm_hard", "orm", "bon", "bon_hard", "bon_orm", "search", "report"):
+        assert f"==> [{stage}]" in res.stdout, stage
+
+    # the policy keeps the checkpoint's own template, and writes the tagged format under it
+    template = (FIXTURES / FAMILIES[family]["template"]).read_text(encoding="utf-8")
+    assert (out / "policy" / "chat_template.jinja").read_text(encoding="utf-8") == template
+    evals = [json.loads(line) for line in (out / "policy" / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in evals if r.get("split") == "eval"][-1]["format_compliance"] >= 0.75
+    # annotation labelled the policy's own steps; Best-of-N parsed its candidates into steps
+    rows = load_examples(out / "mcts" / "prm_data.jsonl", require_labels=True)
+    assert rows and all(e.steps and not e.steps[0].startswith(" ") for e in rows)
+    candidates = [c for r in read_jsonl(out / "bon" / "candidates.jsonl") for c in r["candidates"]]
+    assert len(candidates) == 32
+    assert sum(bool(c["steps"]) and c["answer"] is not None for c in candidates) >= 24
+    report = json.loads((out / "report.json").read_text())
+    assert report["splits"] == {"dev": 8, "test": 8} and report["test_steps"] > 0
