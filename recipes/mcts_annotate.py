@@ -183,9 +183,6 @@ def make_backend(cfg: AnnotateConfig, rank: int = 0):
     except ValueError as e:  # a broken mmprm_policy.json
         raise ConfigError(f"model.name_or_path: {e}") from None
     sampling = replace(cfg.sampling, seed=worker_seed(cfg.sampling.seed, rank))
-    llm_kwargs = {"gpu_memory_utilization": cfg.model.vllm_gpu_memory_utilization, "dtype": cfg.model.dtype}
-    if cfg.model.vllm_max_model_len:
-        llm_kwargs["max_model_len"] = cfg.model.vllm_max_model_len
     return make_rollout_backend(
         cfg.model.name_or_path,
         sampling,
@@ -195,7 +192,9 @@ def make_backend(cfg: AnnotateConfig, rank: int = 0):
         batch_size=cfg.model.hf_batch_size,
         dtype=cfg.model.dtype,
         attn_implementation=cfg.model.attn_implementation,
-        vllm_kwargs={**llm_kwargs, **cfg.model.vllm_kwargs},
+        gpu_memory_utilization=cfg.model.vllm_gpu_memory_utilization,
+        max_model_len=cfg.model.vllm_max_model_len,
+        vllm_kwargs=cfg.model.vllm_kwargs,
     )
 
 

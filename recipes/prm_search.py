@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir
 from mmprm.data.schema import DataError
@@ -63,6 +63,7 @@ class PolicyConfig:
         dtype: torch dtype name of the policy (e.g. bfloat16); null keeps the checkpoint's
         gpu_memory_utilization: vllm: share of GPU memory the engine may take (leave room for the PRM)
         max_model_len: vllm: context length (prompt + generated); null takes the model's
+        vllm_kwargs: vllm: more vllm.LLM arguments, e.g. {enforce_eager: true}
         sampling: sampling (section)
     """
 
@@ -74,6 +75,7 @@ class PolicyConfig:
     dtype: str | None = None
     gpu_memory_utilization: float = 0.5
     max_model_len: int | None = None
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
@@ -238,11 +240,9 @@ def make_backend(cfg: Config, max_new_tokens: int):
         batch_size=cfg.policy.batch_size,
         dtype=cfg.policy.dtype,
         attn_implementation=cfg.model.attn_implementation,
-        vllm_kwargs={
-            "gpu_memory_utilization": cfg.policy.gpu_memory_utilization,
-            "max_model_len": cfg.policy.max_model_len,
-            "dtype": cfg.policy.dtype or "auto",
-        },
+        gpu_memory_utilization=cfg.policy.gpu_memory_utilization,
+        max_model_len=cfg.policy.max_model_len,
+        vllm_kwargs=cfg.policy.vllm_kwargs,
     )
 
 

@@ -104,6 +104,7 @@ class AnswersConfig:
         dtype: hf: torch dtype name or auto; vllm: its dtype option
         vllm_gpu_memory_utilization: vllm: share of GPU memory the engine may take
         vllm_max_model_len: vllm: context length; null takes the model's
+        vllm_kwargs: vllm: more vllm.LLM arguments, e.g. {enforce_eager: true}
         tokenizer: count answer tokens with this tokenizer; null: the model's, else approximate
     """
 
@@ -117,6 +118,7 @@ class AnswersConfig:
     dtype: str = "auto"
     vllm_gpu_memory_utilization: float = 0.9
     vllm_max_model_len: int | None = None
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     tokenizer: str | None = None
 
 
@@ -320,9 +322,6 @@ def make_backend(a: AnswersConfig, attn_implementation: str, step_mode: str = "b
     """The model under test as a rollout backend (`mmprm.annotate.backends`), continuing free text."""
     from mmprm.annotate.backends import make_rollout_backend
 
-    kw: dict[str, Any] = {"gpu_memory_utilization": a.vllm_gpu_memory_utilization, "dtype": a.dtype}
-    if a.vllm_max_model_len:
-        kw["max_model_len"] = a.vllm_max_model_len
     return make_rollout_backend(
         a.model,
         a.sampling,
@@ -332,7 +331,9 @@ def make_backend(a: AnswersConfig, attn_implementation: str, step_mode: str = "b
         batch_size=a.batch_size,
         dtype=a.dtype,
         attn_implementation=attn_implementation,
-        vllm_kwargs=kw,
+        gpu_memory_utilization=a.vllm_gpu_memory_utilization,
+        max_model_len=a.vllm_max_model_len,
+        vllm_kwargs=a.vllm_kwargs,
     )
 
 

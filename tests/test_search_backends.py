@@ -94,6 +94,42 @@ def test_make_rollout_backend_samples_on_this_process_device(tiny_models, monkey
         make_rollout_backend("unused", sampling, "tags", None, backend="tgi")
 
 
+def test_make_rollout_backend_vllm_engine_arguments(monkeypatch):
+    """The engine arguments all four recipes' keys become: dtype (None: auto), memory share and
+    context length when set, then the user's vllm_kwargs, which win. The engine itself runs in the
+    vLLM tier (tests/test_vllm_recipes.py); here it is replaced by a recorder."""
+    import mmprm.annotate.backends.vllm as vllm_backend
+    from mmprm.annotate.backends import make_rollout_backend
+    from mmprm.annotate.backends.base import SamplingConfig
+
+    made, pinned = [], []
+    monkeypatch.setattr(vllm_backend, "VLLMBackend", lambda path, sampling, **kw: made.append((path, kw)) or kw)
+    monkeypatch.setattr(vllm_backend, "pin_local_gpu", lambda: pinned.append(True))
+    sampling = SamplingConfig(max_new_tokens=4)
+
+    make_rollout_backend("m", sampling, "tags", None, backend="vllm")
+    assert made[-1] == ("m", {"step_mode": "tags", "system": None, "dtype": "auto"}) and pinned
+    make_rollout_backend(
+        "m",
+        sampling,
+        "blank_lines",
+        "Be brief.",
+        backend="vllm",
+        dtype="bfloat16",
+        gpu_memory_utilization=0.5,
+        max_model_len=4096,
+        vllm_kwargs={"enforce_eager": True, "max_model_len": 2048},
+    )
+    assert made[-1][1] == {
+        "step_mode": "blank_lines",
+        "system": "Be brief.",
+        "dtype": "bfloat16",
+        "gpu_memory_utilization": 0.5,
+        "max_model_len": 2048,
+        "enforce_eager": True,
+    }
+
+
 @pytest.mark.slow
 def test_hf_greedy_search_rebuilds_the_greedy_solution(toy_policy, prm):
     from mmprm.annotate.backends.base import SamplingConfig

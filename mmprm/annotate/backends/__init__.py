@@ -28,6 +28,8 @@ def make_rollout_backend(
     batch_size: int = 32,
     dtype: str | None = None,
     attn_implementation: str = "sdpa",
+    gpu_memory_utilization: float | None = None,
+    max_model_len: int | None = None,
     vllm_kwargs: dict[str, Any] | None = None,
 ) -> RolloutBackend:
     """A policy's rollout backend on this process's own accelerator.
@@ -36,14 +38,21 @@ def make_rollout_backend(
     takes the GPU of its node-local rank: vLLM through CUDA_VISIBLE_DEVICES (set before the engine
     starts CUDA; one the user set wins), HF generate on `mmprm.models.loading.resolve_device("auto")`
     (HFBackend's default device).
-    `vllm_kwargs` go to `vllm.LLM` (gpu_memory_utilization, max_model_len, dtype, ...);
-    `attn_implementation` is the HF model's kernel (sdpa, flash_attention_2, eager, auto).
+    vLLM's engine gets `dtype` (None: "auto"), `gpu_memory_utilization` and `max_model_len` when
+    set (None: vLLM's defaults, the model's context length), then `vllm_kwargs` (any other
+    `vllm.LLM` argument; a key named here too wins). `attn_implementation` is the HF model's kernel
+    (sdpa, flash_attention_2, eager, auto).
     """
     if backend == "vllm":
         from mmprm.annotate.backends.vllm import VLLMBackend, pin_local_gpu
 
+        engine: dict[str, Any] = {"dtype": dtype or "auto"}
+        if gpu_memory_utilization is not None:
+            engine["gpu_memory_utilization"] = gpu_memory_utilization
+        if max_model_len:
+            engine["max_model_len"] = max_model_len
         pin_local_gpu()
-        return VLLMBackend(path, sampling, step_mode=step_mode, system=system, **(vllm_kwargs or {}))
+        return VLLMBackend(path, sampling, step_mode=step_mode, system=system, **{**engine, **(vllm_kwargs or {})})
     if backend != "hf":
         raise ValueError(f"backend: {backend!r} is not one of ['hf', 'vllm']")
     from mmprm.annotate.backends.hf import HFBackend
