@@ -12,22 +12,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from recipe_runs import read_metrics, run_recipe
 from safetensors.torch import load_file
 from toy_data import write_toy_prm_data
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("deepspeed")
 
-REPO = Path(__file__).resolve().parents[1]
 EMBED = "backbone.model.language_model.embed_tokens.weight"
 LM_HEAD = "backbone.lm_head.weight"
 
@@ -40,34 +38,19 @@ def free_port() -> int:
 
 def launch(recipe: str, stage: int, processes: int, *overrides: str, bf16: bool = False) -> str:
     """`accelerate launch --config_file launch/accelerate/deepspeed_zeroN.yaml` as a user types it."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        f"launch/accelerate/deepspeed_zero{stage}.yaml",
-        "--num_processes",
-        str(processes),
-        "--main_process_port",
-        str(free_port()),
-        "--mixed_precision",
-        "bf16" if bf16 else "no",
-        "--dynamo_backend",
-        "no",
-        f"recipes/{recipe}.py",
-        *overrides,
-    ]
-    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}  # that flag turns DeepSpeed off
-    env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    launcher = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", f"launch/accelerate/deepspeed_zero{stage}.yaml",
+        "--num_processes", str(processes),
+        "--main_process_port", str(free_port()),
+        "--mixed_precision", "bf16" if bf16 else "no",
+        "--dynamo_backend", "no",
+    ]  # fmt: skip
     t0 = time.time()
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env, check=False)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    # ACCELERATE_USE_CPU (set for the DDP tests on CPU) turns DeepSpeed off: these runs need it off
+    res = run_recipe(recipe, *overrides, launcher=launcher, timeout=900, extra_env={"ACCELERATE_USE_CPU": "false"})
     print(f"\n[{recipe} zero{stage} x{processes}{' bf16' if bf16 else ''}] {time.time() - t0:.1f}s")
     return res.stdout + res.stderr
-
-
-def rows(out: Path, split: str) -> list[dict]:
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
 
 
 def check_partitions(out: Path, stage: int, processes: int, names: list[str], numel: int) -> None:
@@ -139,7 +122,7 @@ def test_prm_train_under_deepspeed(model_128, toy, tmp_path, stage, processes):
     out = tmp_path / "prm"
     log = launch("prm_train", stage, processes, *prm_args(model_128, toy, out, steps=12))
     assert json.loads((out / "config.resolved.json").read_text())["num_processes"] == processes
-    train = rows(out, "train")
+    train = read_metrics(out, "train")
     first, last = sum(r["loss"] for r in train[:4]) / 4, sum(r["loss"] for r in train[-4:]) / 4
     print(f"  loss {first:.4f} -> {last:.4f}")
     assert last < first, f"loss did not go down ({first:.4f} -> {last:.4f})"
@@ -188,7 +171,7 @@ def test_policy_sft_under_deepspeed(model_128, sft_data, tmp_path, stage, proces
         "data.max_length=256",
         "train.report_to=none",
     )
-    evals = rows(out, "eval")
+    evals = read_metrics(out, "eval")
     print(f"  eval loss {evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}")
     assert evals[-1]["loss"] < evals[0]["loss"] and evals[-1]["generated"] == 9
     check_partitions(out, stage, processes, ["model.language_model.embed_tokens.weight", "lm_head.weight"], 1024 * 128)
@@ -227,7 +210,7 @@ def test_bf16_prm_train_zero2(model_128, toy, tmp_path):
         "train.bf16=true",
         bf16=True,
     )
-    train = rows(out, "train")
+    train = read_metrics(out, "train")
     first, last = sum(r["loss"] for r in train[:4]) / 4, sum(r["loss"] for r in train[-4:]) / 4
     print(f"  bf16 loss {first:.4f} -> {last:.4f}")
     assert all(math.isfinite(r["loss"]) for r in train) and last < first
