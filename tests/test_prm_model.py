@@ -90,6 +90,53 @@ def test_scorer_batches_mixed_problems_and_keeps_order(tiny_models):
         assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("share_prefix", [True, False])
+def test_scorer_holds_inputs_one_group_at_a_time(tiny_models, tmp_path, monkeypatch, share_prefix):
+    """Tokenized inputs (their pixel values included) are dropped once scored: at 100k problems x
+    64 candidates, holding them all before the first forward is terabytes."""
+    import gc
+    import weakref
+
+    import mmprm.models.prm as prm_module
+
+    model, processor = _prm(tiny_models, "qwen2_vl")
+    scorer = PRMScorer(model, processor, batch_size=2)
+    paths = []
+    for i in range(10):
+        paths.append(str(tmp_path / f"p{i}.png"))
+        Image.new("RGB", (56, 42), (20 * i, 30, 30)).save(paths[-1])
+    examples = [
+        {"question": f"Q{i}", "images": [paths[i]], "steps": [f"Tile 1 is {j}.", f"So {i + j}."]}
+        for i in range(10)
+        for j in range(3)
+    ]
+    alive: list[weakref.ref] = []
+    peak = [0]
+
+    def tracked(fn):
+        def wrapper(*args, **kwargs):
+            gc.collect()
+            peak[0] = max(peak[0], sum(r() is not None for r in alive))
+            out = fn(*args, **kwargs)
+            if out is not None:
+                alive.append(weakref.ref(out))
+            return out
+
+        return wrapper
+
+    monkeypatch.setattr(prm_module, "tokenize_steps", tracked(prm_module.tokenize_steps))
+    monkeypatch.setattr(prm_module, "extend_steps", tracked(prm_module.extend_steps))
+    expected = [scorer.score([e])[0] for e in examples]
+    alive.clear()
+    peak[0] = 0
+    scores = scorer.score(examples, share_prefix=share_prefix)
+    assert len(alive) == 30
+    # shared: this group's 3 and the last group's 3; plain: a buffer of 8 batches of 2
+    assert peak[0] <= (6 if share_prefix else 16), peak[0]
+    for a, b in zip(expected, scores):
+        assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in zip(a, b))
+
+
 def test_empty_candidate_scores_as_empty_list(tiny_models):
     model, processor = _prm(tiny_models, "qwen2", "value")
     scorer = PRMScorer(model, processor)

@@ -211,9 +211,14 @@ class PRMScorer:
 
     @torch.no_grad()
     def score(self, examples: Sequence[Any], share_prefix: bool = True, progress: bool = False) -> list[list[float]]:
-        """One probability per step per example (steps cut by max_length get NaN)."""
+        """One probability per step per example (steps cut by max_length get NaN).
+
+        Examples with the same question and images form a group whose prompt is encoded once
+        (`share_prefix`). Inputs are tokenized (images processed) one group at a time and dropped
+        once scored; single examples wait in a buffer of a few batches, so they still run batched.
+        What stays for the whole call is the scores, never the inputs or their pixel values.
+        """
         results: list[list[float] | None] = [None] * len(examples)
-        toks: list[TokenizedSteps | None] = [None] * len(examples)
         groups: dict[Any, list[int]] = {}
         for i, ex in enumerate(examples):
             if not _steps_of(ex):
@@ -221,33 +226,39 @@ class PRMScorer:
                 continue
             # PIL images are unhashable: group those by object identity, paths by value
             imgs = tuple(x if isinstance(x, (str, Path)) else id(x) for x in (_field(ex, "images") or ()))
-            key = (_field(ex, "question"), imgs) if share_prefix else i
-            group = groups.setdefault(key, [])
-            # same prompt and images as the group's first: tokenize only the new steps
-            toks[i] = (
-                extend_steps(
+            groups.setdefault((_field(ex, "question"), imgs) if share_prefix else i, []).append(i)
+        bar = _progress(sum(map(len, groups.values())), progress)
+        singles: list[tuple[int, TokenizedSteps]] = []
+
+        def keep(idx: list[int], scores: list[list[float]]) -> None:
+            for i, s in zip(idx, scores):
+                results[i] = s + [float("nan")] * (len(_steps_of(examples[i])) - len(s))
+            bar.update(len(idx))
+
+        def flush_singles() -> None:
+            if singles:
+                keep([i for i, _ in singles], self._score_plain([t for _, t in singles]))
+                singles.clear()
+
+        for idx in groups.values():
+            first = self.tokenize(examples[idx[0]])
+            if len(idx) == 1:
+                singles.append((idx[0], first))
+                if len(singles) >= 8 * self.batch_size:
+                    flush_singles()
+                continue
+            toks = [first]
+            for i in idx[1:]:  # same prompt and images as the first: tokenize only the new steps
+                ext = extend_steps(
                     self.processor,
-                    toks[group[0]],
-                    _steps_of(ex),
+                    first,
+                    _steps_of(examples[i]),
                     max_length=self.max_length,
                     step_token=self.spec.step_token,
                 )
-                if group
-                else None
-            )
-            if toks[i] is None:
-                toks[i] = self.tokenize(ex)
-            group.append(i)
-        bar = _progress(sum(t is not None for t in toks), progress)
-        for idx in groups.values():
-            if share_prefix and len(idx) > 1:
-                scores = self._score_shared([toks[i] for i in idx])
-            else:
-                scores = self._score_plain([toks[i] for i in idx])
-            for i, s in zip(idx, scores):
-                n_missing = len(_steps_of(examples[i])) - len(s)
-                results[i] = s + [float("nan")] * n_missing
-            bar.update(len(idx))
+                toks.append(ext if ext is not None else self.tokenize(examples[i]))
+            keep(idx, self._score_shared(toks))
+        flush_singles()
         bar.close()
         return results  # type: ignore[return-value]
 
