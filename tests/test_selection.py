@@ -110,3 +110,22 @@ def test_votes_with_math_equivalence():
     assert majority_vote(answers, correct) == 0.0  # exact strings: "3" has the most votes
     # Equivalent values join one group: 2 vs 2, a tie.
     assert majority_vote(answers, correct, same=answers_mod.answers_match) == 0.5
+
+
+def test_answer_groups_asks_same_only_for_new_spellings():
+    """64 samples hold few distinct answers, and `same` may be symbolic math (ms per call): an
+    answer spelled like an earlier one joins its group without a call; groups are unchanged."""
+    from mmprm.answers import answers_match
+    from mmprm.scoring.selection import answer_groups
+
+    calls: list[tuple[str, str]] = []
+
+    def same(a: str, b: str) -> bool:
+        calls.append((a, b))
+        return answers_match(a, b)
+
+    answers = ["1/2", "0.5", " 1/2", None, "3", "1/2", "3", "\\frac{1}{2}", "", ""]
+    assert answer_groups(answers, same=same) == [0, 0, 0, -1, 1, 0, 1, 0, 2, 3]
+    # "0.5" vs "1/2"; "3" vs "1/2"; "\frac{1}{2}" vs "1/2"; each "" against every group so far
+    assert calls == [("0.5", "1/2"), ("3", "1/2"), ("\\frac{1}{2}", "1/2"), ("", "1/2"), ("", "3"),
+                     ("", "1/2"), ("", "3"), ("", "")]  # fmt: skip

@@ -72,7 +72,9 @@ def answer_groups(
         answers: extracted answers, None where extraction failed.
         normalize: key function; two answers agree when their keys are equal (default: strip).
         same: pairwise equivalence instead of `normalize` (e.g. `mmprm.answers.answers_match`);
-            each answer joins the first earlier group whose first member it matches.
+            each answer joins the first earlier group whose first member it matches. An answer
+            written exactly like an earlier one (after strip) joins that one's group without a
+            call: `same` may be slow (symbolic math), and 64 samples hold few distinct answers.
 
     >>> answer_groups(["12", " 12", None, "7"])
     [0, 0, -1, 1]
@@ -80,14 +82,19 @@ def answer_groups(
     groups: list[int] = []
     if same is not None:
         reps: list[str] = []
+        seen: dict[str, int] = {}  # stripped text -> its group
         for a in answers:
             if a is None:
                 groups.append(-1)
                 continue
-            gid = next((g for g, r in enumerate(reps) if same(a, r)), None)
+            gid = seen.get(a.strip()) if a.strip() else None
+            if gid is None:
+                gid = next((g for g, r in enumerate(reps) if same(a, r)), None)
             if gid is None:
                 gid = len(reps)
                 reps.append(a)
+            if a.strip():
+                seen.setdefault(a.strip(), gid)
             groups.append(gid)
         return groups
     key = normalize or _strip
