@@ -18,6 +18,7 @@ time, so a run killed at any point (kill -9 included) resumes where it stopped w
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 import time
@@ -294,7 +295,7 @@ def main(argv: list[str]) -> None:
     # ---- each search setting: problems in lockstep batches, one row per finished problem -----
     for search in cfg.searches:
         path = store.shard_file(out / slug(search.label()), "results", sh.index, sh.count)
-        done = store.ids_of(store.repair(path))
+        done = store.resume(path)
         todo = [p for p in problems if p.id not in done]
         print(f"[{search.label()}] {len(done)} problems already done, {len(todo)} to search", flush=True)
         t0 = time.time()
@@ -331,7 +332,7 @@ def main(argv: list[str]) -> None:
     # ---- Best-of-N at the largest budget, same policy and PRM -----------------------------
     if cfg.bon.enabled:
         path = store.shard_file(out / "bon", "candidates", sh.index, sh.count)
-        done = store.ids_of(store.repair(path))
+        done = store.resume(path)
         todo = [p for p in problems if p.id not in done]
         n_max = max(cfg.bon.n)
         print(f"[Best-of-N] {len(done)} problems already done, {len(todo)} to sample x {n_max}", flush=True)
@@ -370,16 +371,19 @@ def main(argv: list[str]) -> None:
     from mmprm.search.report import search_report, write_search_report
     from mmprm.treeval import render_tree
 
-    runs = {s.label(): store.merge_shards(out / slug(s.label()), "results", sh.count) for s in cfg.searches}
-    bon_rows = store.merge_shards(out / "bon", "candidates", sh.count) if cfg.bon.enabled else None
-    if any(r is None for r in runs.values()) or (cfg.bon.enabled and bon_rows is None):
+    ready = all(store.all_done(out / slug(s.label()), "results", sh.count) for s in cfg.searches)
+    if not ready or (cfg.bon.enabled and not store.all_done(out / "bon", "candidates", sh.count)):
         print(f"shard {sh.index} done; the report is written when all {sh.count} shards are (rerun any shard then)")
         return
+    # Only what the report reads: each row's search tree (hundreds of KB) stays on disk.
+    fields = ("id", "answer", "correct", "complete", "stats")
+    runs = {s.label(): store.merge_shards(out / slug(s.label()), "results", sh.count, fields) for s in cfg.searches}
+    bon_rows = store.merge_shards(out / "bon", "candidates", sh.count) if cfg.bon.enabled else None
     report = search_report(
         runs, bon_rows, sorted(cfg.bon.n), cfg.searches[0].aggregator, cfg.report.resamples, cfg.report.seed
     )
     first = cfg.searches[0].label()
-    for row in runs[first][: cfg.report.trees]:
+    for row in itertools.islice(store.iter_merged(out / slug(first), "results", sh.count), cfg.report.trees):
         tree = SearchTree.from_json(row["tree"])
         if len(tree.nodes) > 1:
             render_tree(

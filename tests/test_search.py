@@ -278,3 +278,33 @@ def test_equal_budget_report_by_hand(tmp_path):
     assert "| beam W1xM2 | 15 |" in md.read_text() and (tmp_path / "search_vs_bon.png").exists()
     with pytest.raises(ValueError, match="other problems"):
         search_report({"a": search, "b": search[:1]})
+
+
+def test_store_resume_streams_ids_and_cuts_a_torn_tail_in_place(tmp_path, capsys):
+    """prm_search's results files: resume returns the written ids, truncates a torn last row where
+    it lies (no rewrite of a file that may be gigabytes), and refuses damage before the last line."""
+    import json
+    import os
+
+    from mmprm.search import store
+
+    path = tmp_path / "results.shard0-of-1.jsonl"
+    assert store.resume(path) == set()
+    good = "".join(json.dumps({"id": f"p{i}", "tree": {"n": i}}) + "\n" for i in range(3))
+    path.write_text(good + '{"id": "p3", "tr')
+    inode = os.stat(path).st_ino
+    assert store.resume(path) == {"p0", "p1", "p2"}
+    assert path.read_text() == good and os.stat(path).st_ino == inode
+    assert "dropping a torn last row" in capsys.readouterr().err
+    with store.open_append(path) as f:
+        store.append_row(f, {"id": "p3"})
+    assert [r["id"] for r in store.read_rows(path)] == ["p0", "p1", "p2", "p3"]
+    assert store.read_rows(path, fields=("id",))[0] == {"id": "p0"}
+
+    path.write_text(good + '{"id": "p3"}')  # whole row, but its newline never reached the disk
+    assert store.resume(path) == {"p0", "p1", "p2"} and path.read_text() == good
+    path.write_text('{"id": "p0"}\n{"id": "p1", "tr\n{"id": "p2"}\n')
+    with pytest.raises(ValueError, match=r"results.shard0-of-1.jsonl:2: not a JSON row"):
+        store.resume(path)
+    with pytest.raises(ValueError, match=r"results.shard0-of-1.jsonl:2: not a JSON row"):
+        store.read_rows(path)
