@@ -22,16 +22,19 @@ Raise `scoring.max_length` (or leave it unset) to score every step.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import os
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir
-from mmprm.data.schema import DataError, write_jsonl
+from mmprm.data.schema import DataError
 
 
 @dataclass
@@ -92,12 +95,19 @@ class ScoringConfig:
         share_prefix: run the shared image + question prefix once per problem (same scores, faster)
         max_length: tokens per candidate; trailing steps past it are not scored; null: no truncation
         device: auto (cuda when available, else cpu), cpu, cuda or cuda:N
+        chunk_problems: problems read, scored and written to the shard file at a time: memory holds
+            one chunk, and a killed run resumes after the last chunk it wrote
     """
 
     batch_size: int = 16
     share_prefix: bool = True
     max_length: int | None = None
     device: str = "auto"
+    chunk_problems: int = 256
+
+    def validate(self) -> None:
+        if self.chunk_problems < 1:
+            raise ValueError(f"scoring.chunk_problems: {self.chunk_problems} must be >= 1")
 
 
 @dataclass
@@ -194,48 +204,79 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
 
     Each candidate's `steps` are `prm_steps(parsed steps, parsed answer)`: the PRM sees the answer
     it judges, exactly as in training. Nothing parsed -> `steps: []` (scored on the whole text).
+    Each backend call's problems are appended (fsync'ed) to `<file>.partial` as they finish; a
+    killed run resumes after the last one written, and the finished file is only renamed into place.
     """
     from mmprm.annotate.backends.base import RolloutRequest
     from mmprm.answers import answers_match
-    from mmprm.rerank.candidates import Candidate, load_problems, write_candidates
+    from mmprm.rerank.candidates import Candidate, load_problems
     from mmprm.rerank.shards import take_shard
+    from mmprm.search import store
     from mmprm.steps import parse_solution, prm_steps
 
     g = cfg.generate
-    problems = take_shard(load_problems(g.problems_file), cfg.shard.index, cfg.shard.count)
-    backend = make_backend(cfg)
-    per_call = max(1, g.batch_size // g.n)  # problems per backend call: about batch_size sequences
-    t0 = time.time()
-    for lo in range(0, len(problems), per_call):
-        chunk = problems[lo : lo + per_call]
-        texts = backend.generate([RolloutRequest(p.id, p.question, p.images, [], g.n) for p in chunk])
-        for p, outs in zip(chunk, texts):
-            for text in outs:
-                parsed = parse_solution(text, backend.step_mode)
-                correct = answers_match(parsed.answer, p.answer, p.choices)  # None answer -> False
-                p.candidates.append(
-                    Candidate(
-                        text=text,
-                        steps=prm_steps(parsed.steps, parsed.answer),
-                        answer=parsed.answer,
-                        correct=correct,
-                        meta={"complete": parsed.complete},
-                    )
-                )
-        done, elapsed = lo + len(chunk), time.time() - t0
-        print(
-            f"generated {done}/{len(problems)} problems x {g.n} in {elapsed:.0f}s "
-            f"(ETA {elapsed / done * (len(problems) - done):.0f}s)",
-            flush=True,
-        )
-    n_parsed = sum(bool(c.steps) for p in problems for c in p.candidates)
-    n_correct = sum(bool(c.correct) for p in problems for c in p.candidates)
-    print(f"{len(problems) * g.n} candidates: {n_parsed} with parsable steps, {n_correct} correct")
     name = (
         f"candidates.shard{cfg.shard.index}-of-{cfg.shard.count}.jsonl" if cfg.shard.count > 1 else "candidates.jsonl"
     )
-    write_candidates(out_dir / name, problems)
-    return out_dir / name
+    final = out_dir / name
+    partial = final.with_name(name + ".partial")
+    run = {"policy": str(Path(g.policy).resolve()), "problems_file": str(Path(g.problems_file).resolve()), "n": g.n}
+    run["sampling"] = asdict(g.sampling)
+    check_same_run(final.with_name(name + ".run.json"), run, final, partial)
+    if final.exists():
+        print(f"candidates already generated ({final}); delete it to sample again")
+        return final
+    done = store.resume(partial)
+    problems = take_shard(load_problems(g.problems_file), cfg.shard.index, cfg.shard.count)
+    todo = [p for p in problems if p.id not in done]
+    if done:
+        print(f"resuming: {len(done)} problems already sampled in {partial}, {len(todo)} to go")
+    backend = make_backend(cfg)
+    per_call = max(1, g.batch_size // g.n)  # problems per backend call: about batch_size sequences
+    t0, n_parsed, n_correct = time.time(), 0, 0
+    with store.open_append(partial) as f:
+        for lo in range(0, len(todo), per_call):
+            chunk = todo[lo : lo + per_call]
+            texts = backend.generate([RolloutRequest(p.id, p.question, p.images, [], g.n) for p in chunk])
+            for p, outs in zip(chunk, texts):
+                for text in outs:
+                    parsed = parse_solution(text, backend.step_mode)
+                    correct = answers_match(parsed.answer, p.answer, p.choices)  # None answer -> False
+                    p.candidates.append(
+                        Candidate(
+                            text=text,
+                            steps=prm_steps(parsed.steps, parsed.answer),
+                            answer=parsed.answer,
+                            correct=correct,
+                            meta={"complete": parsed.complete},
+                        )
+                    )
+                    n_parsed += bool(p.candidates[-1].steps)
+                    n_correct += bool(correct)
+                store.append_row(f, p.to_json())
+                p.candidates = []  # written: keep no text in memory
+            finished, elapsed = lo + len(chunk), time.time() - t0
+            print(
+                f"generated {len(done) + finished}/{len(problems)} problems x {g.n} in {elapsed:.0f}s "
+                f"(ETA {elapsed / finished * (len(todo) - finished):.0f}s)",
+                flush=True,
+            )
+    os.replace(partial, final)
+    print(f"{len(todo) * g.n} candidates sampled in this run: {n_parsed} with parsable steps, {n_correct} correct")
+    return final
+
+
+def check_same_run(run_file: Path, run: dict[str, Any], *outputs: Path) -> None:
+    """Refuse to resume or reuse `outputs` made with other settings; record this run's settings."""
+    if run_file.exists() and any(o.exists() for o in outputs):
+        before = json.loads(run_file.read_text())
+        diff = {k: (before.get(k), v) for k, v in run.items() if before.get(k) != v}
+        if diff:
+            raise ConfigError(
+                f"output_dir: {outputs[0].name} was made with other settings {diff} (was, now): "
+                "use a new output_dir, or delete its files to redo it"
+            )
+    run_file.write_text(json.dumps(run, indent=2) + "\n")
 
 
 def make_backend(cfg: Config):
@@ -273,59 +314,27 @@ def make_backend(cfg: Config):
     )
 
 
-def main(argv: list[str]) -> None:
-    config_path, overrides = parse_cli(argv, Config)
-    cfg = load_config(Config, config_path, overrides)
-    if cfg.generate.enabled:  # generation can take hours: a typo in either path must not wait for it
-        require_model_dir(cfg, "generate.policy")
-        require_model_dir(cfg, "prm", hub=False)
-    out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+def batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """Lists of `size` items (the last may be shorter), pulled from `items` as needed."""
+    it = iter(items)
+    while chunk := list(itertools.islice(it, size)):
+        yield chunk
 
-    # ---- candidates ------------------------------------------------------------------------
-    from mmprm.rerank.candidates import load_candidates
-    from mmprm.rerank.shards import SETTINGS_FILE, take_shard
 
-    if cfg.generate.enabled:
-        cand_file = generate_candidates(cfg, out_dir)
-        problems = load_candidates(cand_file)  # already this shard's problems; validated on the way back
-    else:
-        cand_file = Path(cfg.candidates_file)
-        problems = take_shard(load_candidates(cand_file), cfg.shard.index, cfg.shard.count)
-    # Every report number needs each candidate's verdict: refuse before any scoring.
-    unknown = [
-        f"{cand_file}: id={p.id}: candidates[{j}].correct: unknown (give the problem's gold `answer` "
-        "or each candidate's `correct`)"
-        for p in problems
-        for j, c in enumerate(p.candidates)
-        if c.correct is None
-    ]
-    if unknown:
-        raise DataError(unknown)
-    n_cands = sum(len(p.candidates) for p in problems)
-    print(f"shard {cfg.shard.index}/{cfg.shard.count}: {len(problems)} problems, {n_cands} candidates")
+def score_chunk(scorer: Any, problems: list[Any], share_prefix: bool, cand_file: Path) -> tuple[list[dict], dict]:
+    """Score every candidate of `problems`: one shard-file row per problem, and counts.
 
-    # ---- scoring: one forward per candidate, the problem's prompt encoded once ---------------
-    from mmprm.models.loading import resolve_device
-    from mmprm.models.prm import load_prm
+    Steps are what the PRM scores (answer attached); a candidate with no steps is scored on its
+    whole text as one step, and one with no text either is left out (its score is 0). Steps past
+    scoring.max_length come back NaN: the scored prefix is kept for inspection, and the candidate
+    is marked so the report ranks it last instead of trusting a partial score.
+    """
     from mmprm.steps import StepTokenError
 
-    device = resolve_device(cfg.scoring.device)
-    require_model_dir(cfg, "prm", hub=False)
-    scorer = load_prm(
-        cfg.prm,
-        device=device,
-        batch_size=cfg.scoring.batch_size,
-        max_length=cfg.scoring.max_length,
-        attn_implementation=cfg.model.attn_implementation,
-    )
-    # Steps are what the PRM scores (answer attached); a candidate with no steps is scored on its
-    # whole text as one step, and one with no text either is left out (its score is 0).
     inputs = [[{**x, "id": f"{p.id}/candidates[{j}]"} for j, x in enumerate(p.prm_inputs())] for p in problems]
     examples = [x for xs in inputs for x in xs if x["steps"]]
-    t0 = time.time()
     try:
-        probs = iter(scorer.score(examples, share_prefix=cfg.scoring.share_prefix, progress=True))
+        probs = iter(scorer.score(examples, share_prefix=share_prefix, progress=False))
     except StepTokenError:
         for p, xs in zip(problems, inputs):  # name the candidate whose text the PRM's tokenizer cannot take
             for j, x in enumerate(xs):
@@ -336,37 +345,101 @@ def main(argv: list[str]) -> None:
         raise
     except ValueError as e:  # the scorer names the candidate, e.g. a prompt longer than max_length
         raise ConfigError(f"scoring: {e}") from e
-    elapsed = time.time() - t0
-    n_steps = sum(len(x["steps"]) for x in examples)
-    print(
-        f"scored {len(examples)} candidates ({n_steps} steps) in {elapsed:.1f}s "
-        f"({n_steps / max(elapsed, 1e-9):.1f} steps/s)"
-    )
-
-    # ---- write this shard; report when the run is complete --------------------------------
-    from mmprm.rerank.shards import merge_scored, report_from_scored, shard_path
-
-    rows, dropped, cut = [], 0, 0
+    rows, stats = [], {"candidates": len(examples), "steps": sum(len(x["steps"]) for x in examples)}
+    stats["dropped_steps"] = stats["cut"] = 0
     for p, xs in zip(problems, inputs):
         cands = []
         for c, x in zip(p.candidates, xs):
             step_probs = next(probs) if x["steps"] else []
-            # Steps past scoring.max_length come back NaN: keep the scored prefix for inspection,
-            # and mark the candidate so the report ranks it last instead of trusting a partial score.
             kept = [q for q in step_probs if not math.isnan(q)]
             row = {"step_probs": kept, "answer": c.answer, "correct": bool(c.correct)}
             if len(kept) < len(step_probs):
                 row["truncated"] = True
-                dropped += len(step_probs) - len(kept)
-                cut += 1
+                stats["dropped_steps"] += len(step_probs) - len(kept)
+                stats["cut"] += 1
             cands.append(row)
         rows.append({"id": p.id, "candidates": cands})
-    if cut:
-        print(
-            f"warning: {cut} candidates ({dropped} steps) did not fit scoring.max_length={cfg.scoring.max_length}: "
-            "they are ranked last by every aggregator; raise scoring.max_length to score them fully"
+    return rows, stats
+
+
+def main(argv: list[str]) -> None:
+    config_path, overrides = parse_cli(argv, Config)
+    cfg = load_config(Config, config_path, overrides)
+    if cfg.generate.enabled:  # generation can take hours: a typo in either path must not wait for it
+        require_model_dir(cfg, "generate.policy")
+        require_model_dir(cfg, "prm", hub=False)
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    # ---- candidates: this shard's block, validated before any scoring, then streamed --------
+    from mmprm.rerank.candidates import check_candidates, count_rows, iter_candidates
+    from mmprm.rerank.shards import SETTINGS_FILE, merge_scored, report_from_scored, shard_bounds, shard_path
+
+    if cfg.generate.enabled:
+        cand_file, lo, hi = generate_candidates(cfg, out_dir), 0, None  # the file is this shard's block
+    else:
+        cand_file = Path(cfg.candidates_file)
+        if not cand_file.exists():
+            raise DataError([f"{cand_file}: file not found (write it with `mmprm convert-candidates`)"])
+        lo, hi = shard_bounds(count_rows(cand_file), cfg.shard.index, cfg.shard.count)
+    # Every report number needs each candidate's verdict: refuse before any scoring.
+    n_problems, n_cands = check_candidates(cand_file, lo, hi, need_correct=True)
+    print(f"shard {cfg.shard.index}/{cfg.shard.count}: {n_problems} problems, {n_cands} candidates")
+
+    # ---- scoring, chunk by chunk: each chunk's rows reach the shard file before the next -------
+    from mmprm.models.loading import resolve_device
+    from mmprm.models.prm import load_prm
+    from mmprm.search import store
+
+    final = shard_path(out_dir, cfg.shard.index, cfg.shard.count)
+    partial = final.with_name(final.name + ".partial")
+    # A resumed shard must come from the same PRM, candidates and scoring, or its rows would mix two runs.
+    run = {
+        "prm": str(Path(cfg.prm).resolve()),
+        "candidates_file": str(cand_file.resolve()),
+        "share_prefix": cfg.scoring.share_prefix,
+        "max_length": cfg.scoring.max_length,
+    }
+    check_same_run(final.with_name(final.name + ".run.json"), run, final, partial)
+    if final.exists():
+        print(f"shard {cfg.shard.index} already scored ({final}); delete it to rescore")
+    else:
+        done = store.resume(partial)
+        if done:
+            print(f"resuming: {len(done)} problems already scored in {partial}")
+        device = resolve_device(cfg.scoring.device)
+        require_model_dir(cfg, "prm", hub=False)
+        scorer = load_prm(
+            cfg.prm,
+            device=device,
+            batch_size=cfg.scoring.batch_size,
+            max_length=cfg.scoring.max_length,
+            attn_implementation=cfg.model.attn_implementation,
         )
-    write_jsonl(shard_path(out_dir, cfg.shard.index, cfg.shard.count), rows)
+        t0, n_scored, n_steps, dropped, cut = time.time(), 0, 0, 0, 0
+        todo = (p for p in iter_candidates(cand_file, lo, hi) if p.id not in done)
+        with store.open_append(partial) as f:
+            for chunk in batched(todo, cfg.scoring.chunk_problems):
+                rows, stats = score_chunk(scorer, chunk, cfg.scoring.share_prefix, cand_file)
+                for row in rows:
+                    store.append_row(f, row)
+                n_scored += stats["candidates"]
+                n_steps += stats["steps"]
+                dropped += stats["dropped_steps"]
+                cut += stats["cut"]
+                elapsed = time.time() - t0
+                print(
+                    f"scored {n_scored} candidates ({n_steps} steps, {n_steps / max(elapsed, 1e-9):.1f} steps/s)",
+                    flush=True,
+                )
+        os.replace(partial, final)
+        if cut:
+            print(
+                f"warning: {cut} candidates ({dropped} steps) did not fit scoring.max_length={cfg.scoring.max_length}: "
+                "they are ranked last by every aggregator; raise scoring.max_length to score them fully"
+            )
+
+    # ---- write this shard; report when the run is complete --------------------------------
     (out_dir / SETTINGS_FILE).write_text(json.dumps(asdict(cfg.report), indent=2) + "\n")
     if cfg.shard.count == 1:
         merged = merge_scored(out_dir, count=1)

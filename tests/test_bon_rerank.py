@@ -18,6 +18,7 @@ from PIL import Image
 from recipe_runs import REPO, recipe_env, run_recipe
 
 from mmprm.answers import answers_match
+from mmprm.config import ConfigError
 from mmprm.data.schema import DataError, read_jsonl
 from mmprm.rerank.candidates import Candidate, Problem, load_candidates, load_problems
 from mmprm.rerank.shards import cli_merge_bon, merge_scored, shard_path, take_shard
@@ -448,3 +449,102 @@ def test_candidates_cut_by_scoring_max_length_are_ranked_last_and_counted(prm_di
     for m in ("min", "average", "max", "last", "product", "sum_logpr", "sum_logodds", "mean_odds"):
         assert report["methods"][m]["2"]["mean"] == 1.0, m  # the complete, correct candidate wins every time
     assert "3 of 6 candidates were truncated" in (out / "report.md").read_text()
+
+
+def test_killed_scoring_resumes_after_the_last_written_chunk(unsharded, prm_dir, mathv_file, tmp_path, one_thread):
+    """A shard is scored chunk by chunk into `<shard>.partial`; killed after two chunks (plus a torn
+    row), the same command scores only the rest and ends with the unsharded run's file. A finished
+    shard is not scored again; other settings on the same output_dir are refused."""
+    mod = recipe()
+    out = tmp_path / "resumed"
+    args = [
+        "--config",
+        str(CONFIG),
+        f"prm={prm_dir}",
+        f"candidates_file={mathv_file}",
+        f"output_dir={out}",
+        "report.resamples=200",
+        "scoring.chunk_problems=4",
+    ]
+    real, scored = mod.score_chunk, []
+
+    def dies_on_the_third_chunk(scorer, problems, *rest):
+        if len(scored) == 8:
+            raise KeyboardInterrupt  # what kill leaves: two chunks on disk, nothing of the third
+        scored.extend(p.id for p in problems)
+        return real(scorer, problems, *rest)
+
+    mod.score_chunk = dies_on_the_third_chunk
+    with pytest.raises(KeyboardInterrupt):
+        mod.main(args)
+    partial = out / "scored.shard0-of-1.jsonl.partial"
+    assert [r["id"] for r in read_jsonl(partial)] == scored and not (out / "scored.shard0-of-1.jsonl").exists()
+    with open(partial, "a") as f:
+        f.write('{"id": "torn", "candi')
+
+    mod = recipe()
+    real, rescored = mod.score_chunk, []
+    mod.score_chunk = lambda scorer, problems, *rest: (
+        rescored.extend(p.id for p in problems) or real(scorer, problems, *rest)
+    )
+    mod.main(args)
+    single = read_jsonl(unsharded / "scored.jsonl")
+    assert rescored == [r["id"] for r in single][8:]
+    merged = read_jsonl(out / "scored.jsonl")
+    assert [r["id"] for r in merged] == [r["id"] for r in single] and not partial.exists()
+    for a, b in zip(merged, single):
+        for ca, cb in zip(a["candidates"], b["candidates"], strict=True):
+            assert ca["step_probs"] == pytest.approx(cb["step_probs"], abs=1e-6)
+
+    rescored.clear()
+    mod.main(args)  # finished: only the report is written again
+    assert rescored == []
+    with pytest.raises(ConfigError, match=r"scored.shard0-of-1.jsonl was made with other settings .*max_length"):
+        mod.main([*args, "scoring.max_length=64"])
+
+
+def test_killed_generation_resumes_and_keeps_what_was_sampled(tiny_models, prm_dir, tmp_path, one_thread):
+    from mmprm.data.synthetic import SyntheticConfig, generate, write_split
+
+    write_split(generate(SyntheticConfig(num_problems=3, seed=0, id_prefix="bon")), tmp_path / "data", "test")
+    args = [
+        "--config",
+        str(CONFIG),
+        f"prm={prm_dir}",
+        "generate.enabled=true",
+        f"generate.policy={tiny_models('qwen2_vl')}",
+        f"generate.problems_file={tmp_path / 'data' / 'test_problems.jsonl'}",
+        "generate.n=2",
+        "generate.batch_size=2",  # one problem per backend call
+        "generate.sampling.max_new_tokens=8",
+        "report.resamples=50",
+        f"output_dir={tmp_path / 'gen'}",
+    ]
+    mod = recipe()
+    make_backend, calls = mod.make_backend, []
+
+    def backend_killed_on_the_second_call(cfg):
+        backend = make_backend(cfg)
+        generate_batch = backend.generate
+
+        def generate_or_die(requests):
+            calls.append(len(requests))
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return generate_batch(requests)
+
+        backend.generate = generate_or_die
+        return backend
+
+    mod.make_backend = backend_killed_on_the_second_call
+    with pytest.raises(KeyboardInterrupt):
+        mod.main(args)
+    first = read_jsonl(tmp_path / "gen" / "candidates.jsonl.partial")
+    assert [r["id"] for r in first] == ["bon-00000"]
+
+    mod = recipe()
+    mod.main(args)
+    written = read_jsonl(tmp_path / "gen" / "candidates.jsonl")
+    assert [r["id"] for r in written] == ["bon-00000", "bon-00001", "bon-00002"]
+    assert written[0] == first[0]  # the sample written before the kill is kept, not drawn again
+    assert len(read_jsonl(tmp_path / "gen" / "scored.jsonl")) == 3

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -398,35 +399,102 @@ def _check_problem(
     )
 
 
+def _scan(
+    path: Path, check_images: bool, start: int = 0, stop: int | None = None
+) -> Iterator[tuple[list[str], Problem | None]]:
+    """(errors, problem) for rows start..stop-1 (0-based, blank lines not counted), streamed."""
+    if not path.exists():
+        raise DataError([f"{path}: file not found (write it with `mmprm convert-candidates`)"])
+    seen: dict[str, int] = {}
+    row = -1
+    for lineno, obj, err in iter_jsonl(path):
+        row += 1
+        if row < start:
+            continue
+        if stop is not None and row >= stop:
+            break
+        if err:
+            yield [f"{path}:{lineno}: id=?: line: {err}"], None
+            continue
+        rid = row_id(obj)
+        errs, problem = _check_problem(obj, path.parent, check_images)
+        bad = [f"{path}:{lineno}: id={rid}: {fld}: {msg}" for fld, msg in errs]
+        if problem is not None:
+            if problem.id in seen:
+                bad.append(
+                    f"{path}:{lineno}: id={rid}: id: duplicated (first on line {seen[problem.id]}; make ids unique)"
+                )
+                problem = None
+            else:
+                seen[problem.id] = lineno
+        yield bad, problem
+
+
 def load_candidates(path: str | Path, check_images: bool = True) -> list[Problem]:
     """Load and validate a candidates JSONL; raise DataError listing every problem found.
 
     Missing steps, answers and correctness are filled in (see the module docstring).
     """
     path = Path(path)
-    if not path.exists():
-        raise DataError([f"{path}: file not found (write it with `mmprm convert-candidates`)"])
     problems, bad = [], []
-    seen: dict[str, int] = {}
-    for lineno, obj, err in iter_jsonl(path):
-        if err:
-            bad.append(f"{path}:{lineno}: id=?: line: {err}")
-            continue
-        rid = row_id(obj)
-        errs, problem = _check_problem(obj, path.parent, check_images)
-        bad += [f"{path}:{lineno}: id={rid}: {fld}: {msg}" for fld, msg in errs]
-        if problem is None:
-            continue
-        if problem.id in seen:
-            bad.append(f"{path}:{lineno}: id={rid}: id: duplicated (first on line {seen[problem.id]}; make ids unique)")
-            continue
-        seen[problem.id] = lineno
-        problems.append(problem)
+    for errs, problem in _scan(path, check_images):
+        bad += errs
+        if problem is not None:
+            problems.append(problem)
     if not problems and not bad:
         bad.append(f"{path}:0: id=?: file: no rows (the file is empty)")
     if bad:
         raise DataError(bad)
     return problems
+
+
+def count_rows(path: str | Path) -> int:
+    """Non-blank lines of a JSONL file, without parsing them (the size a shard is cut from)."""
+    with open(path, "rb") as f:
+        return sum(1 for raw in f if raw.strip())
+
+
+def check_candidates(
+    path: str | Path, start: int = 0, stop: int | None = None, need_correct: bool = False, check_images: bool = True
+) -> tuple[int, int]:
+    """Validate rows start..stop-1 of a candidates JSONL without keeping them: (problems, candidates).
+
+    Raises DataError listing every problem found, as `load_candidates` does; with `need_correct`,
+    also every candidate whose correctness is unknown (no gold `answer` and no `correct`).
+    """
+    path = Path(path)
+    bad: list[str] = []
+    problems = candidates = 0
+    for errs, problem in _scan(path, check_images, start, stop):
+        bad += errs
+        if problem is None:
+            continue
+        problems += 1
+        candidates += len(problem.candidates)
+        if need_correct:
+            bad += [
+                f"{path}: id={problem.id}: candidates[{j}].correct: unknown (give the problem's gold `answer` "
+                "or each candidate's `correct`)"
+                for j, c in enumerate(problem.candidates)
+                if c.correct is None
+            ]
+    if not problems and not bad:
+        bad.append(f"{path}:0: id=?: file: no rows (the file is empty)")
+    if bad:
+        raise DataError(bad)
+    return problems, candidates
+
+
+def iter_candidates(
+    path: str | Path, start: int = 0, stop: int | None = None, check_images: bool = False
+) -> Iterator[Problem]:
+    """The problems of rows start..stop-1, one at a time (validate them first with `check_candidates`)."""
+    path = Path(path)
+    for errs, problem in _scan(path, check_images, start, stop):
+        if errs:
+            raise DataError(errs)
+        if problem is not None:
+            yield problem
 
 
 def load_problems(path: str | Path, check_images: bool = True) -> list[Problem]:

@@ -28,15 +28,21 @@ SETTINGS_FILE = "report_settings.json"
 T = TypeVar("T")
 
 
-def take_shard(items: Sequence[T], index: int, count: int) -> list[T]:
-    """Shard `index` of `count`: a contiguous block, sizes differing by at most one.
+def shard_bounds(n: int, index: int, count: int) -> tuple[int, int]:
+    """Rows [lo, hi) of shard `index` of `count` over `n` rows: contiguous, sizes differing by at most one.
 
-    Blocks (not every count-th item) keep the merged file in input order:
-    `take_shard(range(5), 0, 2) == [0, 1]` and `take_shard(range(5), 1, 2) == [2, 3, 4]`.
+    Blocks (not every count-th row) keep the merged file in input order:
+    `shard_bounds(5, 0, 2) == (0, 2)` and `shard_bounds(5, 1, 2) == (2, 5)`.
     """
     if not 0 <= index < count:
         raise ValueError(f"shard index {index} is not in [0, count={count})")
-    return list(items[index * len(items) // count : (index + 1) * len(items) // count])
+    return index * n // count, (index + 1) * n // count
+
+
+def take_shard(items: Sequence[T], index: int, count: int) -> list[T]:
+    """Shard `index` of `count` of a list (`shard_bounds`): `take_shard(range(5), 1, 2) == [2, 3, 4]`."""
+    lo, hi = shard_bounds(len(items), index, count)
+    return list(items[lo:hi])
 
 
 def shard_path(out_dir: str | Path, index: int, count: int) -> Path:
