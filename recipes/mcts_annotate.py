@@ -38,18 +38,19 @@ from mmprm.annotate.engine import (
     RankBusyError,
     TreeFile,
     finished_ids,
+    iter_records,
     merge_annotations,
     resolve_rank_world,
     rule_verifier,
     shard,
     tree_file_name,
 )
-from mmprm.annotate.export import ExportConfig, export_examples, write_report
+from mmprm.annotate.export import ExportConfig, iter_examples, write_report
 from mmprm.annotate.search import SearchConfig
 from mmprm.chat import ChatClient, ChatConfig
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.data.problems import load_problems
-from mmprm.data.schema import DataError, read_jsonl, write_jsonl
+from mmprm.data.schema import DataError, write_jsonl
 from mmprm.policy import resolve_prompt_format
 
 
@@ -303,11 +304,13 @@ def main(argv: list[str]) -> int:
         )
         return 0
     merged = merge_annotations(out_dir)
-    rows, export_stats = export_examples(read_jsonl(out_dir / "trees.jsonl"), cfg.export)
-    write_jsonl(out_dir / "prm_data.jsonl", rows)
+    export_stats: dict[str, Any] = {}  # filled while the rows stream to disk, one tree at a time
+    write_jsonl(
+        out_dir / "prm_data.jsonl", iter_examples(iter_records(out_dir / "trees.jsonl"), cfg.export, export_stats)
+    )
     write_report({**export_stats, "merge": merged}, out_dir / "export_report.json", out_dir / "export_report.png")
     print(
-        f"merged {merged['records']} problems {merged['by_status']}; wrote {len(rows)} PRM training rows to "
+        f"merged {merged['records']} problems {merged['by_status']}; wrote {export_stats['paths']} PRM training rows to "
         f"{out_dir / 'prm_data.jsonl'}",
         file=sys.stderr,
     )

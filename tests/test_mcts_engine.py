@@ -233,6 +233,27 @@ def test_torn_last_line_is_cut_and_finished_ids_are_skipped(tmp_path):
     assert [r["id"] for r in merged] == ["a", "b", "c", "z"] and summary["by_status"]["annotated"] == 2
 
 
+def test_merge_copies_each_chosen_line_as_written(tmp_path):
+    """The merge keeps only offsets in memory and copies lines: the chosen record of each id is
+    byte-for-byte the line a rank wrote (non-ASCII included), a transient error is superseded by a
+    later final record, the first final record wins, and the export streams the merged file."""
+    from mmprm.annotate.engine import iter_records
+    from mmprm.annotate.export import ExportConfig, export_examples, iter_examples
+
+    err = '{"id": "p1", "status": "error", "message": "timeout", "error_kind": "transient"}\n'
+    final = '{"id": "p1", "status": "no_steps", "question": "Wie viele Würfel? ≥ 3"}\n'
+    first = '{"id": "p2", "status": "annotated", "question": "q", "nodes": []}\n'
+    (tmp_path / tree_file_name(0, 2)).write_text(err + first, encoding="utf-8")
+    (tmp_path / tree_file_name(1, 2)).write_text(final + first.replace('"q"', '"later"'), encoding="utf-8")
+    summary = merge_annotations(tmp_path)
+    assert (tmp_path / "trees.jsonl").read_text(encoding="utf-8") == final + first
+    assert summary["duplicates_dropped"] == 2 and summary["retryable_errors"] == 0
+    records = list(iter_records(tmp_path / "trees.jsonl"))
+    stats: dict = {}
+    streamed = list(iter_examples(iter(records), ExportConfig(), stats))
+    assert (streamed, stats) == export_examples(records, ExportConfig())
+
+
 def test_merge_cli_reports_missing_ids(tmp_path, capsys):
     (tmp_path / tree_file_name(0, 2)).write_text('{"id": "1", "status": "annotated"}\n')
     (tmp_path / tree_file_name(1, 2)).write_text('{"id": "2", "status": "no_steps"}\n{"id": "1", "status": "x"}\n')

@@ -24,7 +24,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from mmprm.annotate.backends.base import (
 )
 from mmprm.annotate.search import OmegaSearch, Probe, Rollout, SearchConfig
 from mmprm.data.problems import Problem
-from mmprm.data.schema import DataError, iter_jsonl, write_jsonl
+from mmprm.data.schema import DataError, iter_jsonl
 from mmprm.steps import parse_solution
 
 # pred answer (None when the rollout gave none), gold answer, choices -> correct?
@@ -96,27 +96,38 @@ def tree_file_name(rank: int, world_size: int) -> str:
     return f"trees.rank{rank}-of-{world_size}.jsonl"
 
 
-def _read_records(path: Path, repair: bool) -> list[dict[str, Any]]:
-    """Complete records of a tree file. Bytes after the last newline are a write torn by a kill:
-    ignored, and cut off when `repair` (only the owning rank repairs its file)."""
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if repair and end < len(data):
+def iter_records(path: str | Path, repair: bool = False) -> Iterator[dict[str, Any]]:
+    """Complete records of a tree file, one at a time (memory: one record, however large the file).
+
+    Bytes after the last newline are a write torn by a kill: ignored, and cut off in place when
+    `repair` (only the owning rank repairs its file).
+    """
+    for _, _, rec in _scan_records(Path(path), repair):
+        yield rec
+
+
+def _scan_records(path: Path, repair: bool) -> Iterator[tuple[int, int, dict[str, Any]]]:
+    """(byte offset, byte length, record) of each complete line of a tree file."""
+    end = 0  # just past the last complete line
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.endswith(b"\n"):
+                break  # torn by a kill: never a record
+            start, end = end, end + len(line)
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    [
+                        f"{path}:{lineno}: id=?: line: invalid JSON inside the file ({e.msg}); "
+                        "it was edited or corrupted: delete that line to re-annotate the problem"
+                    ]
+                ) from None
+            yield start, len(line), rec
+    if repair and end < path.stat().st_size:
         os.truncate(path, end)
-    records = []
-    for lineno, line in enumerate(data[:end].splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise DataError(
-                [
-                    f"{path}:{lineno}: id=?: line: invalid JSON inside the file ({e.msg}); "
-                    "it was edited or corrupted: delete that line to re-annotate the problem"
-                ]
-            ) from None
-    return records
 
 
 def _hold_lock(path: Path, tree_file: Path) -> Any:
@@ -167,7 +178,7 @@ class TreeFile:
         self.done: set[str] = set()
         try:
             if self.path.exists():
-                self.done.update(str(r["id"]) for r in _read_records(self.path, repair=True) if is_final(r))
+                self.done.update(str(r["id"]) for r in iter_records(self.path, repair=True) if is_final(r))
             if scan_dir is not None:
                 self.done.update(finished_ids(scan_dir, skip=self.path))
             self._f = open(self.path, "a", encoding="utf-8")
@@ -195,7 +206,7 @@ def finished_ids(output_dir: str | Path, skip: Path | None = None) -> set[str]:
     ids: set[str] = set()
     for path in sorted(Path(output_dir).glob("trees.rank*-of-*.jsonl")):
         if skip is None or path.resolve() != Path(skip).resolve():
-            ids.update(str(r["id"]) for r in _read_records(path, repair=False) if is_final(r))
+            ids.update(str(r["id"]) for r in iter_records(path) if is_final(r))
     return ids
 
 
@@ -213,27 +224,39 @@ def merge_annotations(
     files = sorted(output_dir.glob("trees.rank*-of-*.jsonl"))
     if not files:
         raise FileNotFoundError(f"{output_dir}: no trees.rank*-of-*.jsonl files (run recipes/mcts_annotate.py first)")
-    chosen: dict[str, dict[str, Any]] = {}  # insertion order = first appearance
+    # Pass 1 keeps, per id, where its chosen record lies (file, offset, length) and its status;
+    # pass 2 copies those lines. Memory: a few numbers per problem, never the trees.
+    chosen: dict[str, tuple[int, int, int, bool, str]] = {}  # insertion order = first appearance
     records = 0
-    for path in files:
-        for rec in _read_records(path, repair=False):
+    for k, path in enumerate(files):
+        for offset, length, rec in _scan_records(path, repair=False):
             records += 1
             rid = str(rec["id"])
-            if rid not in chosen or not is_final(chosen[rid]):
-                chosen[rid] = rec  # a later record supersedes a transient error
+            if rid not in chosen or not chosen[rid][3]:  # a later record supersedes a transient error
+                chosen[rid] = (k, offset, length, is_final(rec), rec.get("status", "?"))
     by_status: dict[str, int] = {}
-    for rec in chosen.values():
-        by_status[rec.get("status", "?")] = by_status.get(rec.get("status", "?"), 0) + 1
-    seen = set(chosen)
+    for *_, status in chosen.values():
+        by_status[status] = by_status.get(status, 0) + 1
     out = Path(out) if out is not None else output_dir / "trees.jsonl"
-    n = write_jsonl(out, chosen.values())
+    tmp = out.with_name(out.name + ".tmp")
+    handles = [open(path, "rb") for path in files]  # noqa: SIM115 - closed below
+    try:
+        with open(tmp, "wb") as dst:
+            for k, offset, length, _, _ in chosen.values():
+                handles[k].seek(offset)
+                dst.write(handles[k].read(length))
+    finally:
+        for h in handles:
+            h.close()
+    os.replace(tmp, out)
+    n, seen = len(chosen), set(chosen)
     summary: dict[str, Any] = {
         "out": str(out),
         "files": [p.name for p in files],
         "records": n,
         "duplicates_dropped": records - n,
         "by_status": by_status,
-        "retryable_errors": sum(not is_final(r) for r in chosen.values()),
+        "retryable_errors": sum(not final for _, _, _, final, _ in chosen.values()),
     }
     if problems_file is not None:
         ids = [str(r["id"]) for _, r, err in iter_jsonl(problems_file) if r is not None and "id" in r]

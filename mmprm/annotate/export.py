@@ -3,6 +3,11 @@
     rows, stats = export_examples(read_jsonl("out/trees.jsonl"), ExportConfig())
     write_jsonl("out/prm_train.jsonl", rows); write_report(stats, "out/export_report.json")
 
+or, streamed (memory: one tree at a time, whatever the number of problems)::
+
+    stats = {}
+    write_jsonl("out/prm_train.jsonl", iter_examples(iter_records("out/trees.jsonl"), ExportConfig(), stats))
+
 Paths follow MM-PRM's traverse: walk down from the root; a node whose MC value is at or below
 `negative_threshold` ends a negative path (its last step is the first error the search found);
 a leaf with MC above it ends a positive path. Every step is labelled with the soft MC value of
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -111,18 +116,31 @@ def export_examples(
     records: Iterable[dict[str, Any]], cfg: ExportConfig
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Training rows (schema dicts) from tree records, and the statistics of the export."""
+    stats: dict[str, Any] = {}
+    rows = list(iter_examples(records, cfg, stats))
+    return rows, stats
+
+
+def iter_examples(
+    records: Iterable[dict[str, Any]], cfg: ExportConfig, stats: dict[str, Any]
+) -> Iterator[dict[str, Any]]:
+    """Training rows from tree records, one problem's at a time; `stats` is filled as they go and
+    is complete once the iterator is exhausted (counts, drops, label and length histograms)."""
     cfg.validate()
     rng = random.Random(cfg.seed)
-    rows: list[dict[str, Any]] = []
-    stats: dict[str, Any] = {
-        "problems": 0,
-        "by_status": {},
-        "paths": 0,
-        "negative_paths": 0,
-        "positive_paths": 0,
-        "truncated_rollouts": 0,
-        "dropped": {"duplicate": 0, "too_short": 0, "step_token": 0, "balance": 0},
-    }
+    stats.clear()
+    stats.update(
+        {
+            "problems": 0,
+            "by_status": {},
+            "paths": 0,
+            "negative_paths": 0,
+            "positive_paths": 0,
+            "truncated_rollouts": 0,
+            "dropped": {"duplicate": 0, "too_short": 0, "step_token": 0, "balance": 0},
+        }
+    )
+    hist = _Histograms()
     for rec in records:
         stats["problems"] += 1
         stats["by_status"][rec["status"]] = stats["by_status"].get(rec["status"], 0) + 1
@@ -151,53 +169,66 @@ def export_examples(
             keep = int(cfg.balance * len(negatives))
             stats["dropped"]["balance"] += len(positives) - keep
             positives = rng.sample(positives, keep)
-        for k, p in enumerate(negatives + positives):
-            rows.append(
-                {
-                    "id": f"{rec['id']}/path{k}",
-                    "images": rec.get("images", []),
-                    "question": rec["question"],
-                    "steps": p.steps,
-                    "labels": p.labels,
-                    "meta": {
-                        "source": "omegaprm",
-                        "problem_id": rec["id"],
-                        "gold": rec.get("answer"),
-                        "kind": "negative" if p.negative else "positive",
-                        "node": p.node,
-                    },
-                }
-            )
         stats["negative_paths"] += len(negatives)
         stats["positive_paths"] += len(positives)
-    stats["paths"] = len(rows)
-    stats.update(_histograms(rows))
-    return rows, stats
+        for k, p in enumerate(negatives + positives):
+            stats["paths"] += 1
+            hist.add(p.labels)
+            yield {
+                "id": f"{rec['id']}/path{k}",
+                "images": rec.get("images", []),
+                "question": rec["question"],
+                "steps": p.steps,
+                "labels": p.labels,
+                "meta": {
+                    "source": "omegaprm",
+                    "problem_id": rec["id"],
+                    "gold": rec.get("answer"),
+                    "kind": "negative" if p.negative else "positive",
+                    "node": p.node,
+                },
+            }
+    stats.update(hist.summary())
 
 
-def _histograms(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Label histogram (exact 0 and 1 apart, 10 bins in between) and steps per path."""
-    labels = [x for r in rows for x in r["labels"]]
-    bins = [0] * 10
-    for x in labels:
-        if 0.0 < x < 1.0:
-            bins[min(int(x * 10), 9)] += 1
-    lengths: dict[int, int] = {}
-    for r in rows:
-        lengths[len(r["steps"])] = lengths.get(len(r["steps"]), 0) + 1
-    return {
-        "labels": {
-            "count": len(labels),
-            "zero": sum(x == 0.0 for x in labels),
-            "one": sum(x == 1.0 for x in labels),
-            "between": {f"{i / 10:.1f}-{(i + 1) / 10:.1f}": b for i, b in enumerate(bins)},
-            "mean": sum(labels) / len(labels) if labels else None,
-        },
-        "steps_per_path": {
-            "histogram": {str(k): v for k, v in sorted(lengths.items())},
-            "mean": sum(len(r["steps"]) for r in rows) / len(rows) if rows else None,
-        },
-    }
+class _Histograms:
+    """Label histogram (exact 0 and 1 apart, 10 bins in between) and steps per path, kept as counts."""
+
+    def __init__(self) -> None:
+        self.count = self.zero = self.one = 0
+        self.total = 0.0
+        self.bins = [0] * 10
+        self.lengths: dict[int, int] = {}
+        self.paths = self.steps = 0
+
+    def add(self, labels: list[float]) -> None:
+        for x in labels:
+            self.count += 1
+            self.total += x
+            if x == 0.0:
+                self.zero += 1
+            elif x == 1.0:
+                self.one += 1
+            elif 0.0 < x < 1.0:
+                self.bins[min(int(x * 10), 9)] += 1
+        self.lengths[len(labels)] = self.lengths.get(len(labels), 0) + 1
+        self.paths += 1
+        self.steps += len(labels)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "labels": {
+                "count": self.count,
+                "zero": self.zero,
+                "one": self.one,
+                "between": {f"{i / 10:.1f}-{(i + 1) / 10:.1f}": b for i, b in enumerate(self.bins)},
+                "mean": self.total / self.count if self.count else None,
+            },
+            "steps_per_path": {
+                "histogram": {str(k): v for k, v in sorted(self.lengths.items())},
+                "mean": self.steps / self.paths if self.paths else None,
+            },
+        }
 
 
 def write_report(stats: dict[str, Any], json_path: str | Path, png_path: str | Path | None = None) -> None:
