@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from mmprm.data.schema import read_jsonl, write_jsonl
+from mmprm.data.schema import iter_jsonl
 
 _SHARD_RE = re.compile(r"scored\.shard(\d+)-of-(\d+)\.jsonl$")
 SETTINGS_FILE = "report_settings.json"
@@ -83,19 +84,27 @@ def merge_scored(out_dir: str | Path, count: int | None = None) -> Path:
         raise ValueError(
             f"{out}: shard(s) {missing} of {count} missing: run them (shard.index=I shard.count={count}) before merging"
         )
-    rows: list[dict[str, Any]] = []
+    # Rows are copied one at a time; memory holds the ids only.
     seen: set[str] = set()
-    for i in range(count):
-        for row in read_jsonl(shards[(i, count)]):
-            if row["id"] in seen:
-                raise ValueError(
-                    f"{shards[(i, count)]}: id={row['id']} appears in more than one shard "
-                    "(shards of different runs? rerun them into an empty folder)"
-                )
-            seen.add(row["id"])
-            rows.append(row)
     merged = out / "scored.jsonl"
-    write_jsonl(merged, rows)
+    tmp = merged.with_name(merged.name + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as dst:
+            for i in range(count):
+                for lineno, row, err in iter_jsonl(shards[(i, count)]):
+                    if err or row is None:
+                        raise ValueError(f"{shards[(i, count)]}:{lineno}: {err} (a damaged shard: rerun it)")
+                    if row["id"] in seen:
+                        raise ValueError(
+                            f"{shards[(i, count)]}: id={row['id']} appears in more than one shard "
+                            "(shards of different runs? rerun them into an empty folder)"
+                        )
+                    seen.add(row["id"])
+                    dst.write(json.dumps(row, ensure_ascii=False) + "\n")
+    except ValueError:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, merged)
     return merged
 
 
