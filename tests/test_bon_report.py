@@ -131,6 +131,33 @@ def test_random_subsets_are_seeded():
     assert summarize(a, seed=0) == summarize(b, seed=0)
 
 
+def test_curve_in_problem_blocks_equals_all_at_once(monkeypatch):
+    """bon_curve works in blocks of problems (memory at 100k problems x N=64); the random subset
+    draws, and so every number, are those of one pass over all problems."""
+    import mmprm.rerank.report as report
+
+    problems = _random_problems(np.random.default_rng(2), 37, 8)  # random subsets at N = 2, 4
+    whole = bon_curve(problems, seed=5)
+    monkeypatch.setattr(report, "_BLOCK", 5)
+    blocked = bon_curve(problems, seed=5)
+    for m in METHODS:
+        for n in whole.ns:
+            np.testing.assert_array_equal(blocked.per_problem[m][n], whole.per_problem[m][n], err_msg=f"{m} N={n}")
+
+
+def test_resample_means_are_the_plain_bootstrap_in_chunks():
+    """Resample b's mean over problems indexed by row b of rng.integers(0, P, (B, P)); several
+    rows at once use the same draws (paired), and B need not be a multiple of the chunk."""
+    from mmprm.rerank.report import resample_means
+
+    acc = np.random.default_rng(0).random((3, 50))
+    idx = np.random.default_rng(7).integers(0, 50, size=(130, 50))
+    want = acc[:, idx].mean(-1).T  # (B, K)
+    np.testing.assert_allclose(resample_means(acc, 130, seed=7), want, atol=1e-12)
+    np.testing.assert_allclose(resample_means(acc[1], 130, seed=7), want[:, 1], atol=1e-12)
+    assert resample_means(np.array([1.0, 0.0]), 4, seed=0).shape == (4,)
+
+
 def test_paired_bootstrap():
     out = paired_bootstrap(np.array([1, 1, 0, 1.0]), np.array([0, 1, 0, 0.0]), n_resamples=500, seed=0)
     assert out["diff"] == 0.75 - 0.25

@@ -132,6 +132,9 @@ def _subsets(rng: np.random.Generator, p: int, n_max: int, n: int, n_subsets: in
     return np.sort(rng.random((p, n_subsets, n_max)).argsort(-1)[..., :n], axis=-1)
 
 
+_BLOCK = 2048  # problems per block in bon_curve
+
+
 def bon_curve(
     problems: Sequence[Sequence[Mapping[str, Any]]],
     *,
@@ -170,29 +173,35 @@ def bon_curve(
     rng = np.random.default_rng(seed)
     p = len(problems)
     ns = n_values(n_max)
-    per_problem: dict[str, dict[int, np.ndarray]] = {m: {} for m in METHODS}
+    per_problem: dict[str, dict[int, np.ndarray]] = {m: {n: np.empty(p) for n in ns} for m in METHODS}
     for n in ns:
-        idx = _subsets(rng, p, n_max, n, n_subsets)  # (P, K, n)
-        k = idx.shape[1]
+        # Problems in blocks (the draws are the same as for all at once: the generator's stream is
+        # consumed in the same order), so the (block, K, n) subsets and (block, n, n) vote tensors
+        # stay small at 100k problems x N=64.
+        for lo in range(0, p, _BLOCK):
+            hi = min(p, lo + _BLOCK)
+            idx = _subsets(rng, hi - lo, n_max, n, n_subsets)  # (block, K, n)
+            k = idx.shape[1]
 
-        def take(a: np.ndarray) -> np.ndarray:
-            # used within this iteration only, so binding the loop variables late is what we want
-            return np.take_along_axis(np.broadcast_to(a[:, None, :], (p, k, n_max)), idx, axis=-1)  # noqa: B023
+            def take(a: np.ndarray) -> np.ndarray:
+                # used within this iteration only, so binding the loop variables late is what we want
+                block = a[lo:hi, None, :]  # noqa: B023
+                return np.take_along_axis(np.broadcast_to(block, (hi - lo, k, n_max)), idx, axis=-1)  # noqa: B023
 
-        corr = take(arr["correct"])
-        for name, s in arr["scores"].items():
-            pick = take(s).argmax(-1)[..., None]  # (P, K, 1): first maximum = lowest index
-            per_problem[name][n] = np.take_along_axis(corr, pick, -1)[..., 0].mean(-1)
-        per_problem["random"][n] = corr.mean(-1).mean(-1)
-        per_problem["oracle"][n] = corr.any(-1).mean(-1)
-        g, w = take(arr["groups"]), take(arr["weights"])
-        # One subset draw at a time keeps the (P, n, n) vote tensors small for large N.
-        per_problem["majority"][n] = np.mean(
-            [vote_accuracy(g[:, j], np.ones_like(w[:, j]), corr[:, j]) for j in range(k)], axis=0
-        )
-        per_problem["weighted_vote"][n] = np.mean(
-            [vote_accuracy(g[:, j], w[:, j], corr[:, j]) for j in range(k)], axis=0
-        )
+            corr = take(arr["correct"])
+            for name, s in arr["scores"].items():
+                pick = take(s).argmax(-1)[..., None]  # (block, K, 1): first maximum = lowest index
+                per_problem[name][n][lo:hi] = np.take_along_axis(corr, pick, -1)[..., 0].mean(-1)
+            per_problem["random"][n][lo:hi] = corr.mean(-1).mean(-1)
+            per_problem["oracle"][n][lo:hi] = corr.any(-1).mean(-1)
+            g, w = take(arr["groups"]), take(arr["weights"])
+            # One subset draw at a time keeps the (block, n, n) vote tensors small for large N.
+            per_problem["majority"][n][lo:hi] = np.mean(
+                [vote_accuracy(g[:, j], np.ones_like(w[:, j]), corr[:, j]) for j in range(k)], axis=0
+            )
+            per_problem["weighted_vote"][n][lo:hi] = np.mean(
+                [vote_accuracy(g[:, j], w[:, j], corr[:, j]) for j in range(k)], axis=0
+            )
     settings = {
         "n_subsets": n_subsets,
         "seed": seed,
@@ -206,13 +215,25 @@ def bon_curve(
     return BonCurve(p, n_max, ns, per_problem, settings)
 
 
-def _bootstrap_weights(p: int, n_resamples: int, seed: int) -> np.ndarray:
-    """(B, P) resampling counts / P, so `weights @ acc` is the mean of each resample."""
+def resample_means(values: np.ndarray, n_resamples: int = 1000, seed: int = 0) -> np.ndarray:
+    """Bootstrap means over problems: (B,) for a (P,) array, (B, K) for K rows of a (K, P) array.
+
+    Resample b draws P problem indices (`default_rng(seed).integers(0, P, size=(B, P))`, row b),
+    the same draws for every call with the same (P, B, seed): intervals of methods on the same
+    problems are paired. Drawn 64 resamples at a time as per-problem counts, so memory is
+    O(64 x P) whatever B and K (the dense (B, P) matrix is 800 MB at 100k problems).
+    """
+    v = np.asarray(values, dtype=float)
+    rows = v[None, :] if v.ndim == 1 else v
+    p = rows.shape[1]
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, p, size=(n_resamples, p))
-    counts = np.zeros((n_resamples, p))
-    np.add.at(counts, (np.arange(n_resamples)[:, None], idx), 1.0)
-    return counts / p
+    out = np.empty((n_resamples, rows.shape[0]))
+    for lo in range(0, n_resamples, 64):
+        b = min(64, n_resamples - lo)
+        idx = rng.integers(0, p, size=(b, p))
+        counts = np.bincount((np.arange(b)[:, None] * p + idx).ravel(), minlength=b * p).reshape(b, p)
+        out[lo : lo + b] = counts @ rows.T / p
+    return out[:, 0] if v.ndim == 1 else out
 
 
 def _ci(boot: np.ndarray) -> list[float]:
@@ -233,7 +254,7 @@ def paired_bootstrap(acc_a: np.ndarray, acc_b: np.ndarray, n_resamples: int = 10
     if a.shape != b.shape or a.ndim != 1 or a.size == 0:
         raise ValueError(f"paired_bootstrap: need two equal-length 1-D arrays, got {a.shape} and {b.shape}")
     d = a - b
-    boot = _bootstrap_weights(d.size, n_resamples, seed) @ d  # (B,)
+    boot = resample_means(d, n_resamples, seed)  # (B,)
     return {"diff": float(d.mean()), "ci95": _ci(boot)}
 
 
@@ -241,12 +262,11 @@ def summarize(curve: BonCurve, n_resamples: int = 1000, seed: int = 0) -> dict[s
     """The report.json content: mean and 95% CI of every method at every N, plus the
     best aggregator at n_max against random (picked on the same data, so read it as a check,
     not an unbiased estimate)."""
-    w = _bootstrap_weights(curve.num_problems, n_resamples, seed)
+    cells = [(name, n, acc) for name, by_n in curve.per_problem.items() for n, acc in by_n.items()]
+    boot = resample_means(np.stack([acc for _, _, acc in cells]), n_resamples, seed)  # (B, cells)
     methods: dict[str, dict[str, dict[str, Any]]] = {}
-    for name, by_n in curve.per_problem.items():
-        methods[name] = {}
-        for n, acc in by_n.items():
-            methods[name][str(n)] = {"mean": float(acc.mean()), "ci95": _ci(w @ acc)}
+    for k, (name, n, acc) in enumerate(cells):
+        methods.setdefault(name, {})[str(n)] = {"mean": float(acc.mean()), "ci95": _ci(boot[:, k])}
     top = str(curve.n_max)
     best = max(AGGREGATORS, key=lambda m: (methods[m][top]["mean"], -list(AGGREGATORS).index(m)))
     diff = paired_bootstrap(

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from mmprm.rerank.report import paired_bootstrap
+from mmprm.rerank.report import paired_bootstrap, resample_means
 
 
 def bootstrap_mean(acc: Sequence[float], n_resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
@@ -36,10 +36,7 @@ def bootstrap_mean(acc: Sequence[float], n_resamples: int = 1000, seed: int = 0)
     a = np.asarray(acc, dtype=float)
     if a.ndim != 1 or a.size == 0:
         raise ValueError(f"bootstrap_mean: need a non-empty 1-D array, got shape {a.shape}")
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, a.size, size=(n_resamples, a.size))
-    boot = a[idx].mean(axis=1)  # (B,)
-    lo, hi = np.percentile(boot, [2.5, 97.5])
+    lo, hi = np.percentile(resample_means(a, n_resamples, seed), [2.5, 97.5])
     return {"mean": float(a.mean()), "ci95": [float(lo), float(hi)]}
 
 
