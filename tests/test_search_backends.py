@@ -220,3 +220,29 @@ def test_vllm_engine_starts_with_a_later_shards_seed(request):
     finally:
         backend.llm.llm_engine.engine_core.shutdown()
     assert len(outs) == 2
+
+
+def test_image_cache_decodes_once_and_keeps_the_most_recent(tmp_path, monkeypatch):
+    """Both backends send a problem's image with each of its rollout calls: decoded once, the
+    least recently used dropped past `size`."""
+    from PIL import Image
+
+    import mmprm.data.schema as schema
+    from mmprm.annotate.backends.base import ImageCache
+
+    paths = []
+    for i in range(3):
+        paths.append(str(tmp_path / f"{i}.png"))
+        Image.new("RGB", (8, 8), (i, 0, 0)).save(paths[-1])
+    opened: list[str] = []
+    load = schema.load_image
+    monkeypatch.setattr(schema, "load_image", lambda p: opened.append(p) or load(p))
+    cache = ImageCache(size=2)
+    a = cache(paths[0])
+    assert cache(paths[0]) is a and opened == [paths[0]]
+    cache(paths[1])
+    cache(paths[0])  # 0 is now the most recent: 1 goes first
+    cache(paths[2])
+    assert cache(paths[0]) is a and opened == paths
+    cache(paths[1])
+    assert opened == [*paths, paths[1]] and a.getpixel((0, 0)) == (0, 0, 0)

@@ -11,6 +11,7 @@ requests into one call).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -128,6 +129,29 @@ class GenerationStats:
     generated_tokens: int = 0
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ImageCache:
+    """Decoded images by path, the `size` most recently used kept.
+
+    A problem's image is sent with every rollout call of its search (tens of probes): it is
+    decoded once, and memory stays bounded as problems finish.
+    """
+
+    def __init__(self, size: int = 256):
+        self.size = size
+        self._items: OrderedDict[str, Any] = OrderedDict()
+
+    def __call__(self, path: str) -> Any:
+        from mmprm.data.schema import load_image
+
+        image = self._items.pop(path, None)
+        if image is None:
+            image = load_image(path)
+        self._items[path] = image
+        if len(self._items) > self.size:
+            self._items.popitem(last=False)
+        return image
 
 
 class RolloutInputError(ValueError):

@@ -18,6 +18,7 @@ import torch
 from mmprm.annotate.backends.base import (
     Completion,
     GenerationStats,
+    ImageCache,
     RolloutInputError,
     RolloutRequest,
     SamplingConfig,
@@ -26,7 +27,6 @@ from mmprm.annotate.backends.base import (
     rollout_prompt,
     stop_strings,
 )
-from mmprm.data.schema import load_image
 from mmprm.steps import needs_special_tokens
 
 
@@ -69,7 +69,7 @@ class HFBackend:
         eos = model.generation_config.eos_token_id
         self._stop_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self._stop_ids.add(self.tokenizer.eos_token_id)
-        self._images: dict[str, Any] = {}
+        self._image = ImageCache()
 
     @classmethod
     def from_pretrained(
@@ -93,13 +93,6 @@ class HFBackend:
         model, processor = load_backbone(path, dtype=torch_dtype, attn_implementation=attn_implementation)
         device = device or resolve_device("auto")
         return cls(model.to(device), processor, sampling, **kwargs)
-
-    def _image(self, path: str) -> Any:
-        if path not in self._images:
-            if len(self._images) > 256:
-                self._images.clear()  # problems finish; keep memory bounded
-            self._images[path] = load_image(path)
-        return self._images[path]
 
     def _prompt(self, index: int, req: RolloutRequest) -> tuple[str, list[Any]]:
         try:

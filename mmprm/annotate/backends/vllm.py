@@ -27,6 +27,7 @@ from typing import Any
 from mmprm.annotate.backends.base import (
     Completion,
     GenerationStats,
+    ImageCache,
     RolloutInputError,
     RolloutRequest,
     SamplingConfig,
@@ -123,16 +124,15 @@ class VLLMBackend:
                 limit_mm_per_prompt={"image": max_images_per_prompt},
                 **llm_kwargs,
             )
+        self._image = ImageCache()  # a problem's image is decoded once for all its rollout calls
         self.stats = GenerationStats()
 
     def generate(self, requests: list[RolloutRequest]) -> list[list[Completion]]:
-        from mmprm.data.schema import load_image
-
         start = time.perf_counter()
         prompts: list[dict[str, Any]] = []
         for i, req in enumerate(requests):
             try:
-                images = [load_image(p) for p in req.images]
+                images = [self._image(p) for p in req.images]
                 text = rollout_prompt(
                     self.processor, req.question, len(images), req.prefix_steps, self.step_mode, self.system
                 )
