@@ -209,8 +209,8 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
     """
     from mmprm.annotate.backends.base import RolloutRequest
     from mmprm.answers import answers_match
-    from mmprm.rerank.candidates import Candidate, load_problems
-    from mmprm.rerank.shards import take_shard
+    from mmprm.rerank.candidates import Candidate, count_rows, load_problems
+    from mmprm.rerank.shards import shard_bounds, take_shard
     from mmprm.search import store
     from mmprm.steps import parse_solution, prm_steps
 
@@ -227,7 +227,10 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
         print(f"candidates already generated ({final}); delete it to sample again")
         return final
     done = store.resume(partial)
-    problems = take_shard(load_problems(g.problems_file), cfg.shard.index, cfg.shard.count)
+    lo, hi = shard_bounds(count_rows(g.problems_file), cfg.shard.index, cfg.shard.count)
+    problems = take_shard(
+        load_problems(g.problems_file, check_rows=lambda i: lo <= i < hi), cfg.shard.index, cfg.shard.count
+    )
     todo = [p for p in problems if p.id not in done]
     if done:
         print(f"resuming: {len(done)} problems already sampled in {partial}, {len(todo)} to go")

@@ -204,7 +204,10 @@ def main(argv: list[str]) -> int:
         config_path, overrides = parse_cli(argv, AnnotateConfig)
         cfg = load_config(AnnotateConfig, config_path, overrides)
         rank, world = resolve_rank_world(cfg.rank, cfg.world_size)
-        problems = load_problems(cfg.data.problems_file, cfg.data.check_images)
+        limit = cfg.data.limit
+        # Only this rank's rows (shard: every world-th) get their images opened here.
+        mine_only = lambda i: (limit is None or i < limit) and i % world == rank  # noqa: E731
+        problems = load_problems(cfg.data.problems_file, cfg.data.check_images, check_rows=mine_only)
         require_model_dir(cfg, "model.name_or_path")  # named here, not in a traceback from the loader
     except (ConfigError, DataError, ValueError) as e:
         print(f"mcts_annotate: {e}", file=sys.stderr)

@@ -163,3 +163,27 @@ def test_every_bad_row_is_reported_at_once(tmp_path):
 def test_check_images_false_skips_the_files(tmp_path):
     (p,) = load_problems(_write(tmp_path / "problems.jsonl", [_ok(images=["gone.png"])]), check_images=False)
     assert p.images == [str((tmp_path / "gone.png").resolve())]
+
+
+def test_only_the_selected_rows_have_their_images_opened(tmp_path):
+    """8 workers each check their own share of 100k images, not all of them 8 times; a missing
+    image in a worker's own rows is still named with its file, line and id."""
+    import json
+
+    from PIL import Image
+
+    from mmprm.data.problems import load_problems
+    from mmprm.data.schema import DataError
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "ok.png")
+    rows = [
+        {"id": f"p{i}", "images": ["ok.png" if i != 3 else "gone.png"], "question": "q", "answer": "1"}
+        for i in range(6)
+    ]
+    path = tmp_path / "problems.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert len(load_problems(path, check_rows=lambda i: i % 2 == 0)) == 6  # row 3 is another worker's
+    with pytest.raises(DataError, match=r"problems.jsonl:4: id=p3: images"):
+        load_problems(path, check_rows=lambda i: i % 2 == 1)
+    with pytest.raises(DataError, match=r"id=p3"):
+        load_problems(path)

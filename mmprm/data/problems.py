@@ -15,6 +15,7 @@ problem as `FILE:LINE: id=...: field: what is wrong (how to fix)`. `mmprm synthe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,10 +68,14 @@ def check_problem_fields(
     return errs, resolved
 
 
-def load_problems(path: str | Path, check_images: bool = True) -> list[Problem]:
+def load_problems(
+    path: str | Path, check_images: bool = True, check_rows: Callable[[int], bool] | None = None
+) -> list[Problem]:
     """Load and validate a problems JSONL file; raise DataError listing every bad row.
 
-    With `check_images`, every image must exist and open as an image (its header is read).
+    With `check_images`, every image must exist and open as an image (its header is read); with
+    `check_rows` too, only the images of rows i (0-based, in file order) where check_rows(i) is
+    true - a worker's own share, so 8 workers do not each open all 100k images.
     """
     path = Path(path)
     if not path.exists():
@@ -81,12 +86,13 @@ def load_problems(path: str | Path, check_images: bool = True) -> list[Problem]:
     bad: list[str] = []
     seen: dict[str, int] = {}
     cache: dict[Path, str | None] = {}
-    for lineno, obj, err in iter_jsonl(path):
+    for row, (lineno, obj, err) in enumerate(iter_jsonl(path)):
         if err:
             bad.append(f"{path}:{lineno}: id=?: line: {err}")
             continue
         rid = row_id(obj)
-        errs, images = check_problem_fields(obj, path.parent, check_images, image_cache=cache)
+        check = check_images and (check_rows is None or check_rows(row))
+        errs, images = check_problem_fields(obj, path.parent, check, image_cache=cache)
         bad += [f"{path}:{lineno}: id={rid}: {fld}: {msg}" for fld, msg in errs]
         if errs:
             continue

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -450,6 +450,8 @@ def load_candidates(path: str | Path, check_images: bool = True) -> list[Problem
 
 def count_rows(path: str | Path) -> int:
     """Non-blank lines of a JSONL file, without parsing them (the size a shard is cut from)."""
+    if not Path(path).is_file():
+        raise DataError([f"{path}: file not found (a JSONL file is expected)"])
     with open(path, "rb") as f:
         return sum(1 for raw in f if raw.strip())
 
@@ -497,8 +499,11 @@ def iter_candidates(
             yield problem
 
 
-def load_problems(path: str | Path, check_images: bool = True) -> list[Problem]:
-    """The problems of `mmprm.data.problems.load_problems` with no candidates yet (the input of generation)."""
+def load_problems(
+    path: str | Path, check_images: bool = True, check_rows: Callable[[int], bool] | None = None
+) -> list[Problem]:
+    """The problems of `mmprm.data.problems.load_problems` with no candidates yet (the input of generation);
+    `check_rows` limits the image checks to a worker's own rows."""
     return [
         Problem(
             id=p.id,
@@ -509,7 +514,7 @@ def load_problems(path: str | Path, check_images: bool = True) -> list[Problem]:
             choices=p.choices,
             meta=p.meta,
         )
-        for p in load_problem_rows(path, check_images)
+        for p in load_problem_rows(path, check_images, check_rows)
     ]
 
 
