@@ -120,12 +120,13 @@ def test_reduced_demo_pipeline(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava_1_5_hf"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava_1_5_hf", "internvl3_hf"])
 def test_pipeline_on_a_real_chat_template(tmp_path, family):
     """Every stage on a checkpoint shaped like a real one (`model.name_or_path`), not our tiny preset.
 
     Qwen2-VL's real template adds a default system prompt; LLaVA-1.5's tokenizer prepends BOS, pads
-    on the left and its template writes "ASSISTANT:" then a space before the answer. SFT, annotation,
+    on the left and its template writes "ASSISTANT:" then a space before the answer; InternVL3 wraps
+    each image in <img>...</img> context tokens. SFT, annotation,
     the three reward models, Best-of-N and search must all agree with the template they are given.
     """
     sys.path.insert(0, str(Path(__file__).parent))
