@@ -426,13 +426,14 @@ def main(argv: list[str]) -> None:
                 rows, stats = score_chunk(scorer, chunk, cfg.scoring.share_prefix, cand_file)
                 for row in rows:
                     store.append_row(f, row)
-                n_scored += stats["candidates"]
+                n_scored += len(chunk)
                 n_steps += stats["steps"]
                 dropped += stats["dropped_steps"]
                 cut += stats["cut"]
-                elapsed = time.time() - t0
+                elapsed, left = time.time() - t0, n_problems - len(done) - n_scored
                 print(
-                    f"scored {n_scored} candidates ({n_steps} steps, {n_steps / max(elapsed, 1e-9):.1f} steps/s)",
+                    f"scored {len(done) + n_scored}/{n_problems} problems ({n_steps / max(elapsed, 1e-9):.1f} steps/s, "
+                    f"ETA {elapsed / n_scored * left:.0f}s)",
                     flush=True,
                 )
         os.replace(partial, final)
