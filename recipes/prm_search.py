@@ -380,7 +380,12 @@ def main(argv: list[str]) -> None:
     # Only what the report reads: each row's search tree (hundreds of KB) stays on disk.
     fields = ("id", "answer", "correct", "complete", "stats")
     runs = {s.label(): store.merge_shards(out / slug(s.label()), "results", sh.count, fields) for s in cfg.searches}
-    bon_rows = store.merge_shards(out / "bon", "candidates", sh.count) if cfg.bon.enabled else None
+    bon_rows = None
+    if cfg.bon.enabled:  # each candidate's step texts are the bulk of these rows: the report reads none
+        bon_rows = [
+            {**r, "candidates": [{k: v for k, v in c.items() if k != "steps"} for c in r["candidates"]]}
+            for r in store.iter_merged(out / "bon", "candidates", sh.count)
+        ]
     report = search_report(
         runs, bon_rows, sorted(cfg.bon.n), cfg.searches[0].aggregator, cfg.report.resamples, cfg.report.seed
     )
