@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from mmprm.models.tiny import _ARCH_TOKENS, _corpus, build_tiny_model
+from mmprm.models.tiny import _ARCH_TOKENS, build_tiny_model, train_bpe
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 FAMILIES: dict[str, dict] = json.loads((FIXTURES / "families.json").read_text(encoding="utf-8"))
@@ -29,31 +29,14 @@ NAMED_TOKENS = {
 
 
 def family_tokenizer(name: str):
-    """A byte-level BPE trained here with the family's special tokens, settings and real template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    """A byte-level BPE trained here (`train_bpe`) with the family's special tokens, settings and real template."""
+    from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     fam = FAMILIES[name]
     named = dict(NAMED_TOKENS.get(fam["arch"], {}))
     roles = [fam[k] for k in ("bos", "eos", "pad", "unk") if fam[k]]
-    specials = list(dict.fromkeys([*fam["special_tokens"], *roles, *named.values()]))
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1024,
-        special_tokens=specials,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(_corpus(), trainer)
+    bpe = train_bpe(list(dict.fromkeys([*fam["special_tokens"], *roles, *named.values()])))
     if fam["add_bos_token"]:  # Llama 3, Mistral, LLaVA-1.5/NeXT tokenizers prepend BOS themselves
         bos = fam["bos"]
         bpe.post_processor = processors.TemplateProcessing(

@@ -135,19 +135,17 @@ def _corpus(n: int = 4000) -> list[str]:
     return lines
 
 
-def _train_tokenizer(arch: str) -> Any:
-    """Byte-level BPE trained here: every byte is in the base alphabet, so any text tokenizes.
+def train_bpe(special_tokens: list[str]) -> Any:
+    """A `tokenizers.Tokenizer`: byte-level BPE of VOCAB_SIZE trained here on `_corpus()`, with
+    `special_tokens` first; every byte is in the base alphabet, so any text tokenizes.
 
     Normalizer and pre-tokenizer are Qwen2's (NFC, Qwen's split regex, byte-level): transformers
     rebuilds a `qwen2` checkpoint's tokenizer as `Qwen2Tokenizer` from vocab + merges, and this
     keeps that rebuild token-for-token identical to the tokenizer trained here.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    named = _ARCH_TOKENS[arch]
-    specials = _CHATML + list(named.values())
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
@@ -159,14 +157,22 @@ def _train_tokenizer(arch: str) -> Any:
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=specials,
+        special_tokens=special_tokens,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     bpe.train_from_iterator(_corpus(), trainer)
+    return bpe
+
+
+def _train_tokenizer(arch: str) -> Any:
+    """The tiny preset's tokenizer (`train_bpe`) with ChatML and the arch's image/video tokens."""
+    from transformers import PreTrainedTokenizerFast
+
+    named = _ARCH_TOKENS[arch]
     # Qwen-style: no BOS is prepended; <|endoftext|> pads; <|im_end|> ends a chat turn.
     return PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
+        tokenizer_object=train_bpe(_CHATML + list(named.values())),
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         extra_special_tokens=dict(named),
