@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mmprm.data.schema import DataError, check_base_fields, iter_jsonl, row_id
+from mmprm.data.schema import DataError, check_base_fields, iter_jsonl, raise_if_bad, row_id
 
 
 @dataclass
@@ -110,8 +110,5 @@ def load_problems(
                 meta=obj.get("meta") or {},
             )
         )
-    if not problems and not bad:
-        bad.append(f"{path}:0: id=?: file: no rows (the problems file is empty)")
-    if bad:
-        raise DataError(bad)
+    raise_if_bad(path, bad, len(problems), what="problems file")
     return problems

@@ -68,6 +68,15 @@ class DataError(ValueError):
         super().__init__(f"{len(problems)} problem(s) in input data:\n{shown}{more}")
 
 
+def raise_if_bad(path: str | Path, bad: list[str], kept: int, what: str = "file") -> None:
+    """Raise DataError listing every problem found in `path`; a file that gave no rows and no
+    problems is one too (`what` names it in that message)."""
+    if not kept and not bad:
+        bad = [f"{path}:0: id=?: file: no rows (the {what} is empty)"]
+    if bad:
+        raise DataError(bad)
+
+
 def row_id(obj: dict[str, Any], key: str = "id") -> str:
     """A row's id for messages: its value, or "?" when it has none (as for a line that is not JSON)."""
     value = obj.get(key)

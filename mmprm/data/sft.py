@@ -27,7 +27,7 @@ from typing import Any
 
 from mmprm.answers import extract_answer
 from mmprm.chat import ChatClient, ChatConfig, ChatRequestError, messages_for
-from mmprm.data.schema import DataError, StepExample, check_row, iter_jsonl, row_id, write_jsonl
+from mmprm.data.schema import DataError, StepExample, check_row, iter_jsonl, raise_if_bad, row_id, write_jsonl
 from mmprm.steps import STEP_CLOSE, STEP_OPEN, parse_solution, render_solution
 
 _CALC = re.compile(r"<<[^<>]*>>")
@@ -223,10 +223,7 @@ def load_sft(path: str | Path, check_images: bool = True) -> list[StepExample]:
             seen[ex.id] = lineno
             ex.labels = None
             examples.append(ex)
-    if not examples and not problems:
-        problems.append(f"{path}:0: id=?: file: no rows (the file is empty)")
-    if problems:
-        raise DataError(problems)
+    raise_if_bad(path, problems, len(examples))
     return examples
 
 

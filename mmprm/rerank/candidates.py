@@ -41,7 +41,7 @@ from typing import Any, Literal
 from mmprm.answers import answers_match, extract_answer
 from mmprm.data.problems import check_problem_fields
 from mmprm.data.problems import load_problems as load_problem_rows
-from mmprm.data.schema import DataError, iter_jsonl, row_id, write_jsonl
+from mmprm.data.schema import DataError, iter_jsonl, raise_if_bad, row_id, write_jsonl
 from mmprm.data.sft import FINAL_ANSWER_LINE, split_solution
 from mmprm.steps import STEP_TOKEN, parse_solution, prm_steps
 
@@ -441,10 +441,7 @@ def load_candidates(path: str | Path, check_images: bool = True) -> list[Problem
         bad += errs
         if problem is not None:
             problems.append(problem)
-    if not problems and not bad:
-        bad.append(f"{path}:0: id=?: file: no rows (the file is empty)")
-    if bad:
-        raise DataError(bad)
+    raise_if_bad(path, bad, len(problems))
     return problems
 
 
@@ -480,10 +477,7 @@ def check_candidates(
                 for j, c in enumerate(problem.candidates)
                 if c.correct is None
             ]
-    if not problems and not bad:
-        bad.append(f"{path}:0: id=?: file: no rows (the file is empty)")
-    if bad:
-        raise DataError(bad)
+    raise_if_bad(path, bad, problems)
     return problems, candidates
 
 

@@ -399,7 +399,7 @@ def read_candidates(path: str | Path) -> list[list[dict[str, Any]]]:
 
     Every line is checked first; raises `DataError` listing `FILE:LINE: id=...: field: what`.
     """
-    from mmprm.data.schema import DataError, iter_jsonl, row_id
+    from mmprm.data.schema import iter_jsonl, raise_if_bad, row_id
 
     problems: list[list[dict[str, Any]]] = []
     bad: list[str] = []
@@ -417,10 +417,7 @@ def read_candidates(path: str | Path) -> list[list[dict[str, Any]]]:
         for j, c in enumerate(cands):
             bad += [f"{path}:{lineno}: id={rid}: candidates[{j}].{fld}: {msg}" for fld, msg in check_candidate(c)]
         problems.append(cands)
-    if not problems and not bad:
-        bad.append(f"{path}:0: id=?: file: no rows (the file is empty)")
-    if bad:
-        raise DataError(bad)
+    raise_if_bad(path, bad, len(problems))
     return problems
 
 
