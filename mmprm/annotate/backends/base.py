@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from mmprm.data import schema
 from mmprm.steps import ANSWER_CLOSE, continuation_prompt, continue_assistant
 
 StepMode = Literal["tags", "blank_lines"]
@@ -143,11 +144,9 @@ class ImageCache:
         self._items: OrderedDict[str, Any] = OrderedDict()
 
     def __call__(self, path: str) -> Any:
-        from mmprm.data.schema import load_image
-
         image = self._items.pop(path, None)
         if image is None:
-            image = load_image(path)
+            image = schema.load_image(path)
         self._items[path] = image
         if len(self._items) > self.size:
             self._items.popitem(last=False)
