@@ -47,7 +47,7 @@ from mmprm.training import (
     rank_share,
     wrap_padding,
 )
-from mmprm.training_data import IGNORE, SFTCollator, column, load_tokenized
+from mmprm.training_data import IGNORE, SFTCollator, load_tokenized
 
 
 @dataclass
@@ -274,7 +274,7 @@ def main(argv: list[str]) -> None:
         f"{train_stats['cache']}"
     )
     eval_collate = tokenized(cfg.data.eval_file)[0] if cfg.data.eval_file else None
-    n_targets = column(train_data, "n_targets")  # loss tokens per row, for the loss normaliser
+    n_targets = train_data.column("n_targets")  # loss tokens per row, for the loss normaliser
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
@@ -289,7 +289,7 @@ def main(argv: list[str]) -> None:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     log_zero3_partitions(accelerator, model, out_dir, log)
     global_batch = cfg.train.batch_size * accelerator.num_processes
-    stream = BatchStream(column(train_data, "length"), global_batch, cfg.train.seed, cfg.train.group_by_length)
+    stream = BatchStream(train_data.column("length"), global_batch, cfg.train.seed, cfg.train.group_by_length)
     if padded := wrap_padding(len(train_data), global_batch):
         log(
             f"{len(train_data)} rows do not fill whole global batches of {global_batch}: each epoch's last batch "

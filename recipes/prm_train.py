@@ -47,7 +47,7 @@ from mmprm.training import (
     rank_share,
     wrap_padding,
 )
-from mmprm.training_data import PRMCollator, column, load_tokenized
+from mmprm.training_data import PRMCollator, load_tokenized
 
 
 @dataclass
@@ -261,8 +261,8 @@ def main(argv: list[str]) -> None:
         f"{train_stats['dropped_prompt_too_long']} rows whose prompt and first step do not fit and "
         f"{train_stats['dropped_error_step_truncated']} negative rows whose first error step would be cut"
     )
-    n_steps = column(train_data, "n_steps")  # step tokens per row, for the loss normaliser
-    n_pos, n_all = sum(column(train_data, "n_pos")), sum(n_steps)
+    n_steps = train_data.column("n_steps")  # step tokens per row, for the loss normaliser
+    n_pos, n_all = sum(train_data.column("n_pos")), sum(n_steps)
     pos_weight = neg_weight = 1.0
     if cfg.data.balance:
         n_neg = n_all - n_pos
@@ -283,7 +283,7 @@ def main(argv: list[str]) -> None:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     log_zero3_partitions(accelerator, model, out_dir, log)
     global_batch = cfg.train.batch_size * accelerator.num_processes
-    stream = BatchStream(column(train_data, "length"), global_batch, cfg.train.seed, cfg.train.group_by_length)
+    stream = BatchStream(train_data.column("length"), global_batch, cfg.train.seed, cfg.train.group_by_length)
     if padded := wrap_padding(len(train_data), global_batch):
         log(
             f"{len(train_data)} rows do not fill whole global batches of {global_batch}: each epoch's last batch "
