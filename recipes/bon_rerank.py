@@ -209,9 +209,9 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
     """
     from mmprm.annotate.backends.base import RolloutRequest
     from mmprm.answers import answers_match
+    from mmprm.data import store
     from mmprm.rerank.candidates import Candidate, count_rows, load_problems
     from mmprm.rerank.shards import shard_bounds, take_shard
-    from mmprm.search import store
     from mmprm.steps import parse_solution, prm_steps
 
     g = cfg.generate
@@ -390,9 +390,9 @@ def main(argv: list[str]) -> None:
     print(f"shard {cfg.shard.index}/{cfg.shard.count}: {n_problems} problems, {n_cands} candidates")
 
     # ---- scoring, chunk by chunk: each chunk's rows reach the shard file before the next -------
+    from mmprm.data import store
     from mmprm.models.loading import resolve_device
     from mmprm.models.prm import load_prm
-    from mmprm.search import store
 
     final = shard_path(out_dir, cfg.shard.index, cfg.shard.count)
     partial = final.with_name(final.name + ".partial")

@@ -265,9 +265,9 @@ def main(argv: list[str]) -> None:
 
     # ---- problems of this shard ------------------------------------------------------------
     from mmprm.answers import answers_match
+    from mmprm.data import store
     from mmprm.rerank.candidates import count_rows, load_problems
     from mmprm.rerank.shards import shard_bounds, take_shard
-    from mmprm.search import store
 
     n = count_rows(cfg.problems_file)
     n = n if cfg.limit is None else min(cfg.limit, n)

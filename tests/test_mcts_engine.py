@@ -24,6 +24,7 @@ from mmprm.annotate.engine import (
     RankBusyError,
     TreeFile,
     cli_merge_annotations,
+    iter_records,
     merge_annotations,
     resolve_rank_world,
     shard,
@@ -231,6 +232,13 @@ def test_torn_last_line_is_cut_and_finished_ids_are_skipped(tmp_path):
     summary = merge_annotations(tmp_path)
     merged = [json.loads(line) for line in (tmp_path / "trees.jsonl").read_text().splitlines()]
     assert [r["id"] for r in merged] == ["a", "b", "c", "z"] and summary["by_status"]["annotated"] == 2
+    # the same reader as every append-only file (mmprm.data.store.scan): damage before the last
+    # line is named; an unparsable last line is torn, even with its newline
+    other.write_text('{"id": "z", "status": "annotated"}\n{"id": "y", "sta\n')
+    assert [r["id"] for r in iter_records(other)] == ["z"]
+    other.write_text('{"id": "z", "sta\n{"id": "y", "status": "annotated"}\n')
+    with pytest.raises(DataError, match=r"rank1-of-2.jsonl:1: id=\?: line: not a JSON row"):
+        merge_annotations(tmp_path)
 
 
 def test_merge_copies_each_chosen_line_as_written(tmp_path):

@@ -286,7 +286,7 @@ def test_store_resume_streams_ids_and_cuts_a_torn_tail_in_place(tmp_path, capsys
     import json
     import os
 
-    from mmprm.search import store
+    from mmprm.data import store
 
     path = tmp_path / "results.shard0-of-1.jsonl"
     assert store.resume(path) == set()
@@ -304,7 +304,7 @@ def test_store_resume_streams_ids_and_cuts_a_torn_tail_in_place(tmp_path, capsys
     path.write_text(good + '{"id": "p3"}')  # whole row, but its newline never reached the disk
     assert store.resume(path) == {"p0", "p1", "p2"} and path.read_text() == good
     path.write_text('{"id": "p0"}\n{"id": "p1", "tr\n{"id": "p2"}\n')
-    with pytest.raises(ValueError, match=r"results.shard0-of-1.jsonl:2: not a JSON row"):
+    with pytest.raises(ValueError, match=r"results.shard0-of-1.jsonl:2: id=\?: line: not a JSON row"):
         store.resume(path)
-    with pytest.raises(ValueError, match=r"results.shard0-of-1.jsonl:2: not a JSON row"):
+    with pytest.raises(ValueError, match=r"results.shard0-of-1.jsonl:2: id=\?: line: not a JSON row"):
         store.read_rows(path)

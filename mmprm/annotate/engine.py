@@ -37,6 +37,7 @@ from mmprm.annotate.backends.base import (
     was_truncated,
 )
 from mmprm.annotate.search import OmegaSearch, Probe, Rollout, SearchConfig
+from mmprm.data import store
 from mmprm.data.problems import Problem
 from mmprm.data.schema import DataError, iter_jsonl
 from mmprm.steps import parse_solution
@@ -99,35 +100,11 @@ def tree_file_name(rank: int, world_size: int) -> str:
 def iter_records(path: str | Path, repair: bool = False) -> Iterator[dict[str, Any]]:
     """Complete records of a tree file, one at a time (memory: one record, however large the file).
 
-    Bytes after the last newline are a write torn by a kill: ignored, and cut off in place when
-    `repair` (only the owning rank repairs its file).
+    A torn last line (a kill mid-write) is ignored, and cut off in place when `repair` (only the
+    owning rank repairs its file); see `mmprm.data.store.scan`.
     """
-    for _, _, rec in _scan_records(Path(path), repair):
+    for _, _, rec in store.scan(path, repair):
         yield rec
-
-
-def _scan_records(path: Path, repair: bool) -> Iterator[tuple[int, int, dict[str, Any]]]:
-    """(byte offset, byte length, record) of each complete line of a tree file."""
-    end = 0  # just past the last complete line
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.endswith(b"\n"):
-                break  # torn by a kill: never a record
-            start, end = end, end + len(line)
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    [
-                        f"{path}:{lineno}: id=?: line: invalid JSON inside the file ({e.msg}); "
-                        "it was edited or corrupted: delete that line to re-annotate the problem"
-                    ]
-                ) from None
-            yield start, len(line), rec
-    if repair and end < path.stat().st_size:
-        os.truncate(path, end)
 
 
 def _hold_lock(path: Path, tree_file: Path) -> Any:
@@ -229,7 +206,7 @@ def merge_annotations(
     chosen: dict[str, tuple[int, int, int, bool, str]] = {}  # insertion order = first appearance
     records = 0
     for k, path in enumerate(files):
-        for offset, length, rec in _scan_records(path, repair=False):
+        for offset, length, rec in store.scan(path):
             records += 1
             rid = str(rec["id"])
             if rid not in chosen or not chosen[rid][3]:  # a later record supersedes a transient error
