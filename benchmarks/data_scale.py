@@ -10,8 +10,8 @@ at a pool of synthetic 640x480 JPEGs (shared by path to save disk; the collator 
 image itself). Rows are shaped like real step-labelled data (`--rows realistic`, the default): a
 15-30 word question and 8-16 steps of 6-18 words, around PRMBench's medians (22-word question,
 12 steps of 12 words, 204 words a row, measured on its 394 rows); `--rows short` writes the
-shorter rows of earlier versions (10-word question, 2-6 steps of 6-24 words). It builds the tiny Qwen2-VL preset, and for each size runs the real
-`recipes/prm_train.py` as a subprocess twice: a first run that builds the tokenization cache, then
+shorter rows of earlier versions (10-word question, 2-6 steps of 6-24 words). It builds the tiny
+Qwen2-VL preset, and for each size runs the real `recipes/prm_train.py` as a subprocess twice: a first run that builds the tokenization cache, then
 a rerun on the same cache. For each it reports, side by side:
 
   peak RSS      of the training process (psutil, polled every 20 ms); `peak_rss_tree_mib` adds

@@ -32,6 +32,7 @@ import bisect
 import copy
 import functools
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -470,13 +471,7 @@ class CachedRows:
         self.table = pa.Table.from_batches(self.batches)
         # first row of each record batch: a row is found by bisection and sliced out of its batch
         # (Table.take would concatenate every chunk of every column first: a copy of the dataset)
-        self.starts = [0]
-        for b in self.batches[:-1]:
-            self.starts.append(self.starts[-1] + b.num_rows)
-
-    @property
-    def column_names(self) -> list[str]:
-        return self.table.column_names
+        self.starts = [0, *itertools.accumulate(b.num_rows for b in self.batches[:-1])]
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -490,16 +485,15 @@ class CachedRows:
         if isinstance(key, str):
             return self.column(key)
         if isinstance(key, int):
-            return self.table.slice(key, 1).to_pylist()[0]
-        import pyarrow as pa
+            return self.row(key)
+        rows = [self.row(i) for i in key]
+        return {name: [r[name] for r in rows] for name in self.table.column_names}
 
-        picked = []
-        for i in key:
-            if not 0 <= i < len(self):
-                raise IndexError(f"row {i} of {len(self)}")
-            b = bisect.bisect_right(self.starts, i) - 1
-            picked.append(self.batches[b].slice(i - self.starts[b], 1))
-        return pa.Table.from_batches(picked, schema=self.table.schema).to_pydict()
+    def row(self, i: int) -> dict[str, Any]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} of {len(self)}")
+        b = bisect.bisect_right(self.starts, i) - 1
+        return self.batches[b].slice(i - self.starts[b], 1).to_pylist()[0]
 
 
 def _build(path: str | Path, kind: Kind, processor: Any, settings: dict[str, Any], folder: Path, num_proc: int) -> None:
