@@ -436,13 +436,20 @@ def load_tokenized(
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     settings = {"kind": kind, **settings}
     folder = root / cache_key(path, processor_fingerprint(processor), settings)
-    is_main = accelerator is None or accelerator.is_main_process
     reused = (folder / "stats.json").is_file()
-    if not reused and accelerator is not None and accelerator.num_processes > 1:
-        # rank 0 builds while the others wait at the barrier, then they open what it wrote
+    if accelerator is not None and accelerator.num_processes > 1:
+        # Rank 0 builds while the others wait at the barrier, then they open what it wrote. Every
+        # rank enters the barrier whatever it finds on disk: a rank that starts late would see the
+        # cache rank 0 just wrote, skip the barrier, and leave rank 0 waiting in it for ever.
         with accelerator.main_process_first():
-            if is_main:
+            if accelerator.is_main_process and not reused:
                 _build(path, kind, processor, settings, folder, num_proc or default_num_proc())
+        if not (folder / "stats.json").is_file():
+            raise FileNotFoundError(
+                f"{path}: rank {accelerator.process_index} on {socket.gethostname()} cannot see the "
+                f"tokenization cache rank 0 built in {folder}: put data.cache_dir (or $MMPRM_CACHE) "
+                "on storage every node sees"
+            )
     elif not reused:
         _build(path, kind, processor, settings, folder, num_proc or default_num_proc())
     stats = json.loads((folder / "stats.json").read_text())

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from ports import free_port
+
 Script = Callable[[dict[str, Any]], "str | tuple[int, Any]"]
 
 
@@ -90,13 +92,7 @@ class ChatServer:
 
 def free_port_url() -> str:
     """A URL where nothing listens (the port was just released), for outage tests."""
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"http://127.0.0.1:{port}/v1"
+    return f"http://127.0.0.1:{free_port()}/v1"
 
 
 # ---------------------------------------------------------------- a stand-in judge for demos

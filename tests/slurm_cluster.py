@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from ports import free_port
 
 SLURM_BINARIES = ("sbatch", "srun", "sinfo", "slurmctld", "slurmd", "munged")
 APT_PACKAGES = ("slurm-wlm", "munge")
@@ -78,13 +79,6 @@ def ensure_pip_tool(binary: str, requirement: str) -> str | None:
     if shutil.which(binary) is None:
         return f"{binary} not installed and `pip install {requirement}` failed ({done.stderr.strip()[-300:]})"
     return None
-
-
-def free_port() -> int:
-    """A TCP port that is free right now on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

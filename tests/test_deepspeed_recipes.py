@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 from recipe_runs import read_metrics, run_recipe
 from safetensors.torch import load_file
 from toy_data import write_toy_prm_data
@@ -28,12 +28,6 @@ pytest.importorskip("deepspeed")
 
 EMBED = "backbone.model.language_model.embed_tokens.weight"
 LM_HEAD = "backbone.lm_head.weight"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(recipe: str, stage: int, processes: int, *overrides: str, bf16: bool = False) -> str:

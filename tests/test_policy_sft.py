@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from ports import free_port
 from recipe_runs import REPO, read_metrics, run_recipe
 from safetensors.torch import load_file
 
@@ -225,7 +226,7 @@ def test_two_process_ddp_keeps_the_lr_schedule(tiny_models, synthetic, tmp_path)
         "--nproc_per_node",
         "2",
         "--master_port",
-        "29531",
+        str(free_port()),
         str(RECIPE),
     ]
     cmd = launcher + common(tiny_models("qwen2_vl"), train, out, steps=4) + ["train.batch_size=2", "train.grad_accum=2"]

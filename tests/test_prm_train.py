@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from ports import free_port
 from recipe_runs import REPO, read_metrics, run_recipe
 from safetensors.torch import load_file
 from toy_data import write_toy_prm_data
@@ -122,7 +123,7 @@ def test_two_process_ddp(tiny_models, toy, tmp_path):
         "--dynamo_backend",
         "no",
         "--main_process_port",
-        "29517",
+        str(free_port()),
     ]
     # without ACCELERATE_USE_CPU each process would see no GPU and run alone (world size 1)
     run_recipe(
@@ -159,7 +160,7 @@ def test_two_processes_with_a_row_count_that_used_to_starve_a_rank(tiny_models, 
         "--dynamo_backend",
         "no",
         "--main_process_port",
-        "29519",
+        str(free_port()),
     ]
     res = run_recipe(
         "prm_train",

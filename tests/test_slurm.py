@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ports import free_port
 from slurm_cluster import APT_PACKAGES, SLURM_BINARIES, JobResult, SlurmCluster, ensure_debian_packages
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,14 +95,29 @@ def submit(
     args: list[str] = (),
     timeout: float = 300,
 ) -> tuple[JobResult, str]:
-    """Submit launch/slurm/SCRIPT with `sbatch --wait`; returns (result, the job's own output)."""
+    """Submit launch/slurm/SCRIPT with `sbatch --wait`; returns (result, the job's own output).
+
+    Each job rendezvouses on a port the kernel picked (train.sbatch's default, 20000 + job id, is
+    the same in every run of this cluster, and another run on the machine may hold it). A job still
+    running after `timeout` is cancelled and the test fails with its output and rank logs.
+    """
     out = tmp / f"{script}.out"
-    res = cluster.sbatch(
-        ["--time=10", f"--output={out}", *sbatch_args, str(SLURM_DIR / script), *args],
-        env={**JOB_ENV, **env},
-        timeout=timeout,
-        cwd=tmp,
-    )
+    try:
+        res = cluster.sbatch(
+            ["--time=10", f"--output={out}", *sbatch_args, str(SLURM_DIR / script), *args],
+            env={**JOB_ENV, "MAIN_PROCESS_PORT": str(free_port()), **env},
+            timeout=timeout,
+            cwd=tmp,
+        )
+    except subprocess.TimeoutExpired as e:
+        said = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+        timed_out = JobResult(-1, said, "")
+        job = re.search(r"Submitted batch job (\d+)", timed_out.stdout)
+        if job:
+            cluster.run(["scancel", job.group(1)], timeout=30)
+        job_out = out.read_text(errors="replace") if out.exists() else "(no job output)"
+        log_dir = Path(env["LOG_DIR"]) if "LOG_DIR" in env else None
+        pytest.fail(f"{script} still running after {timeout:.0f} s, cancelled:\n{report(timed_out, job_out, log_dir)}")
     return res, out.read_text(errors="replace") if out.exists() else "(no job output)"
 
 

@@ -183,6 +183,56 @@ print("datasets" in sys.modules)
     assert out.stdout.strip().splitlines()[-1] == "False"
 
 
+def test_a_rank_that_starts_after_the_cache_is_built_still_meets_rank_0(tiny_models, tmp_path):
+    """Rank 1 calls load_tokenized only once rank 0's cache is on disk (a slow node, a late start).
+
+    It used to see the finished cache, skip the barrier rank 0 was waiting in, and leave both
+    ranks in mismatched collectives: the 2-node Slurm training jobs hung in CI this way.
+    """
+    import subprocess
+    import sys
+
+    from ports import free_port
+
+    model = tiny_models("qwen2_vl")
+    train, ev = write_rows(tmp_path, 6), write_rows(tmp_path, 4, name="eval.jsonl")
+    cache = tmp_path / "cache"
+    script = tmp_path / "late_rank.py"
+    script.write_text(f"""
+import datetime, time
+from pathlib import Path
+import torch
+from accelerate import Accelerator, InitProcessGroupKwargs
+from mmprm.models.loading import add_step_token, load_processor
+from mmprm.training_data import load_tokenized
+
+# a mismatched collective fails after 60 s instead of hanging the suite
+acc = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=60))])
+processor = load_processor({str(model)!r})
+add_step_token(processor, None)
+for path in ({str(train)!r}, {str(ev)!r}):  # two files, as prm_train loads train and eval
+    if acc.process_index == 1:
+        while len(list(Path({str(cache)!r}).glob("*/stats.json"))) < (1 if path == {str(train)!r} else 2):
+            time.sleep(0.2)
+    rows, stats = load_tokenized(path, "prm", processor, {SETTINGS!r}, cache_dir={str(cache)!r}, accelerator=acc)
+    total = acc.reduce(torch.tensor([float(len(rows))]), reduction="sum").item()
+    assert total == 2 * len(rows), (acc.process_index, total, len(rows))
+    with open({str(tmp_path)!r} + f"/rank{{acc.process_index}}.txt", "a") as f:
+        f.write(f"{{path}} {{len(rows)}} {{stats['reused']}}\\n")
+acc.end_training()
+""")
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    launcher += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launcher += ["--main_process_port", str(free_port())]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    res = subprocess.run([*launcher, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    # both ranks read both files; only the late rank found each cache already built
+    for rank in (0, 1):
+        seen = (tmp_path / f"rank{rank}.txt").read_text().splitlines()
+        assert seen == [f"{train} 6 {rank == 1}", f"{ev} 4 {rank == 1}"], (rank, seen)
+
+
 def test_image_changed_after_caching_is_caught_by_the_collator(tiny_models, tmp_path):
     processor = prm_processor(tiny_models, "qwen2_vl")
     path = write_rows(tmp_path, 3)

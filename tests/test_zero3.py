@@ -8,10 +8,9 @@ The recipe runs with 1 and 2 ranks are in tests/test_deepspeed_recipes.py.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
+from ports import free_port
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -26,12 +25,6 @@ ZERO3 = {
     "zero_allow_untested_optimizer": True,
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100_000},
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +48,7 @@ def zero3(monkeypatch):
 
     for key, value in {
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "RANK": "0",
         "WORLD_SIZE": "1",
         "LOCAL_RANK": "0",
