@@ -11,6 +11,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -54,6 +55,8 @@ class TrainConfig:
         report_to: tracker for metrics: tensorboard | wandb | none
         stop_at_step: stop early at this step with a checkpoint (e.g. before a Slurm time limit); null runs to
             max_steps
+        keep_checkpoints: keep only the newest N complete checkpoints (a 7B ZeRO-3 checkpoint with its
+            optimizer is ~100 GB); null keeps every one
         lr: peak learning rate (AdamW)
     """
 
@@ -74,6 +77,15 @@ class TrainConfig:
     eval_batch_size: int = 8
     report_to: str = "tensorboard"
     stop_at_step: int | None = None
+    keep_checkpoints: int | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field and what to do."""
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+            raise ValueError(
+                f"train.keep_checkpoints: {self.keep_checkpoints} would delete the checkpoint just written "
+                "(use 1 or more, or null to keep every one)"
+            )
 
 
 def epoch_batches(
@@ -202,13 +214,65 @@ def lr_factor(
     raise ValueError(f"unknown schedule {schedule!r}: use cosine, linear or constant")
 
 
-def find_checkpoint(output_dir: str | Path, resume: str | None) -> Path | None:
-    """Resolve `resume_from_checkpoint`: None/'' -> None, 'latest' -> newest under output_dir/checkpoints."""
+# Written into a checkpoint after every rank has saved its part: one without it was cut off.
+CHECKPOINT_DONE = "mmprm_checkpoint.json"
+
+
+def _step(checkpoint: Path) -> int:
+    return int(checkpoint.name.removeprefix("step_"))
+
+
+def _step_dirs(output_dir: str | Path) -> list[Path]:
+    """output_dir/checkpoints/step_N folders, oldest first."""
+    found = (Path(output_dir) / "checkpoints").glob("step_*")
+    return sorted((p for p in found if p.name.removeprefix("step_").isdigit()), key=_step)
+
+
+def save_checkpoint(accelerator: Any, output_dir: str | Path, step: int, keep: int | None = None) -> Path:
+    """`accelerator.save_state` into output_dir/checkpoints/step_STEP, marked complete once all ranks wrote.
+
+    A job killed while saving (a Slurm time limit, a preempted node) leaves a folder without the
+    marker, which `find_checkpoint(..., "latest")` passes over. With `keep`, rank 0 then deletes all
+    but the newest `keep` complete checkpoints, and any cut-off one older than the newest.
+    """
+    import json
+    import shutil
+
+    path = Path(output_dir) / "checkpoints" / f"step_{step}"
+    accelerator.save_state(str(path))
+    accelerator.wait_for_everyone()  # every rank's shards are on disk before the marker says so
+    if accelerator.is_main_process:
+        (path / CHECKPOINT_DONE).write_text(json.dumps({"step": step, "processes": accelerator.num_processes}))
+        if keep is not None:
+            complete = [p for p in _step_dirs(output_dir) if (p / CHECKPOINT_DONE).is_file()]
+            stale = [p for p in _step_dirs(output_dir) if p not in complete[-keep:] and _step(p) < step]
+            for old in stale:
+                shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def find_checkpoint(output_dir: str | Path, resume: str | None, log: Any = print) -> Path | None:
+    """Resolve `resume_from_checkpoint`: None/'' -> None, 'latest' -> the newest complete checkpoint.
+
+    'latest' passes over checkpoints cut off while saving (no `CHECKPOINT_DONE`), naming them with
+    `log`. Folders that exist but none complete raise rather than start over: passing one
+    explicitly (`resume_from_checkpoint=PATH`) loads it as it is.
+    """
     if not resume:
         return None
     if resume == "latest":
-        ckpts = sorted((Path(output_dir) / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-        return ckpts[-1] if ckpts else None
+        found = _step_dirs(output_dir)
+        complete = [p for p in found if (p / CHECKPOINT_DONE).is_file()]
+        cut = [p.name for p in found if p not in complete and (not complete or _step(p) > _step(complete[-1]))]
+        if cut:
+            log(f"passing over {', '.join(cut)} in {Path(output_dir) / 'checkpoints'}: cut off while saving")
+        if found and not complete:
+            raise FileNotFoundError(
+                f"resume_from_checkpoint=latest: no complete checkpoint in {Path(output_dir) / 'checkpoints'} "
+                f"({', '.join(p.name for p in found)} lack {CHECKPOINT_DONE}: cut off while saving, or written "
+                "before checkpoints were marked); pass one with resume_from_checkpoint=PATH to load it anyway"
+            )
+        return complete[-1] if complete else None
     path = Path(resume)
     if not path.is_dir():
         raise FileNotFoundError(

@@ -45,6 +45,7 @@ from mmprm.training import (
     lr_factor,
     process_group_kwargs,
     rank_share,
+    save_checkpoint,
     wrap_padding,
 )
 from mmprm.training_data import PRMCollator, load_tokenized
@@ -292,7 +293,7 @@ def main(argv: list[str]) -> None:
     progress = TrainProgress()
     accelerator.register_for_checkpointing(stream, progress)
 
-    ckpt = find_checkpoint(out_dir, cfg.resume_from_checkpoint)
+    ckpt = find_checkpoint(out_dir, cfg.resume_from_checkpoint, log=log)
     if ckpt is not None:
         accelerator.load_state(str(ckpt))
         log(f"resumed from {ckpt} at step {progress.step}")
@@ -393,7 +394,7 @@ def main(argv: list[str]) -> None:
             )
         stopping = progress.step == cfg.train.stop_at_step
         if progress.step % cfg.train.save_every == 0 or progress.step == cfg.train.max_steps or stopping:
-            accelerator.save_state(str(out_dir / "checkpoints" / f"step_{progress.step}"))
+            save_checkpoint(accelerator, out_dir, progress.step, keep=cfg.train.keep_checkpoints)
         if stopping:
             log(
                 f"stopping at step {progress.step} as asked (train.stop_at_step); resume with "

@@ -198,8 +198,13 @@ def test_exact_resume_matches_straight_run(tiny_models, synthetic, tmp_path):
     run_recipe("policy_sft", *common(model, train, straight, steps=8), *extra)
     run_recipe("policy_sft", *common(model, train, resumed, steps=8), *extra, "train.stop_at_step=4")
     assert not (resumed / "model.safetensors").exists() and (resumed / "checkpoints" / "step_4").is_dir()
-    res = run_recipe("policy_sft", *common(model, train, resumed, steps=8), *extra, "resume_from_checkpoint=latest")
+    res = run_recipe(
+        "policy_sft", *common(model, train, resumed, steps=8), *extra, "resume_from_checkpoint=latest",
+        "train.keep_checkpoints=1",
+    )  # fmt: skip
     assert "resumed from" in res.stdout and "at step 4" in res.stdout
+    # keep_checkpoints=1: the final checkpoint replaced the one the run resumed from
+    assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step_8"]
     a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys()
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)

@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -10,6 +11,8 @@ from ports import free_port
 from recipe_runs import REPO, read_metrics, run_recipe
 from safetensors.torch import load_file
 from toy_data import write_toy_prm_data
+
+from mmprm.training import CHECKPOINT_DONE
 
 RECIPE = REPO / "recipes" / "prm_train.py"
 
@@ -91,7 +94,14 @@ def test_exact_resume_matches_straight_run(tiny_models, toy, tmp_path):
         "train.stop_at_step=10",
     )
     assert not (resumed / "model.safetensors").exists()
-    run_recipe(
+    # The job was then killed while saving step 15: files without the completion marker, and
+    # damaged. `latest` must pass over it and resume from step 10.
+    cut = resumed / "checkpoints" / "step_15"
+    shutil.copytree(resumed / "checkpoints" / "step_10", cut)
+    (cut / CHECKPOINT_DONE).unlink()
+    for part in cut.glob("*.safetensors"):
+        part.write_bytes(b"")
+    res = run_recipe(
         "prm_train",
         *args_r,
         "train.save_every=100",
@@ -99,6 +109,7 @@ def test_exact_resume_matches_straight_run(tiny_models, toy, tmp_path):
         "train.grad_accum=2",
         "resume_from_checkpoint=latest",
     )
+    assert "passing over step_15" in res.stdout + res.stderr
     a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys()
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
