@@ -244,8 +244,9 @@ def save_checkpoint(accelerator: Any, output_dir: str | Path, step: int, keep: i
     if accelerator.is_main_process:
         (path / CHECKPOINT_DONE).write_text(json.dumps({"step": step, "processes": accelerator.num_processes}))
         if keep is not None:
-            complete = [p for p in _step_dirs(output_dir) if (p / CHECKPOINT_DONE).is_file()]
-            stale = [p for p in _step_dirs(output_dir) if p not in complete[-keep:] and _step(p) < step]
+            found = _step_dirs(output_dir)
+            complete = [p for p in found if (p / CHECKPOINT_DONE).is_file()]
+            stale = [p for p in found if p not in complete[-keep:] and _step(p) < step]
             for old in stale:
                 shutil.rmtree(old, ignore_errors=True)
     return path

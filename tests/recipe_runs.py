@@ -26,6 +26,21 @@ def recipe_env(**extra: str) -> dict[str, str]:
     }
 
 
+def cpu_ddp_launcher(processes: int = 2) -> list[str]:
+    """`accelerate launch --multi_gpu` for PROCESSES gloo processes on CPU, on a free port.
+
+    Run it with ACCELERATE_USE_CPU=true: without it each process sees no GPU and runs alone.
+    """
+    from ports import free_port
+
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+        "--num_processes", str(processes), "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(free_port()),
+    ]  # fmt: skip
+
+
 def run_recipe(
     recipe: str,
     *overrides: Any,

@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from ports import free_port
-from recipe_runs import REPO, read_metrics, run_recipe
+from recipe_runs import REPO, cpu_ddp_launcher, read_metrics, run_recipe
 from safetensors.torch import load_file
 from toy_data import write_toy_prm_data
 
@@ -120,22 +119,7 @@ def test_exact_resume_matches_straight_run(tiny_models, toy, tmp_path):
 def test_two_process_ddp(tiny_models, toy, tmp_path):
     train, ev = toy
     out = tmp_path / "ddp"
-    launcher = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(free_port()),
-    ]
+    launcher = cpu_ddp_launcher()
     # without ACCELERATE_USE_CPU each process would see no GPU and run alone (world size 1)
     run_recipe(
         "prm_train",
@@ -157,22 +141,7 @@ def test_two_processes_with_a_row_count_that_used_to_starve_a_rank(tiny_models, 
     train = write_toy_prm_data(tmp_path / "d", 9, 0)
     ev = write_toy_prm_data(tmp_path / "d", 3, 1, name="eval.jsonl")  # 3 eval rows on 2 ranks: 2 + 1 (+1 wrapped)
     out = tmp_path / "starve"
-    launcher = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(free_port()),
-    ]
+    launcher = cpu_ddp_launcher()
     res = run_recipe(
         "prm_train",
         *common(tiny_models("qwen2_vl"), train, ev, out, steps=4),

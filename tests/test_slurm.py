@@ -102,6 +102,10 @@ def submit(
     running after `timeout` is cancelled and the test fails with its output and rank logs.
     """
     out = tmp / f"{script}.out"
+
+    def job_output() -> str:
+        return out.read_text(errors="replace") if out.exists() else "(no job output)"
+
     try:
         res = cluster.sbatch(
             ["--time=10", f"--output={out}", *sbatch_args, str(SLURM_DIR / script), *args],
@@ -115,10 +119,11 @@ def submit(
         job = re.search(r"Submitted batch job (\d+)", timed_out.stdout)
         if job:
             cluster.run(["scancel", job.group(1)], timeout=30)
-        job_out = out.read_text(errors="replace") if out.exists() else "(no job output)"
         log_dir = Path(env["LOG_DIR"]) if "LOG_DIR" in env else None
-        pytest.fail(f"{script} still running after {timeout:.0f} s, cancelled:\n{report(timed_out, job_out, log_dir)}")
-    return res, out.read_text(errors="replace") if out.exists() else "(no job output)"
+        pytest.fail(
+            f"{script} still running after {timeout:.0f} s, cancelled:\n{report(timed_out, job_output(), log_dir)}"
+        )
+    return res, job_output()
 
 
 def report(res: JobResult, job_out: str, log_dir: Path | None = None) -> str:

@@ -190,9 +190,8 @@ def test_a_rank_that_starts_after_the_cache_is_built_still_meets_rank_0(tiny_mod
     ranks in mismatched collectives: the 2-node Slurm training jobs hung in CI this way.
     """
     import subprocess
-    import sys
 
-    from ports import free_port
+    from recipe_runs import cpu_ddp_launcher
 
     model = tiny_models("qwen2_vl")
     train, ev = write_rows(tmp_path, 6), write_rows(tmp_path, 4, name="eval.jsonl")
@@ -221,11 +220,8 @@ for path in ({str(train)!r}, {str(ev)!r}):  # two files, as prm_train loads trai
         f.write(f"{{path}} {{len(rows)}} {{stats['reused']}}\\n")
 acc.end_training()
 """)
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    launcher += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    launcher += ["--main_process_port", str(free_port())]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run([*launcher, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    res = subprocess.run([*cpu_ddp_launcher(), str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     # both ranks read both files; only the late rank found each cache already built
     for rank in (0, 1):
