@@ -66,6 +66,9 @@ class TaskConfig:
         templates: comma-separated template names; empty: the synthetic module's defaults
         marks: a colour in the top half of each cell names its slot (a tiny VLM then finds
             "tile 3" by what it looks like, not by where it is; `mmprm.data.synthetic.SLOT_MARKS`)
+        slip_rate: chance that an SFT solution miscopies each running total it carries over (a
+            careless slip it then goes on from, `mmprm.data.synthetic.add_slips`); the policy
+            learns to make such slips
     """
 
     train: int = 3000
@@ -79,6 +82,7 @@ class TaskConfig:
     max_digit: int = 9
     templates: str = ""
     marks: bool = False
+    slip_rate: float = 0.0
 
 
 @dataclass
@@ -329,7 +333,14 @@ def main(argv: list[str]) -> None:
 
     # ---- 1. data ---------------------------------------------------------------------------
     def make_data() -> None:
-        from mmprm.data.synthetic import SyntheticConfig, generate, problem_key, text_only_accuracy, write_split
+        from mmprm.data.synthetic import (
+            SyntheticConfig,
+            add_slips,
+            generate,
+            problem_key,
+            text_only_accuracy,
+            write_split,
+        )
 
         t = cfg.task
         common = dict(
@@ -354,7 +365,7 @@ def main(argv: list[str]) -> None:
             except ValueError as e:  # too few distinct problems for the splits asked for
                 raise SystemExit(f"quickstart: task.{name}={size}: {e}") from None
             seen |= {problem_key(p.meta["template"], p.meta["cells"]) for p in splits[name]}
-        write_split(splits["train"], data, "train")
+        write_split(add_slips(splits["train"], t.slip_rate, seed=cfg.seed), data, "train")
         write_split(splits["annotate"], data, "annotate")
         write_split(splits["dev"] + splits["test"], data, "heldout")  # one Best-of-N run, split by id prefix
         (data / "task.json").write_text(

@@ -308,6 +308,58 @@ def test_running_sum_is_opt_in_and_its_gold_solutions_check():
         assert all(check_steps(p.meta["tiles"], p.steps, p.answer, gold=p.answer))
 
 
+def test_slipped_solutions_miscopy_running_totals_and_go_on_from_what_they_wrote(tmp_path):
+    from mmprm.data.synthetic import _running_sum, add_slips, check_steps
+
+    # hand case: tiles 3, 5, 2; step 3 carries 8 + 1 = 9 and goes on from it
+    assert _running_sum([3, 5, 2], slips={3: 1}) == (
+        ["Tile 1 is 3. Total 3.", "Tile 2 is 5. Total 3 + 5 = 8.", "Tile 3 is 2. Total 9 + 2 = 11."],
+        11,
+    )
+
+    problems = generate(SyntheticConfig(num_problems=600, seed=4, templates=("running_sum",), max_ops=4))
+    slipped = add_slips(problems, rate=1.0, seed=1)
+    for p, q in zip(problems, slipped):
+        tiles = p.meta["tiles"]
+        assert q.meta["slip_steps"] == list(range(2, len(tiles) + 1)) and q.meta["gold_answer"] == p.answer
+        assert q.steps[0] == p.steps[0]
+        written = tiles[0]
+        for i, step in enumerate(q.steps[1:], start=2):
+            carried, x, result = map(int, re.search(r"Total (\d+) \+ (\d+) = (\d+)", step).groups())
+            # each carried total is 1-3 off what the step before wrote; the sum on the line is true
+            assert 1 <= abs(carried - written) <= 3 and carried >= 0 and x == tiles[i - 1] and result == carried + x
+            written = result
+        assert q.answer == str(written)
+        assert check_steps(tiles, q.steps) == [True] + [False] * (len(tiles) - 1)
+
+    # each carried total slips with probability `rate`, reproducibly; rate 0 and other templates are left alone
+    some = add_slips(problems, rate=0.2, seed=2)
+    carried = sum(len(p.meta["tiles"]) - 1 for p in problems)
+    assert 0.16 < sum(len(q.meta.get("slip_steps", [])) for q in some) / carried < 0.24
+    assert any(len(q.meta.get("slip_steps", [])) > 1 for q in some)
+    assert add_slips(problems, 0.2, seed=2) == some
+    assert add_slips(problems, 0.0) == problems
+    others = generate(SyntheticConfig(num_problems=20, seed=4))
+    assert add_slips(others, 1.0) == others
+    with pytest.raises(ValueError, match="slip_rate"):
+        add_slips(problems, 1.5)
+
+    # written out: the SFT row is the slipped solution, the problem keeps its gold answer and the
+    # step-labelled rows mark the first slip and everything after it wrong
+    write_split(some[:40], tmp_path, "train")
+    rows = zip(
+        some,
+        read_jsonl(tmp_path / "train_sft.jsonl"),
+        read_jsonl(tmp_path / "train_problems.jsonl"),
+        read_jsonl(tmp_path / "train_gold_steps.jsonl"),
+    )
+    for q, sft, prob, gold in rows:
+        assert sft["steps"] == q.steps and sft["answer"] == q.answer
+        assert prob["answer"] == gold["answer"] == q.meta.get("gold_answer", q.answer)
+        first = q.meta.get("slip_steps", [len(q.steps) + 1])[0]
+        assert gold["labels"] == [float(i < first - 1) for i in range(len(q.steps))]
+
+
 def test_gold_solutions_check_as_all_correct():
     from mmprm.data.synthetic import SyntheticConfig, check_steps, generate
 

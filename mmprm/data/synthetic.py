@@ -214,13 +214,15 @@ def _add_all(d: list[int]) -> tuple[list[str], int]:
     return steps, total
 
 
-def _running_sum(d: list[int]) -> tuple[list[str], int]:
+def _running_sum(d: list[int], slips: dict[int, int] | None = None) -> tuple[list[str], int]:
     # One step per tile: read it and update the total. A step is checked against the image and
     # the previous step alone, but a slip anywhere carries into every later total.
+    # slips: step (1-based, >= 2) -> offset added to the total it carries over (`add_slips`).
     steps, total = [f"Tile 1 is {d[0]}. Total {d[0]}."], d[0]
     for i, x in enumerate(d[1:], start=2):
-        steps.append(f"Tile {i} is {x}. Total {total} + {x} = {total + x}.")
-        total += x
+        carried = total + (slips or {}).get(i, 0)
+        steps.append(f"Tile {i} is {x}. Total {carried} + {x} = {carried + x}.")
+        total = carried + x
     return steps, total
 
 
@@ -417,6 +419,42 @@ def generate(config: SyntheticConfig, exclude: set[str] | frozenset[str] = froze
     return problems
 
 
+def add_slips(problems: Sequence[SyntheticProblem], rate: float, seed: int = 0) -> list[SyntheticProblem]:
+    """Copies of `problems` whose solutions carry careless slips: each running total that a step
+    carries over is miscopied with probability `rate`.
+
+    The slip is the one human solvers make most: the total carried from the step before is off by
+    1-3, and the solution goes on correctly from what it wrote, so its answer is wrong. A policy
+    fine-tuned on these solutions makes such slips when it samples, and each one is visible from the
+    step before it alone - the kind of error a process reward model is for. Because every later
+    step goes on from the written total, not the true one, a policy learns to carry what it wrote,
+    and a slip stays wrong (its Monte Carlo value is 0, as the exact step labels say).
+    Only `running_sum` problems get slips; `answer` and `steps` become the slipped solution's, meta
+    gains `slip_steps` (1-based) and `gold_answer`.
+    """
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"synthetic.slip_rate: {rate} is not in [0, 1]")
+    rng = random.Random(seed)
+    out = []
+    for p in problems:
+        tiles = p.meta["tiles"]
+        if p.meta["template"] != "running_sum":
+            out.append(p)
+            continue
+        slips, total = {}, tiles[0]
+        for step, x in enumerate(tiles[1:], start=2):
+            if rng.random() < rate:
+                slips[step] = rng.choice([o for o in (-3, -2, -1, 1, 2, 3) if total + o >= 0])
+            total += slips.get(step, 0) + x
+        if not slips:
+            out.append(p)
+            continue
+        steps, answer = _running_sum(tiles, slips)
+        meta = {**p.meta, "slip_steps": sorted(slips), "gold_answer": p.answer}
+        out.append(SyntheticProblem(p.id, p.image, p.question, steps, str(answer), meta))
+    return out
+
+
 def write_split(problems: Sequence[SyntheticProblem], out_dir: str | Path, name: str) -> Path:
     """Write one split: PNGs and three JSONL files, image paths relative to the JSONL files.
 
@@ -424,7 +462,8 @@ def write_split(problems: Sequence[SyntheticProblem], out_dir: str | Path, name:
         images/{name}_{id}.png
         {name}_problems.jsonl    id, images, question, answer, meta (annotation / Best-of-N input)
         {name}_sft.jsonl         id, images, question, steps, answer, meta (policy SFT input)
-        {name}_gold_steps.jsonl  the step-labelled schema, every label 1.0 (`load_examples` reads it)
+        {name}_gold_steps.jsonl  the step-labelled schema with exact labels: 1.0 each, except from a
+                                 slip on (`add_slips`); `load_examples` reads it
 
     Returns:
         `out_dir` as a Path.
@@ -439,9 +478,11 @@ def write_split(problems: Sequence[SyntheticProblem], out_dir: str | Path, name:
         # No PNG metadata is written, so equal pixels give equal bytes (reproducible files).
         p.image.save(out / rel, format="PNG")
         base = {"id": p.id, "images": [rel], "question": p.question}
-        problem_rows.append({**base, "answer": p.answer, "meta": p.meta})
+        gold = p.meta.get("gold_answer", p.answer)  # a slipped solution (`add_slips`) answers wrongly
+        labels = [float(ok) for ok in check_steps(p.meta["tiles"], p.steps)]  # 1.0 each unless slipped
+        problem_rows.append({**base, "answer": gold, "meta": p.meta})
         sft_rows.append({**base, "steps": p.steps, "answer": p.answer, "meta": p.meta})
-        gold_rows.append({**base, "steps": p.steps, "labels": [1.0] * len(p.steps), "answer": p.answer, "meta": p.meta})
+        gold_rows.append({**base, "steps": p.steps, "labels": labels, "answer": gold, "meta": p.meta})
     write_jsonl(out / f"{name}_problems.jsonl", problem_rows)
     write_jsonl(out / f"{name}_sft.jsonl", sft_rows)
     write_jsonl(out / f"{name}_gold_steps.jsonl", gold_rows)
