@@ -84,6 +84,10 @@ class TaskConfig:
     marks: bool = False
     slip_rate: float = 0.0
 
+    def validate(self) -> None:
+        if not 0.0 <= self.slip_rate <= 1.0:  # before any stage runs, not when the data stage reaches it
+            raise ValueError(f"task.slip_rate: {self.slip_rate} is not a probability (use 0 to 1)")
+
 
 @dataclass
 class ModelConfig:

@@ -13,6 +13,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def test_a_bad_task_setting_is_refused_before_any_stage_runs(tmp_path):
+    out = tmp_path / "demo"
+    cmd = [sys.executable, "recipes/quickstart.py", "--config", "recipes/configs/tiny/quickstart.yaml"]
+    res = subprocess.run([*cmd, f"output_dir={out}", "task.slip_rate=1.5"], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "task.slip_rate: 1.5 is not a probability" in res.stderr
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_reduced_demo_pipeline(tmp_path):
     from mmprm.data.schema import load_examples, read_jsonl

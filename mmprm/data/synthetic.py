@@ -426,9 +426,10 @@ def add_slips(problems: Sequence[SyntheticProblem], rate: float, seed: int = 0) 
     The slip is the one human solvers make most: the total carried from the step before is off by
     1-3, and the solution goes on correctly from what it wrote, so its answer is wrong. A policy
     fine-tuned on these solutions makes such slips when it samples, and each one is visible from the
-    step before it alone - the kind of error a process reward model is for. Because every later
-    step goes on from the written total, not the true one, a policy learns to carry what it wrote,
-    and a slip stays wrong (its Monte Carlo value is 0, as the exact step labels say).
+    step before it alone - the kind of error a process reward model is for. Every later step goes
+    on from the written total, yet a policy trained on them still sometimes repairs a slip at the
+    next step (it carries the true total again), so a slip's Monte Carlo value is not always 0
+    (measured in the README's demo section).
     Only `running_sum` problems get slips; `answer` and `steps` become the slipped solution's, meta
     gains `slip_steps` (1-based) and `gold_answer`.
     """
