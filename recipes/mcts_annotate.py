@@ -312,11 +312,21 @@ def main(argv: list[str]) -> int:
         out_dir / "prm_data.jsonl", iter_examples(iter_records(out_dir / "trees.jsonl"), cfg.export, export_stats)
     )
     write_report({**export_stats, "merge": merged}, out_dir / "export_report.json", out_dir / "export_report.png")
+    negatives, whole = export_stats["negative_paths"], export_stats["completed_negative_paths"]
     print(
-        f"merged {merged['records']} problems {merged['by_status']}; wrote {export_stats['paths']} PRM training rows to "
-        f"{out_dir / 'prm_data.jsonl'}",
+        f"merged {merged['records']} problems {merged['by_status']}; wrote {export_stats['paths']} PRM training rows "
+        f"({negatives} negative, {whole} of them whole wrong solutions) to {out_dir / 'prm_data.jsonl'}",
         file=sys.stderr,
     )
+    if cfg.export.negatives == "complete" and whole < negatives:
+        # Cut negatives end mid-solution with no answer while positives end with one: a PRM can
+        # learn "has an answer" instead of the step (see mmprm.annotate.export).
+        print(
+            f"note: {negatives - whole} negative paths stop at their first error (their trees kept no wrong "
+            "rollout: annotated with search.keep_failed_rollouts=false or by an older mmprm); re-annotate "
+            "those problems to export them whole",
+            file=sys.stderr,
+        )
     return 0
 
 

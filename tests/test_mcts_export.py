@@ -58,6 +58,34 @@ def test_step_edges_give_inner_steps_the_edge_value():
     )
 
 
+# B's search kept its wrong rollout: B -> G "g1","g2" (a deeper probe, MC 0.5: the policy sometimes
+# repairs) -> H "h" + answer 4 (a wrong solution); B -> I "i" + answer 5 (right, below a bad node)
+KEPT = NODES + [
+    {"id": 7, "parent": 2, "steps": ["g1", "g2"], "mc": 0.5, "n": 16, "visits": 0},
+    {"id": 8, "parent": 7, "steps": ["h"], "mc": 0.0, "n": 0, "visits": 0, "answer": "4"},
+    {"id": 9, "parent": 2, "steps": ["i"], "mc": 1.0, "n": 0, "visits": 0, "answer": "5"},
+]
+
+
+def test_complete_negatives_go_on_to_the_wrong_answer_with_zero_labels():
+    paths = as_tuples(tree_paths(KEPT, "step", negatives="complete"))
+    # after the first error B every step is 0.0, even G's (the path is already off track); the
+    # right leaf I below B is never a completion; E (an answer-only edge) is whole already
+    assert (("a1", "a2", "b", "g1", "g2", "h\n<answer>4</answer>"), (0.75, 0.75, 0.0, 0.0, 0.0, 0.0), True) in paths
+    assert (("d\n<answer>7</answer>",), (0.0,), True) in paths and len(paths) == 4
+    node_paths = as_tuples(tree_paths(KEPT, "node", negatives="complete"))
+    assert (("a1\na2", "b", "g1\ng2", "h\n<answer>4</answer>"), (0.75, 0.0, 0.0, 0.0), True) in node_paths
+    # cut (MM-PRM): the negative stops at B, without an answer; so does one with no kept rollout
+    assert (("a1", "a2", "b"), (0.75, 0.75, 0.0), True) in as_tuples(tree_paths(KEPT, "step", negatives="cut"))
+    assert as_tuples(tree_paths(NODES, "step", negatives="complete")) == as_tuples(tree_paths(NODES, "step"))
+    rows, stats = export_examples([record(KEPT)], ExportConfig(balance=None))
+    assert stats["negative_paths"] == 2 and stats["completed_negative_paths"] == 2
+    rows, stats = export_examples([record(KEPT)], ExportConfig(balance=None, negatives="cut"))
+    assert stats["completed_negative_paths"] == 1  # only E, whose error was its answer
+    with pytest.raises(ValueError, match="export.negatives"):
+        ExportConfig(negatives="full").validate()
+
+
 def test_threshold_cuts_paths_at_low_values():
     # with threshold 0.3, D (0.25) itself ends a negative path
     paths = as_tuples(tree_paths(NODES, "node", negative_threshold=0.3))
@@ -114,10 +142,14 @@ def test_export_of_a_real_search_is_valid_training_data(tmp_path):
     write_jsonl(tmp_path / "prm.jsonl", rows)
     examples = load_examples(tmp_path / "prm.jsonl", require_labels=True)
     assert len(examples) == len(rows)
+    # every binary search kept its wrong rollout, so every negative path is a whole solution
+    assert stats["completed_negative_paths"] == stats["negative_paths"]
     for ex in examples:
-        # a negative path ends in the 0-valued first error; its earlier steps had MC > 0
+        # a negative path: MC > 0 up to its first error, 0.0 from there to its wrong answer
         if ex.meta["kind"] == "negative":
-            assert ex.labels[-1] == 0.0 and all(x > 0 for x in ex.labels[:-1])
+            first = ex.labels.index(0.0)
+            assert all(x > 0 for x in ex.labels[:first]) and set(ex.labels[first:]) == {0.0}
+            assert "<answer>" in ex.steps[-1]
         else:
             assert all(x > 0 for x in ex.labels)
     write_report(stats, tmp_path / "r.json", tmp_path / "r.png")

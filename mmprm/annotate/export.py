@@ -16,6 +16,14 @@ the node it reaches. Example, a tree root -> A (mc 0.75) -> B (mc 0.0), A -> C (
     negative: steps [A, B]       labels [0.75, 0.0]
     positive: steps [A, C + answer] labels [0.75, 1.0]
 
+`negatives="complete"` (the default) goes on below the first error along the wrong rollout the
+search ran on (`SearchConfig.keep_failed_rollouts`) to its answer, every step after the error
+labelled 0.0; the path above becomes ``steps [A, B, B2 + answer 4] labels [0.75, 0.0, 0.0]``.
+Cut paths (`negatives="cut"`, MM-PRM's; also any negative without a kept rollout) end mid-solution
+without an answer while positive paths end with one, and the PRM sees the answer on the last step
+(`prm_steps`): it can then learn "has an answer" instead of checking the step. On the demo task a
+PRM trained on exact labels of such cut data fell from 0.90 to 0.53 same-step AUROC.
+
 `edges="node"` makes each tree edge one PRM step (its policy steps joined by newlines, as MM-PRM
 does); `edges="step"` keeps every policy step and gives the steps inside an edge the edge's value
 - exact for the one-step edges where a binary search ended, an approximation elsewhere.
@@ -39,7 +47,9 @@ class ExportConfig:
 
     Attributes:
         edges: "node" (one PRM step per tree edge, MM-PRM) or "step" (one per policy step).
-        negative_threshold: a node with MC <= this ends a negative path (MM-PRM: 0.0).
+        negative_threshold: a node with MC <= this is the first error of a negative path (MM-PRM: 0.0).
+        negatives: "complete" (a negative path goes on along its kept wrong rollout to that
+            rollout's answer, later steps labelled 0.0) or "cut" (it ends at its first error, MM-PRM).
         balance: keep at most `balance` positive paths per negative path of the same problem
             (MM-PRM: 1.0); None keeps all.
         dedup: drop paths whose step texts repeat an earlier path of the same problem.
@@ -50,6 +60,7 @@ class ExportConfig:
 
     edges: Literal["node", "step"] = "node"
     negative_threshold: float = 0.0
+    negatives: Literal["complete", "cut"] = "complete"
     balance: float | None = 1.0
     dedup: bool = True
     min_steps: int = 1
@@ -57,6 +68,8 @@ class ExportConfig:
     seed: int = 0
 
     def validate(self) -> None:
+        if self.negatives not in ("complete", "cut"):
+            raise ValueError(f"export.negatives must be 'complete' or 'cut', got {self.negatives!r}")
         if self.balance is not None and self.balance < 0:
             raise ValueError("export.balance must be >= 0 or null")
         if self.min_steps < 1:
@@ -71,12 +84,21 @@ class TreePath:
     labels: list[float]
     negative: bool
     node: int
+    completed: bool = False  # a negative path that ends with an answer: a whole wrong solution
 
 
 def tree_paths(
-    nodes: list[dict[str, Any]], edges: Literal["node", "step"] = "node", negative_threshold: float = 0.0
+    nodes: list[dict[str, Any]],
+    edges: Literal["node", "step"] = "node",
+    negative_threshold: float = 0.0,
+    negatives: Literal["complete", "cut"] = "cut",
 ) -> list[TreePath]:
     """Root-to-leaf paths of one tree record's `nodes` (see module doc)."""
+
+    def edge_steps(node: dict[str, Any]) -> list[str]:
+        new = [s.strip() for s in node["steps"]]
+        return ["\n".join(new)] if edges == "node" and new else new
+
     children: dict[int | None, list[dict[str, Any]]] = {}
     for n in nodes:
         children.setdefault(n["parent"], []).append(n)
@@ -90,10 +112,8 @@ def tree_paths(
     ]
     while stack:
         node, steps, labels = stack.pop()
-        new = [s.strip() for s in node["steps"]]
+        new = edge_steps(node)
         mc = float(node["mc"])
-        if edges == "node" and new:
-            new = ["\n".join(new)]
         answer = node.get("answer")
         if new:
             steps, labels = steps + new, labels + [mc] * len(new)
@@ -104,12 +124,37 @@ def tree_paths(
         if answer is not None:
             steps = prm_steps(steps, answer)
         if mc <= negative_threshold:
-            out.append(TreePath(steps, labels, True, node["id"]))
+            tail = _wrong_completion(node, children) if negatives == "complete" and answer is None else None
+            if tail is None:
+                out.append(TreePath(steps, labels, True, node["id"], completed=answer is not None))
+                continue
+            edges_below, final_answer = tail
+            for below in edges_below:
+                new = edge_steps(below)
+                steps, labels = steps + new, labels + [0.0] * len(new)
+            out.append(TreePath(prm_steps(steps, final_answer), labels, True, node["id"], completed=True))
         elif children.get(node["id"]):
             stack.extend((c, steps, labels) for c in reversed(children[node["id"]]))
         else:
             out.append(TreePath(steps, labels, False, node["id"]))
     return out
+
+
+def _wrong_completion(
+    node: dict[str, Any], children: dict[int | None, list[dict[str, Any]]]
+) -> tuple[list[dict[str, Any]], str] | None:
+    """The edges from `node` down to its first wrong complete solution (a leaf with an answer and
+    MC 0.0, lowest ids first) and that solution's answer; None when there is none below `node`."""
+    stack: list[tuple[dict[str, Any], list[dict[str, Any]]]] = [(node, [])]
+    while stack:
+        current, trail = stack.pop()
+        if current is not node and current.get("answer") is not None:
+            if float(current["mc"]) == 0.0:
+                return trail, current["answer"]
+            continue
+        for child in sorted(children.get(current["id"], []), key=lambda n: n["id"], reverse=True):
+            stack.append((child, trail + [child]))
+    return None
 
 
 def export_examples(
@@ -135,6 +180,7 @@ def iter_examples(
             "by_status": {},
             "paths": 0,
             "negative_paths": 0,
+            "completed_negative_paths": 0,
             "positive_paths": 0,
             "truncated_rollouts": 0,
             "dropped": {"duplicate": 0, "too_short": 0, "step_token": 0, "balance": 0},
@@ -150,7 +196,7 @@ def iter_examples(
             continue
         kept: list[TreePath] = []
         seen: set[tuple[str, ...]] = set()
-        for p in tree_paths(rec["nodes"], cfg.edges, cfg.negative_threshold):
+        for p in tree_paths(rec["nodes"], cfg.edges, cfg.negative_threshold, cfg.negatives):
             key = tuple(p.steps)
             if cfg.dedup and key in seen:
                 stats["dropped"]["duplicate"] += 1
@@ -170,6 +216,7 @@ def iter_examples(
             stats["dropped"]["balance"] += len(positives) - keep
             positives = rng.sample(positives, keep)
         stats["negative_paths"] += len(negatives)
+        stats["completed_negative_paths"] += sum(p.completed for p in negatives)
         stats["positive_paths"] += len(positives)
         for k, p in enumerate(negatives + positives):
             stats["paths"] += 1

@@ -37,7 +37,9 @@ than calling the prefix bad; a root with no finished rollout is `no_answer`.
 Fixes over the anchors: a popped rollout is gone for good (openr re-selects), priorities are
 maintained incrementally (the anchors re-score the whole tree every iteration), and the tree is a
 prefix trie - a probe inside an existing edge splits it, so a zero-valued node always carries the
-shortest known bad prefix instead of a long multi-step chunk.
+shortest known bad prefix instead of a long multi-step chunk; and the searched wrong rollout is
+kept below its first error (`keep_failed_rollouts`), so a negative path can be exported as the
+whole wrong solution a policy writes instead of a prefix that stops mid-solution.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ class SearchConfig:
         max_rollouts: rollouts per problem, root estimate included (MM-PRM: 1000).
         keep_correct_rollouts: add each distinct correct complete rollout as an MC = 1 leaf
             (MM-PRM does; these leaves are the positive paths of the export).
+        keep_failed_rollouts: add the wrong rollout a binary search ran on as an MC = 0 leaf below
+            the first error it found. It costs no rollout; the export uses it to give a negative
+            path its whole wrong solution (`ExportConfig.negatives`). MM-PRM drops it.
     """
 
     rollouts_per_estimate: int = 16
@@ -76,6 +81,7 @@ class SearchConfig:
     max_searches: int = 200
     max_rollouts: int = 1000
     keep_correct_rollouts: bool = True
+    keep_failed_rollouts: bool = True
 
     def validate(self) -> None:
         if self.rollouts_per_estimate < 1:
@@ -356,6 +362,8 @@ class OmegaSearch:
             bad_node = self._terminal(full, rollout.answer, 0.0)
         else:
             bad_node = self._by_prefix[full[:bad]]
+            if self.cfg.keep_failed_rollouts:
+                self._terminal(full, rollout.answer, 0.0)  # its parent is bad_node or a node below it
         self.first_errors.append({"node": bad_node.id, "step": bad})
 
     # -- bookkeeping ----------------------------------------------------------------------
