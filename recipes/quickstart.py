@@ -66,8 +66,8 @@ class TaskConfig:
         templates: comma-separated template names; empty: the synthetic module's defaults
         marks: a colour in the top half of each cell names its slot (a tiny VLM then finds
             "tile 3" by what it looks like, not by where it is; `mmprm.data.synthetic.SLOT_MARKS`)
-        slip_rate: chance that an SFT solution miscopies each running total it carries over (a
-            careless slip it then goes on from, `mmprm.data.synthetic.add_slips`); the policy
+        slip_rate: share of the SFT solutions that miscopy one running total they carry over (a
+            careless slip they then go on from, `mmprm.data.synthetic.add_slips`); the policy
             learns to make such slips
     """
 

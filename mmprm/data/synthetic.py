@@ -420,16 +420,17 @@ def generate(config: SyntheticConfig, exclude: set[str] | frozenset[str] = froze
 
 
 def add_slips(problems: Sequence[SyntheticProblem], rate: float, seed: int = 0) -> list[SyntheticProblem]:
-    """Copies of `problems` whose solutions carry careless slips: each running total that a step
-    carries over is miscopied with probability `rate`.
+    """Copies of `problems` where a share `rate` of the solutions carries one careless slip.
 
-    The slip is the one human solvers make most: the total carried from the step before is off by
-    1-3, and the solution goes on correctly from what it wrote, so its answer is wrong. A policy
-    fine-tuned on these solutions makes such slips when it samples, and each one is visible from the
-    step before it alone - the kind of error a process reward model is for. Every later step goes
-    on from the written total, yet a policy trained on them still sometimes repairs a slip at the
-    next step (it carries the true total again), so a slip's Monte Carlo value is not always 0
-    (measured in the README's demo section).
+    The slip is the one human solvers make most: one running total carried from the step before
+    (chosen uniformly among the carries) is off by 1-3, and the solution goes on correctly from
+    what it wrote, so its answer is wrong. A policy fine-tuned on these solutions makes such slips
+    when it samples, and each one is visible from the step before it alone - the kind of error a
+    process reward model is for. Every later step goes on from the written total, yet a policy
+    trained on them still sometimes repairs a slip at the next step (it carries the true total
+    again), so a slip's Monte Carlo value is not always 0 (measured in the README's demo section).
+    One slip per slipped solution, not one chance per carry: with 0.3 per carry, two in three
+    4-tile solutions slipped, often twice, and the policy slipped about as often as it was right.
     Only `running_sum` problems get slips; `answer` and `steps` become the slipped solution's, meta
     gains `slip_steps` (1-based) and `gold_answer`.
     """
@@ -439,19 +440,14 @@ def add_slips(problems: Sequence[SyntheticProblem], rate: float, seed: int = 0) 
     out = []
     for p in problems:
         tiles = p.meta["tiles"]
-        if p.meta["template"] != "running_sum":
+        if p.meta["template"] != "running_sum" or len(tiles) < 2 or not rng.random() < rate:
             out.append(p)
             continue
-        slips, total = {}, tiles[0]
-        for step, x in enumerate(tiles[1:], start=2):
-            if rng.random() < rate:
-                slips[step] = rng.choice([o for o in (-3, -2, -1, 1, 2, 3) if total + o >= 0])
-            total += slips.get(step, 0) + x
-        if not slips:
-            out.append(p)
-            continue
-        steps, answer = _running_sum(tiles, slips)
-        meta = {**p.meta, "slip_steps": sorted(slips), "gold_answer": p.answer}
+        step = rng.randint(2, len(tiles))  # the step whose carried total is miscopied
+        carried = sum(tiles[: step - 1])
+        offset = rng.choice([o for o in (-3, -2, -1, 1, 2, 3) if carried + o >= 0])
+        steps, answer = _running_sum(tiles, {step: offset})
+        meta = {**p.meta, "slip_steps": [step], "gold_answer": p.answer}
         out.append(SyntheticProblem(p.id, p.image, p.question, steps, str(answer), meta))
     return out
 
