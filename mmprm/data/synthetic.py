@@ -429,8 +429,8 @@ def add_slips(problems: Sequence[SyntheticProblem], rate: float, seed: int = 0) 
     process reward model is for. Every later step goes on from the written total, yet a policy
     trained on them still sometimes repairs a slip at the next step (it carries the true total
     again), so a slip's Monte Carlo value is not always 0 (measured in the README's demo section).
-    One slip per slipped solution, not one chance per carry: with 0.3 per carry, two in three
-    4-tile solutions slipped, often twice, and the policy slipped about as often as it was right.
+    One slip per slipped solution, not one chance per carry: at 0.3 per carry, two in three 4-tile
+    solutions would slip, one in five more than once.
     Only `running_sum` problems get slips; `answer` and `steps` become the slipped solution's, meta
     gains `slip_steps` (1-based) and `gold_answer`.
     """
