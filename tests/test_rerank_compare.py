@@ -64,3 +64,25 @@ def test_search_section_reads_the_matched_budgets(tmp_path):
     # the summary is about the largest budget, and its interval decides the verdict
     assert summary.startswith("- PRM-guided search at the largest matched budget: beam W4xM4 1.000 vs")
     assert summary.endswith("+0.333, 95% paired interval [+0.100, +0.667] - search is ahead of Best-of-N.")
+
+
+def test_baseline_fact_says_when_reranking_is_worse_than_a_random_pick():
+    from mmprm.rerank.ablation import baseline_fact
+
+    def results(soft_min, outcome_last):
+        return {
+            "n_max": 8,
+            "models": {"soft": "PRM, soft MC labels", "outcome": "outcome model (final answer only)"},
+            "bon": {
+                "soft": {"test": {"min": {"8": {"mean": soft_min}}, "average": {"8": {"mean": 0.5}}}},
+                "outcome": {"test": {"last": {"8": {"mean": outcome_last}}}},
+            },
+            "baselines": {"random": {"8": {"mean": 0.685}}, "majority": {"8": {"mean": 0.958}}},
+        }
+
+    behind = baseline_fact(results(0.550, 0.367))
+    assert "PRM, soft MC labels `min`, 0.550" in behind and "random pick 0.685, majority vote 0.958" in behind
+    assert "worse than a random pick" in behind
+    assert "behind majority vote" in baseline_fact(results(0.700, 0.367))
+    between = baseline_fact(results(0.600, 0.960))
+    assert "outcome model (final answer only) `last`, 0.960" in between and "ahead of both" in between

@@ -220,6 +220,29 @@ def _outcome_wins(results: dict) -> list[str]:
     return out
 
 
+def baseline_fact(results: dict) -> str:
+    """The best reward-model row at the largest N against random picks and majority vote.
+
+    A reward model can judge steps well and still pick worse than chance: the policy writes its
+    right answer many times over with one score, while each distinct wrong candidate is one more
+    chance to outscore it. The report says so when it happens.
+    """
+    n = str(results["n_max"])
+    rows = [(cell[n]["mean"], m, a) for m, b in results["bon"].items() for a, cell in b["test"].items() if n in cell]
+    best, m, a = max(rows)
+    rnd, maj = results["baselines"]["random"][n]["mean"], results["baselines"]["majority"][n]["mean"]
+    if best >= maj:
+        verdict = "ahead of both"
+    elif best >= rnd:
+        verdict = "ahead of random picks, behind majority vote"
+    else:
+        verdict = "behind both: reranking by any of the three reward models is worse than a random pick here"
+    return (
+        f"- Against the baselines at N={n}: the best reward-model row, {results['models'][m]} `{a}`, "
+        f"{best:.3f}; random pick {rnd:.3f}, majority vote {maj:.3f} - {verdict}."
+    )
+
+
 def _plot(results: dict, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -425,6 +448,7 @@ def write_report(
             if policy_eval
             else ""
         ),
+        baseline_fact(results),
         ("- Where the outcome model is ahead of a process model: " + "; ".join(wins) + ".")
         if wins
         else "- The outcome model is ahead of no process-model row at any N.",
