@@ -87,9 +87,12 @@ def test_complete_negatives_go_on_to_the_wrong_answer_with_zero_labels():
 
 
 def test_threshold_cuts_paths_at_low_values():
-    # with threshold 0.3, D (0.25) itself ends a negative path
-    paths = as_tuples(tree_paths(NODES, "node", negative_threshold=0.3))
+    # with threshold 0.3, D (0.25) itself ends a negative path ...
+    paths = as_tuples(tree_paths(NODES, "node", negative_threshold=0.3, negatives="cut"))
     assert (("d",), (0.25,), True) in paths and len(paths) == 3
+    # ... or, whole, goes on to E's wrong answer (an answer-only edge): that last step is 0.0
+    paths = as_tuples(tree_paths(NODES, "node", negative_threshold=0.3))
+    assert (("d\n<answer>7</answer>",), (0.0,), True) in paths and len(paths) == 3
 
 
 def test_balance_dedup_min_length_and_stats():

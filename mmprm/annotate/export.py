@@ -91,7 +91,7 @@ def tree_paths(
     nodes: list[dict[str, Any]],
     edges: Literal["node", "step"] = "node",
     negative_threshold: float = 0.0,
-    negatives: Literal["complete", "cut"] = "cut",
+    negatives: Literal["complete", "cut"] = "complete",
 ) -> list[TreePath]:
     """Root-to-leaf paths of one tree record's `nodes` (see module doc)."""
 
@@ -132,6 +132,7 @@ def tree_paths(
             for below in edges_below:
                 new = edge_steps(below)
                 steps, labels = steps + new, labels + [0.0] * len(new)
+            labels = labels[:-1] + [0.0]  # the step that carries the wrong answer (an answer-only edge adds none)
             out.append(TreePath(prm_steps(steps, final_answer), labels, True, node["id"], completed=True))
         elif children.get(node["id"]):
             stack.extend((c, steps, labels) for c in reversed(children[node["id"]]))
