@@ -105,23 +105,21 @@ def test_binary_search_finds_the_planted_first_error():
 def test_the_searched_wrong_rollout_is_kept_below_its_first_error():
     # Step 6 is the only error: each binary search ends at a step-6 node, and the whole wrong
     # rollout it ran on hangs below that node as a 0.0 leaf with its (wrong) answer.
+    def answered_leaves_below(nodes: list[dict], node_id: int) -> list[dict]:
+        error = full_prefix(nodes, node_id)
+        return [n for n in nodes if "answer" in n and full_prefix(nodes, n["id"])[: len(error)] == error]
+
     problem = SimProblem([0, 0, 0, 0, 0, 0.5, 0, 0, 0, 0])
     _, res = run(problem)
-    leaves = [n for n in res.nodes if "answer" in n]
     for e in res.first_errors:
-        error = full_prefix(res.nodes, e["node"])
-        below = [n for n in leaves if full_prefix(res.nodes, n["id"])[: len(error)] == error]
+        below = answered_leaves_below(res.nodes, e["node"])
         assert below, f"no kept rollout below first error node {e['node']}"
         for leaf in below:
             assert leaf["mc"] == 0.0 and leaf["answer"] != GOLD and len(full_prefix(res.nodes, leaf["id"])) == 10
     _, plain = run(problem, SearchConfig(keep_failed_rollouts=False))
     # MM-PRM's tree: the same search (no rollout is spent on a kept leaf), without those leaves
     assert plain.rollouts == res.rollouts and plain.first_errors and len(plain.nodes) < len(res.nodes)
-    for e in plain.first_errors:
-        error = full_prefix(plain.nodes, e["node"])
-        assert not [
-            n for n in plain.nodes if "answer" in n and full_prefix(plain.nodes, n["id"])[: len(error)] == error
-        ]
+    assert not any(answered_leaves_below(plain.nodes, e["node"]) for e in plain.first_errors)
 
 
 def test_localised_errors_match_the_true_first_error_on_random_problems():

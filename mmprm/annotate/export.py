@@ -145,7 +145,8 @@ def _wrong_completion(
     node: dict[str, Any], children: dict[int | None, list[dict[str, Any]]]
 ) -> tuple[list[dict[str, Any]], str] | None:
     """The edges from `node` down to its first wrong complete solution (a leaf with an answer and
-    MC 0.0, lowest ids first) and that solution's answer; None when there is none below `node`."""
+    MC 0.0, in the records' order, as `tree_paths` walks) and that solution's answer; None when
+    there is none below `node`."""
     stack: list[tuple[dict[str, Any], list[dict[str, Any]]]] = [(node, [])]
     while stack:
         current, trail = stack.pop()
@@ -153,8 +154,7 @@ def _wrong_completion(
             if float(current["mc"]) == 0.0:
                 return trail, current["answer"]
             continue
-        for child in sorted(children.get(current["id"], []), key=lambda n: n["id"], reverse=True):
-            stack.append((child, trail + [child]))
+        stack.extend((child, trail + [child]) for child in reversed(children.get(current["id"], [])))
     return None
 
 
