@@ -304,7 +304,9 @@ def main(argv: list[str]) -> None:
         log(f"resumed from {ckpt} at step {progress.step}")
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.resolved.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        (out_dir / "config.resolved.json").write_text(
+            json.dumps({**to_dict(cfg), "num_processes": accelerator.num_processes}, indent=2)
+        )
     if log_with:
         accelerator.init_trackers("policy_sft", config={k: str(v) for k, v in to_dict(cfg).items()})
 

@@ -20,10 +20,16 @@ def test_a_bad_task_setting_is_refused_before_any_stage_runs(tmp_path):
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "task.slip_rate: 1.5 is not a probability" in res.stderr
     assert not out.exists()
+    res = subprocess.run([*cmd, f"output_dir={out}", "sft_ranks=0"], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "sft_ranks: 0 must be >= 1" in res.stderr
+    assert not out.exists()
 
 
 @pytest.mark.slow
 def test_reduced_demo_pipeline(tmp_path):
+    from transformers import AutoTokenizer
+
     from mmprm.data.schema import load_examples, read_jsonl
     from mmprm.rerank.report import METHODS
 
@@ -38,6 +44,8 @@ def test_reduced_demo_pipeline(tmp_path):
         f"output_dir={out}",
         "task.train=1000",
         "task.annotate=24",
+        "sft_ranks=2",  # two DDP processes (gloo), as on a 2-GPU node
+        "tokenizer_corpus=true",
         "task.dev=16",
         "task.test=24",
         "n=4",
@@ -78,6 +86,10 @@ def test_reduced_demo_pipeline(tmp_path):
     held = read_jsonl(out / "data" / "heldout_problems.jsonl")
     assert [r["id"] for r in held] == [f"dev-{i:05d}" for i in range(16)] + [f"test-{i:05d}" for i in range(24)]
     assert (out / "policy" / "model.safetensors").exists()
+    # policy SFT ran as two DDP ranks (sft_ranks=2), on a tokenizer that also learned the task's words
+    assert json.loads((out / "policy" / "config.resolved.json").read_text())["num_processes"] == 2
+    tokenizer = AutoTokenizer.from_pretrained(out / "tiny_model")
+    assert len(tokenizer.tokenize(" Total")) == 1
     prm_rows = load_examples(out / "mcts" / "prm_data.jsonl", require_labels=True)
     assert prm_rows and all(0.0 <= x <= 1.0 for e in prm_rows for x in e.labels)
     # the outcome model's rows: one step (the whole solution) and a 0/1 label from its final answer

@@ -321,3 +321,35 @@ def test_head_dim_and_vllm_variant_errors(tmp_path, capsys):
     # text-only: nothing to add, so the vLLM variant builds anywhere
     assert cli_tiny_model(["--arch", "qwen2", "--out", str(tmp_path / "d"), "--vllm"]) == 0
     assert json.loads((tmp_path / "d" / "config.json").read_text())["head_dim"] == 64
+
+
+def test_tokenizer_trained_on_a_task_corpus_holds_its_words_whole(tmp_path, capsys):
+    from mmprm.data.schema import write_jsonl
+    from mmprm.models.tiny import corpus_text
+
+    rows = [
+        {"question": "Add up the tiles one by one.", "steps": [f"Tile {i} is {i}. Total {i}."], "answer": str(i)}
+        for i in range(300)
+    ]
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    assert corpus_text(tmp_path / "train.jsonl")[:2] == [
+        "Add up the tiles one by one.",
+        "<step>Tile 0 is 0. Total 0.</step>\n<answer>0</answer>",
+    ]
+    assert (
+        cli_tiny_model(["--arch", "qwen2", "--out", str(tmp_path / "m"), "--corpus", str(tmp_path / "train.jsonl")])
+        == 0
+    )
+    plain = _tokenizer(load_processor(build_tiny_model("qwen2", tmp_path / "plain")))
+    fitted = _tokenizer(load_processor(tmp_path / "m"))
+    text = "Tile 3 is 7. Total 8 + 7 = 15."
+    assert len(fitted.tokenize(" Total")) == 1 and len(plain.tokenize(" Total")) > 1
+    assert len(fitted(text)["input_ids"]) < len(plain(text)["input_ids"])
+    assert fitted.decode(fitted(text)["input_ids"]) == text  # still byte-level: any text round-trips
+
+    (tmp_path / "bad.jsonl").write_text('{"question": "ok"}\nnot json\n')
+    with pytest.raises(SystemExit):
+        cli_tiny_model(["--arch", "qwen2", "--out", str(tmp_path / "x"), "--corpus", str(tmp_path / "bad.jsonl")])
+    assert "bad.jsonl:2: invalid JSON" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="either a tokenizer or a corpus"):
+        build_tiny_model("qwen2", tmp_path / "y", tokenizer=fitted, corpus=["x"])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -135,9 +136,10 @@ def _corpus(n: int = 4000) -> list[str]:
     return lines
 
 
-def train_bpe(special_tokens: list[str]) -> Any:
-    """A `tokenizers.Tokenizer`: byte-level BPE of VOCAB_SIZE trained here on `_corpus()`, with
-    `special_tokens` first; every byte is in the base alphabet, so any text tokenizes.
+def train_bpe(special_tokens: list[str], extra_text: Sequence[str] = ()) -> Any:
+    """A `tokenizers.Tokenizer`: byte-level BPE of VOCAB_SIZE trained here on `_corpus()` plus
+    `extra_text`, with `special_tokens` first; every byte is in the base alphabet, so any text
+    tokenizes.
 
     Normalizer and pre-tokenizer are Qwen2's (NFC, Qwen's split regex, byte-level): transformers
     rebuilds a `qwen2` checkpoint's tokenizer as `Qwen2Tokenizer` from vocab + merges, and this
@@ -161,24 +163,41 @@ def train_bpe(special_tokens: list[str]) -> Any:
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    bpe.train_from_iterator(_corpus(), trainer)
+    bpe.train_from_iterator([*_corpus(), *extra_text], trainer)
     return bpe
 
 
-def _train_tokenizer(arch: str) -> Any:
+def _train_tokenizer(arch: str, extra_text: Sequence[str] = ()) -> Any:
     """The tiny preset's tokenizer (`train_bpe`) with ChatML and the arch's image/video tokens."""
     from transformers import PreTrainedTokenizerFast
 
     named = _ARCH_TOKENS[arch]
     # Qwen-style: no BOS is prepended; <|endoftext|> pads; <|im_end|> ends a chat turn.
     return PreTrainedTokenizerFast(
-        tokenizer_object=train_bpe(_CHATML + list(named.values())),
+        tokenizer_object=train_bpe(_CHATML + list(named.values()), extra_text),
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         extra_special_tokens=dict(named),
         chat_template=chat_template(arch),
         model_max_length=4096,
     )
+
+
+def corpus_text(path: str | Path) -> list[str]:
+    """Tokenizer training text from a JSONL of mmprm rows: each row's question, then its steps and
+    answer as the policy writes them (`mmprm.steps.render_solution`); rows without steps add the
+    question only. A line that is not a JSON object is a ValueError naming the file and line."""
+    from mmprm.data.schema import iter_jsonl
+    from mmprm.steps import render_solution
+
+    texts = []
+    for line_no, row, error in iter_jsonl(path):
+        if error is not None or not isinstance(row, dict):
+            raise ValueError(f"{path}:{line_no}: {error or 'not a JSON object'}: give a JSONL of problems or solutions")
+        texts.append(str(row.get("question", "")))
+        if row.get("steps"):
+            texts.append(render_solution([str(s) for s in row["steps"]], row.get("answer")))
+    return [t for t in texts if t]
 
 
 def _text_config(tok: Any, hidden_size: int, num_layers: int, head_dim: int, **extra: Any) -> dict[str, Any]:
@@ -331,6 +350,7 @@ def build_tiny_model(
     head_dim: int = HEAD_DIM,
     vllm_ready: bool = False,
     tokenizer: Any | None = None,
+    corpus: Sequence[str] = (),
 ) -> Path:
     """Build, save and return the directory of a tiny random-init model of `arch`.
 
@@ -348,6 +368,10 @@ def build_tiny_model(
         tokenizer: a tokenizer to use instead of the one trained here (tests of real chat templates
             and special-token settings); it must hold this arch's named tokens (`_ARCH_TOKENS`), and
             its chat template, when set, becomes the processor's.
+        corpus: more tokenizer training text, e.g. a task's own questions and solutions
+            (`corpus_text`). A real tokenizer holds common English words as single tokens; the
+            built-in corpus alone splits a task's words into pieces ("Tile" -> T, i, le), which
+            makes every sequence longer than a real model's and every stage slower.
 
     Returns:
         `out_dir` as a Path, loadable with `load_backbone` / `from_pretrained`.
@@ -375,7 +399,9 @@ def build_tiny_model(
             )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = tokenizer if tokenizer is not None else _train_tokenizer(arch)
+    if tokenizer is not None and corpus:
+        raise ValueError("give either a tokenizer or a corpus to train one on, not both")
+    tok = tokenizer if tokenizer is not None else _train_tokenizer(arch, corpus)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model, processor = _build(arch, tok, hidden_size, num_layers, head_dim, vllm_ready)
@@ -415,9 +441,16 @@ def cli_tiny_model(argv: list[str]) -> int:
         help=f"vLLM-ready: head_dim {VLLM_HEAD_DIM} unless given, full processor with its video "
         "processor (needs torchvision)",
     )
+    parser.add_argument(
+        "--corpus",
+        default=None,
+        help="JSONL of problems or solutions whose text the tokenizer also trains on, so that the "
+        "task's words become single tokens as in a real tokenizer (default: the built-in corpus only)",
+    )
     args = parser.parse_args(argv)
     head_dim = args.head_dim or (VLLM_HEAD_DIM if args.vllm else HEAD_DIM)
     try:
+        corpus = corpus_text(args.corpus) if args.corpus else ()
         path = build_tiny_model(
             args.arch,
             args.out,
@@ -426,8 +459,9 @@ def cli_tiny_model(argv: list[str]) -> int:
             num_layers=args.layers,
             head_dim=head_dim,
             vllm_ready=args.vllm,
+            corpus=corpus,
         )
-    except ValueError as e:
+    except (OSError, ValueError) as e:
         parser.error(str(e))
     print(f"tiny {args.arch} model written to {path}")
     return 0
