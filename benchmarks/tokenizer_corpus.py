@@ -50,8 +50,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     """Both sides on the same rows and batches, in `work`; the JSON line as a dict."""
     import torch
 
-    from mmprm.data.schema import load_image
-    from mmprm.data.synthetic import SyntheticConfig, add_slips, check_steps, generate, write_split
+    from mmprm.data.schema import load_image, read_jsonl
+    from mmprm.data.synthetic import SyntheticConfig, add_slips, generate, write_split
     from mmprm.models import build_tiny_model, load_backbone
     from mmprm.models.prm import PRMSpec, build_prm, collate_steps, model_input_keys
     from mmprm.models.tiny import corpus_text
@@ -61,7 +61,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         num_problems=args.rows, seed=0, ops=("+",), max_ops=4, templates=("running_sum",), marks=True
     )
     write_split(add_slips(generate(task), 0.3, seed=0), work, "train")
-    rows = [json.loads(line) for line in (work / "train_sft.jsonl").read_text().splitlines()]
+    rows = read_jsonl(work / "train_gold_steps.jsonl")  # the steps with their exact labels
     corpus = corpus_text(work / "train_sft.jsonl")
 
     sides = {}
@@ -71,9 +71,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         model = build_prm(backbone, processor, PRMSpec(head="value"))
         items = []
         for r in rows:
-            labels = [float(ok) for ok in check_steps(r["meta"]["tiles"], r["steps"])]
             images = [load_image(work / p) for p in r["images"]]
-            items.append(tokenize_steps(processor, r["question"], r["steps"], images, labels=labels))
+            items.append(tokenize_steps(processor, r["question"], r["steps"], images, labels=r["labels"]))
         pad = getattr(processor, "tokenizer", processor).pad_token_id or 0
         sides[name] = {"model": model, "items": items, "pad": pad, "times": []}
 

@@ -37,7 +37,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -244,10 +243,8 @@ def run_ddp(ranks: int, script: str, *args: str) -> None:
         return
     import torch
 
-    with socket.socket() as sock:  # a free port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(port)]
+    # --standalone: a rendezvous on this machine at a port torchrun picks free itself
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
     run(*launcher, script, *args, env_extra=None if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "true"})
 
 

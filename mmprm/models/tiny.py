@@ -192,8 +192,8 @@ def corpus_text(path: str | Path) -> list[str]:
 
     texts = []
     for line_no, row, error in iter_jsonl(path):
-        if error is not None or not isinstance(row, dict):
-            raise ValueError(f"{path}:{line_no}: {error or 'not a JSON object'}: give a JSONL of problems or solutions")
+        if error is not None:  # not UTF-8, not JSON, or not an object: iter_jsonl says which
+            raise ValueError(f"{path}:{line_no}: {error}: give a JSONL of problems or solutions")
         texts.append(str(row.get("question", "")))
         if row.get("steps"):
             texts.append(render_solution([str(s) for s in row["steps"]], row.get("answer")))
