@@ -5,7 +5,8 @@
     batch, items = collate([3, 17, 42, 8])
 
 Memory does not grow with the dataset: the cache is Arrow, memory-mapped, and holds only text
-and token ids; pixels exist only for the batch being trained on.
+and token ids; pixels exist only for the batch being trained on and in the collator's bounded
+cache of recent prompts (`PRMCollator`: an MCTS export repeats each problem's prompt and image).
 
 **Tokenize once.** Each row is tokenized with the very functions training uses
 (`mmprm.steps.tokenize_steps` for a PRM, `mmprm.data.sft.tokenize_sft` for a policy) inside
@@ -48,7 +49,15 @@ import torch
 from mmprm.data.schema import DataError, check_row, iter_jsonl, load_image
 from mmprm.data.sft import sft_row_problems
 from mmprm.models.prm import PER_TOKEN_KEYS, collate_model_inputs, collate_steps
-from mmprm.steps import STEP_TOKEN, StepTokenError, TokenizedSteps, assistant_start, render_solution, tokenize_steps
+from mmprm.steps import (
+    STEP_TOKEN,
+    StepTokenError,
+    TokenizedSteps,
+    assistant_start,
+    extend_steps,
+    render_solution,
+    tokenize_steps,
+)
 
 CACHE_FORMAT = 1  # bump when a cached column changes meaning
 # A step labelled below this is an error step (the threshold balancing and step metrics use too).
@@ -618,7 +627,13 @@ class PRMCollator(_Collator):
     """Cached PRM rows -> a training batch, tokenized by `tokenize_steps` with the real images.
 
     Returns (batch, items): `collate_steps` of the items, and the `TokenizedSteps` (with `.id`)
-    for losses and error messages. Pixels live only as long as the batch.
+    for losses and error messages.
+
+    Rows of one problem share their prompt and images (an MCTS tree exports many paths of one
+    question), so the collator keeps the tokenized prompt with its image tensors in a
+    least-recently-used cache of at most `prompt_cache_mb` megabytes and tokenizes only the steps
+    of a row whose prompt it has seen (`extend_steps`, equal to `tokenize_steps` by test). The
+    bound keeps memory flat at any dataset size; 0 turns the cache off.
     """
 
     def __init__(
@@ -630,25 +645,39 @@ class PRMCollator(_Collator):
         step_token: str = STEP_TOKEN,
         system: str | None = None,
         source: str = "",
+        prompt_cache_mb: float = 256,
         **_: Any,
     ):
         super().__init__(data, processor, pad_id, source)
         self.max_length, self.step_token, self.system = max_length, step_token, system
+        self.prompts = _PromptCache(int(prompt_cache_mb * 2**20))
+
+    def tokenize(self, row: dict[str, Any]) -> TokenizedSteps | None:
+        key = (row["question"], tuple(row["images"]))
+        base = self.prompts.get(key)
+        if base is not None:
+            tok = extend_steps(self.processor, base, row["steps"], row["labels"], self.max_length, self.step_token)
+            if tok is not None:
+                return tok
+        images = [load_image(p) for p in row["images"]]
+        tok = tokenize_steps(
+            self.processor,
+            row["question"],
+            row["steps"],
+            images,
+            row["labels"],
+            self.max_length,
+            self.step_token,
+            self.system,
+        )
+        if tok is not None and tok.prompt_length is not None:
+            self.prompts.put(key, tok)
+        return tok
 
     def items(self, indices: Sequence[int]) -> list[TokenizedSteps]:
         out = []
         for row in self.rows(indices):
-            images = [load_image(p) for p in row["images"]]
-            tok = tokenize_steps(
-                self.processor,
-                row["question"],
-                row["steps"],
-                images,
-                row["labels"],
-                self.max_length,
-                self.step_token,
-                self.system,
-            )
+            tok = self.tokenize(row)
             if tok is None or tok.input_ids != row["input_ids"]:
                 raise self.mismatch(row, "token ids")
             if tok.step_positions != row["step_positions"]:
@@ -660,6 +689,33 @@ class PRMCollator(_Collator):
     def __call__(self, indices: Sequence[int]) -> tuple[dict[str, torch.Tensor], list[TokenizedSteps]]:
         items = self.items(indices)
         return collate_steps(items, self.pad_id), items
+
+
+class _PromptCache:
+    """Tokenized prompts (with their image tensors) by (question, image paths), least recently used
+    out first once their tensors pass `max_bytes`."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.bytes = max_bytes, 0
+        self.entries: OrderedDict[tuple[str, tuple[str, ...]], tuple[TokenizedSteps, int]] = OrderedDict()
+
+    def get(self, key: tuple[str, tuple[str, ...]]) -> TokenizedSteps | None:
+        if key not in self.entries:
+            return None
+        self.entries.move_to_end(key)
+        return self.entries[key][0]
+
+    def put(self, key: tuple[str, tuple[str, ...]], tok: TokenizedSteps) -> None:
+        size = 8 * len(tok.input_ids) + sum(
+            v.numel() * v.element_size() for v in tok.model_inputs.values() if isinstance(v, torch.Tensor)
+        )
+        if size > self.max_bytes or key in self.entries:
+            return
+        self.entries[key] = (tok, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, dropped) = self.entries.popitem(last=False)
+            self.bytes -= dropped
 
 
 class SFTCollator(_Collator):

@@ -102,6 +102,8 @@ class DataConfig:
         balance: weight positive and negative steps (label >= 0.5 or not) to equal total weight
         num_proc: tokenization workers; null: the CPUs, at most 16
         cache_dir: tokenized-data cache (Arrow); null: $MMPRM_CACHE, else ~/.cache/mmprm/tokenized
+        prompt_cache_mb: memory per process for the tokenized prompts and image tensors of recently
+            seen problems (an MCTS export has several rows per problem; `PRMCollator`); 0: off
     """
 
     train_file: str = ""
@@ -112,6 +114,7 @@ class DataConfig:
     balance: bool = False
     num_proc: int | None = None
     cache_dir: str | None = None
+    prompt_cache_mb: float = 256
 
 
 @dataclass
@@ -237,7 +240,8 @@ def main(argv: list[str]) -> None:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     # Text tokenized once into an on-disk cache (rank 0 builds, the others wait and reuse it);
-    # images are opened per micro-batch by the collator, so memory does not grow with the data.
+    # images are opened per micro-batch by the collator, which keeps only a bounded cache of recent
+    # prompts, so memory does not grow with the data.
     settings = {
         "max_length": cfg.data.max_length,
         "step_token": spec.step_token,
@@ -250,7 +254,10 @@ def main(argv: list[str]) -> None:
         data, stats = load_tokenized(
             path, "prm", processor, settings, cfg.data.cache_dir, cfg.data.num_proc, accelerator
         )
-        return PRMCollator(data, processor, pad_id, source=path, **settings), stats
+        collate = PRMCollator(
+            data, processor, pad_id, source=path, prompt_cache_mb=cfg.data.prompt_cache_mb, **settings
+        )
+        return collate, stats
 
     collate, train_stats = tokenized(cfg.data.train_file)
     eval_collate = tokenized(cfg.data.eval_file)[0] if cfg.data.eval_file else None

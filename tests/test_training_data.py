@@ -106,6 +106,60 @@ def test_streamed_prm_batch_equals_eager_batch(tiny_models, tmp_path, arch):
         assert "pixel_values" in batch
 
 
+def write_paths(folder: Path, problems: int, paths: int, images: bool = True) -> Path:
+    """`paths` rows per problem sharing its question and image, as an MCTS export writes them."""
+    rng = random.Random(1)
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for p in range(problems):
+        w, h = SIZES[p % len(SIZES)]
+        image = f"problem{p}.png"
+        if images:
+            Image.frombytes("RGB", (w, h), rng.randbytes(w * h * 3)).save(folder / image)
+        for k in range(paths):
+            n_steps = 1 + (p + k) % 3
+            rows.append(
+                {
+                    "id": f"p{p}/path{k}",
+                    "images": [image] if images else [],
+                    "question": f"Problem {p}: add the numbers.",
+                    "steps": [f"Step {j}: {p} + {k * j} = {p + k * j}." for j in range(n_steps)],
+                    "labels": [round(1.0 - 0.25 * j, 2) for j in range(n_steps)],
+                }
+            )
+    rng.shuffle(rows)
+    path = folder / "paths.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prompt_cache_gives_the_batches_of_full_tokenization(tiny_models, tmp_path, arch):
+    processor = prm_processor(tiny_models, arch)
+    path = write_paths(tmp_path, problems=3, paths=4, images=arch != "qwen2")
+    data, _ = load_tokenized(path, "prm", processor, SETTINGS, cache_dir=tmp_path / "cache", num_proc=1)
+    cached = PRMCollator(data, processor, 0, source=str(path), **SETTINGS)
+    uncached = PRMCollator(data, processor, 0, source=str(path), prompt_cache_mb=0, **SETTINGS)
+    for idx in ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [11, 0, 5]):
+        assert_batches_equal(cached(idx)[0], uncached(idx)[0])
+    assert len(cached.prompts.entries) == 3 and not uncached.prompts.entries  # one prompt per problem
+
+
+def test_prompt_cache_stays_within_its_bound(tiny_models, tmp_path):
+    processor = prm_processor(tiny_models, "qwen2_vl")
+    path = write_paths(tmp_path, problems=5, paths=2)
+    data, _ = load_tokenized(path, "prm", processor, SETTINGS, cache_dir=tmp_path / "cache", num_proc=1)
+    collate = PRMCollator(data, processor, 0, **SETTINGS)
+    collate(list(range(10)))
+    one = max(size for _, size in collate.prompts.entries.values())
+    small = PRMCollator(data, processor, 0, prompt_cache_mb=one / 2**20, **SETTINGS)  # room for the largest
+    for i in range(10):
+        small([i])
+        assert 0 < small.prompts.bytes <= one
+    assert len(small.prompts.entries) < 5  # older prompts went out
+    assert_batches_equal(small(list(range(10)))[0], collate(list(range(10)))[0])
+
+
 @pytest.mark.parametrize("arch", ["qwen2_vl", "internvl", "qwen2"])
 def test_streamed_sft_batch_equals_eager_batch(tiny_models, tmp_path, arch):
     processor = load_processor(tiny_models(arch))
