@@ -283,6 +283,22 @@ def find_checkpoint(output_dir: str | Path, resume: str | None, log: Any = print
     return path
 
 
+def accelerator_kwargs() -> list:
+    """`kwargs_handlers` for the training recipes' `Accelerator`: `process_group_kwargs` plus DDP's
+    search for parameters the loss does not reach.
+
+    Some trainable parameters get no gradient, and plain DDP then fails at the second step
+    ("Expected to have finished reduction in the prior iteration"): LLaVA reads its image
+    features from the vision tower's second-to-last layer (`vision_feature_layer=-2`), so the last
+    layer is unused once the tower trains; a PRM's value head leaves the LM head unused. DDP
+    then walks the autograd graph once per step to find them (a small cost beside the forward);
+    DeepSpeed and FSDP ignore the setting.
+    """
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    return [*process_group_kwargs(), DistributedDataParallelKwargs(find_unused_parameters=True)]
+
+
 def process_group_kwargs() -> list:
     """`kwargs_handlers` for `Accelerator` so DeepSpeed ranks on a machine without GPUs form one group.
 

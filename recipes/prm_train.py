@@ -40,10 +40,10 @@ from mmprm.training import (
     LoraConfig,
     TrainConfig,
     TrainProgress,
+    accelerator_kwargs,
     eval_share,
     find_checkpoint,
     lr_factor,
-    process_group_kwargs,
     rank_share,
     save_checkpoint,
     wrap_padding,
@@ -208,7 +208,7 @@ def main(argv: list[str]) -> None:
         project_dir=str(out_dir),
         gradient_accumulation_steps=cfg.train.grad_accum,
         step_scheduler_with_optimizer=False,
-        kwargs_handlers=process_group_kwargs(),
+        kwargs_handlers=accelerator_kwargs(),
     )
     set_seed(cfg.train.seed)
     log = accelerator.print

@@ -116,14 +116,17 @@ def test_exact_resume_matches_straight_run(tiny_models, toy, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_process_ddp(tiny_models, toy, tmp_path):
+@pytest.mark.parametrize("head", ["token_pair", "value"])
+def test_two_process_ddp(tiny_models, toy, tmp_path, head):
     train, ev = toy
     out = tmp_path / "ddp"
     launcher = cpu_ddp_launcher()
-    # without ACCELERATE_USE_CPU each process would see no GPU and run alone (world size 1)
+    # without ACCELERATE_USE_CPU each process would see no GPU and run alone (world size 1);
+    # a value head leaves the LM head without a gradient, which plain DDP rejects at step 2
     run_recipe(
         "prm_train",
         *common(tiny_models("qwen2_vl"), train, ev, out, steps=6),
+        f"prm.head={head}",
         launcher=launcher,
         extra_env={"ACCELERATE_USE_CPU": "true"},
     )
