@@ -202,6 +202,35 @@ def iter_rows(path: str | Path, kind: Kind) -> Iterator[dict[str, Any]]:
 # ---------------------------------------------------------------- tokenizing one row (inside map)
 
 
+class _BytesLRU:
+    """Values by key, least recently used out first once their sizes pass `max_bytes`; a value
+    larger than the whole bound is not kept. `entries` maps key -> (value, size)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.bytes = max_bytes, 0
+        self.entries: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
+
+    def get(self, key: Any) -> Any:
+        if key not in self.entries:
+            return None
+        self.entries.move_to_end(key)
+        return self.entries[key][0]
+
+    def put(self, key: Any, value: Any, size: int) -> None:
+        if size > self.max_bytes or key in self.entries:
+            return
+        self.entries[key] = (value, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, dropped) = self.entries.popitem(last=False)
+            self.bytes -= dropped
+
+
+def _tensor_bytes(values: Any) -> int:
+    """Bytes held by the tensors among `values`."""
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
 class _SizeMemo:
     """An image processor that remembers its output per tuple of image sizes.
 
@@ -210,24 +239,19 @@ class _SizeMemo:
     """
 
     def __init__(self, image_processor: Any, max_bytes: int = 256 << 20):
-        self.image_processor, self.max_bytes = image_processor, max_bytes
-        self.memo: OrderedDict[Any, Any] = OrderedDict()
-        self.bytes = 0
+        self.image_processor = image_processor
+        self.memo = _BytesLRU(max_bytes)
 
     def __call__(self, images: Any = None, *args: Any, **kwargs: Any) -> Any:
         key = (tuple(im.size for im in images), args, repr(sorted(kwargs.items())))
-        if key not in self.memo:
+        out = self.memo.get(key)
+        if out is None:
             out = self.image_processor(images, *args, **kwargs)
-            size = sum(v.numel() * v.element_size() for v in out.values() if isinstance(v, torch.Tensor))
-            self.memo[key], self.bytes = out, self.bytes + size
-            while self.bytes > self.max_bytes and len(self.memo) > 1:
-                _, old = self.memo.popitem(last=False)
-                self.bytes -= sum(v.numel() * v.element_size() for v in old.values() if isinstance(v, torch.Tensor))
-        self.memo.move_to_end(key)
-        return copy.copy(self.memo[key])  # processors may pop keys from what they get
+            self.memo.put(key, out, _tensor_bytes(out.values()))
+        return copy.copy(out)  # processors may pop keys from what they get
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("image_processor", "memo", "bytes", "max_bytes"):
+        if name.startswith("__") or name in ("image_processor", "memo"):
             raise AttributeError(name)  # not yet set while unpickling in a worker: no recursion
         return getattr(self.image_processor, name)
 
@@ -650,7 +674,7 @@ class PRMCollator(_Collator):
     ):
         super().__init__(data, processor, pad_id, source)
         self.max_length, self.step_token, self.system = max_length, step_token, system
-        self.prompts = _PromptCache(int(prompt_cache_mb * 2**20))
+        self.prompts = _BytesLRU(int(prompt_cache_mb * 2**20))  # (question, image paths) -> prompt
 
     def tokenize(self, row: dict[str, Any]) -> TokenizedSteps | None:
         key = (row["question"], tuple(row["images"]))
@@ -671,7 +695,7 @@ class PRMCollator(_Collator):
             self.system,
         )
         if tok is not None and tok.prompt_length is not None:
-            self.prompts.put(key, tok)
+            self.prompts.put(key, tok, 8 * len(tok.input_ids) + _tensor_bytes(tok.model_inputs.values()))
         return tok
 
     def items(self, indices: Sequence[int]) -> list[TokenizedSteps]:
@@ -689,33 +713,6 @@ class PRMCollator(_Collator):
     def __call__(self, indices: Sequence[int]) -> tuple[dict[str, torch.Tensor], list[TokenizedSteps]]:
         items = self.items(indices)
         return collate_steps(items, self.pad_id), items
-
-
-class _PromptCache:
-    """Tokenized prompts (with their image tensors) by (question, image paths), least recently used
-    out first once their tensors pass `max_bytes`."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes, self.bytes = max_bytes, 0
-        self.entries: OrderedDict[tuple[str, tuple[str, ...]], tuple[TokenizedSteps, int]] = OrderedDict()
-
-    def get(self, key: tuple[str, tuple[str, ...]]) -> TokenizedSteps | None:
-        if key not in self.entries:
-            return None
-        self.entries.move_to_end(key)
-        return self.entries[key][0]
-
-    def put(self, key: tuple[str, tuple[str, ...]], tok: TokenizedSteps) -> None:
-        size = 8 * len(tok.input_ids) + sum(
-            v.numel() * v.element_size() for v in tok.model_inputs.values() if isinstance(v, torch.Tensor)
-        )
-        if size > self.max_bytes or key in self.entries:
-            return
-        self.entries[key] = (tok, size)
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, (_, dropped) = self.entries.popitem(last=False)
-            self.bytes -= dropped
 
 
 class SFTCollator(_Collator):
