@@ -136,3 +136,12 @@ def test_prm_collate_quick():
     assert res["cache_mb"] > 0 and res["collate_s"]["uncached"] > 0 and res["collate_s"]["cached"] > 0
     # the equality check passed (the script exits otherwise); speed is measured, not asserted here
     assert res["collate_ratio"] > 0 and res["step_ratio"] > 0
+
+
+def test_hf_sampling_quick():
+    res = run_benchmark("hf_sampling.py")
+    for setting in ("no_cut", "top_k50_top_p0.9"):
+        # both sides decoded the same number of steps (the script exits otherwise); speed is
+        # measured, not asserted here
+        assert res[setting]["step_s"]["generate"] > 0 and res[setting]["step_s"]["inverse_cdf"] > 0
+        assert res[setting]["ratio"] > 0

@@ -374,6 +374,34 @@ def test_hf_backend_samples_n_continuations_reproducibly(tiny_dirs, tmp_path):
         text_only.generate([RolloutRequest("e", "Q", [img], [], 1)])
 
 
+def test_inverse_cdf_sampler_draws_the_warped_distribution():
+    """The sampler's frequencies are softmax(logits / T), cut by top-k and top-p as generate cuts them."""
+    import torch
+
+    from mmprm.annotate.backends.hf import InverseCDFSampler
+
+    torch.manual_seed(0)
+    rows = 40_000
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0]))  # the last token is impossible
+
+    def frequencies(sampler: InverseCDFSampler) -> torch.Tensor:
+        out = sampler(torch.zeros(rows, 1, dtype=torch.long), logits.repeat(rows, 1))
+        assert ((out == 0).sum(dim=-1) == 1).all() and torch.isinf(out).sum() == rows * 5  # one token per row
+        return torch.bincount(out.argmax(dim=-1), minlength=6).float() / rows
+
+    def close(got, want):  # 4 binomial standard errors
+        return torch.all((got - want).abs() <= 4 * (want * (1 - want) / rows).sqrt() + 1e-9)
+
+    assert close(frequencies(InverseCDFSampler(1.0, 0, 1.0)), torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0]))
+    # T = 2 takes square roots: 0.5**0.5 = 0.7071 ... over their sum 1.9663
+    sq = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0]).sqrt()
+    assert close(frequencies(InverseCDFSampler(2.0, 0, 1.0)), sq / sq.sum())
+    # top-k 2: 0.5 and 0.2 renormalised: 5/7, 2/7
+    assert close(frequencies(InverseCDFSampler(1.0, 2, 1.0)), torch.tensor([5 / 7, 2 / 7, 0, 0, 0, 0]))
+    # top-p 0.8: the smallest set reaching 0.8 is 0.5 + 0.2 + 0.15 = 0.85: 10/17, 4/17, 3/17
+    assert close(frequencies(InverseCDFSampler(1.0, 0, 0.8)), torch.tensor([10, 4, 3, 0, 0, 0]) / 17)
+
+
 def test_hf_backend_continues_the_assistant_message(tiny_dirs):
     from mmprm.annotate.backends.base import rollout_prompt
     from mmprm.models.loading import load_processor
