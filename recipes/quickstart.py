@@ -491,7 +491,7 @@ def main(argv: list[str]) -> None:
             lambda: train(mcts / "prm_data.jsonl", out / "prm", "data.label_mode=soft"),
         )
 
-    def baselines() -> None:
+    def hard_prm() -> None:
         # MC > 0 -> 1: a step from which any rollout reached the gold answer counts as right.
         stage(
             "prm_hard",
@@ -503,6 +503,8 @@ def main(argv: list[str]) -> None:
                 mcts / "prm_data.jsonl", out / "prm_hard", "data.label_mode=hard", "data.hard_threshold=1e-6"
             ),
         )
+
+    def outcome_model() -> None:
         stage(
             "orm",
             out / "orm" / "mmprm_prm.json",
@@ -555,7 +557,7 @@ def main(argv: list[str]) -> None:
             *[o for o in cfg.bon if not o.startswith("generate.")],
         )
 
-    def rescore_baselines() -> None:
+    def rescore_hard() -> None:
         stage(
             "bon_hard",
             out / "bon_hard" / "report.json",
@@ -564,17 +566,20 @@ def main(argv: list[str]) -> None:
             timings,
             lambda: rescore("hard", bon / "candidates.jsonl"),
         )
-        stage(
-            "bon_orm",
-            out / "bon_orm" / "report.json",
-            out,
-            cfg.force,
-            timings,
-            lambda: (
-                write_outcome_candidates(bon / "candidates.jsonl", bon / "candidates_outcome.jsonl"),
-                rescore("outcome", bon / "candidates_outcome.jsonl"),
-            ),
-        )
+
+    def rescore_outcome() -> None:
+        def run_it() -> None:
+            from mmprm.rerank.ablation import PREFIX_SCORES, write_outcome_prefix_scores
+
+            write_outcome_candidates(bon / "candidates.jsonl", bon / "candidates_outcome.jsonl")
+            rescore("outcome", bon / "candidates_outcome.jsonl")
+            # The outcome model's score of every prefix of every candidate (its step scores in the
+            # report): the slowest part of the evaluation, done in this lane so the report need not wait.
+            write_outcome_prefix_scores(
+                out / "orm", bon / "candidates.jsonl", out / "bon_orm" / PREFIX_SCORES, cfg.model.attn_implementation
+            )
+
+        stage("bon_orm", out / "bon_orm" / "report.json", out, cfg.force, timings, run_it)
 
     # ---- 7. PRM-guided search vs Best-of-N at the same generated tokens (soft PRM) ------------
     def guided_search() -> None:
@@ -602,26 +607,36 @@ def main(argv: list[str]) -> None:
             ),
         )
 
-    # Two lanes, one per core. Lane 1: the soft PRM, its Best-of-N candidates, then the search with
-    # it; lane 2: the two baselines, then their rescoring of lane 1's candidates. Each waits only
-    # for what it reads; a failed lane sets its event so that the other one does not hang.
-    candidates_ready = threading.Event()
+    # Two lanes, one per core, each about 2 reward models' training long. Lane 1: the soft PRM,
+    # the hard PRM, then the hard PRM's rescoring of the candidates. Lane 2: the outcome model,
+    # then (once the soft PRM is there) the Best-of-N candidates, the search, the outcome model's
+    # rescoring. Each waits only for what it reads; a failed lane sets its events so that the
+    # other one does not hang.
+    soft_ready, candidates_ready = threading.Event(), threading.Event()
 
-    def lane_soft() -> None:
+    def lane_prms() -> None:
         try:
             soft_prm()
-            best_of_n()
+        finally:
+            soft_ready.set()
+        hard_prm()
+        candidates_ready.wait()
+        if (bon / "report.json").exists():  # else lane 2 failed and says why
+            rescore_hard()
+
+    def lane_outcome_and_sampling() -> None:
+        try:
+            outcome_model()
+            soft_ready.wait()
+            if (out / "prm" / "mmprm_prm.json").exists():  # else lane 1 failed and says why
+                best_of_n()
         finally:
             candidates_ready.set()
-        guided_search()
+        if (bon / "report.json").exists():
+            guided_search()
+            rescore_outcome()
 
-    def lane_baselines() -> None:
-        baselines()
-        candidates_ready.wait()
-        if (bon / "report.json").exists():  # else lane 1 failed and says why
-            rescore_baselines()
-
-    in_lanes(out, lane_soft, lane_baselines)
+    in_lanes(out, lane_prms, lane_outcome_and_sampling)
 
     # ---- 8. ground-truth step evaluation and the report -------------------------------------
     print("==> [report] ...", flush=True)

@@ -109,6 +109,13 @@ def test_reduced_demo_pipeline(tmp_path):
 
     report = json.loads((out / "report.json").read_text())
     assert report["splits"] == {"dev": 16, "test": 24}
+    # the outcome model scored every prefix of every candidate in its lane (its step scores)
+    cands = {
+        (r["id"], j): c for r in read_jsonl(out / "bon" / "candidates.jsonl") for j, c in enumerate(r["candidates"])
+    }
+    prefixes = read_jsonl(out / "bon_orm" / "prefix_scores.jsonl")
+    assert {(r["id"], r["candidate"]) for r in prefixes} == {k for k, c in cands.items() if c["steps"]}
+    assert all(len(r["probs"]) == len(cands[(r["id"], r["candidate"])]["steps"]) for r in prefixes)
     stages = {s["stage"]: s for s in report["stages"]}
     assert set(stages) >= {"data", "model", "policy", "annotate", "prm", "prm_hard", "orm", "bon"}
     assert all(s["cpu_seconds"] > 0 for s in stages.values() if s["status"] == "ran")

@@ -14,8 +14,9 @@ This module turns those scored files into the report:
 The outcome model reads a whole solution as one step; its per-step scores (for the step metrics)
 are its scores of each prefix, read the same way.
 
-Files read under OUTPUT_DIR: data/heldout_problems.jsonl, bon/candidates.jsonl and
-{bon dir}/scored.jsonl per model. Files written: report.json, report.md, bon_curve.png and
+Files read under OUTPUT_DIR: data/heldout_problems.jsonl, bon/candidates.jsonl,
+{bon dir}/scored.jsonl per model and the outcome model's prefix scores (`PREFIX_SCORES` in its
+Best-of-N folder, written first when missing). Files written: report.json, report.md, bon_curve.png and
 readme_section.md (the README's demo block).
 """
 
@@ -35,6 +36,7 @@ from mmprm.scoring.metrics import auroc, best_threshold, first_error, first_erro
 SPLITS = ("dev", "test")
 REPORTED = ("min", "average", "last")  # plus each model's dev-chosen aggregator
 OUTCOME = "outcome"
+PREFIX_SCORES = "prefix_scores.jsonl"  # in the outcome model's Best-of-N folder
 
 
 def _split_of(problem_id: str) -> str | None:
@@ -55,6 +57,19 @@ def _prefix_scores(scorer: Any, rows: Sequence[dict]) -> dict[tuple[str, int], l
     for key, probs in zip(keys, scorer.score(examples, share_prefix=True, progress=True)):
         out.setdefault(key, []).extend(probs)
     return out
+
+
+def write_outcome_prefix_scores(prm_dir: Path, candidates_file: Path, out_file: Path, attn_implementation: str) -> None:
+    """Score every prefix of every candidate with the outcome model, into `out_file` (JSONL: id,
+    candidate index, one probability per step). `evaluate` reads it; the demo writes it in a lane
+    of its own, so the report does not wait for it (the slowest part of the evaluation)."""
+    from mmprm.data.schema import read_jsonl, write_jsonl
+    from mmprm.models.prm import load_prm
+
+    scores = _prefix_scores(
+        load_prm(prm_dir, batch_size=32, attn_implementation=attn_implementation), read_jsonl(candidates_file)
+    )
+    write_jsonl(out_file, [{"id": i, "candidate": j, "probs": probs} for (i, j), probs in scores.items()])
 
 
 def _step_metrics(scores: dict, labels: dict, dev_keys: list, test_keys: list) -> dict[str, float]:
@@ -104,7 +119,7 @@ def evaluate(
     from mmprm.data.schema import read_jsonl
     from mmprm.data.synthetic import check_steps
     from mmprm.models.loading import load_backbone
-    from mmprm.models.prm import PRMScorer, PRMSpec, build_prm, load_prm
+    from mmprm.models.prm import PRMScorer, PRMSpec, build_prm
 
     problems = {r["id"]: r for r in read_jsonl(data / "heldout_problems.jsonl")}
     rows = read_jsonl(out / "bon" / "candidates.jsonl")
@@ -126,9 +141,12 @@ def evaluate(
     step_scores: dict[str, dict[tuple[str, int], list[float]]] = {}
     for m in models:
         if m == OUTCOME:
-            step_scores[m] = _prefix_scores(
-                load_prm(out / models[m][0], batch_size=32, attn_implementation=attn_implementation), rows
-            )
+            prefix_file = out / models[m][1] / PREFIX_SCORES
+            if not prefix_file.exists():
+                write_outcome_prefix_scores(
+                    out / models[m][0], out / "bon" / "candidates.jsonl", prefix_file, attn_implementation
+                )
+            step_scores[m] = {(r["id"], r["candidate"]): r["probs"] for r in read_jsonl(prefix_file)}
         else:
             step_scores[m] = {k: scored[m][k[0]]["candidates"][k[1]]["step_probs"] for k in labels}
     backbone, processor = load_backbone(policy, attn_implementation=attn_implementation)
