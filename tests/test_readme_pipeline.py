@@ -68,7 +68,7 @@ def test_readme_commands_name_shipped_files():
 
 @pytest.mark.slow
 def test_readme_pipeline_as_written(tmp_path):
-    """About 1.8 CPU minutes (7.8 min wall when measured, with other jobs loading the 2 cores)."""
+    """About 3 CPU minutes (3.0 min wall when measured alone on the 2 cores)."""
     for name in ("recipes", "data"):
         (tmp_path / name).symlink_to(REPO / name)
     env = {
