@@ -59,7 +59,7 @@ from mmprm.steps import (
     tokenize_steps,
 )
 
-CACHE_FORMAT = 1  # bump when a cached column changes meaning
+CACHE_FORMAT = 2  # bump when a cached column changes meaning (2: prompt_length)
 # A step labelled below this is an error step (the threshold balancing and step metrics use too).
 NEGATIVE_BELOW = 0.5
 IGNORE = -100  # label of tokens that carry no loss (cross_entropy's ignore_index)
@@ -311,6 +311,7 @@ def _tokenize_prm_row(
         "n_steps": 0,
         "n_pos": 0,
         "dropped_steps": 0,
+        "prompt_length": -1,
         "drop": None,
         "error": None,
     }
@@ -338,6 +339,7 @@ def _tokenize_prm_row(
             n_steps=len(tok.step_positions),
             n_pos=sum(x >= NEGATIVE_BELOW for x in tok.labels),
             dropped_steps=tok.dropped_steps,
+            prompt_length=-1 if tok.prompt_length is None else tok.prompt_length,
         )
     return out
 
@@ -579,6 +581,7 @@ def _build(path: str | Path, kind: Kind, processor: Any, settings: dict[str, Any
                     "n_steps": datasets.Value("int32"),
                     "n_pos": datasets.Value("int32"),
                     "dropped_steps": datasets.Value("int32"),
+                    "prompt_length": datasets.Value("int32"),
                 },
             )
         else:
@@ -713,6 +716,51 @@ class PRMCollator(_Collator):
     def __call__(self, indices: Sequence[int]) -> tuple[dict[str, torch.Tensor], list[TokenizedSteps]]:
         items = self.items(indices)
         return collate_steps(items, self.pad_id), items
+
+
+def plan_tree_packs(data: Any, max_tokens: int, chunk: int = 1024) -> Any:
+    """`mmprm.packing.plan_packs` over cached PRM rows: each problem's rows (same question and
+    images) in packs of at most `max_tokens`, read a chunk of rows at a time."""
+    from mmprm.packing import plan_packs
+
+    columns = ["question", "images", "input_ids", "step_positions", "prompt_length"]
+
+    def rows() -> Iterator[dict[str, Any]]:
+        table = data.table.select(columns)
+        for start in range(0, len(data), chunk):
+            cols = table.slice(start, chunk).to_pydict()
+            for i in range(len(cols["input_ids"])):
+                yield {
+                    "index": start + i,
+                    "key": (cols["question"][i], tuple(cols["images"][i])),
+                    "input_ids": cols["input_ids"][i],
+                    "step_positions": cols["step_positions"][i],
+                    "prompt_length": cols["prompt_length"][i],
+                }
+
+    return plan_packs(rows(), max_tokens)
+
+
+class PackedPRMCollator:
+    """Packs of cached PRM rows -> one tree-packed batch (`mmprm.packing`).
+
+    `packs[i]` lists the row indices of pack i (`plan_tree_packs`); a batch is a list of pack
+    indices. Rows are tokenized and checked by the `PRMCollator` `rows`, so the prompt cache and
+    the cache checks are the same as for unpacked training. Returns (batch, the rows' items).
+    """
+
+    def __init__(self, rows: PRMCollator, packs: Sequence[Sequence[int]]):
+        self.rows, self.packs = rows, packs
+
+    def __call__(self, indices: Sequence[int]) -> tuple[dict[str, torch.Tensor], list[TokenizedSteps]]:
+        from mmprm.packing import collate_packed, pack_rows
+
+        trees, flat = [], []
+        for i in indices:
+            items = self.rows.items(self.packs[i])
+            trees.append(pack_rows(items, [t.id for t in items]))
+            flat.extend(items)
+        return collate_packed(trees, self.rows.pad_id), flat
 
 
 class SFTCollator(_Collator):

@@ -32,6 +32,7 @@ from mmprm.data.schema import DataError
 from mmprm.models.loading import load_backbone, resolve_attn_implementation, vision_tower_parameters
 from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, model_input_keys, save_prm
 from mmprm.models.sharding import log_zero3_partitions
+from mmprm.packing import run_tokens
 from mmprm.scoring.losses import soft_bce_value, soft_ce_token_pair
 from mmprm.scoring.metrics import step_metrics
 from mmprm.steps import StepTokenError
@@ -48,7 +49,7 @@ from mmprm.training import (
     save_checkpoint,
     wrap_padding,
 )
-from mmprm.training_data import PRMCollator, load_tokenized
+from mmprm.training_data import PackedPRMCollator, PRMCollator, load_tokenized, plan_tree_packs
 
 
 @dataclass
@@ -104,6 +105,11 @@ class DataConfig:
         cache_dir: tokenized-data cache (Arrow); null: $MMPRM_CACHE, else ~/.cache/mmprm/tokenized
         prompt_cache_mb: memory per process for the tokenized prompts and image tensors of recently
             seen problems (an MCTS export has several rows per problem; `PRMCollator`); 0: off
+        pack_trees: train on one sequence per problem (`mmprm.packing`): its prompt and every step
+            that several rows share are computed once, the loss is the rows' loss; train.batch_size
+            then counts packs (a problem's rows, split at pack_tokens). Needs sdpa or eager attention
+            (model.attn_implementation=auto then picks sdpa)
+        pack_tokens: pack_trees: most tokens in one pack (at least max_length)
     """
 
     train_file: str = ""
@@ -115,6 +121,8 @@ class DataConfig:
     num_proc: int | None = None
     cache_dir: str | None = None
     prompt_cache_mb: float = 256
+    pack_trees: bool = False
+    pack_tokens: int = 4096
 
 
 @dataclass
@@ -139,6 +147,11 @@ class Config:
     resume_from_checkpoint: str | None = None
 
     def validate(self) -> None:
+        if self.data.pack_trees and self.model.attn_implementation not in ("sdpa", "eager", "auto"):
+            raise ValueError(
+                f"data.pack_trees needs attention that takes a tree mask: model.attn_implementation=sdpa or "
+                f"eager, not {self.model.attn_implementation!r} (or set data.pack_trees=false)"
+            )
         resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
         if not self.model.name_or_path:
             raise ValueError("model.name_or_path: required (a HF model directory or hub name)")
@@ -148,6 +161,11 @@ class Config:
             raise ValueError(f"data.label_mode: {self.data.label_mode!r} is not one of ['soft', 'hard']")
         if self.prm.head not in ("token_pair", "value"):
             raise ValueError(f"prm.head: {self.prm.head!r} is not one of ['token_pair', 'value']")
+        if self.data.pack_trees and self.data.pack_tokens < self.data.max_length:
+            raise ValueError(
+                f"data.pack_tokens={self.data.pack_tokens} is below data.max_length={self.data.max_length}: "
+                "a pack must hold at least one row"
+            )
         if self.train.schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"train.schedule: {self.train.schedule!r} is not one of ['cosine', 'linear', 'constant']")
 
@@ -215,9 +233,10 @@ def main(argv: list[str]) -> None:
 
     # ---- model and data -------------------------------------------------------------------
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
-    backbone, processor = load_backbone(
-        cfg.model.name_or_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation
-    )
+    attn = cfg.model.attn_implementation
+    if cfg.data.pack_trees and attn == "auto":  # flash-attn takes no tree mask
+        attn = "sdpa"
+    backbone, processor = load_backbone(cfg.model.name_or_path, dtype=dtype, attn_implementation=attn)
     spec = PRMSpec(head=cfg.prm.head, reward_tokens=list(cfg.prm.reward_tokens), system_prompt=cfg.prm.system_prompt)
     model = build_prm(backbone, processor, spec)
     if cfg.model.freeze_vision_tower:
@@ -278,6 +297,18 @@ def main(argv: list[str]) -> None:
         neg_weight = n_all / (2 * max(1, n_neg))
         log(f"balancing: {n_pos} positive / {n_neg} negative steps -> weights {pos_weight:.3f} / {neg_weight:.3f}")
 
+    # The units a batch is made of: rows, or packs of one problem's rows (data.pack_trees).
+    train_collate, unit_lengths, unit_steps = collate, train_data.column("length"), n_steps
+    if cfg.data.pack_trees:
+        plan = plan_tree_packs(train_data, cfg.data.pack_tokens)
+        train_collate = PackedPRMCollator(collate, plan.packs)
+        unit_lengths = plan.lengths
+        unit_steps = [sum(n_steps[i] for i in pack) for pack in plan.packs]
+        log(
+            f"tree packing: {len(train_data)} rows in {len(plan.packs)} packs of at most {cfg.data.pack_tokens} "
+            f"tokens; {sum(plan.lengths)} tokens to run instead of {plan.row_tokens} ({plan.ratio:.2f}x)"
+        )
+
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -291,11 +322,12 @@ def main(argv: list[str]) -> None:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     log_zero3_partitions(accelerator, model, out_dir, log)
     global_batch = cfg.train.batch_size * accelerator.num_processes
-    stream = BatchStream(train_data.column("length"), global_batch, cfg.train.seed, cfg.train.group_by_length)
-    if padded := wrap_padding(len(train_data), global_batch):
+    stream = BatchStream(unit_lengths, global_batch, cfg.train.seed, cfg.train.group_by_length)
+    unit = "packs" if cfg.data.pack_trees else "rows"
+    if padded := wrap_padding(len(unit_lengths), global_batch):
         log(
-            f"{len(train_data)} rows do not fill whole global batches of {global_batch}: each epoch's last batch "
-            f"repeats {padded} rows from the epoch's start, so every process gets {cfg.train.batch_size} rows"
+            f"{len(unit_lengths)} {unit} do not fill whole global batches of {global_batch}: each epoch's last "
+            f"batch repeats {padded} {unit} from the epoch's start, so every process gets {cfg.train.batch_size}"
         )
     progress = TrainProgress()
     accelerator.register_for_checkpointing(stream, progress)
@@ -338,10 +370,10 @@ def main(argv: list[str]) -> None:
             for _ in range(cfg.train.grad_accum)
         ]
         # average per step token over the whole accumulation window, not per micro-batch
-        n_steps_total = sum(n_steps[i] for mb in micro_batches for i in mb)
+        n_steps_total = sum(unit_steps[i] for mb in micro_batches for i in mb)
         step_loss_sum = 0.0
         for k, idx in enumerate(micro_batches):
-            batch, items = collate(idx)
+            batch, items = train_collate(idx)
             batch = {key: v.to(accelerator.device) for key, v in batch.items()}
             # accumulate() syncs (DDP all-reduce, DeepSpeed step) on the last of grad_accum micro-batches only
             with accelerator.accumulate(model):
@@ -350,9 +382,12 @@ def main(argv: list[str]) -> None:
                         batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch)
                     )
                 targets = batch["targets"]
-                weights = None
+                # a packed step stands for the rows through it: weighted by their count, it is their loss
+                weights = batch.get("step_weights")
+                row_steps = len(targets) if weights is None else float(weights.sum())
                 if cfg.data.balance:
-                    weights = torch.where(targets >= 0.5, pos_weight, neg_weight).to(targets.dtype)
+                    balance = torch.where(targets >= 0.5, pos_weight, neg_weight).to(targets.dtype)
+                    weights = balance if weights is None else weights * balance
                 loss = step_loss(logits, targets, weights)
                 if not torch.isfinite(loss):
                     ids = [t.id for t in items]
@@ -361,16 +396,16 @@ def main(argv: list[str]) -> None:
                         f"example ids {ids}: lower train.lr or check these rows"
                     )
                 # backward() divides by grad_accum; this makes the window a mean over its step tokens
-                accelerator.backward(loss * len(targets) * cfg.train.grad_accum / max(1, n_steps_total))
-            step_loss_sum += loss.item() * len(targets) / max(1, n_steps_total)
-            tokens_seen += int(batch["attention_mask"].sum())
+                accelerator.backward(loss * row_steps * cfg.train.grad_accum / max(1, n_steps_total))
+            step_loss_sum += loss.item() * row_steps / max(1, n_steps_total)
+            tokens_seen += run_tokens(batch)
         if cfg.train.max_grad_norm > 0:
             accelerator.clip_grad_norm_(trainable, cfg.train.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         progress.step += 1
-        progress.examples_seen += global_batch * cfg.train.grad_accum
+        progress.examples_seen += global_batch * cfg.train.grad_accum  # rows, or packs
         running.append(step_loss_sum)
         bar.update(1)
         bar.set_postfix(loss=f"{step_loss_sum:.4f}")

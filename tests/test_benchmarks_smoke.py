@@ -145,3 +145,10 @@ def test_hf_sampling_quick():
         # measured, not asserted here
         assert res[setting]["step_s"]["generate"] > 0 and res[setting]["step_s"]["inverse_cdf"] > 0
         assert res[setting]["ratio"] > 0
+
+
+def test_prm_packing_quick():
+    res = run_benchmark("prm_packing.py")
+    # an OmegaPRM-shaped tree per problem: the gold path and two wrong branches per step
+    assert res["rows_per_problem"] > 5 and 0.2 < res["packed_token_share"] < 0.8
+    assert res["rows_per_s"]["rows"] > 0 and res["rows_per_s"]["packed"] > 0 and res["ratio"] > 0

@@ -129,6 +129,29 @@ def test_prm_train_under_deepspeed(model_128, toy, tmp_path, stage, processes):
     assert diff <= 1e-5
 
 
+def test_tree_packed_prm_train_under_zero3_two_processes(model_128, toy, tmp_path):
+    """Packed batches under ZeRO-3: the tree mask, the M-RoPE positions and the row-count weights
+    with every weight partitioned over two ranks."""
+    train, ev = toy
+    rows = []
+    for r in map(json.loads, train.read_text().splitlines()):  # each problem a small tree: the row and its prefix
+        rows += [r, {**r, "id": r["id"] + "/prefix", "steps": r["steps"][:1], "labels": r["labels"][:1]}]
+    tree = tmp_path / "tree.jsonl"
+    tree.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for image in {i for r in rows for i in r["images"]}:  # image paths are relative to the data file
+        (tmp_path / image).write_bytes((train.parent / image).read_bytes())
+    out = tmp_path / "prm"
+    log = launch(
+        "prm_train", 3, 2, *prm_args(model_128, (tree, ev), out, steps=12), "data.pack_trees=true", "train.batch_size=2"
+    )
+    assert "tree packing: 64 rows in 32 packs" in log
+    train_rows = read_metrics(out, "train")
+    first, last = sum(r["loss"] for r in train_rows[:4]) / 4, sum(r["loss"] for r in train_rows[-4:]) / 4
+    assert last < first, f"loss did not go down ({first:.4f} -> {last:.4f})"
+    check_partitions(out, 3, 2, [EMBED, LM_HEAD], 1025 * 128)
+    assert round_trip_diff(out, ev) <= 1e-5
+
+
 @pytest.fixture(scope="module")
 def sft_data(tmp_path_factory):
     from mmprm.data.synthetic import cli_synthetic

@@ -115,10 +115,49 @@ def test_exact_resume_matches_straight_run(tiny_models, toy, tmp_path):
     assert worst <= 1e-6, f"resumed run differs from straight run by {worst}"
 
 
+def test_tree_packing_trains_the_same_weights_as_rows(tiny_models, tmp_path):
+    """With every row in every batch, packing changes the arithmetic, not the loss: the weights
+    after three optimizer steps match row-by-row training."""
+    src = write_toy_prm_data(tmp_path / "toy", 8, 0)
+    rows = []
+    for r in map(json.loads, src.read_text().splitlines()):  # an MCTS tree: a prefix and a branch beside the row
+        rows += [r, {**r, "id": r["id"] + "/prefix", "steps": r["steps"][:1], "labels": r["labels"][:1]}]
+        rows.append(
+            {**r, "id": r["id"] + "/branch", "steps": [r["steps"][0], "So it is 7."], "labels": [r["labels"][0], 0.4]}
+        )
+    train = tmp_path / "toy" / "tree.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = tiny_models("qwen2_vl")
+    args = [*common(model, train, "null", tmp_path / "x", steps=3), "prm.head=value", "train.warmup_steps=0"]
+    by_row, packed = tmp_path / "rows", tmp_path / "packed"
+    run_recipe("prm_train", *args, f"output_dir={by_row}", "train.batch_size=24")
+    res = run_recipe("prm_train", *args, f"output_dir={packed}", "train.batch_size=8", "data.pack_trees=true")
+    assert "tree packing: 24 rows in 8 packs" in res.stdout + res.stderr
+    for name in ("model.safetensors", "value_head.safetensors"):
+        a, b = load_file(by_row / name), load_file(packed / name)
+        worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+        assert worst <= 1e-4, f"{name}: packed training differs from row training by {worst}"
+    loss = [r["loss"] for r in read_metrics(packed, "train")]
+    assert loss == pytest.approx([r["loss"] for r in read_metrics(by_row, "train")], abs=1e-4)
+
+
+def test_tree_packing_refuses_flash_attention(tiny_models, toy, tmp_path):
+    train, ev = toy
+    res = subprocess.run(
+        [sys.executable, str(RECIPE), *common(tiny_models("qwen2_vl"), train, ev, tmp_path / "x")]
+        + ["data.pack_trees=true", "model.attn_implementation=flash_attention_2"],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 2
+    assert "data.pack_trees needs attention that takes a tree mask" in res.stderr
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("head", ["token_pair", "value"])
+@pytest.mark.parametrize("head", ["token_pair", "value", "value+packed"])
 def test_two_process_ddp(tiny_models, toy, tmp_path, head):
     train, ev = toy
+    head, packed = head.split("+")[0], head.endswith("+packed")
     out = tmp_path / "ddp"
     launcher = cpu_ddp_launcher()
     # without ACCELERATE_USE_CPU each process would see no GPU and run alone (world size 1);
@@ -127,6 +166,7 @@ def test_two_process_ddp(tiny_models, toy, tmp_path, head):
         "prm_train",
         *common(tiny_models("qwen2_vl"), train, ev, out, steps=6),
         f"prm.head={head}",
+        f"data.pack_trees={str(packed).lower()}",
         launcher=launcher,
         extra_env={"ACCELERATE_USE_CPU": "true"},
     )

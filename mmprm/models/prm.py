@@ -100,11 +100,25 @@ class ProcessRewardModel(nn.Module):
         return logits[:, self.reward_ids]  # (N, 2)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, step_mask: torch.Tensor, **model_inputs: Any
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        step_mask: torch.Tensor,
+        row_positions: torch.Tensor | None = None,
+        **model_inputs: Any,
     ) -> torch.Tensor:
-        out = _decoder(self.backbone)(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_inputs
-        )
+        """`row_positions` marks a tree-packed batch (`mmprm.packing.collate_packed`): attention_mask
+        is then its (B, 1, L, L) mask and every token takes the position it has in its row."""
+        decoder = _decoder(self.backbone)
+        if row_positions is not None:
+            from mmprm.packing import packed_attention_mask, packed_position_ids
+
+            config = self.backbone.config
+            attention_mask = packed_attention_mask(
+                attention_mask, getattr(config, "_attn_implementation", None) or "sdpa", self.backbone.dtype
+            )
+            model_inputs["position_ids"] = packed_position_ids(decoder, input_ids, row_positions, model_inputs)
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_inputs)
         hidden = out.last_hidden_state  # (B, S, H)
         return self.head_logits(hidden[step_mask])  # (N, 2) or (N,)
 
@@ -163,7 +177,11 @@ def collate_model_inputs(extras: Sequence[dict[str, torch.Tensor]], width: int) 
 
 def model_input_keys(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The entries of a collated batch that go to the backbone (not targets)."""
-    return {k: v for k, v in batch.items() if k not in ("targets", "input_ids", "attention_mask", "step_mask")}
+    return {
+        k: v
+        for k, v in batch.items()
+        if k not in ("targets", "step_weights", "input_ids", "attention_mask", "step_mask")
+    }
 
 
 class PRMScorer:

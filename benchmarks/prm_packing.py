@@ -1,0 +1,160 @@
+"""What tree packing saves in PRM training: rows one by one against one sequence per problem.
+
+    python benchmarks/prm_packing.py            # ~2 min on 2 CPU cores
+    python benchmarks/prm_packing.py --quick    # smoke test
+
+An MCTS export has many rows per problem that share the prompt and their first steps.
+`data.pack_trees=true` (`mmprm.packing`) trains on one sequence per problem in which every shared
+token appears once, with an attention mask that keeps each row's view; the loss is the rows' loss.
+
+Both sides run the training step of `recipes/prm_train.py` (its collators, the value head, the
+soft-label loss, AdamW) on the same cached rows, in one process on one thread, with the demo's
+model size (a tiny Qwen2-VL, hidden 128, 4 layers) and task (colour tiles, running sums). The rows
+are shaped like an OmegaPRM export: per problem the gold path and, for every step, two paths that
+go wrong there (a changed number) and carry on as written, with soft labels. Batches: 16 rows, or
+2 packs (a pack is a problem's rows: about as many rows per batch). The sides alternate for
+`--rounds` rounds of `--batches` batches; each keeps its fastest round.
+
+Prints ONE JSON line: rows per second of each side, the ratio (packed / rows), and the share of
+row tokens a packed batch still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--problems", type=int, default=200)
+    parser.add_argument("--batches", type=int, default=40, help="batches per side per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a smoke test: 12 problems, 3 batches, 1 round")
+    args = parser.parse_args()
+    if args.quick:
+        args.problems, args.batches, args.rounds = 12, 3, 1
+
+    import torch
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="mmprm-prm-packing-") as tmp:
+        print(json.dumps(measure(args, Path(tmp))))
+
+
+def mcts_shaped_rows(problems: list, rng: random.Random) -> list[dict]:
+    """Per problem: the gold path, and two paths per step that go wrong there and carry on."""
+    from mmprm.data.synthetic import corrupt_step
+
+    rows = []
+    for p in problems:
+        image = [f"images/bench_{p.id}.png"]
+        rows.append(
+            {
+                "id": f"{p.id}/gold",
+                "images": image,
+                "question": p.question,
+                "steps": p.steps,
+                "labels": [1.0] * len(p.steps),
+            }
+        )
+        for k in range(len(p.steps)):
+            for branch in range(2):
+                steps = p.steps[:k] + [corrupt_step(p.steps[k], rng)] + p.steps[k + 1 :]
+                labels = [1.0] * k + [round(rng.uniform(0.0, 0.4), 3)] * (len(steps) - k)
+                rows.append(
+                    {
+                        "id": f"{p.id}/{k}.{branch}",
+                        "images": image,
+                        "question": p.question,
+                        "steps": steps,
+                        "labels": labels,
+                    }
+                )
+    return rows
+
+
+def measure(args: argparse.Namespace, work: Path) -> dict:
+    import torch
+
+    from mmprm.data.schema import write_jsonl
+    from mmprm.data.synthetic import SyntheticConfig, generate, write_split
+    from mmprm.models import build_tiny_model, load_backbone
+    from mmprm.models.prm import PRMSpec, build_prm, model_input_keys
+    from mmprm.packing import run_tokens
+    from mmprm.scoring.losses import soft_bce_value
+    from mmprm.training import BatchStream
+    from mmprm.training_data import PackedPRMCollator, PRMCollator, load_tokenized, plan_tree_packs
+
+    task = SyntheticConfig(
+        num_problems=args.problems, seed=0, ops=("+",), max_ops=4, marks=True, templates=("running_sum",)
+    )
+    problems = generate(task)
+    write_split(problems, work, "bench")
+    rows = mcts_shaped_rows(problems, random.Random(0))
+    write_jsonl(work / "prm_data.jsonl", rows)
+
+    backbone, processor = load_backbone(
+        build_tiny_model("qwen2_vl", work / "model", seed=0, hidden_size=128, num_layers=4)
+    )
+    model = build_prm(backbone, processor, PRMSpec(head="value"))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    settings = {
+        "max_length": 256,
+        "step_token": model.spec.step_token,
+        "system": None,
+        "label_mode": "soft",
+        "hard_threshold": 0.5,
+    }
+    data, _ = load_tokenized(work / "prm_data.jsonl", "prm", processor, settings, work / "cache", 1, None)
+    pad = processor.tokenizer.pad_token_id or 0
+    by_row = PRMCollator(data, processor, pad, **settings)
+    plan = plan_tree_packs(data, 4096)
+    sides = {
+        "rows": (by_row, BatchStream(data.column("length"), 16, 0, True)),
+        "packed": (PackedPRMCollator(by_row, plan.packs), BatchStream(plan.lengths, 2, 0, True)),
+    }
+
+    def train_step(collate, indices) -> tuple[int, int]:
+        batch, items = collate(indices)
+        logits = model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))
+        loss = soft_bce_value(logits, batch["targets"], batch.get("step_weights"))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return len(items), run_tokens(batch)
+
+    for collate, stream in sides.values():  # warm-up: the prompt cache, first-call allocations
+        train_step(collate, stream.next())
+    best = {name: 0.0 for name in sides}
+    tokens = {name: 0 for name in sides}
+    for _ in range(args.rounds):
+        for name, (collate, stream) in sides.items():
+            done = ran = 0
+            start = time.perf_counter()
+            for _ in range(args.batches):
+                n_rows, n_tokens = train_step(collate, stream.next())
+                done, ran = done + n_rows, ran + n_tokens
+            best[name] = max(best[name], done / (time.perf_counter() - start))
+            tokens[name] += ran
+    return {
+        "benchmark": "prm_packing",
+        "problems": len(problems),
+        "rows": len(rows),
+        "rows_per_problem": round(len(rows) / len(problems), 2),
+        "packed_token_share": round(plan.ratio, 3),
+        "rows_per_s": {name: round(v, 1) for name, v in best.items()},
+        "ratio": round(best["packed"] / best["rows"], 2),
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""Tree packing: all the rows of one problem in one sequence, each shared token computed once.
+
+An MCTS export has many rows per problem. They share the prompt (image tokens included) and often
+their first steps: in the demo's annotation only 46% of the row tokens are distinct. A packed
+sequence holds the shared prompt once, then every distinct step once, in depth-first order. An
+attention mask lets a token see only its own path (its ancestors and the earlier tokens of its
+step), and every token keeps the position it has in its rows, so the head at each step token sees
+exactly what it sees in the row. The loss weights each distinct step by the number of rows through
+it, against the mean of their labels: cross-entropy is linear in the target, so this is the loss
+of the rows themselves.
+
+    pack_rows(items)           the rows of one problem (TokenizedSteps) -> PackedTree
+    collate_packed(trees, ..)  PackedTrees -> a batch for ProcessRewardModel (4D mask, row_positions)
+    packed_position_ids(..)    row positions -> the backbone's position ids (M-RoPE included)
+    plan_packs(rows, ..)       cached rows -> packs of row indices under a token budget, with lengths
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mmprm.models.prm import PER_TOKEN_KEYS, collate_model_inputs
+from mmprm.steps import TokenizedSteps
+
+
+@dataclass
+class PackedTree:
+    """One problem's rows as one sequence.
+
+    input_ids: the shared prefix, then each distinct step (its text and its step token) once.
+    row_positions: the index every token has in the rows that contain it.
+    node_of_token: the step (node) each token belongs to; node 0 is the shared prefix.
+    parents: parent node of every node (-1 for node 0); a parent precedes its children.
+    step_positions / targets / weights: per step node, its step token's index, the mean label of the
+        rows through it, and how many rows go through it.
+    ids: the packed rows' ids, for error messages.
+    """
+
+    input_ids: list[int]
+    row_positions: list[int]
+    node_of_token: list[int]
+    parents: list[int]
+    step_positions: list[int]
+    targets: list[float] | None
+    weights: list[float]
+    model_inputs: dict[str, Any] = field(default_factory=dict)
+    ids: list[str] = field(default_factory=list)
+
+    def attention_mask(self) -> torch.Tensor:
+        """(L, L) bool: token t sees token u when u <= t and u's node is t's node or an ancestor."""
+        n_nodes = len(self.parents)
+        ancestor = torch.eye(n_nodes, dtype=torch.bool)  # ancestor[n, m]: m is n or above it
+        for node in range(1, n_nodes):
+            ancestor[node] |= ancestor[self.parents[node]]
+        nodes = torch.tensor(self.node_of_token)
+        sees = ancestor[nodes][:, nodes]
+        return sees & torch.ones_like(sees).tril()
+
+
+def _shared_prefix(items: Sequence[TokenizedSteps]) -> int:
+    """Tokens every row starts with, never reaching a step token (at least the prompt)."""
+    first = items[0].input_ids
+    n = min(t.step_positions[0] for t in items)
+    for t in items[1:]:
+        k = 0
+        while k < n and t.input_ids[k] == first[k]:
+            k += 1
+        n = k
+    return n
+
+
+def pack_rows(items: Sequence[TokenizedSteps], ids: Sequence[str] | None = None) -> PackedTree:
+    """Pack the tokenized rows of one problem (same question and images) into one tree.
+
+    Tokens after a row's last step token are left out: no step token can see them.
+    """
+    if not items:
+        raise ValueError("pack_rows: no rows")
+    labelled = all(t.labels is not None for t in items)
+    root = _shared_prefix(items)
+    for t in items:
+        if t.prompt_length is not None and root < t.prompt_length:
+            raise ValueError(
+                f"pack_rows: rows {list(ids or [])[:3]}... do not share their prompt: pack only rows with the "
+                "same question and images"
+            )
+    # Rows become paths of nodes first (node 0: the shared prefix); tokens are laid out depth-first
+    # afterwards, so that every node's tokens are contiguous whatever order the rows come in.
+    parents, segments, label_sums, counts = [-1], [()], [0.0], [0]
+    children: dict[tuple[int, tuple[int, ...]], int] = {}
+    for t in items:
+        node, start = 0, root
+        for k, pos in enumerate(t.step_positions):
+            key = (node, tuple(t.input_ids[start : pos + 1]))
+            if key not in children:
+                children[key] = len(parents)
+                parents.append(node)
+                segments.append(key[1])
+                label_sums.append(0.0)
+                counts.append(0)
+            node = children[key]
+            counts[node] += 1
+            if labelled:
+                label_sums[node] += float(t.labels[k])  # type: ignore[index]
+            start = pos + 1
+    kids: list[list[int]] = [[] for _ in parents]
+    for node in range(1, len(parents)):
+        kids[parents[node]].append(node)
+    input_ids, row_positions, node_of_token = list(items[0].input_ids[:root]), list(range(root)), [0] * root
+    order, new_index, end_of, step_positions = [], [0] * len(parents), [0] * len(parents), []
+    end_of[0] = root
+    stack = list(reversed(kids[0]))
+    while stack:
+        node = stack.pop()
+        new_index[node] = len(order) + 1
+        order.append(node)
+        seg, base = segments[node], end_of[parents[node]]
+        input_ids.extend(seg)
+        row_positions.extend(range(base, base + len(seg)))
+        node_of_token.extend([new_index[node]] * len(seg))
+        end_of[node] = base + len(seg)
+        step_positions.append(len(input_ids) - 1)
+        stack.extend(reversed(kids[node]))
+    new_parents = [-1] + [new_index[parents[n]] for n in order]
+    model_inputs = dict(items[0].model_inputs)
+    for key in PER_TOKEN_KEYS:
+        if key in model_inputs:  # the prefix keeps the processor's types (images); steps are text (0)
+            prefix = model_inputs[key][:, :root]
+            model_inputs[key] = torch.cat([prefix, torch.zeros((1, len(input_ids) - root), dtype=prefix.dtype)], dim=1)
+    return PackedTree(
+        input_ids=input_ids,
+        row_positions=row_positions,
+        node_of_token=node_of_token,
+        parents=new_parents,
+        step_positions=step_positions,
+        targets=[label_sums[n] / counts[n] for n in order] if labelled else None,
+        weights=[float(counts[n]) for n in order],
+        model_inputs=model_inputs,
+        ids=list(ids) if ids is not None else [],
+    )
+
+
+def collate_packed(trees: Sequence[PackedTree], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad packed trees into a batch `ProcessRewardModel` takes.
+
+    attention_mask is (B, 1, L, L) bool (True: may attend); a padding token sees only itself, so
+    no softmax row is empty. row_positions (B, L) tells the model the positions to use; targets and
+    step_weights (N,) follow the step tokens in batch order.
+    """
+    width = max(len(t.input_ids) for t in trees)
+    batch = len(trees)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    row_positions = torch.zeros((batch, width), dtype=torch.long)
+    step_mask = torch.zeros((batch, width), dtype=torch.bool)
+    mask = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1, 1)
+    for i, t in enumerate(trees):
+        n = len(t.input_ids)
+        input_ids[i, :n] = torch.tensor(t.input_ids)
+        row_positions[i, :n] = torch.tensor(t.row_positions)
+        step_mask[i, t.step_positions] = True
+        mask[i, 0, :n, :n] = t.attention_mask()
+    out: dict[str, torch.Tensor] = {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "step_mask": step_mask,
+        "row_positions": row_positions,
+        "step_weights": torch.tensor([w for t in trees for w in t.weights], dtype=torch.float32),
+    }
+    if all(t.targets is not None for t in trees):
+        out["targets"] = torch.tensor([x for t in trees for x in t.targets], dtype=torch.float32)  # type: ignore[union-attr]
+    out.update(collate_model_inputs([t.model_inputs for t in trees], width))
+    return out
+
+
+def run_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens a batch runs through the model, padding left out (row batches and packed ones)."""
+    mask = batch["attention_mask"]
+    if mask.ndim == 2:
+        return int(mask.sum())
+    # packed: padding is at the end and takes row position 0, as only a tree's first token does
+    return int((batch["row_positions"] > 0).sum()) + mask.shape[0]
+
+
+def packed_position_ids(decoder: Any, input_ids: torch.Tensor, row_positions: torch.Tensor, inputs: dict) -> Any:
+    """Position ids of a packed batch: what each token has in its own row.
+
+    Models with M-RoPE (the Qwen2-VL family, `get_rope_index`) number image tokens by their grid
+    and text linearly after them; their positions for the packed sequence read as one row are
+    shifted back by (packed index - row index), which is 0 in the shared prefix. Other models take
+    the row positions as they are.
+    """
+    rope_index = getattr(decoder, "get_rope_index", None)
+    if rope_index is None or "mm_token_type_ids" not in inputs:
+        return row_positions
+    kwargs = {k: inputs[k] for k in ("image_grid_thw", "video_grid_thw") if k in inputs}
+    linear, _ = rope_index(input_ids, mm_token_type_ids=inputs["mm_token_type_ids"], **kwargs)
+    shift = torch.arange(input_ids.shape[1], device=input_ids.device) - row_positions  # (B, L)
+    return linear - shift.unsqueeze(0)
+
+
+def packed_attention_mask(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """The packed bool mask as the additive float mask both kernels take (sdpa would convert a bool
+    mask in every layer)."""
+    if attn_implementation in ("sdpa", "eager"):
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    raise ValueError(
+        f"tree packing (data.pack_trees) needs attention that takes a 4D mask (sdpa or eager), not "
+        f"{attn_implementation!r}: set model.attn_implementation=sdpa or data.pack_trees=false"
+    )
+
+
+@dataclass
+class PackPlan:
+    """Packs of row indices (all rows of a pack share question and images) and their token counts."""
+
+    packs: list[list[int]]
+    lengths: list[int]
+    row_tokens: int  # tokens of the rows themselves, for the packing ratio
+
+    @property
+    def ratio(self) -> float:
+        return sum(self.lengths) / max(1, self.row_tokens)
+
+
+def plan_packs(rows: Iterable[dict[str, Any]], max_tokens: int) -> PackPlan:
+    """Group rows by problem into packs of at most `max_tokens` packed tokens, in one pass.
+
+    Each row: `index`, `key` (anything hashable naming question and images), `input_ids`,
+    `step_positions`, `prompt_length` (-1 when unknown: the row then packs alone). A pack's length
+    counts its prompt once and each distinct step once (`pack_rows` may share more, never less).
+    Memory: a hash per distinct step of the open packs and the row indices, not the tokens.
+    """
+    open_packs: dict[Any, dict[str, Any]] = {}
+    packs: list[list[int]] = []
+    lengths: list[int] = []
+    row_tokens = 0
+
+    def close(pack: dict[str, Any]) -> None:
+        packs.append(pack["rows"])
+        lengths.append(pack["length"])
+
+    for row in rows:
+        ids, positions, prompt = row["input_ids"], row["step_positions"], row["prompt_length"]
+        end = positions[-1] + 1
+        row_tokens += len(ids)
+        if prompt < 0 or prompt > positions[0]:
+            close({"rows": [row["index"]], "length": end})
+            continue
+        hashes, start, node = [], prompt, hash(tuple(ids[:prompt]))
+        for pos in positions:
+            node = hash((node, tuple(ids[start : pos + 1])))
+            hashes.append((node, pos + 1 - start))
+            start = pos + 1
+        pack = open_packs.get(row["key"])
+        if pack is not None:
+            extra = sum(n for h, n in hashes if h not in pack["nodes"])
+            if pack["length"] + extra > max_tokens:
+                close(pack)
+                pack = None
+        if pack is None:
+            pack = open_packs[row["key"]] = {"rows": [], "nodes": set(), "length": prompt}
+        pack["rows"].append(row["index"])
+        for h, n in hashes:
+            if h not in pack["nodes"]:
+                pack["nodes"].add(h)
+                pack["length"] += n
+    for pack in open_packs.values():
+        close(pack)
+    return PackPlan(packs, lengths, row_tokens)

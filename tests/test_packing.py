@@ -1,0 +1,144 @@
+"""Tree packing: one problem's rows in one sequence give the step logits and the loss of the rows."""
+
+import pytest
+import torch
+from PIL import Image
+
+from mmprm.models.loading import load_backbone
+from mmprm.models.prm import PRMSpec, build_prm, collate_steps, model_input_keys
+from mmprm.packing import collate_packed, pack_rows, plan_packs
+from mmprm.scoring.losses import soft_bce_value
+from mmprm.steps import TokenizedSteps, tokenize_steps
+
+ARCHS = ["qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2"]
+
+# Three paths of one MCTS tree: rows 0 and 1 share step 1, row 2 is row 0 one step shorter.
+STEPS = [
+    (["Tile 1 is 3.", "3 + 4 = 7.", "So 7."], [1.0, 0.75, 0.5]),
+    (["Tile 1 is 3.", "3 + 4 = 8."], [1.0, 0.0]),
+    (["Tile 1 is 3.", "3 + 4 = 7."], [0.5, 0.25]),
+]
+
+
+def _prm(tiny_models, arch, attn="sdpa"):
+    backbone, processor = load_backbone(tiny_models(arch), attn_implementation=attn)
+    torch.manual_seed(0)
+    return build_prm(backbone, processor, PRMSpec(head="value")), processor
+
+
+def _rows(processor, arch, question="Add the tiles."):
+    images = [] if arch == "qwen2" else [Image.new("RGB", (56, 42), (200, 30, 30))]
+    return [tokenize_steps(processor, question, steps, images, labels) for steps, labels in STEPS]
+
+
+def test_pack_rows_shares_prefix_and_steps_by_hand():
+    # prompt [7, 8]; each step is 2 tokens, the second the step token 9
+    def row(steps, labels):
+        ids = [7, 8] + [t for s in steps for t in (s, 9)]
+        return TokenizedSteps(ids, [3 + 2 * k for k in range(len(steps))], labels, prompt_length=2)
+
+    tree = pack_rows([row([1, 2, 3], [1.0, 0.75, 0.5]), row([1, 4], [1.0, 0.0]), row([1, 2], [0.5, 0.25])])
+    # prefix, then depth first: step 1, its children "2" (then "3") and "4"
+    assert tree.input_ids == [7, 8, 1, 9, 2, 9, 3, 9, 4, 9]
+    assert tree.row_positions == [0, 1, 2, 3, 4, 5, 6, 7, 4, 5]
+    assert tree.parents == [-1, 0, 1, 2, 1]
+    assert tree.step_positions == [3, 5, 7, 9]
+    assert tree.weights == [3.0, 2.0, 1.0, 1.0]
+    assert tree.targets == [pytest.approx(2.5 / 3), 0.5, 0.5, 0.0]
+    mask = tree.attention_mask()
+    # the "4" step sees the prompt and step 1 (and itself), not the "2"/"3" branch beside it
+    assert mask[8].tolist() == [True, True, True, True, False, False, False, False, True, False]
+    assert mask[9].tolist() == [True, True, True, True, False, False, False, False, True, True]
+    assert mask[7].tolist() == [True] * 8 + [False, False]
+
+
+def test_pack_rows_refuses_rows_of_different_prompts():
+    a = TokenizedSteps([7, 8, 1, 9], [3], [1.0], prompt_length=2)
+    b = TokenizedSteps([7, 5, 1, 9], [3], [1.0], prompt_length=2)
+    with pytest.raises(ValueError, match="do not share their prompt"):
+        pack_rows([a, b], ids=["a", "b"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_logits_equal_row_logits(tiny_models, arch):
+    model, processor = _prm(tiny_models, arch)
+    rows = _rows(processor, arch)
+    pad = _pad(processor)
+    plain = model(**_inputs(collate_steps(rows, pad)))
+    tree = pack_rows(rows)
+    assert len(tree.input_ids) < sum(len(r.input_ids) for r in rows)
+    # a second, different problem in the same batch checks padding and per-tree positions
+    other = pack_rows(_rows(processor, arch, "Multiply the two tiles, then add one."))
+    batch = collate_packed([tree, other], pad)
+    packed = model(**_inputs(batch))[: len(tree.step_positions)]
+    # packed node order: [step1, "7" after it, "So 7.", "8" after it]; rows: r0 s1..s3, r1 s1..s2, r2 s1..s2
+    row_of_node = {0: [0, 3, 5], 1: [1, 6], 2: [2], 3: [4]}
+    for node, flat in row_of_node.items():
+        for i in flat:
+            assert torch.allclose(packed[node], plain[i], atol=1e-5), f"{arch}: node {node} vs row step {i}"
+
+
+def test_packed_weighted_loss_equals_row_loss(tiny_models):
+    model, processor = _prm(tiny_models, "qwen2_vl")
+    rows = _rows(processor, "qwen2_vl")
+    pad = _pad(processor)
+    plain = collate_steps(rows, pad)
+    row_loss = soft_bce_value(model(**_inputs(plain)), plain["targets"])
+    packed = collate_packed([pack_rows(rows)], pad)
+    tree_loss = soft_bce_value(model(**_inputs(packed)), packed["targets"], packed["step_weights"])
+    # Cross-entropy is linear in the target: the rows through a node add up to their count times
+    # the loss against their mean label, so the weighted mean over nodes is the mean over row steps.
+    assert packed["step_weights"].sum().item() == len(plain["targets"]) == 7
+    assert tree_loss.item() == pytest.approx(row_loss.item(), abs=1e-5)
+
+
+def test_eager_attention_takes_the_packed_mask(tiny_models):
+    sdpa, processor = _prm(tiny_models, "qwen2_vl")
+    eager, _ = _prm(tiny_models, "qwen2_vl", attn="eager")
+    batch = collate_packed([pack_rows(_rows(processor, "qwen2_vl"))], _pad(processor))
+    assert torch.allclose(sdpa(**_inputs(batch)), eager(**_inputs(batch)), atol=1e-5)
+
+
+def test_plan_packs_groups_by_problem_and_splits_at_the_budget():
+    def row(index, key, steps):
+        ids = [7, 8] + [t for s in steps for t in (s, 9)]
+        positions = [3 + 2 * k for k in range(len(steps))]
+        return {"index": index, "key": key, "input_ids": ids, "step_positions": positions, "prompt_length": 2}
+
+    rows = [
+        row(0, "a", [1, 2, 3]),
+        row(1, "b", [5]),
+        row(2, "a", [1, 4]),
+        row(3, "a", [1, 2]),  # adds nothing: a prefix of row 0
+        {**row(4, "a", [6]), "prompt_length": -1},  # no known prompt: packs alone
+    ]
+    plan = plan_packs(rows, max_tokens=100)
+    assert plan.packs == [[4], [0, 2, 3], [1]]
+    assert plan.lengths == [4, 10, 4]  # a: prompt 2 + steps "1","2","3","4" of 2 tokens
+    assert plan.row_tokens == 8 + 4 + 6 + 6 + 4
+    tight = plan_packs(rows, max_tokens=8)  # row 2's new step would make 10
+    assert tight.packs == [[0], [4], [2, 3], [1]]
+    assert tight.lengths == [8, 4, 8, 4]
+
+
+def _inputs(batch):
+    keys = ("input_ids", "attention_mask", "step_mask")
+    return {**{k: batch[k] for k in keys}, **model_input_keys(batch)}
+
+
+def _pad(processor):
+    return getattr(processor, "tokenizer", processor).pad_token_id or 0
+
+
+@pytest.mark.parametrize("dtype", ["autocast", "bfloat16"])
+def test_packed_forward_runs_in_bf16(tiny_models, dtype):
+    model, processor = _prm(tiny_models, "qwen2_vl")
+    batch = collate_packed([pack_rows(_rows(processor, "qwen2_vl"))], _pad(processor))
+    full = model(**_inputs(batch))
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+        batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast"):
+        low = model(**_inputs(batch))
+    assert low.dtype in (torch.bfloat16, torch.float32) and torch.isfinite(low.float()).all()
+    assert torch.allclose(low.float(), full, atol=0.1), (low, full)
