@@ -130,6 +130,8 @@ class Config:
         sft: extra key=value overrides for the policy_sft stage
         annotate: extra key=value overrides for the mcts_annotate stage
         prm: extra key=value overrides for prm_train, shared by the soft PRM, the hard PRM and the outcome model
+        orm: extra key=value overrides for the outcome model only, after `prm` (its rows share only
+            their prompt, so tree packing may cost it more than it saves)
         bon: extra key=value overrides for the bon_rerank stage
         search_problems: test problems (the first ones) that PRM-guided search and its Best-of-N baseline
             run on at equal generated tokens; 0 skips the search stage
@@ -153,6 +155,7 @@ class Config:
     sft: list[str] = field(default_factory=list)
     annotate: list[str] = field(default_factory=list)
     prm: list[str] = field(default_factory=list)
+    orm: list[str] = field(default_factory=list)
     bon: list[str] = field(default_factory=list)
     search_problems: int = 150
     search: list[str] = field(default_factory=list)
@@ -513,7 +516,7 @@ def main(argv: list[str]) -> None:
             timings,
             lambda: (
                 print(f"outcome data: {write_outcome_data(mcts / 'prm_data.jsonl', orm_file)}"),
-                train(orm_file, out / "orm", "data.label_mode=soft"),
+                train(orm_file, out / "orm", "data.label_mode=soft", *cfg.orm),
             ),
         )
 

@@ -53,7 +53,7 @@ def test_reduced_demo_pipeline(tmp_path):
         "train.eval_every=300, train.save_every=300, train.eval_generations=16, train.max_new_tokens=80]",
         "annotate=[sampling.max_new_tokens=80, engine.concurrency=32, search.max_rollouts=48, search.max_searches=8, "
         "export.edges=step]",
-        "prm=[train.max_steps=60, train.save_every=60, train.lr=1e-3, train.batch_size=16]",
+        "prm=[train.max_steps=60, train.save_every=60, train.lr=1e-3, data.pack_trees=true, train.batch_size=2]",
         "bon=[generate.sampling.max_new_tokens=80, generate.batch_size=64, report.resamples=200]",
         "search_problems=8",
         "search=[policy.sampling.max_new_tokens=40, bon.max_new_tokens=80, 'bon.n=[2, 4]', report.resamples=100, "
