@@ -308,6 +308,11 @@ def main(argv: list[str]) -> None:
             f"tree packing: {len(train_data)} rows in {len(plan.packs)} packs of at most {cfg.data.pack_tokens} "
             f"tokens; {sum(plan.lengths)} tokens to run instead of {plan.row_tokens} ({plan.ratio:.2f}x)"
         )
+        if plan.ratio > 0.7:  # measured: the demo's outcome rows keep 0.76 and train slower packed
+            log(
+                "tree packing saves little here: a pack's attention spans all its branches, which can cost "
+                "more than the shared tokens save; compare a few steps with data.pack_trees=false"
+            )
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)

@@ -133,12 +133,22 @@ def test_tree_packing_trains_the_same_weights_as_rows(tiny_models, tmp_path):
     run_recipe("prm_train", *args, f"output_dir={by_row}", "train.batch_size=24")
     res = run_recipe("prm_train", *args, f"output_dir={packed}", "train.batch_size=8", "data.pack_trees=true")
     assert "tree packing: 24 rows in 8 packs" in res.stdout + res.stderr
+    assert "saves little" not in res.stdout + res.stderr
     for name in ("model.safetensors", "value_head.safetensors"):
         a, b = load_file(by_row / name), load_file(packed / name)
         worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
         assert worst <= 1e-4, f"{name}: packed training differs from row training by {worst}"
     loss = [r["loss"] for r in read_metrics(packed, "train")]
     assert loss == pytest.approx([r["loss"] for r in read_metrics(by_row, "train")], abs=1e-4)
+
+
+def test_tree_packing_says_when_rows_share_nothing(tiny_models, toy, tmp_path):
+    train, ev = toy  # one row per problem: a pack is the row itself
+    res = run_recipe(
+        "prm_train", *common(tiny_models("qwen2_vl"), train, ev, tmp_path / "x", steps=2), "data.pack_trees=true"
+    )
+    assert "tree packing: 32 rows in 32 packs" in res.stdout + res.stderr
+    assert "tree packing saves little here" in res.stdout + res.stderr
 
 
 def test_tree_packing_refuses_flash_attention(tiny_models, toy, tmp_path):
