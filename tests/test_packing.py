@@ -142,3 +142,15 @@ def test_packed_forward_runs_in_bf16(tiny_models, dtype):
         low = model(**_inputs(batch))
     assert low.dtype in (torch.bfloat16, torch.float32) and torch.isfinite(low.float()).all()
     assert torch.allclose(low.float(), full, atol=0.1), (low, full)
+
+
+def test_packed_logits_equal_row_logits_with_lora(tiny_models):
+    from peft import LoraConfig, get_peft_model
+
+    model, processor = _prm(tiny_models, "qwen2_vl")
+    model.backbone = get_peft_model(model.backbone, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    rows = _rows(processor, "qwen2_vl")
+    plain = model(**_inputs(collate_steps(rows, _pad(processor))))
+    packed = model(**_inputs(collate_packed([pack_rows(rows)], _pad(processor))))
+    # node order [step1, "7" after it, "So 7.", "8" after it] against row steps r0 s1..s3, r1 s1..s2, r2 s1..s2
+    assert torch.allclose(packed[[0, 1, 2, 0, 3, 0, 1]], plain, atol=1e-5)
