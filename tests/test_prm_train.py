@@ -115,18 +115,24 @@ def test_exact_resume_matches_straight_run(tiny_models, toy, tmp_path):
     assert worst <= 1e-6, f"resumed run differs from straight run by {worst}"
 
 
-def test_tree_packing_trains_the_same_weights_as_rows(tiny_models, tmp_path):
-    """With every row in every batch, packing changes the arithmetic, not the loss: the weights
-    after three optimizer steps match row-by-row training."""
-    src = write_toy_prm_data(tmp_path / "toy", 8, 0)
+def write_tree_data(out_dir, n):
+    """n toy problems, each a small MCTS tree: the row, its one-step prefix and a branch beside it."""
+    src = write_toy_prm_data(out_dir, n, 0)
     rows = []
-    for r in map(json.loads, src.read_text().splitlines()):  # an MCTS tree: a prefix and a branch beside the row
+    for r in map(json.loads, src.read_text().splitlines()):
         rows += [r, {**r, "id": r["id"] + "/prefix", "steps": r["steps"][:1], "labels": r["labels"][:1]}]
         rows.append(
             {**r, "id": r["id"] + "/branch", "steps": [r["steps"][0], "So it is 7."], "labels": [r["labels"][0], 0.4]}
         )
-    train = tmp_path / "toy" / "tree.jsonl"
+    train = out_dir / "tree.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return train
+
+
+def test_tree_packing_trains_the_same_weights_as_rows(tiny_models, tmp_path):
+    """With every row in every batch, packing changes the arithmetic, not the loss: the weights
+    after three optimizer steps match row-by-row training."""
+    train = write_tree_data(tmp_path / "toy", 8)
     model = tiny_models("qwen2_vl")
     args = [*common(model, train, "null", tmp_path / "x", steps=3), "prm.head=value", "train.warmup_steps=0"]
     by_row, packed = tmp_path / "rows", tmp_path / "packed"
@@ -140,6 +146,19 @@ def test_tree_packing_trains_the_same_weights_as_rows(tiny_models, tmp_path):
         assert worst <= 1e-4, f"{name}: packed training differs from row training by {worst}"
     loss = [r["loss"] for r in read_metrics(packed, "train")]
     assert loss == pytest.approx([r["loss"] for r in read_metrics(by_row, "train")], abs=1e-4)
+
+
+def test_tree_packed_resume_matches_straight_run(tiny_models, tmp_path):
+    train = write_tree_data(tmp_path / "toy", 12)
+    args = [*common(tiny_models("qwen2_vl"), train, "null", tmp_path / "x", steps=10), "prm.head=value"]
+    args += ["data.pack_trees=true", "train.batch_size=3", "train.save_every=100"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_recipe("prm_train", *args, f"output_dir={straight}")
+    run_recipe("prm_train", *args, f"output_dir={resumed}", "train.stop_at_step=5")  # 12 packs: mid second epoch
+    run_recipe("prm_train", *args, f"output_dir={resumed}", "resume_from_checkpoint=latest")
+    a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst <= 1e-6, f"resumed packed run differs from the straight run by {worst}"
 
 
 def test_tree_packing_says_when_rows_share_nothing(tiny_models, toy, tmp_path):
