@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from mmprm.models.prm import PER_TOKEN_KEYS, collate_model_inputs
-from mmprm.steps import TokenizedSteps
+from mmprm.steps import TokenizedSteps, torch_cat_zeros
 
 
 @dataclass
@@ -37,7 +37,6 @@ class PackedTree:
     parents: parent node of every node (-1 for node 0); a parent precedes its children.
     step_positions / targets / weights: per step node, its step token's index, the mean label of the
         rows through it, and how many rows go through it.
-    ids: the packed rows' ids, for error messages.
     """
 
     input_ids: list[int]
@@ -48,7 +47,6 @@ class PackedTree:
     targets: list[float] | None
     weights: list[float]
     model_inputs: dict[str, Any] = field(default_factory=dict)
-    ids: list[str] = field(default_factory=list)
 
     def attention_mask(self) -> torch.Tensor:
         """(L, L) bool: token t sees token u when u <= t and u's node is t's node or an ancestor."""
@@ -76,7 +74,8 @@ def _shared_prefix(items: Sequence[TokenizedSteps]) -> int:
 def pack_rows(items: Sequence[TokenizedSteps], ids: Sequence[str] | None = None) -> PackedTree:
     """Pack the tokenized rows of one problem (same question and images) into one tree.
 
-    Tokens after a row's last step token are left out: no step token can see them.
+    Tokens after a row's last step token are left out: no step token can see them. `ids` (the
+    rows' ids) only name the rows in errors.
     """
     if not items:
         raise ValueError("pack_rows: no rows")
@@ -129,8 +128,7 @@ def pack_rows(items: Sequence[TokenizedSteps], ids: Sequence[str] | None = None)
     model_inputs = dict(items[0].model_inputs)
     for key in PER_TOKEN_KEYS:
         if key in model_inputs:  # the prefix keeps the processor's types (images); steps are text (0)
-            prefix = model_inputs[key][:, :root]
-            model_inputs[key] = torch.cat([prefix, torch.zeros((1, len(input_ids) - root), dtype=prefix.dtype)], dim=1)
+            model_inputs[key] = torch_cat_zeros(model_inputs[key][:, :root], len(input_ids) - root)
     return PackedTree(
         input_ids=input_ids,
         row_positions=row_positions,
@@ -140,7 +138,6 @@ def pack_rows(items: Sequence[TokenizedSteps], ids: Sequence[str] | None = None)
         targets=[label_sums[n] / counts[n] for n in order] if labelled else None,
         weights=[float(counts[n]) for n in order],
         model_inputs=model_inputs,
-        ids=list(ids) if ids is not None else [],
     )
 
 
