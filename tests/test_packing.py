@@ -154,3 +154,26 @@ def test_packed_logits_equal_row_logits_with_lora(tiny_models):
     packed = model(**_inputs(collate_packed([pack_rows(rows)], _pad(processor))))
     # node order [step1, "7" after it, "So 7.", "8" after it] against row steps r0 s1..s3, r1 s1..s2, r2 s1..s2
     assert torch.allclose(packed[[0, 1, 2, 0, 3, 0, 1]], plain, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava_1_5_hf", "internvl3_hf"])
+def test_packed_logits_equal_row_logits_on_real_chat_templates(tmp_path, family):
+    """Checkpoints shaped like real ones, not our presets: Qwen2-VL's template adds a default system
+    prompt, LLaVA-1.5's tokenizer prepends BOS and pads on the left, InternVL3 wraps each image in
+    context tokens. The prefix the rows share, and so the tree, comes from their own tokenization."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from template_families import build_family_checkpoint
+
+    backbone, processor = load_backbone(build_family_checkpoint(family, tmp_path / family))
+    torch.manual_seed(0)
+    model = build_prm(backbone, processor, PRMSpec(head="value"))
+    rows = _rows(processor, family)
+    plain = model(**_inputs(collate_steps(rows, _pad(processor))))
+    tree = pack_rows(rows)
+    assert len(tree.input_ids) < sum(len(r.input_ids) for r in rows)
+    packed = model(**_inputs(collate_packed([tree], _pad(processor))))
+    # node order [step1, "7" after it, "So 7.", "8" after it] against row steps r0 s1..s3, r1 s1..s2, r2 s1..s2
+    assert torch.allclose(packed[[0, 1, 2, 0, 3, 0, 1]], plain, atol=1e-5), family

@@ -182,7 +182,7 @@ def test_pipeline_on_a_real_chat_template(tmp_path, family):
         "train.eval_every=300, train.save_every=300, train.eval_generations=8, train.max_new_tokens=100]",
         "annotate=[sampling.max_new_tokens=100, engine.concurrency=8, search.max_rollouts=32, search.max_searches=4, "
         "export.edges=step]",
-        "prm=[train.max_steps=4, train.save_every=4, train.batch_size=4]",
+        "prm=[train.max_steps=4, train.save_every=4, data.pack_trees=true, train.batch_size=2]",  # as the demo
         "bon=[generate.sampling.max_new_tokens=100, generate.batch_size=16, report.resamples=50]",
         "search_problems=4",
         "search=[policy.sampling.max_new_tokens=30, bon.max_new_tokens=100, 'bon.n=[2]', report.resamples=50, "
@@ -195,6 +195,9 @@ def test_pipeline_on_a_real_chat_template(tmp_path, family):
     assert f"==> [model] starting from {base}" in res.stdout and not (out / "tiny_model").exists()
     for stage in ("policy", "annotate", "prm", "prm_hard", "orm", "bon", "bon_hard", "bon_orm", "search", "report"):
         assert f"==> [{stage}]" in res.stdout, stage
+    # the two PRMs trained tree-packed on this template's tokenization, the outcome model by row
+    assert "tree packing:" in (out / "logs" / "prm.log").read_text()
+    assert "tree packing:" not in (out / "logs" / "orm.log").read_text()
 
     # the policy keeps the checkpoint's own template, and writes the tagged format under it
     template = (FIXTURES / FAMILIES[family]["template"]).read_text(encoding="utf-8")
