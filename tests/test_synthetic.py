@@ -362,6 +362,36 @@ def test_slipped_solutions_miscopy_running_totals_and_go_on_from_what_they_wrote
         assert gold["labels"] == [float(i < first - 1) for i in range(len(q.steps))]
 
 
+def test_step_verdicts_name_the_kind_of_the_first_error():
+    from mmprm.data.synthetic import ERROR_KINDS, check_steps, step_verdicts
+
+    tiles = [3, 5, 2]
+    good = ["Tile 1 is 3. Total 3.", "Tile 2 is 5. Total 3 + 5 = 8.", "Tile 3 is 2. Total 8 + 2 = 10."]
+    assert step_verdicts(tiles, good, "10", gold="10") == ["right"] * 3
+    cases = {  # (which step is replaced, by what) -> verdicts
+        (1, "Tile 2 is 5. Total 4 + 5 = 9."): ["right", "carry", "after"],  # miscopied total
+        (1, "Tile 2 is 5. Total 3 + 6 = 9."): ["right", "carry", "after"],  # miscopied digit
+        (1, "Tile 2 is 5. Total 3 + 5 = 9."): ["right", "arithmetic", "after"],
+        (1, "Tile 2 is 6. Total 3 + 6 = 9."): ["right", "misread", "after"],
+        (1, "Tile 3 is 2. Total 3 + 2 = 5."): ["right", "order", "after"],  # skips tile 2
+        (0, "Tile 1 is 3. Total 4."): ["arithmetic", "after", "after"],
+        (1, "Tile 2 is 5. Total 8."): ["right", "carry", "after"],  # drops the carried total
+        (2, "Tile 3 is two."): ["right", "right", "unparsed"],
+    }
+    for (k, step), verdicts in cases.items():
+        steps = good[:k] + [step] + good[k + 1 :]
+        assert step_verdicts(tiles, steps) == verdicts, step
+        assert check_steps(tiles, steps) == [v == "right" for v in verdicts]
+    # the answer: every line holds, yet it is not the last result, or not the gold answer
+    assert step_verdicts(tiles, good, "11") == ["right", "right", "answer"]
+    assert step_verdicts(tiles[:2], good[:2], "8", gold="10") == ["right", "answer"]
+    # other templates: a false sum, an operand no line established, a misread extreme
+    assert step_verdicts([4, 2], ["Tile 1 is 4.", "Tile 2 is 2.", "4 + 2 = 7."]) == ["right", "right", "arithmetic"]
+    assert step_verdicts([4, 2], ["Tile 1 is 4.", "Tile 2 is 2.", "4 + 3 = 7."]) == ["right", "right", "carry"]
+    assert step_verdicts([4, 2], ["Tile 1 is 4.", "Tile 2 is 2.", "The largest is 2."])[-1] == "misread"
+    assert set(ERROR_KINDS) >= {v for case in cases.values() for v in case} - {"right", "after"}
+
+
 def test_gold_solutions_check_as_all_correct():
     from mmprm.data.synthetic import SyntheticConfig, check_steps, generate
 

@@ -604,10 +604,22 @@ _CMP_RE = re.compile(r"^(-?\d+) ([<>=]) (-?\d+)\.$")
 _RUNNING_RE = re.compile(r"^Tile (\d+) is (-?\d+)\. Total (?:(-?\d+) \+ (-?\d+) = )?(-?\d+)\.$")
 
 
-def check_steps(
+RIGHT, AFTER = "right", "after"
+# Why the first wrong step of a solution is wrong (`step_verdicts`), most local first.
+ERROR_KINDS: dict[str, str] = {
+    "carry": "a number carried from an earlier line is miscopied",
+    "arithmetic": "the line's own sum or comparison is false",
+    "misread": "a tile read as the wrong digit",
+    "order": "a tile skipped, repeated or out of range",
+    "unparsed": "not a step of the task's form",
+    "answer": "every line holds, but the answer is not the last result, or not the gold answer",
+}
+
+
+def step_verdicts(
     tiles: Sequence[int], steps: Sequence[str], answer: str | None = None, gold: str | None = None
-) -> list[bool]:
-    """True per-step correctness of a solution to a synthetic problem whose digits are `tiles`.
+) -> list[str]:
+    """Per step: "right", the kind of error of the first wrong step (`ERROR_KINDS`), then "after".
 
     A step is right when its claim is true and it only uses values already established (the
     tiles it read correctly and earlier results); once a step is wrong every later step is wrong
@@ -615,57 +627,71 @@ def check_steps(
     When `answer` is given, the last step is also wrong unless the answer equals its result, and,
     when `gold` is given too, unless it equals the gold answer (a solution that skips a tile is
     off track at its answer even if every line it wrote is true).
+
+    Example: tiles 3, 5, 2 and "Tile 1 is 3. Total 3.", "Tile 2 is 5. Total 4 + 5 = 9.",
+    "Tile 3 is 2. Total 9 + 2 = 11." -> right, carry, after.
     """
     known: set[int] = set()
-    ok, out = True, []
+    out: list[str] = []
     last_value: int | None = None
     running = 0  # running-total steps so far
     for step in steps:
         text = step.strip().split("\n")[0].strip()
-        good = False
+        error: str | None = "unparsed"
+        value: int | None = None
         if m := _RUNNING_RE.match(text):
             # "Tile i is d. Total a + d = c.": the read, the carried total and the sum must all hold.
             i, d, c = int(m.group(1)), int(m.group(2)), int(m.group(5))
             running += 1
-            read_ok = i == running <= len(tiles) and tiles[i - 1] == d  # tiles in order, none skipped
-            if m.group(3) is None:
-                good = read_ok and last_value is None and c == d
+            if not i == running <= len(tiles):  # tiles in order, none skipped
+                error = "order"
+            elif tiles[i - 1] != d:
+                error = "misread"
+            elif m.group(3) is None:
+                error = "carry" if last_value is not None else None if c == d else "arithmetic"
             else:
                 a, b = int(m.group(3)), int(m.group(4))
-                good = read_ok and a == last_value and b == d and a + b == c
+                error = "carry" if (a != last_value or b != d) else None if a + b == c else "arithmetic"
             value = c
         elif m := _READ_RE.match(text):
             i, d = int(m.group(1)), int(m.group(2))
-            good = 1 <= i <= len(tiles) and tiles[i - 1] == d
+            error = "order" if not 1 <= i <= len(tiles) else None if tiles[i - 1] == d else "misread"
             value = d
         elif m := _ARITH_RE.match(text):
             a, op, b, c = int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))
             true = a + b if op == "+" else a - b if op == "-" else a * b
-            good = true == c and a in known and b in known
+            error = "carry" if not (a in known and b in known) else None if true == c else "arithmetic"
             value = c
         elif m := _EXTREME_RE.match(text):
             d = int(m.group(2))
-            good = d == (max(tiles) if m.group(1) == "largest" else min(tiles)) and d in known
+            true = max(tiles) if m.group(1) == "largest" else min(tiles)
+            error = "misread" if d != true else None if d in known else "carry"
             value = d
         elif m := _CMP_RE.match(text):
             a, sign, b = int(m.group(1)), m.group(2), int(m.group(3))
-            good = a in known and b in known and sign == (">" if a > b else "<" if a < b else "=")
-            value = None
-        else:
-            value = None
-        ok = ok and good
-        out.append(ok)
+            true_sign = ">" if a > b else "<" if a < b else "="
+            error = "carry" if not (a in known and b in known) else None if sign == true_sign else "arithmetic"
+        on_track = not out or out[-1] == RIGHT
+        out.append(AFTER if not on_track else error or RIGHT)
         if value is not None:
             known.add(value)
             last_value = value
-    if answer is not None and out:
+    if answer is not None and out and out[-1] == RIGHT:
         try:
-            out[-1] = out[-1] and last_value is not None and int(answer.strip()) == last_value
+            ok = last_value is not None and int(answer.strip()) == last_value
         except ValueError:
-            out[-1] = False
-        if gold is not None:
-            out[-1] = out[-1] and answer.strip() == gold.strip()
+            ok = False
+        if not ok or (gold is not None and answer.strip() != gold.strip()):
+            out[-1] = "answer"
     return out
+
+
+def check_steps(
+    tiles: Sequence[int], steps: Sequence[str], answer: str | None = None, gold: str | None = None
+) -> list[bool]:
+    """True per-step correctness (still on track) of a solution to a synthetic problem whose
+    digits are `tiles`: `step_verdicts` is "right". See `step_verdicts` for the rules."""
+    return [v == RIGHT for v in step_verdicts(tiles, steps, answer, gold)]
 
 
 def corrupt_step(step: str, rng: random.Random) -> str:
