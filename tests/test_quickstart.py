@@ -136,7 +136,19 @@ def test_reduced_demo_pipeline(tmp_path):
             lo, hi = cell["vs_outcome"]["ci95"]
             assert lo <= cell["vs_outcome"]["diff"] <= hi
     assert set(report["bon"]["soft"]["test"]) >= {"min", "average", "last"}
+    # the step AUROC again per kind of wrong step: the kinds of the test candidates' wrong steps,
+    # each counted once, the same counts under every model
+    by_kind = report["step_by_kind"]
+    assert set(by_kind) == {"soft", "hard", "outcome", "untrained"}
+    wrong = round(report["test_steps"] * (1 - report["test_share_correct_steps"]))
+    assert sum(k["wrong_steps"] for k in by_kind["soft"].values()) == wrong
+    assert all(
+        {k: v["wrong_steps"] for k, v in by_kind[m].items()}
+        == {k: v["wrong_steps"] for k, v in by_kind["soft"].items()}
+        for m in by_kind
+    )
     text = (out / "report.md").read_text()
+    assert "### Which wrong steps each model catches" in text
     assert "outcome model" in text and "chosen on dev" in text
     # PRM-guided search against Best-of-N at matched generated tokens, on the first 8 test problems
     search = json.loads((out / "search" / "report.json").read_text())

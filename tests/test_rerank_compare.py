@@ -86,3 +86,34 @@ def test_baseline_fact_says_when_reranking_is_worse_than_a_random_pick():
     assert "behind majority vote" in baseline_fact(results(0.700, 0.367))
     between = baseline_fact(results(0.600, 0.960))
     assert "outcome model (final answer only) `last`, 0.960" in between and "ahead of both" in between
+
+
+def test_auroc_by_kind_compares_right_steps_with_one_kind_of_wrong_step_at_a_time():
+    from mmprm.rerank.ablation import _auroc_by_kind
+
+    # four candidates of problem p, one of q (which holds only wrong steps)
+    verdicts = {
+        ("p", 0): ["right", "right"],
+        ("p", 1): ["right", "after"],
+        ("p", 2): ["carry", "after"],
+        ("p", 3): ["right", "arithmetic"],
+        ("q", 0): ["misread", "after"],
+    }
+    scores = {
+        ("p", 0): [0.9, 0.8],
+        ("p", 1): [0.5, 0.2],
+        ("p", 2): [0.6, 0.1],
+        ("p", 3): [0.7, 0.8],
+        ("q", 0): [0.3, 0.3],
+    }
+    out = _auroc_by_kind(scores, verdicts, list(verdicts))
+    assert list(out) == ["after", "carry", "arithmetic", "misread"]  # most frequent first
+    assert [k["wrong_steps"] for k in out.values()] == [3, 1, 1, 1]
+    # carry at step 0 of p: right steps 0.9, 0.5, 0.7 against 0.6 -> 2 of 3
+    assert out["carry"]["auroc_same_problem_step"] == 2 / 3
+    # after at step 1 of p: right 0.8 against 0.2 and 0.1 -> 1
+    assert out["after"]["auroc_same_problem_step"] == 1.0
+    # arithmetic at step 1 of p: right 0.8 against 0.8 -> a tie
+    assert out["arithmetic"]["auroc_same_problem_step"] == 0.5
+    # no right step shares a stratum with q's misread: no value, not a guess
+    assert out["misread"]["auroc_same_problem_step"] is None

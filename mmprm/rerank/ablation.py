@@ -7,7 +7,9 @@ This module turns those scored files into the report:
 * step level, on the test split, against `mmprm.data.synthetic.check_steps`: AUROC within
   (problem, step index) - right vs wrong step at the same point of two candidates for the same
   problem, what reranking relies on - the pooled AUROC, and ProcessBench first-error F1 with the
-  threshold chosen on the dev split;
+  threshold chosen on the dev split; and that AUROC again for each kind of first error
+  (`mmprm.data.synthetic.step_verdicts`: a miscopied carry, false arithmetic, a misread tile, ...)
+  and for the steps after it, which tells what a reward model can check and what it cannot;
 * Best-of-N on the test split for `min`, `average`, `last` and the aggregator chosen on dev, each
   against the outcome model with a 95% paired bootstrap interval over test problems.
 
@@ -29,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mmprm.data.synthetic import ERROR_KINDS, RIGHT
 from mmprm.rerank.compare import choose_on_dev, compare_at
 from mmprm.rerank.report import bon_curve, summarize
 from mmprm.scoring.metrics import auroc, best_threshold, first_error, first_error_f1, stratified_auroc
@@ -70,6 +73,24 @@ def write_outcome_prefix_scores(prm_dir: Path, candidates_file: Path, out_file: 
         load_prm(prm_dir, batch_size=32, attn_implementation=attn_implementation), read_jsonl(candidates_file)
     )
     write_jsonl(out_file, [{"id": i, "candidate": j, "probs": probs} for (i, j), probs in scores.items()])
+
+
+def _auroc_by_kind(scores: dict, verdicts: dict, keys: list) -> dict[str, dict[str, Any]]:
+    """Same-step AUROC of the right steps against each kind of wrong step (`step_verdicts`), most
+    frequent kind first; None where no (problem, step) holds both a right step and that kind."""
+    kinds: dict[str, int] = {}
+    for k in keys:
+        for v in verdicts[k]:
+            if v != RIGHT:
+                kinds[v] = kinds.get(v, 0) + 1
+    out = {}
+    for kind in sorted(kinds, key=lambda x: -kinds[x]):
+        picked = [
+            (scores[k][i], v == RIGHT, (k[0], i)) for k in keys for i, v in enumerate(verdicts[k]) if v in (RIGHT, kind)
+        ]
+        value = stratified_auroc([x for x, _, _ in picked], [float(y) for _, y, _ in picked], [z for _, _, z in picked])
+        out[kind] = {"wrong_steps": kinds[kind], "auroc_same_problem_step": None if math.isnan(value) else value}
+    return out
 
 
 def _step_metrics(scores: dict, labels: dict, dev_keys: list, test_keys: list) -> dict[str, float]:
@@ -117,7 +138,7 @@ def evaluate(
     import torch
 
     from mmprm.data.schema import read_jsonl
-    from mmprm.data.synthetic import check_steps
+    from mmprm.data.synthetic import step_verdicts
     from mmprm.models.loading import load_backbone
     from mmprm.models.prm import PRMScorer, PRMSpec, build_prm
 
@@ -128,14 +149,15 @@ def evaluate(
     }
     ids = {s: [r["id"] for r in rows if _split_of(r["id"]) == s] for s in SPLITS}
 
-    # Exact labels of every candidate with steps; candidate keys per split.
+    # Exact labels of every candidate with steps, and why each wrong step is wrong; keys per split.
     labels: dict[tuple[str, int], list[float]] = {}
+    verdicts: dict[tuple[str, int], list[str]] = {}
     for r in rows:
         p = problems[r["id"]]
         for j, c in enumerate(r["candidates"]):
             if c["steps"]:
-                ok = check_steps(p["meta"]["tiles"], c["steps"], c["answer"], p["answer"])
-                labels[(r["id"], j)] = [1.0 if x else 0.0 for x in ok]
+                verdicts[(r["id"], j)] = step_verdicts(p["meta"]["tiles"], c["steps"], c["answer"], p["answer"])
+                labels[(r["id"], j)] = [1.0 if v == RIGHT else 0.0 for v in verdicts[(r["id"], j)]]
     keys = {s: [k for k in labels if _split_of(k[0]) == s] for s in SPLITS}
 
     step_scores: dict[str, dict[tuple[str, int], list[float]]] = {}
@@ -174,6 +196,8 @@ def evaluate(
         ),
         "auroc_pooled": auroc([untrained_scores[k] for k in keys["test"]], [labels[k] for k in keys["test"]]),
     }
+    by_kind = {m: _auroc_by_kind(step_scores[m], verdicts, keys["test"]) for m in models}
+    by_kind["untrained"] = _auroc_by_kind(untrained_scores, verdicts, keys["test"])
 
     # Best-of-N: one curve per model and split; aggregators chosen on dev, read on test.
     curves = {
@@ -213,6 +237,7 @@ def evaluate(
         "test_candidates_with_steps": len(keys["test"]),
         "models": {m: name for m, (_, _, name) in models.items()},
         "step": step,
+        "step_by_kind": by_kind,
         "bon": bon,
         "baselines": {b: baselines[b] for b in ("random", "majority", "weighted_vote", "oracle")},
         "bootstrap": {"resamples": n_resamples, "seed": seed},
@@ -322,6 +347,26 @@ def _plot(results: dict, path: Path) -> None:
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, bbox_inches="tight")
+
+
+def _kind_table(results: dict) -> list[str]:
+    """Step AUROC (same problem and step) per kind of wrong step, one column per model."""
+    by_kind = results["step_by_kind"]
+    columns = [*results["models"], "untrained"]
+    names = {**results["models"], "untrained": "untrained head"}
+    kinds = list(by_kind["soft"])
+    lines = [
+        "| wrong step | steps | " + " | ".join(names[m] for m in columns) + " |",
+        "| --- | --- |" + " --- |" * len(columns),
+    ]
+    for kind in kinds:
+        what = "any step after the first error" if kind == "after" else f"first error: {ERROR_KINDS.get(kind, kind)}"
+        cells = []
+        for m in columns:
+            value = by_kind[m].get(kind, {}).get("auroc_same_problem_step")
+            cells.append("" if value is None else f"{value:.3f}")
+        lines.append(f"| `{kind}`: {what} | {by_kind['soft'][kind]['wrong_steps']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _bon_table(results: dict) -> list[str]:
@@ -483,6 +528,17 @@ def write_report(
     if (out / "search" / "search_vs_bon.png").exists():
         shutil.copyfile(out / "search" / "search_vs_bon.png", out / "search_vs_bon.png")
     table = _bon_table(results)
+    kinds = [
+        "### Which wrong steps each model catches",
+        "",
+        "Step AUROC within the same problem and step, right steps against one kind of wrong step at a time "
+        "(`mmprm.data.synthetic.step_verdicts`): the kind of a solution's first error, then every step after it. "
+        "A miscopied carry is visible from the line before: checking it is easier than not making it. To catch "
+        "false arithmetic or a misread tile, a reward model that starts from the policy must add or read better "
+        "than the policy did when it sampled the error.",
+        "",
+        *_kind_table(results),
+    ]
     lines = [
         "# mmprm demo report",
         "",
@@ -508,6 +564,8 @@ def write_report(
         "",
         "![Best-of-N accuracy on the test split](bon_curve.png)",
         "",
+        *kinds,
+        "",
         *(
             ["## PRM-guided search vs Best-of-N at equal generated tokens", "", *search_lines, ""]
             if search_lines
@@ -521,7 +579,16 @@ def write_report(
         "",
     ]
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    readme = [*table, "", *facts, "", "![Best-of-N accuracy on the test split](docs/demo/bon_curve.png)", ""]
+    readme = [
+        *table,
+        "",
+        *facts,
+        "",
+        "![Best-of-N accuracy on the test split](docs/demo/bon_curve.png)",
+        "",
+        *kinds,
+        "",
+    ]
     if search_lines:
         readme += [*search_section(out / "search", image_prefix="docs/demo/")[0], ""]
     (out / "readme_section.md").write_text("\n".join(readme))
