@@ -18,6 +18,8 @@ STEPS = [
     (["Tile 1 is 3.", "3 + 4 = 8."], [1.0, 0.0]),
     (["Tile 1 is 3.", "3 + 4 = 7."], [0.5, 0.25]),
 ]
+# The packed node of each row step, rows in order: nodes are [step 1, "3 + 4 = 7.", "So 7.", "3 + 4 = 8."].
+ROW_STEP_NODES = [0, 1, 2, 0, 3, 0, 1]
 
 
 def _prm(tiny_models, arch, attn="sdpa"):
@@ -71,11 +73,8 @@ def test_packed_logits_equal_row_logits(tiny_models, arch):
     other = pack_rows(_rows(processor, arch, "Multiply the two tiles, then add one."))
     batch = collate_packed([tree, other], pad)
     packed = model(**_inputs(batch))[: len(tree.step_positions)]
-    # packed node order: [step1, "7" after it, "So 7.", "8" after it]; rows: r0 s1..s3, r1 s1..s2, r2 s1..s2
-    row_of_node = {0: [0, 3, 5], 1: [1, 6], 2: [2], 3: [4]}
-    for node, flat in row_of_node.items():
-        for i in flat:
-            assert torch.allclose(packed[node], plain[i], atol=1e-5), f"{arch}: node {node} vs row step {i}"
+    for i, node in enumerate(ROW_STEP_NODES):
+        assert torch.allclose(packed[node], plain[i], atol=1e-5), f"{arch}: node {node} vs row step {i}"
 
 
 def test_packed_weighted_loss_equals_row_loss(tiny_models):
@@ -152,8 +151,7 @@ def test_packed_logits_equal_row_logits_with_lora(tiny_models):
     rows = _rows(processor, "qwen2_vl")
     plain = model(**_inputs(collate_steps(rows, _pad(processor))))
     packed = model(**_inputs(collate_packed([pack_rows(rows)], _pad(processor))))
-    # node order [step1, "7" after it, "So 7.", "8" after it] against row steps r0 s1..s3, r1 s1..s2, r2 s1..s2
-    assert torch.allclose(packed[[0, 1, 2, 0, 3, 0, 1]], plain, atol=1e-5)
+    assert torch.allclose(packed[ROW_STEP_NODES], plain, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava_1_5_hf", "internvl3_hf"])
@@ -175,5 +173,4 @@ def test_packed_logits_equal_row_logits_on_real_chat_templates(tmp_path, family)
     tree = pack_rows(rows)
     assert len(tree.input_ids) < sum(len(r.input_ids) for r in rows)
     packed = model(**_inputs(collate_packed([tree], _pad(processor))))
-    # node order [step1, "7" after it, "So 7.", "8" after it] against row steps r0 s1..s3, r1 s1..s2, r2 s1..s2
-    assert torch.allclose(packed[[0, 1, 2, 0, 3, 0, 1]], plain, atol=1e-5), family
+    assert torch.allclose(packed[ROW_STEP_NODES], plain, atol=1e-5), family

@@ -27,11 +27,12 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mmprm.data.synthetic import ERROR_KINDS, RIGHT
+from mmprm.data.synthetic import AFTER, ERROR_KINDS, RIGHT, step_verdicts
 from mmprm.rerank.compare import choose_on_dev, compare_at
 from mmprm.rerank.report import bon_curve, summarize
 from mmprm.scoring.metrics import auroc, best_threshold, first_error, first_error_f1, stratified_auroc
@@ -78,18 +79,14 @@ def write_outcome_prefix_scores(prm_dir: Path, candidates_file: Path, out_file: 
 def _auroc_by_kind(scores: dict, verdicts: dict, keys: list) -> dict[str, dict[str, Any]]:
     """Same-step AUROC of the right steps against each kind of wrong step (`step_verdicts`), most
     frequent kind first; None where no (problem, step) holds both a right step and that kind."""
-    kinds: dict[str, int] = {}
-    for k in keys:
-        for v in verdicts[k]:
-            if v != RIGHT:
-                kinds[v] = kinds.get(v, 0) + 1
+    kinds = Counter(v for k in keys for v in verdicts[k] if v != RIGHT)
     out = {}
-    for kind in sorted(kinds, key=lambda x: -kinds[x]):
+    for kind, count in kinds.most_common():
         picked = [
             (scores[k][i], v == RIGHT, (k[0], i)) for k in keys for i, v in enumerate(verdicts[k]) if v in (RIGHT, kind)
         ]
         value = stratified_auroc([x for x, _, _ in picked], [float(y) for _, y, _ in picked], [z for _, _, z in picked])
-        out[kind] = {"wrong_steps": kinds[kind], "auroc_same_problem_step": None if math.isnan(value) else value}
+        out[kind] = {"wrong_steps": count, "auroc_same_problem_step": None if math.isnan(value) else value}
     return out
 
 
@@ -138,7 +135,6 @@ def evaluate(
     import torch
 
     from mmprm.data.schema import read_jsonl
-    from mmprm.data.synthetic import step_verdicts
     from mmprm.models.loading import load_backbone
     from mmprm.models.prm import PRMScorer, PRMSpec, build_prm
 
@@ -149,15 +145,14 @@ def evaluate(
     }
     ids = {s: [r["id"] for r in rows if _split_of(r["id"]) == s] for s in SPLITS}
 
-    # Exact labels of every candidate with steps, and why each wrong step is wrong; keys per split.
-    labels: dict[tuple[str, int], list[float]] = {}
+    # Why each step of every candidate with steps is right or wrong, its exact labels; keys per split.
     verdicts: dict[tuple[str, int], list[str]] = {}
     for r in rows:
         p = problems[r["id"]]
         for j, c in enumerate(r["candidates"]):
             if c["steps"]:
                 verdicts[(r["id"], j)] = step_verdicts(p["meta"]["tiles"], c["steps"], c["answer"], p["answer"])
-                labels[(r["id"], j)] = [1.0 if v == RIGHT else 0.0 for v in verdicts[(r["id"], j)]]
+    labels = {k: [1.0 if v == RIGHT else 0.0 for v in vs] for k, vs in verdicts.items()}
     keys = {s: [k for k in labels if _split_of(k[0]) == s] for s in SPLITS}
 
     step_scores: dict[str, dict[tuple[str, int], list[float]]] = {}
@@ -360,11 +355,9 @@ def _kind_table(results: dict) -> list[str]:
         "| --- | --- |" + " --- |" * len(columns),
     ]
     for kind in kinds:
-        what = "any step after the first error" if kind == "after" else f"first error: {ERROR_KINDS.get(kind, kind)}"
-        cells = []
-        for m in columns:
-            value = by_kind[m].get(kind, {}).get("auroc_same_problem_step")
-            cells.append("" if value is None else f"{value:.3f}")
+        what = "any step after the first error" if kind == AFTER else f"first error: {ERROR_KINDS[kind]}"
+        values = [by_kind[m][kind]["auroc_same_problem_step"] for m in columns]  # every model has every kind
+        cells = ["" if value is None else f"{value:.3f}" for value in values]
         lines.append(f"| `{kind}`: {what} | {by_kind['soft'][kind]['wrong_steps']} | " + " | ".join(cells) + " |")
     return lines
 
