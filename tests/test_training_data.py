@@ -145,6 +145,36 @@ def test_prompt_cache_gives_the_batches_of_full_tokenization(tiny_models, tmp_pa
     assert len(cached.prompts.entries) == 3 and not uncached.prompts.entries  # one prompt per problem
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cut", [False, True])
+def test_cache_built_from_known_prompts_equals_tokenizing_each_row(tiny_models, tmp_path, arch, cut):
+    """Building the cache, a problem's later rows tokenize only their steps after its first row's
+    prompt (`extend_steps`); every row must still get the ids of its own full tokenization, cut
+    rows too (cut: max_length 2 tokens under the median row, so longer rows lose steps)."""
+    processor = prm_processor(tiny_models, arch)
+    path = write_paths(tmp_path, problems=3, paths=4, images=arch != "qwen2")
+    examples = load_examples(path, require_labels=True)
+    images = {e.id: [load_image(tmp_path / p) for p in e.images] for e in examples}
+    max_length = 512
+    if cut:
+        lengths = sorted(len(tokenize_steps(processor, e.question, e.steps, images[e.id]).input_ids) for e in examples)
+        max_length = lengths[len(lengths) // 2] - 2
+    data, stats = load_tokenized(
+        path, "prm", processor, {**SETTINGS, "max_length": max_length}, cache_dir=tmp_path / "cache", num_proc=1
+    )
+    cached = {data.row(i)["id"]: data.row(i) for i in range(len(data))}
+    trimmed = 0
+    for e in examples:
+        tok = tokenize_steps(processor, e.question, e.steps, images[e.id], e.labels, max_length)
+        assert (tok is None) == (e.id not in cached), e.id
+        if tok is not None:
+            assert cached[e.id]["input_ids"] == tok.input_ids, e.id
+            assert cached[e.id]["step_positions"] == tok.step_positions, e.id
+            trimmed += len(tok.step_positions) < len(e.steps)
+    assert stats["kept"] == len(data) > 0
+    assert (trimmed > 0) == cut
+
+
 def test_prompt_cache_stays_within_its_bound(tiny_models, tmp_path):
     processor = prm_processor(tiny_models, "qwen2_vl")
     path = write_paths(tmp_path, problems=5, paths=2)
