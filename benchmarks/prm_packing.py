@@ -2,6 +2,7 @@
 
     python benchmarks/prm_packing.py            # ~2 min on 2 CPU cores
     python benchmarks/prm_packing.py --quick    # smoke test
+    python benchmarks/prm_packing.py --run runs/demo   # the demo's own annotation and policy
 
 An MCTS export has many rows per problem that share the prompt and their first steps.
 `data.pack_trees=true` (`mmprm.packing`) trains on one sequence per problem in which every shared
@@ -13,15 +14,18 @@ model size (a tiny Qwen2-VL, hidden 128, 4 layers) and task (colour tiles, runni
 are shaped like an OmegaPRM export: per problem the gold path and, for every step, two paths that
 go wrong there (a changed number) and carry on as written, with soft labels. Batches: 16 rows, or
 2 packs (a pack is a problem's rows: about as many rows per batch). The sides alternate for
-`--rounds` rounds of `--batches` batches; each keeps its fastest round.
+`--rounds` rounds of `--batches` batches; each keeps its fastest round. A third side runs the
+same packs with the one masked kernel over the whole pack instead of attention by blocks of the
+tree (`mmprm.packing.tree_attention`, what packed training does on CPU).
 
-Prints ONE JSON line: rows per second of each side, the ratio (packed / rows), and the share of
-row tokens a packed batch still runs.
+Prints ONE JSON line: rows per second of each side, the ratio (packed / rows), the ratio of
+attention by blocks to the full mask, and the share of row tokens a packed batch still runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -39,6 +43,11 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=40, help="batches per side per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a smoke test: 12 problems, 3 batches, 1 round")
+    parser.add_argument(
+        "--run",
+        type=Path,
+        help="a `make demo` output folder: train on its annotation (mcts/prm_data.jsonl), from its policy",
+    )
     args = parser.parse_args()
     if args.quick:
         args.problems, args.batches, args.rounds = 12, 3, 1
@@ -85,26 +94,33 @@ def mcts_shaped_rows(problems: list, rng: random.Random) -> list[dict]:
 def measure(args: argparse.Namespace, work: Path) -> dict:
     import torch
 
+    from mmprm import packing
     from mmprm.data.schema import write_jsonl
     from mmprm.data.synthetic import SyntheticConfig, generate, write_split
     from mmprm.models import build_tiny_model, load_backbone
     from mmprm.models.prm import PRMSpec, build_prm, model_input_keys
-    from mmprm.packing import run_tokens
+    from mmprm.packing import run_tokens, tree_attention
     from mmprm.scoring.losses import soft_bce_value
     from mmprm.training import BatchStream
     from mmprm.training_data import PackedPRMCollator, PRMCollator, load_tokenized, plan_tree_packs
 
-    task = SyntheticConfig(
-        num_problems=args.problems, seed=0, ops=("+",), max_ops=4, marks=True, templates=("running_sum",)
-    )
-    problems = generate(task)
-    write_split(problems, work, "bench")
-    rows = mcts_shaped_rows(problems, random.Random(0))
-    write_jsonl(work / "prm_data.jsonl", rows)
+    if args.run:  # the demo's own rows: real MCTS trees, larger than the shaped ones below
+        rows_file, model_dir = args.run / "mcts" / "prm_data.jsonl", args.run / "policy"
+        with rows_file.open() as f:
+            rows = [json.loads(line) for line in f]
+        n_problems = len({r["images"][0] for r in rows})
+    else:
+        task = SyntheticConfig(
+            num_problems=args.problems, seed=0, ops=("+",), max_ops=4, marks=True, templates=("running_sum",)
+        )
+        problems = generate(task)
+        write_split(problems, work, "bench")
+        rows = mcts_shaped_rows(problems, random.Random(0))
+        rows_file, n_problems = work / "prm_data.jsonl", len(problems)
+        write_jsonl(rows_file, rows)
+        model_dir = build_tiny_model("qwen2_vl", work / "model", seed=0, hidden_size=128, num_layers=4)
 
-    backbone, processor = load_backbone(
-        build_tiny_model("qwen2_vl", work / "model", seed=0, hidden_size=128, num_layers=4)
-    )
+    backbone, processor = load_backbone(model_dir)
     model = build_prm(backbone, processor, PRMSpec(head="value"))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     settings = {
@@ -114,26 +130,38 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         "label_mode": "soft",
         "hard_threshold": 0.5,
     }
-    data, _ = load_tokenized(work / "prm_data.jsonl", "prm", processor, settings, work / "cache", 1, None)
+    data, _ = load_tokenized(rows_file, "prm", processor, settings, work / "cache", 1, None)
     pad = processor.tokenizer.pad_token_id or 0
     by_row = PRMCollator(data, processor, pad, **settings)
     plan = plan_tree_packs(data, 4096)
+    packed = PackedPRMCollator(by_row, plan.packs)
     sides = {
         "rows": (by_row, BatchStream(data.column("length"), 16, 0, True)),
-        "packed": (PackedPRMCollator(by_row, plan.packs), BatchStream(plan.lengths, 2, 0, True)),
+        "packed": (packed, BatchStream(plan.lengths, 2, 0, True)),
+        "packed_full_mask": (packed, BatchStream(plan.lengths, 2, 0, True)),
     }
 
-    def train_step(collate, indices) -> tuple[int, int]:
+    @contextlib.contextmanager
+    def full_mask():
+        """The one masked kernel over the whole pack, as before `mmprm.packing.tree_attention`."""
+        packing.tree_attention = lambda *args: contextlib.nullcontext()
+        try:
+            yield
+        finally:
+            packing.tree_attention = tree_attention
+
+    def train_step(name, collate, indices) -> tuple[int, int]:
         batch, items = collate(indices)
-        logits = model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))
+        with full_mask() if name == "packed_full_mask" else contextlib.nullcontext():
+            logits = model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))
         loss = soft_bce_value(logits, batch["targets"], batch.get("step_weights"))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return len(items), run_tokens(batch)
 
-    for collate, stream in sides.values():  # warm-up: the prompt cache, first-call allocations
-        train_step(collate, stream.next())
+    for name, (collate, stream) in sides.items():  # warm-up: the prompt cache, first-call allocations
+        train_step(name, collate, stream.next())
     best = {name: 0.0 for name in sides}
     tokens = {name: 0 for name in sides}
     for _ in range(args.rounds):
@@ -141,18 +169,20 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
             done = ran = 0
             start = time.perf_counter()
             for _ in range(args.batches):
-                n_rows, n_tokens = train_step(collate, stream.next())
+                n_rows, n_tokens = train_step(name, collate, stream.next())
                 done, ran = done + n_rows, ran + n_tokens
             best[name] = max(best[name], done / (time.perf_counter() - start))
             tokens[name] += ran
     return {
         "benchmark": "prm_packing",
-        "problems": len(problems),
+        "rows_from": str(args.run / "mcts" / "prm_data.jsonl") if args.run else "shaped",
+        "problems": n_problems,
         "rows": len(rows),
-        "rows_per_problem": round(len(rows) / len(problems), 2),
+        "rows_per_problem": round(len(rows) / n_problems, 2),
         "packed_token_share": round(plan.ratio, 3),
         "rows_per_s": {name: round(v, 1) for name, v in best.items()},
         "ratio": round(best["packed"] / best["rows"], 2),
+        "ratio_blocks_vs_full_mask": round(best["packed"] / best["packed_full_mask"], 2),
     }
 
 

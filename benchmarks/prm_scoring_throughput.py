@@ -1,4 +1,4 @@
-"""Best-of-N PRM scoring throughput: shared-prefix KV cache vs per-candidate vs per-step-prefix forwards.
+"""Best-of-N PRM scoring throughput: packed trees / prompt KV cache vs per-candidate vs per-step-prefix forwards.
 
     python benchmarks/prm_scoring_throughput.py            # full run (< 2 min on 2 CPU cores)
     python benchmarks/prm_scoring_throughput.py --quick    # smoke test
@@ -6,18 +6,25 @@
 One tiny random-init Qwen2-VL (`build_tiny_model("qwen2_vl")`) wrapped as a token-pair PRM and
 loaded with `mmprm.load_prm`; each problem has one 448x448 image (256 image tokens after the
 processor's 2x2 merge) and a long question, ~512 shared prompt tokens in all, and N=16 candidates
-of ~128 tokens in 8 steps. All three ways score the same examples with the same scorer, batch 16,
-end to end (tokenization and image preprocessing included):
+of ~128 tokens in 8 steps, all different (no repeated step for the tree to share, unlike a
+policy's samples). All four ways score the same examples with the same scorer, batch 16, end to end
+(tokenization and image preprocessing included):
 
-  shared_prefix    PRMScorer.score(share_prefix=True): the prompt is encoded once per problem,
-                   its KV cache reused by every candidate (ours)
+  shared_prefix    PRMScorer.score(share_prefix=True): a problem's candidates packed into one tree
+                   (`mmprm.packing`), the prompt and every repeated step run once (ours, sdpa)
+  prompt_cache     the same, where attention takes no tree mask (flash-attn): the prompt is
+                   encoded once per problem, its KV cache reused by every candidate
   per_candidate    PRMScorer.score(share_prefix=False): one forward per candidate (batched 16)
   per_step_prefix  one forward per step prefix, score read at its last step (the RLHFlow /
                    ProcessBench way), also batched 16; timed on the first 4 candidates only (it is
                    ~8x the work, and steps/s does not depend on how many identical-shape candidates)
 
-Prints ONE JSON line: steps scored per second for each, ours/per_candidate and ours/per_step_prefix,
-a profile (tokenization time, and forward-only times on pre-tokenized inputs) and the largest score
+Then the same problems with 4 distinct candidates written 4 times each (a policy's samples repeat):
+ours against prompt_cache there (`repeated_candidates`); ours packs a tree only where it runs at most
+half the tokens (`mmprm.models.prm.TREE_TOKEN_SHARE`).
+
+Prints ONE JSON line: steps scored per second for each, ours/per_candidate, ours/prompt_cache and
+ours/per_step_prefix, a profile (tokenization time, and forward-only times on pre-tokenized inputs) and the largest score
 difference between the three (causal attention makes them equal up to float error).
 """
 
@@ -106,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     import torch
 
+    import mmprm.models.prm as prm_module
     from mmprm import load_prm
     from mmprm.models.loading import load_backbone
     from mmprm.models.prm import PRMSpec, build_prm, save_prm
@@ -146,9 +154,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sub = examples[: min(4, len(examples))]
     sub_prefixes = [pre for ex in sub for pre in step_prefixes(ex)]
     sub_steps = sum(len(ex["steps"]) for ex in sub)
+
+    def prompt_cache() -> list[list[float]]:
+        packs, prm_module._packs_trees = prm_module._packs_trees, lambda backbone: False
+        try:
+            return scorer.score(examples, share_prefix=True)
+        finally:
+            prm_module._packs_trees = packs
+
     t, out = timed(
         {
             "a": lambda: scorer.score(examples, share_prefix=True),
+            "k": prompt_cache,
             "b": lambda: scorer.score(examples, share_prefix=False),
         },
         repeats,
@@ -169,6 +186,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     t_fa, t_fb = tf["a"], tf["b"]
 
+    # A policy's samples repeat themselves (the demo's: a third of the candidate steps distinct):
+    # the same problems with 4 distinct candidates written 4 times each, where the tree pays.
+    repeated = [[{**group[c % 4], "id": f"{group[0]['id']}-r{c}"} for c in range(n)] for group in problems]
+    rep_examples = [ex for group in repeated for ex in group]
+    examples, kept = rep_examples, examples  # prompt_cache() scores `examples`
+    tr, out_r = timed({"a": lambda: scorer.score(examples, share_prefix=True), "k": prompt_cache}, repeats)
+    examples = kept
+    repeated_result = {
+        "distinct_candidates": min(4, n),
+        "steps_per_s": {"shared_prefix": round(n_steps / tr["a"], 2), "prompt_cache": round(n_steps / tr["k"], 2)},
+        "ratio_ours_vs_prompt_cache": round(tr["k"] / tr["a"], 3),
+    }
+
     # per_step_prefix reads the last score of each prefix: regroup to (candidate, step)
     last = [s[-1] for s in per_prefix]
     regrouped, pos = [], 0
@@ -176,7 +206,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         regrouped.append(last[pos : pos + len(ex["steps"])])
         pos += len(ex["steps"])
     diff = lambda x, y: max(abs(a - b) for u, v in zip(x, y) for a, b in zip(u, v))  # noqa: E731
-    rate = {"shared_prefix": n_steps / t_a, "per_candidate": n_steps / t_b, "per_step_prefix": sub_steps / t_c}
+    rate = {
+        "shared_prefix": n_steps / t_a,
+        "prompt_cache": n_steps / t["k"],
+        "per_candidate": n_steps / t_b,
+        "per_step_prefix": sub_steps / t_c,
+    }
     result = {
         "benchmark": "prm_scoring_throughput",
         "model": "tiny qwen2_vl (token_pair PRM, random init)",
@@ -189,16 +224,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "steps_per_s": {k: round(v, 2) for k, v in rate.items()},
         "ratio_ours_vs_per_candidate": round(rate["shared_prefix"] / rate["per_candidate"], 3),
+        "ratio_ours_vs_prompt_cache": round(rate["shared_prefix"] / rate["prompt_cache"], 3),
         "ratio_ours_vs_per_step_prefix": round(rate["shared_prefix"] / rate["per_step_prefix"], 3),
-        "seconds": {"shared_prefix": round(t_a, 3), "per_candidate": round(t_b, 3), "per_step_prefix": round(t_c, 3)},
+        "seconds": {
+            "shared_prefix": round(t_a, 3),
+            "prompt_cache": round(t["k"], 3),
+            "per_candidate": round(t_b, 3),
+            "per_step_prefix": round(t_c, 3),
+        },
         "profile": {
             "tokenize_s": round(t_tok, 3),
             "tokenize_share_of_ours": round(t_tok / t_a, 3),
             "forward_only_s": {"shared_prefix": round(t_fa, 3), "per_candidate": round(t_fb, 3)},
             "forward_only_ratio_ours_vs_per_candidate": round(t_fb / t_fa, 3),
         },
+        "repeated_candidates": repeated_result,
         "max_abs_score_diff": {
+            "repeated_shared_vs_prompt_cache": diff(out_r["a"], out_r["k"]),
             "shared_vs_per_candidate": diff(ours, plain),
+            "prompt_cache_vs_per_candidate": diff(out["k"], plain),
             "per_step_prefix_vs_per_candidate": diff(regrouped, plain[: len(sub)]),
         },
     }

@@ -12,12 +12,22 @@ of the rows themselves.
     pack_rows(items)           the rows of one problem (TokenizedSteps) -> PackedTree
     collate_packed(trees, ..)  PackedTrees -> a batch for ProcessRewardModel (4D mask, row_positions)
     packed_position_ids(..)    row positions -> the backbone's position ids (M-RoPE included)
+    tree_attention(..)         a context in which sdpa attends on CPU by blocks of the tree mask
     plan_packs(rows, ..)       cached rows -> packs of row indices under a token budget, with lengths
+
+Attention over a pack costs its length squared, yet a token sees only its own path: in the demo's
+packs (465 tokens on average) a row is about 100. On CPU, `tree_attention` cuts the queries into
+blocks of 64 and runs each block against only the keys some query in it sees: the same numbers
+(up to float rounding), 1.29x the rows per second of the one masked kernel when training on the
+demo's annotation (`benchmarks/prm_packing.py --run`). On a GPU the masked kernel is kept (many
+small kernels may cost more in launches than they save: not measured).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +47,8 @@ class PackedTree:
     parents: parent node of every node (-1 for node 0); a parent precedes its children.
     step_positions / targets / weights: per step node, its step token's index, the mean label of the
         rows through it, and how many rows go through it.
+    row_steps: per packed row, the node (index into step_positions) of each of its steps, so a
+        score per node reads back as the rows' scores.
     """
 
     input_ids: list[int]
@@ -47,6 +59,7 @@ class PackedTree:
     targets: list[float] | None
     weights: list[float]
     model_inputs: dict[str, Any] = field(default_factory=dict)
+    row_steps: list[list[int]] = field(default_factory=list)
 
     def attention_mask(self) -> torch.Tensor:
         """(L, L) bool: token t sees token u when u <= t and u's node is t's node or an ancestor."""
@@ -91,8 +104,10 @@ def pack_rows(items: Sequence[TokenizedSteps], ids: Sequence[str] | None = None)
     # afterwards, so that every node's tokens are contiguous whatever order the rows come in.
     parents, segments, label_sums, counts = [-1], [()], [0.0], [0]
     children: dict[tuple[int, tuple[int, ...]], int] = {}
+    row_nodes: list[list[int]] = []
     for t in items:
         node, start = 0, root
+        row_nodes.append([])
         for k, pos in enumerate(t.step_positions):
             key = (node, tuple(t.input_ids[start : pos + 1]))
             if key not in children:
@@ -102,6 +117,7 @@ def pack_rows(items: Sequence[TokenizedSteps], ids: Sequence[str] | None = None)
                 label_sums.append(0.0)
                 counts.append(0)
             node = children[key]
+            row_nodes[-1].append(node)
             counts[node] += 1
             if labelled:
                 label_sums[node] += float(t.labels[k])  # type: ignore[index]
@@ -138,6 +154,7 @@ def pack_rows(items: Sequence[TokenizedSteps], ids: Sequence[str] | None = None)
         targets=[label_sums[n] / counts[n] for n in order] if labelled else None,
         weights=[float(counts[n]) for n in order],
         model_inputs=model_inputs,
+        row_steps=[[new_index[n] - 1 for n in nodes] for nodes in row_nodes],
     )
 
 
@@ -208,6 +225,98 @@ def packed_attention_mask(mask: torch.Tensor, attn_implementation: str, dtype: t
         f"tree packing (data.pack_trees) needs attention that takes a 4D mask (sdpa or eager), not "
         f"{attn_implementation!r}: set model.attn_implementation=sdpa or data.pack_trees=false"
     )
+
+
+TREE_ATTENTION = "mmprm_tree_sdpa"  # the name `tree_attention` registers with transformers
+TREE_BLOCK = 64  # queries per block: fewer cost more calls, more see more keys (32 and 128 were slower)
+
+
+@dataclass
+class _TreeBlocks:
+    """The packed batch's additive mask, and per sequence its query blocks: (first query, end,
+    the keys some query in the block sees, the block's additive mask over those keys)."""
+
+    mask: torch.Tensor
+    blocks: list[list[tuple[int, int, torch.Tensor, torch.Tensor]]]
+    calls: int = 0  # attention layers that ran by blocks (tests check the path is taken)
+
+
+_active_tree: ContextVar[_TreeBlocks | None] = ContextVar("mmprm_tree_blocks", default=None)
+
+
+def tree_blocks(sees: torch.Tensor, additive: torch.Tensor, block: int = TREE_BLOCK) -> _TreeBlocks:
+    """Query blocks of a (B, 1, L, L) bool tree mask (`collate_packed`); `additive` is the same mask
+    as the model gets it (`packed_attention_mask`), sliced per block so the values are its own."""
+    out = []
+    for b in range(sees.shape[0]):
+        row = []
+        for q0 in range(0, sees.shape[-1], block):
+            q1 = min(q0 + block, sees.shape[-1])
+            keys = sees[b, 0, q0:q1].any(dim=0).nonzero().squeeze(1)
+            row.append((q0, q1, keys, additive[b, 0, q0:q1][:, keys]))
+        out.append(row)
+    return _TreeBlocks(additive, out)
+
+
+def _tree_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs):
+    """transformers attention function: by blocks for the active tree mask, else plain sdpa."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    tree = _active_tree.get()
+    if tree is None or attention_mask is not tree.mask:  # another mask (a vision tower, a row batch)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    tree.calls += 1
+    n_rep = query.shape[1] // key.shape[1]  # grouped-query attention: one key head serves n_rep queries
+    key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
+    dropout = kwargs.get("dropout", 0.0)
+    rows = []
+    for b, blocks in enumerate(tree.blocks):
+        parts = [
+            torch.nn.functional.scaled_dot_product_attention(
+                query[b : b + 1, :, q0:q1],
+                key[b : b + 1, :, keys],
+                value[b : b + 1, :, keys],
+                attn_mask=sub,
+                dropout_p=dropout,
+                scale=kwargs.get("scaling"),
+            )
+            for q0, q1, keys, sub in blocks
+        ]
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None  # (B, L, heads, head_dim)
+
+
+@contextmanager
+def tree_attention(backbone: Any, sees: torch.Tensor, additive: torch.Tensor) -> Iterator[_TreeBlocks | None]:
+    """Within this context, the backbone's text attention runs `additive` (the packed mask) by blocks.
+
+    Only for sdpa on CPU, and not under gradient checkpointing (its recomputation runs outside the
+    context, where the full mask gives the same numbers through other tensors, which the checkpoint
+    refuses); anywhere else it does nothing and the masked kernel runs as before. Yields the blocks
+    (None when it does nothing). The backbone's text config names the attention function for the
+    length of the context: one forward at a time per model (as training and scoring run).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    config = backbone.config.get_text_config()
+    if (
+        config._attn_implementation != "sdpa"
+        or additive.device.type != "cpu"
+        or getattr(backbone, "is_gradient_checkpointing", False)
+    ):
+        yield None
+        return
+    AttentionInterface.register(TREE_ATTENTION, _tree_sdpa)  # a dict entry: registering again is free
+    ALL_MASK_ATTENTION_FUNCTIONS.register(TREE_ATTENTION, sdpa_mask)
+    tree = tree_blocks(sees, additive, TREE_BLOCK)
+    token = _active_tree.set(tree)
+    config._attn_implementation = TREE_ATTENTION
+    try:
+        yield tree
+    finally:
+        config._attn_implementation = "sdpa"
+        _active_tree.reset(token)
 
 
 @dataclass

@@ -33,9 +33,10 @@ def run_benchmark(name: str) -> dict:
 def test_prm_scoring_throughput_quick():
     res = run_benchmark("prm_scoring_throughput.py")
     rates = res["steps_per_s"]
-    assert set(rates) == {"shared_prefix", "per_candidate", "per_step_prefix"}
+    assert set(rates) == {"shared_prefix", "prompt_cache", "per_candidate", "per_step_prefix"}
     assert all(v > 0 for v in rates.values())
     assert res["ratio_ours_vs_per_candidate"] > 0 and res["ratio_ours_vs_per_step_prefix"] > 0
+    assert res["ratio_ours_vs_prompt_cache"] > 0
     assert res["steps_scored"] == res["n"] * res["problems"] * res["steps_per_candidate"]
     # the three ways score the same steps: equal up to float error, or the comparison means nothing
     assert max(res["max_abs_score_diff"].values()) < 1e-4
@@ -152,3 +153,4 @@ def test_prm_packing_quick():
     # an OmegaPRM-shaped tree per problem: the gold path and two wrong branches per step
     assert res["rows_per_problem"] > 5 and 0.2 < res["packed_token_share"] < 0.8
     assert res["rows_per_s"]["rows"] > 0 and res["rows_per_s"]["packed"] > 0 and res["ratio"] > 0
+    assert res["rows_per_s"]["packed_full_mask"] > 0 and res["ratio_blocks_vs_full_mask"] > 0

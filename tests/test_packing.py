@@ -1,9 +1,12 @@
 """Tree packing: one problem's rows in one sequence give the step logits and the loss of the rows."""
 
+import contextlib
+
 import pytest
 import torch
 from PIL import Image
 
+from mmprm import packing
 from mmprm.models.loading import load_backbone
 from mmprm.models.prm import PRMSpec, build_prm, collate_steps, model_input_keys
 from mmprm.packing import collate_packed, pack_rows, plan_packs
@@ -61,9 +64,25 @@ def test_pack_rows_refuses_rows_of_different_prompts():
         pack_rows([a, b], ids=["a", "b"])
 
 
+def _count_tree_blocks(monkeypatch, block=4):
+    """Attend by blocks of `block` queries (the trees here are far shorter than 64 tokens) and
+    record each batch's blocks, whose `calls` count the layers that ran by blocks."""
+    made = []
+
+    def spy(sees, additive, size):
+        made.append(packing.tree_blocks.__wrapped__(sees, additive, size))
+        return made[-1]
+
+    spy.__wrapped__ = packing.tree_blocks
+    monkeypatch.setattr(packing, "TREE_BLOCK", block)
+    monkeypatch.setattr(packing, "tree_blocks", spy)
+    return made
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_packed_logits_equal_row_logits(tiny_models, arch):
+def test_packed_logits_equal_row_logits(tiny_models, arch, monkeypatch):
     model, processor = _prm(tiny_models, arch)
+    made = _count_tree_blocks(monkeypatch)
     rows = _rows(processor, arch)
     pad = _pad(processor)
     plain = model(**_inputs(collate_steps(rows, pad)))
@@ -75,6 +94,45 @@ def test_packed_logits_equal_row_logits(tiny_models, arch):
     packed = model(**_inputs(batch))[: len(tree.step_positions)]
     for i, node in enumerate(ROW_STEP_NODES):
         assert torch.allclose(packed[node], plain[i], atol=1e-5), f"{arch}: node {node} vs row step {i}"
+    # the text attention really ran by blocks, in every layer, and a block saw fewer keys than the pack
+    layers = model.backbone.config.get_text_config().num_hidden_layers
+    assert len(made) == 1 and made[0].calls == layers, arch
+    assert min(len(keys) for q0, q1, keys, _ in made[0].blocks[0] if q0 > 0) < len(tree.input_ids)
+
+
+def test_attention_by_blocks_gives_the_gradients_of_the_full_mask(tiny_models, monkeypatch):
+    model, processor = _prm(tiny_models, "qwen2_vl")
+    batch = collate_packed(
+        [pack_rows(_rows(processor, "qwen2_vl")), pack_rows(_rows(processor, "qwen2_vl", "Add tiles 1 and 2."))],
+        _pad(processor),
+    )
+
+    def grads():
+        model.zero_grad()
+        soft_bce_value(model(**_inputs(batch)), batch["targets"], batch["step_weights"]).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    made = _count_tree_blocks(monkeypatch, block=8)
+    by_blocks = grads()
+    assert made[0].calls > 0
+    monkeypatch.setattr(packing, "tree_attention", lambda *a: contextlib.nullcontext())
+    full = grads()
+    assert by_blocks.keys() == full.keys()
+    for name, g in full.items():
+        assert torch.allclose(by_blocks[name], g, atol=1e-6, rtol=1e-4), name
+
+
+def test_attention_by_blocks_stays_out_of_gradient_checkpointing(tiny_models, monkeypatch):
+    """Checkpointing recomputes outside the context; by blocks it would save other tensors than it
+    recomputes, and the checkpoint refuses that. The full mask runs instead, and training works."""
+    model, processor = _prm(tiny_models, "qwen2_vl")
+    model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    made = _count_tree_blocks(monkeypatch)
+    batch = collate_packed([pack_rows(_rows(processor, "qwen2_vl"))], _pad(processor))
+    soft_bce_value(model(**_inputs(batch)), batch["targets"], batch["step_weights"]).backward()
+    assert made == []
+    assert model.value_head.weight.grad is not None
 
 
 def test_packed_weighted_loss_equals_row_loss(tiny_models):

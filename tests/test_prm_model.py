@@ -7,7 +7,15 @@ import torch
 from PIL import Image
 
 from mmprm.models.loading import load_backbone
-from mmprm.models.prm import PRMScorer, PRMSpec, ProcessRewardModel, build_prm, collate_steps, model_input_keys
+from mmprm.models.prm import (
+    PRMScorer,
+    PRMSpec,
+    ProcessRewardModel,
+    _pack_group,
+    build_prm,
+    collate_steps,
+    model_input_keys,
+)
 from mmprm.steps import tokenize_steps
 
 ARCHS = ["qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2"]
@@ -61,7 +69,20 @@ def test_token_pair_head_equals_full_lm_logits(tiny_models):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prefix_shared_scores_equal_unshared(tiny_models, arch):
+@pytest.mark.parametrize("sharing", ["trees", "split_trees", "prompt_cache"])
+def test_prefix_shared_scores_equal_unshared(tiny_models, arch, sharing, monkeypatch):
+    """A question's candidates scored together - packed into trees (split where a tree passes the
+    token bound), or against one KV cache of the prompt where attention takes no tree mask - score
+    as each one alone, repeated candidates and shared first steps included."""
+    import mmprm.models.prm as prm_module
+
+    monkeypatch.setattr(prm_module, "TREE_TOKEN_SHARE", 1.0)  # trees even where they share little
+    if sharing == "split_trees":
+        monkeypatch.setattr(prm_module, "SCORE_PACK_TOKENS", 40)
+    if sharing == "prompt_cache":
+        monkeypatch.setattr(prm_module, "_packs_trees", lambda backbone: False)
+    packed = []
+    monkeypatch.setattr(prm_module, "_pack_group", lambda *a: packed.append(_pack_group(*a)) or packed[-1])
     model, processor = _prm(tiny_models, arch, "value")
     scorer = PRMScorer(model, processor, batch_size=3)
     imgs = _images(arch, 1, (56, 42))
@@ -71,13 +92,38 @@ def test_prefix_shared_scores_equal_unshared(tiny_models, arch):
         ["7."],
         ["Tile 1 is 3.", "3 + 4 = 8."],
         ["a", "b", "c", "d"],
+        ["Tile 1 is 3.", "3 + 4 = 7."],
     ]
     examples = [{"question": "Add the tiles.", "images": imgs, "steps": s} for s in cands]
     shared = scorer.score(examples, share_prefix=True)
+    if sharing == "prompt_cache":
+        assert packed == []
+    else:  # one tree, or several under the bound; each candidate in exactly one of them
+        trees = packed[-1]  # the outermost call ends last (a split calls itself on each half)
+        assert (len(trees) > 1) == (sharing == "split_trees")
+        assert all(len(t.input_ids) <= prm_module.SCORE_PACK_TOKENS or len(idx) == 1 for idx, t in trees)
+        assert sorted(i for idx, _ in trees for i in idx) == list(range(len(cands)))
     plain = scorer.score(examples, share_prefix=False)
     assert [len(s) for s in shared] == [len(c) for c in cands]
     worst = max(abs(a - b) for s, p in zip(shared, plain) for a, b in zip(s, p))
     assert worst <= 1e-5, f"{arch}: shared-prefix scores differ by {worst}"
+
+
+def test_candidates_go_to_a_tree_only_where_it_runs_far_fewer_tokens(tiny_models):
+    """Repeated samples share most of their tokens in a tree; distinct ones would run as many tokens
+    as with the prompt cache, plus the tree's mask: they keep the cache."""
+    model, processor = _prm(tiny_models, "qwen2_vl")
+    scorer = PRMScorer(model, processor)
+    imgs = _images("qwen2_vl", 1, (56, 42))
+
+    def toks(cands):
+        return [scorer.tokenize({"question": "Add the tiles.", "images": imgs, "steps": c}) for c in cands]
+
+    repeated = toks([["Tile 1 is 3.", "3 + 4 = 7.", "So 7."]] * 7 + [["Tile 1 is 3.", "3 + 4 = 8.", "So 8."]])
+    distinct = toks([[f"Tile 1 is {d}.", f"{d} + 4 = {d + 4}.", f"So {d + 4}."] for d in range(8)])
+    trees = _pack_group(repeated, list(range(8)))
+    assert trees is not None and len(trees) == 1 and trees[0][1].row_steps[0] == trees[0][1].row_steps[6]
+    assert _pack_group(distinct, list(range(8))) is None
 
 
 def test_scorer_batches_mixed_problems_and_keeps_order(tiny_models):
