@@ -579,7 +579,11 @@ def main(argv: list[str]) -> None:
             # The outcome model's score of every prefix of every candidate (its step scores in the
             # report): the slowest part of the evaluation, done in this lane so the report need not wait.
             write_outcome_prefix_scores(
-                out / "orm", bon / "candidates.jsonl", out / "bon_orm" / PREFIX_SCORES, cfg.model.attn_implementation
+                out / "orm",
+                bon / "candidates.jsonl",
+                out / "bon_orm" / PREFIX_SCORES,
+                cfg.model.attn_implementation,
+                progress=False,  # in-process: its bar would land in the main log between the lanes' lines
             )
 
         stage("bon_orm", out / "bon_orm" / "report.json", out, cfg.force, timings, run_it)

@@ -47,7 +47,7 @@ def _split_of(problem_id: str) -> str | None:
     return next((s for s in SPLITS if problem_id.startswith(f"{s}-")), None)
 
 
-def _prefix_scores(scorer: Any, rows: Sequence[dict]) -> dict[tuple[str, int], list[float]]:
+def _prefix_scores(scorer: Any, rows: Sequence[dict], progress: bool = True) -> dict[tuple[str, int], list[float]]:
     """Outcome-model score of every prefix of every candidate, keyed (problem id, candidate index)."""
     keys, examples = [], []
     for row in rows:
@@ -58,20 +58,25 @@ def _prefix_scores(scorer: Any, rows: Sequence[dict]) -> dict[tuple[str, int], l
                     {"question": row["question"], "images": row["images"], "steps": [" ".join(c["steps"][: k + 1])]}
                 )
     out: dict[tuple[str, int], list[float]] = {}
-    for key, probs in zip(keys, scorer.score(examples, share_prefix=True, progress=True)):
+    for key, probs in zip(keys, scorer.score(examples, share_prefix=True, progress=progress)):
         out.setdefault(key, []).extend(probs)
     return out
 
 
-def write_outcome_prefix_scores(prm_dir: Path, candidates_file: Path, out_file: Path, attn_implementation: str) -> None:
+def write_outcome_prefix_scores(
+    prm_dir: Path, candidates_file: Path, out_file: Path, attn_implementation: str, progress: bool = True
+) -> None:
     """Score every prefix of every candidate with the outcome model, into `out_file` (JSONL: id,
     candidate index, one probability per step). `evaluate` reads it; the demo writes it in a lane
-    of its own, so the report does not wait for it (the slowest part of the evaluation)."""
+    of its own, so the report does not wait for it (the slowest part of the evaluation); there its
+    progress bar is off, since it would cut into the other lane's lines."""
     from mmprm.data.schema import read_jsonl, write_jsonl
     from mmprm.models.prm import load_prm
 
     scores = _prefix_scores(
-        load_prm(prm_dir, batch_size=32, attn_implementation=attn_implementation), read_jsonl(candidates_file)
+        load_prm(prm_dir, batch_size=32, attn_implementation=attn_implementation),
+        read_jsonl(candidates_file),
+        progress,
     )
     write_jsonl(out_file, [{"id": i, "candidate": j, "probs": probs} for (i, j), probs in scores.items()])
 
