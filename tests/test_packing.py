@@ -67,13 +67,12 @@ def test_pack_rows_refuses_rows_of_different_prompts():
 def _count_tree_blocks(monkeypatch, block=4):
     """Attend by blocks of `block` queries (the trees here are far shorter than 64 tokens) and
     record each batch's blocks, whose `calls` count the layers that ran by blocks."""
-    made = []
+    made, original = [], packing.tree_blocks
 
     def spy(sees, additive, size):
-        made.append(packing.tree_blocks.__wrapped__(sees, additive, size))
+        made.append(original(sees, additive, size))
         return made[-1]
 
-    spy.__wrapped__ = packing.tree_blocks
     monkeypatch.setattr(packing, "TREE_BLOCK", block)
     monkeypatch.setattr(packing, "tree_blocks", spy)
     return made

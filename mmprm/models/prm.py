@@ -195,9 +195,10 @@ class PRMScorer:
 
     `score(examples)` returns one probability per step per example. Candidates that share a
     question and images (Best-of-N; `share_prefix=True`) are packed into one tree
-    (`mmprm.packing`), so that their prompt and every step they repeat run once; where attention
-    takes no tree mask (flash-attn) they share one forward of the prompt, its KV cache reused for
-    every candidate. Both give the scores of the unshared path (tests).
+    (`mmprm.packing`) where that runs at most `TREE_TOKEN_SHARE` of their tokens (a policy's
+    samples repeat their steps), so that their prompt and every step they repeat run once;
+    otherwise, and where attention takes no tree mask (flash-attn), they share one forward of the
+    prompt, its KV cache reused for every candidate. Both give the scores of the unshared path (tests).
     """
 
     def __init__(
