@@ -7,8 +7,9 @@ import torch
 from PIL import Image
 
 from mmprm import packing
+from mmprm.models import prm as prm_module
 from mmprm.models.loading import load_backbone
-from mmprm.models.prm import PRMSpec, build_prm, collate_steps, model_input_keys
+from mmprm.models.prm import PRMScorer, PRMSpec, build_prm, collate_steps, model_input_keys
 from mmprm.packing import collate_packed, pack_rows, plan_packs
 from mmprm.scoring.losses import soft_bce_value
 from mmprm.steps import TokenizedSteps, tokenize_steps
@@ -212,10 +213,11 @@ def test_packed_logits_equal_row_logits_with_lora(tiny_models):
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava_1_5_hf", "internvl3_hf"])
-def test_packed_logits_equal_row_logits_on_real_chat_templates(tmp_path, family):
+def test_packed_logits_equal_row_logits_on_real_chat_templates(tmp_path, family, monkeypatch):
     """Checkpoints shaped like real ones, not our presets: Qwen2-VL's template adds a default system
     prompt, LLaVA-1.5's tokenizer prepends BOS and pads on the left, InternVL3 wraps each image in
-    context tokens. The prefix the rows share, and so the tree, comes from their own tokenization."""
+    context tokens. The prefix the rows share, and so the tree, comes from their own tokenization;
+    the packed forward attends by blocks of the tree, and scoring reads the rows back from it."""
     import sys
     from pathlib import Path
 
@@ -229,5 +231,15 @@ def test_packed_logits_equal_row_logits_on_real_chat_templates(tmp_path, family)
     plain = model(**_inputs(collate_steps(rows, _pad(processor))))
     tree = pack_rows(rows)
     assert len(tree.input_ids) < sum(len(r.input_ids) for r in rows)
+    made = _count_tree_blocks(monkeypatch)
     packed = model(**_inputs(collate_packed([tree], _pad(processor))))
     assert torch.allclose(packed[ROW_STEP_NODES], plain, atol=1e-5), family
+    assert made[0].calls == model.backbone.config.get_text_config().num_hidden_layers, family
+    # the scorer packs these rows as one tree (forced: three rows share too little to choose it)
+    monkeypatch.setattr(prm_module, "TREE_TOKEN_SHARE", 1.0)
+    scorer = PRMScorer(model, processor)
+    image = Image.new("RGB", (56, 42), (200, 30, 30))
+    scored = scorer.score([{"question": "Add the tiles.", "images": [image], "steps": s} for s, _ in STEPS])
+    assert len(made) == 2, family  # the training forward above, then the scorer's tree
+    flat = torch.tensor([x for row in scored for x in row])
+    assert torch.allclose(flat, torch.sigmoid(plain), atol=1e-5), family
