@@ -255,7 +255,13 @@ def main(argv: list[str]) -> int:
     # The loop: the engine keeps `concurrency` searches in flight; each finished problem is
     # committed to the tree file at once, so a kill loses at most the problems in flight.
     engine = AnnotationEngine(
-        backend, cfg.search, verify, backend.step_mode, cfg.engine.concurrency, cfg.engine.max_consecutive_failures
+        backend,
+        cfg.search,
+        verify,
+        backend.step_mode,
+        cfg.engine.concurrency,
+        cfg.engine.max_consecutive_failures,
+        prefix_temperature=cfg.sampling.prefix_temperature,
     )
     bar = tqdm(total=len(todo), unit="problem", desc=f"rank {rank}", dynamic_ncols=True)
     start = time.perf_counter()

@@ -402,6 +402,75 @@ def test_inverse_cdf_sampler_draws_the_warped_distribution():
     assert close(frequencies(InverseCDFSampler(1.0, 0, 0.8)), torch.tensor([10, 4, 3, 0, 0, 0]) / 17)
 
 
+def test_inverse_cdf_sampler_takes_each_rows_own_temperature():
+    """A (rows, 1) temperature tensor samples row i as the one-value sampler at T_i would."""
+    import torch
+
+    from mmprm.annotate.backends.hf import InverseCDFSampler
+
+    torch.manual_seed(0)
+    rows = 20_000
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    logits = torch.log(probs).repeat(2 * rows, 1)
+    temps = torch.tensor([0.5] * rows + [2.0] * rows).unsqueeze(1)
+    drawn = InverseCDFSampler(temps, 0, 0.9)(torch.zeros(2 * rows, 1, dtype=torch.long), logits).argmax(dim=-1)
+
+    def expected(t: float) -> torch.Tensor:  # softmax(log p / T), then top-p 0.9 renormalised
+        w = probs ** (1 / t)
+        w = w / w.sum()
+        keep = (w.cumsum(0) - w) < 0.9
+        return torch.where(keep, w, 0) / w[keep].sum()
+
+    for half, t in ((drawn[:rows], 0.5), (drawn[rows:], 2.0)):
+        got = torch.bincount(half, minlength=5).float() / rows
+        want = expected(t)
+        assert torch.all((got - want).abs() <= 4 * (want * (1 - want) / rows).sqrt() + 1e-9), (t, got, want)
+    # T = 0.5 squares the odds: p ** 2 = 0.25, 0.04, ... -> the top token 0.25 / 0.3175 = 0.787 of draws
+    assert abs((drawn[:rows] == 0).float().mean().item() - 0.787) < 0.02
+
+
+class _TemperatureLog(SimulatedPolicy):
+    """Records (prefix length, temperature) of every request it answers."""
+
+    seen: list
+
+    def generate(self, requests):
+        self.seen.extend((len(r.prefix_steps), r.temperature) for r in requests)
+        return super().generate(requests)
+
+
+@pytest.mark.parametrize("prefix_temperature", [None, 0.5])
+def test_prefix_probes_sample_at_the_prefix_temperature_and_the_root_at_the_backends(prefix_temperature):
+    policy = _TemperatureLog(random_problems(6, seed=2), seed=0)
+    policy.seen = []
+    engine = AnnotationEngine(
+        policy, SearchConfig(max_rollouts=200), exact, concurrency=6, prefix_temperature=prefix_temperature
+    )
+    records = []
+    engine.run([Problem(pid, "q", GOLD) for pid in policy.problems], records.append)
+    assert any(r["status"] == "annotated" for r in records)
+    roots = {t for depth, t in policy.seen if depth == 0}
+    probes = {t for depth, t in policy.seen if depth > 0}
+    assert roots == {None} and probes == {prefix_temperature}
+
+
+def test_hf_backend_samples_each_request_at_its_own_temperature(tiny_dirs):
+    """Rows at a near-zero temperature are the greedy text; rows at T = 1 in the same call vary."""
+    from mmprm.annotate.backends.hf import HFBackend
+
+    backend = HFBackend.from_pretrained(
+        str(tiny_dirs["qwen2"]), SamplingConfig(max_new_tokens=8, top_k=0, top_p=1.0, seed=5), batch_size=16
+    )
+    cold, hot = (
+        RolloutRequest("a", "What is 2 + 3?", [], ["It is"], 6, temperature=1e-4),
+        RolloutRequest("b", "What is 2 + 3?", [], ["It is"], 6),
+    )
+    out_cold, out_hot = backend.generate([cold, hot])
+    assert len(set(out_cold)) == 1 and len(set(out_hot)) > 1
+    (alone,) = backend.generate([RolloutRequest("a", "What is 2 + 3?", [], ["It is"], 1, temperature=1e-4)])
+    assert alone == out_cold[:1]
+
+
 def test_hf_backend_continues_the_assistant_message(tiny_dirs):
     from mmprm.annotate.backends.base import rollout_prompt
     from mmprm.models.loading import load_processor

@@ -333,6 +333,8 @@ class AnnotationEngine:
         concurrency: problems in flight; each backend call carries up to concurrency * k sequences.
         max_consecutive_failures: this many problems in a row ending in a transient error (judge
             down, ...) raise `AnnotationOutage` instead of erroring every remaining problem.
+        prefix_temperature: sampling temperature of every probe but the root's
+            (`SamplingConfig.prefix_temperature`); None: the backend's own.
     """
 
     def __init__(
@@ -343,6 +345,7 @@ class AnnotationEngine:
         step_mode: StepMode = "tags",
         concurrency: int = 64,
         max_consecutive_failures: int = 16,
+        prefix_temperature: float | None = None,
     ):
         if concurrency < 1:
             raise ValueError("engine.concurrency must be >= 1")
@@ -356,6 +359,7 @@ class AnnotationEngine:
         self.verify = verify or rule_verifier
         self.step_mode = step_mode
         self.concurrency = concurrency
+        self.prefix_temperature = prefix_temperature
         self.stats = EngineStats()
 
     def run(
@@ -415,6 +419,7 @@ class AnnotationEngine:
                     active[i].problem.images,
                     list(active[i].probe.prefix),
                     active[i].probe.n,
+                    temperature=self.prefix_temperature if active[i].probe.prefix else None,
                 )
                 for i in live
             ]

@@ -29,6 +29,8 @@ class RolloutRequest:
     images are absolute paths; prefix_steps are the steps so far (the start of the assistant turn).
     stop: extra stop strings (PRM-guided search stops at the end of one step); the requests of one
     `generate` call must share them.
+    temperature: this request's sampling temperature; None samples at the backend's
+        `sampling.temperature` (the annotation engine sets `sampling.prefix_temperature` here).
     """
 
     problem_id: str
@@ -37,6 +39,7 @@ class RolloutRequest:
     prefix_steps: list[str]
     n: int
     stop: list[str] | None = None
+    temperature: float | None = None
 
 
 @dataclass
@@ -45,6 +48,14 @@ class SamplingConfig:
 
     Attributes:
         temperature: 1.0 - sample the policy as it is, so MC values estimate its real success rate.
+        prefix_temperature: the temperature of the rollouts that continue a step prefix (the
+            binary search's probes, whose MC values label the steps); None: `temperature`. The
+            root's rollouts, the solutions the search looks for errors in, keep `temperature`.
+            Below 1 a rollout follows the prefix as the policy most often would: a wrong step's
+            MC value is less often lifted by a rollout that happens to repair it, and a right
+            step's less often lowered by a fresh slip, so the labels sit closer to the steps'
+            own correctness and the binary search lands on the first error more often; the MC
+            value then estimates a sharpened policy's success, not the policy's own.
         top_k: keep the k most likely tokens (0 turns it off); 50 cuts the long tail that only
             produces garbage steps.
         top_p: nucleus sampling mass; 0.9, with top_k, cuts that tail too.
@@ -55,6 +66,7 @@ class SamplingConfig:
     """
 
     temperature: float = 1.0
+    prefix_temperature: float | None = None
     top_k: int = 50
     top_p: float = 0.9
     max_new_tokens: int = 4096
@@ -63,6 +75,8 @@ class SamplingConfig:
     def validate(self) -> None:
         if self.temperature <= 0:
             raise ValueError("sampling.temperature must be > 0 (rollouts are sampled, not greedy)")
+        if self.prefix_temperature is not None and self.prefix_temperature <= 0:
+            raise ValueError("sampling.prefix_temperature must be > 0 or null (null: sampling.temperature)")
         if not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_new_tokens < 1:
             raise ValueError("sampling: need 0 < top_p <= 1, top_k >= 0 (0 = off), max_new_tokens >= 1")
 

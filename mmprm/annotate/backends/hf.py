@@ -40,12 +40,16 @@ class InverseCDFSampler:
     tiny model's decode step (`benchmarks/hf_sampling.py`). The distribution is the same; the
     random stream is not, so the same seed draws other tokens than `do_sample=True` would.
     The draws use torch's global generator (`torch.manual_seed` makes them reproducible).
+    `temperature` is one value, or a (rows, 1) tensor of each row's own.
     """
 
-    def __init__(self, temperature: float, top_k: int, top_p: float):
+    def __init__(self, temperature: float | torch.Tensor, top_k: int, top_p: float):
         from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-        self.warpers = [TemperatureLogitsWarper(temperature)]
+        if isinstance(temperature, torch.Tensor):
+            self.warpers = [lambda _ids, scores: scores / temperature.to(scores.device, scores.dtype)]
+        else:
+            self.warpers = [TemperatureLogitsWarper(temperature)]
         if top_k > 0:
             self.warpers.append(TopKLogitsWarper(top_k))
         if top_p < 1.0:
@@ -147,9 +151,15 @@ class HFBackend:
         # prefix leaves a short continuation) so short rollouts do not wait on long ones.
         rows.sort(key=lambda row: -len(requests[row[0]].prefix_steps))
         out: list[list[str]] = [[] for _ in requests]
-        sampler = InverseCDFSampler(self.sampling.temperature, self.sampling.top_k, self.sampling.top_p)
+        temperatures = [self.sampling.temperature if r.temperature is None else r.temperature for r in requests]
         for lo in range(0, len(rows), self.batch_size):
             chunk = rows[lo : lo + self.batch_size]
+            chunk_t = [temperatures[i] for i, _, _ in chunk]
+            if len(set(chunk_t)) == 1:
+                sampler = InverseCDFSampler(chunk_t[0], self.sampling.top_k, self.sampling.top_p)
+            else:
+                rows_t = torch.tensor(chunk_t).unsqueeze(1)
+                sampler = InverseCDFSampler(rows_t, self.sampling.top_k, self.sampling.top_p)
             texts = [t for _, t, _ in chunk]
             special = needs_special_tokens(self.tokenizer, texts[0])  # one template: same for every row
             if self.multimodal and any(imgs for _, _, imgs in chunk):

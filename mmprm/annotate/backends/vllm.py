@@ -149,7 +149,7 @@ class VLLMBackend:
         params = [
             self._vllm.SamplingParams(
                 n=req.n,
-                temperature=s.temperature,
+                temperature=s.temperature if req.temperature is None else req.temperature,
                 top_k=s.top_k,
                 top_p=s.top_p,
                 max_tokens=s.max_new_tokens,
