@@ -51,9 +51,9 @@ def test_reduced_demo_pipeline(tmp_path):
         "n=4",
         "sft=[train.max_steps=300, train.lr=3e-3, train.warmup_steps=20, model.freeze_vision_tower=false, "
         "train.eval_every=300, train.save_every=300, train.eval_generations=16, train.max_new_tokens=80]",
-        "annotate=[sampling.max_new_tokens=80, engine.concurrency=32, search.max_rollouts=48, search.max_searches=8, "
-        "export.edges=step]",
-        "prm=[train.max_steps=60, train.save_every=60, train.lr=1e-3, data.pack_trees=true, train.batch_size=2]",
+        "annotate=[sampling.max_new_tokens=80, sampling.prefix_temperature=0.5, engine.concurrency=32, "
+        "search.max_rollouts=48, search.max_searches=8, export.edges=step]",
+        "prm=[train.max_steps=60, train.save_every=60, train.lr=1e-3, data.pack_trees=true, train.batch_size=4]",
         "bon=[generate.sampling.max_new_tokens=80, generate.batch_size=64, report.resamples=200]",
         "search_problems=8",
         "search=[policy.sampling.max_new_tokens=40, bon.max_new_tokens=80, 'bon.n=[2, 4]', report.resamples=100, "
@@ -97,6 +97,9 @@ def test_reduced_demo_pipeline(tmp_path):
     assert orm_rows and all(len(e.steps) == 1 and e.labels[0] in (0.0, 1.0) for e in orm_rows)
     trees = read_jsonl(out / "mcts" / "trees.jsonl")
     assert sorted(t["id"] for t in trees) == sorted(f"ann-{i:05d}" for i in range(24))
+    # the probes' rollouts sampled at the demo's prefix temperature, the root's at 1.0
+    sampling = json.loads((out / "mcts" / "config.json").read_text())["sampling"]
+    assert sampling["prefix_temperature"] == 0.5 and sampling["temperature"] == 1.0
     # annotation ran as two ranks side by side (annotate_ranks=2), each on its half, then merged
     for rank in (0, 1):
         assert len(read_jsonl(out / "mcts" / f"trees.rank{rank}-of-2.jsonl")) == 12, rank
@@ -192,9 +195,9 @@ def test_pipeline_on_a_real_chat_template(tmp_path, family):
         "n=2",
         "sft=[train.max_steps=300, train.lr=3e-3, train.warmup_steps=10, model.freeze_vision_tower=false, "
         "train.eval_every=300, train.save_every=300, train.eval_generations=8, train.max_new_tokens=100]",
-        "annotate=[sampling.max_new_tokens=100, engine.concurrency=8, search.max_rollouts=32, search.max_searches=4, "
-        "export.edges=step]",
-        "prm=[train.max_steps=4, train.save_every=4, data.pack_trees=true, train.batch_size=2]",  # as the demo
+        "annotate=[sampling.max_new_tokens=100, sampling.prefix_temperature=0.5, engine.concurrency=8, "
+        "search.max_rollouts=32, search.max_searches=4, export.edges=step]",  # as the demo
+        "prm=[train.max_steps=4, train.save_every=4, data.pack_trees=true, train.batch_size=4]",  # as the demo
         "bon=[generate.sampling.max_new_tokens=100, generate.batch_size=16, report.resamples=50]",
         "search_problems=4",
         "search=[policy.sampling.max_new_tokens=30, bon.max_new_tokens=100, 'bon.n=[2]', report.resamples=50, "
