@@ -83,6 +83,8 @@ class SimulatedPolicy:
             last one ending in a `\\boxed{}` answer.
         delay_s: sleep per call (to make a subprocess slow enough to kill mid-run).
         unparsable: problem ids for which the policy writes prose with no steps at all.
+
+    A request's `temperature` is ignored: the error rates are the policy's, at any temperature.
     """
 
     def __init__(
