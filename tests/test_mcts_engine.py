@@ -432,7 +432,9 @@ def test_inverse_cdf_sampler_takes_each_rows_own_temperature():
 class _TemperatureLog(SimulatedPolicy):
     """Records (prefix length, temperature) of every request it answers."""
 
-    seen: list
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen: list[tuple[int, float | None]] = []
 
     def generate(self, requests):
         self.seen.extend((len(r.prefix_steps), r.temperature) for r in requests)
@@ -442,7 +444,6 @@ class _TemperatureLog(SimulatedPolicy):
 @pytest.mark.parametrize("prefix_temperature", [None, 0.5])
 def test_prefix_probes_sample_at_the_prefix_temperature_and_the_root_at_the_backends(prefix_temperature):
     policy = _TemperatureLog(random_problems(6, seed=2), seed=0)
-    policy.seen = []
     engine = AnnotationEngine(
         policy, SearchConfig(max_rollouts=200), exact, concurrency=6, prefix_temperature=prefix_temperature
     )

@@ -103,14 +103,17 @@ def hf_prompt_ids(hf: Any, request: Any) -> list[int]:
     return hf.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def vllm_outputs(backend: Any, reqs: list[Any]) -> tuple[list[list[str]], list[Any]]:
-    """The backend's texts, and the engine's own `RequestOutput`s (prompt ids included)."""
+def vllm_outputs(backend: Any, reqs: list[Any]) -> tuple[list[list[str]], list[Any], list[Any]]:
+    """The backend's texts, the engine's own `RequestOutput`s (prompt ids included), and the
+    `SamplingParams` the backend gave it, one per request."""
     seen: list[Any] = []
+    params_seen: list[Any] = []
     real = backend.llm.generate
 
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        outputs = real(*args, **kwargs)
+    def recording(prompts: Any, params: Any, **kwargs: Any) -> Any:
+        outputs = real(prompts, params, **kwargs)
         seen.extend(outputs)
+        params_seen.extend(params)
         return outputs
 
     backend.llm.generate = recording  # an instance attribute over the method, removed below
@@ -118,7 +121,7 @@ def vllm_outputs(backend: Any, reqs: list[Any]) -> tuple[list[list[str]], list[A
         texts = backend.generate(reqs)
     finally:
         del backend.llm.generate
-    return texts, seen
+    return texts, seen, params_seen
 
 
 def after_stop(text: str, stop: str) -> str:
@@ -131,7 +134,7 @@ def test_both_engines_see_the_same_prompt_continuing_the_assistant_message(engin
     from mmprm.steps import render_prefix
 
     reqs = requests(engines, 2)
-    _, outputs = vllm_outputs(fresh(engines.vllm), reqs)
+    _, outputs, _ = vllm_outputs(fresh(engines.vllm), reqs)
     tok = engines.hf.tokenizer
     for req, out in zip(reqs, outputs):
         ids = hf_prompt_ids(engines.hf, req)
@@ -180,23 +183,11 @@ def test_rollouts_stop_at_the_answer_and_parse_into_steps(engines, engine):
 def test_each_request_samples_at_its_own_temperature(engines):
     """A request's own temperature (the annotation's `sampling.prefix_temperature`) reaches its
     SamplingParams; a request without one keeps the backend's."""
-    backend = fresh(engines.of("vllm"))
     reqs = requests(engines, 2)
     reqs[1].temperature = 0.5
-    seen: list[Any] = []
-    real = backend.llm.generate
-
-    def recording(prompts: Any, params: Any, **kwargs: Any) -> Any:
-        seen.extend(params)
-        return real(prompts, params, **kwargs)
-
-    backend.llm.generate = recording  # an instance attribute over the method, removed below
-    try:
-        texts = backend.generate(reqs)
-    finally:
-        del backend.llm.generate
+    texts, _, params = vllm_outputs(fresh(engines.vllm), reqs)
     assert [len(t) for t in texts] == [2, 2]
-    assert [p.temperature for p in seen] == [1.0, 0.5]
+    assert [p.temperature for p in params] == [1.0, 0.5]
 
 
 def test_a_call_larger_than_one_engine_step_runs_whole(engines):

@@ -154,12 +154,10 @@ class HFBackend:
         temperatures = [self.sampling.temperature if r.temperature is None else r.temperature for r in requests]
         for lo in range(0, len(rows), self.batch_size):
             chunk = rows[lo : lo + self.batch_size]
-            chunk_t = [temperatures[i] for i, _, _ in chunk]
-            if len(set(chunk_t)) == 1:
-                sampler = InverseCDFSampler(chunk_t[0], self.sampling.top_k, self.sampling.top_p)
-            else:
-                rows_t = torch.tensor(chunk_t).unsqueeze(1)
-                sampler = InverseCDFSampler(rows_t, self.sampling.top_k, self.sampling.top_p)
+            row_t = [temperatures[i] for i, _, _ in chunk]
+            # One value when the chunk shares it (always, unless requests set their own).
+            t = row_t[0] if len(set(row_t)) == 1 else torch.tensor(row_t).unsqueeze(1)
+            sampler = InverseCDFSampler(t, self.sampling.top_k, self.sampling.top_p)
             texts = [t for _, t, _ in chunk]
             special = needs_special_tokens(self.tokenizer, texts[0])  # one template: same for every row
             if self.multimodal and any(imgs for _, _, imgs in chunk):
