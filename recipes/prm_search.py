@@ -19,6 +19,7 @@ time, so a run killed at any point (kill -9 included) resumes where it stopped w
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import sys
 import time
@@ -353,17 +354,21 @@ def main(argv: list[str]) -> None:
                 ]
                 probs = iter(scorer.score(examples))
                 for p, cs in zip(chunk, cands):
-                    rows = [
-                        {
-                            "steps": c["steps"],
-                            "step_probs": next(probs) if c["steps"] else [],
-                            "answer": c["answer"],
-                            "correct": answers_match(c["answer"], p.answer, p.choices),
-                            "tokens": c["tokens"],
-                            "complete": c["complete"],
-                        }
-                        for c in cs
-                    ]
+                    rows = []
+                    for c in cs:
+                        step_probs = next(probs) if c["steps"] else []
+                        kept = [q for q in step_probs if not math.isnan(q)]  # NaN: past scoring.max_length
+                        rows.append(
+                            {
+                                "steps": c["steps"],
+                                "step_probs": kept,
+                                "truncated": len(kept) < len(step_probs),
+                                "answer": c["answer"],
+                                "correct": answers_match(c["answer"], p.answer, p.choices),
+                                "tokens": c["tokens"],
+                                "complete": c["complete"],
+                            }
+                        )
                     store.append_row(f, {"id": p.id, "candidates": rows})
                 progress("[Best-of-N]", len(done) + lo + len(chunk), len(problems), t0, len(done))
         store.mark_done(path)

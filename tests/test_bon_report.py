@@ -167,6 +167,16 @@ def test_paired_bootstrap():
         paired_bootstrap(np.ones(3), np.ones(4))
 
 
+def test_curve_at_sizes_off_the_powers_of_two():
+    problems = [[cand([0.9], "9", False)] + [cand([p], "5", True) for p in (0.5, 0.4, 0.3)]]
+    curve = bon_curve(problems, ns=[4, 3])
+    assert curve.ns == [3, 4]  # sorted; of the 4 subsets of 3, only the one without the .9 is right
+    assert curve.per_problem["min"][3][0] == pytest.approx(0.25) and curve.per_problem["min"][4][0] == 0.0
+    assert bon_curve(problems).ns == [1, 2, 4]
+    with pytest.raises(ValueError, match=r"sizes \[5\] are outside 1..n_max=4"):
+        bon_curve(problems, ns=[2, 5])
+
+
 def test_input_errors():
     with pytest.raises(ValueError, match="problem 1 has 1 candidates, need at least n_max=2"):
         bon_curve([TOY[0], TOY[1][:1]], n_max=2)

@@ -177,3 +177,45 @@ def test_kill_resume_shards_and_report(inputs, tmp_path):
     assert not (tmp_path / "sharded" / "report.json").exists()
     run([*sharded, "shard.index=1", "shard.count=2"])
     assert json.loads((tmp_path / "sharded" / "report.json").read_text())["num_problems"] == 6
+
+
+@pytest.mark.slow
+def test_paths_cut_by_the_prm_max_length_are_counted_not_fatal(inputs, tmp_path):
+    from mmprm.models.prm import load_prm
+
+    policy, prm, problems = inputs
+    first = json.loads(Path(problems).read_text().splitlines()[0])
+    images = [str(Path(problems).parent / p) for p in first["images"]]
+    steps = ["The bar starts at 2.", "Adding 3 gives 2 + 3 = 5."]  # the toy policy's first two steps
+    tok = load_prm(prm, device="cpu").tokenize({**first, "images": images, "steps": steps})
+    # room for the prompt and the first step with some slack, not for the second: deeper paths are cut
+    max_length = tok.step_positions[0] + 6
+    out = tmp_path / "out"
+    res = run(
+        [
+            "--config",
+            str(YAML),
+            f"policy.path={policy}",
+            f"prm={prm}",
+            f"problems_file={problems}",
+            f"output_dir={out}",
+            f"scoring.max_length={max_length}",
+            "bon.n=[3,4]",
+            "report.resamples=50",
+            "report.trees=0",
+            "searches=[{method: beam, width: 2, expansions: 2, max_steps: 5}]",
+        ]
+    )
+    rows = lines(out / "beam_W2xM2" / "results.shard0-of-1.jsonl")
+    cut = sum(r["stats"]["cut_nodes"] for r in rows)
+    assert cut > 0, res.stdout
+    for r in rows:  # the chosen node is never one the PRM could not score to its end
+        assert r["tree"]["nodes"][r["tree"]["chosen"]]["status"] != "cut"
+    bon = [c for r in lines(out / "bon" / "candidates.shard0-of-1.jsonl") for c in r["candidates"]]
+    truncated = [c for c in bon if c["truncated"]]
+    assert truncated and all(len(c["step_probs"]) < len(c["steps"]) for c in truncated)
+    report = json.loads((out / "report.json").read_text())
+    assert report["methods"]["beam W2xM2"]["cut_nodes"] == cut
+    assert report["settings"]["bon_truncated_candidates"] == len(truncated)
+    assert {"Best-of-N (PRM min) N=3", "Best-of-N (PRM min) N=4"} <= set(report["methods"])
+    assert "Cut by the PRM's `scoring.max_length`" in (out / "report.md").read_text()

@@ -308,3 +308,77 @@ def test_store_resume_streams_ids_and_cuts_a_torn_tail_in_place(tmp_path, capsys
         store.resume(path)
     with pytest.raises(ValueError, match=r"results.shard0-of-1.jsonl:2: id=\?: line: not a JSON row"):
         store.read_rows(path)
+
+
+class CuttingPRM(ScriptedPRM):
+    """Like ScriptedPRM, but a step named in `cut` and every step after it come back NaN, as the
+    scorer returns steps past its max_length."""
+
+    def __init__(self, table: dict[str, float], cut: set[str]):
+        super().__init__(table)
+        self.cut = cut
+
+    def score(self, examples):
+        out = []
+        for probs, ex in zip(super().score(examples), examples):
+            first = next((i for i, s in enumerate(ex["steps"]) if s in self.cut), len(probs))
+            out.append(probs[:first] + [float("nan")] * (len(probs) - first))
+        return out
+
+
+@pytest.mark.parametrize("method", ["beam", "dvts", "best_first"])
+def test_a_path_cut_by_the_prm_is_never_kept_chosen_or_expanded(method):
+    # B would win on its scored prefix (A .9 < B's first step .95), but its second step is past max_length.
+    script = {(): [("A", None), ("B", None)], ("A",): [("", "5")], ("B",): [("B1", None)], ("B", "B1"): [("", "6")]}
+    policy = ScriptedPolicy(script)
+    prm = CuttingPRM({"A": 0.9, "B": 0.95, ans("A", "5"): 0.8}, cut={"B1", ans("B1", "6")})
+    cfg = SearchConfig(method, width=2, expansions=1 if method == "dvts" else 2, max_steps=4)
+    [tree] = run_search([PROBLEM], policy, prm, cfg)
+    cut = [n for n in tree.nodes if n.status == "cut"]
+    assert [n.step for n in cut] == ["B1"] and cut[0].score is None and cut[0].probs == [0.95]
+    assert not cut[0].kept and (("B", "B1"),) not in {c for call in policy.calls for c, _ in call}
+    assert tree.stats["cut_nodes"] == 1
+    chosen = tree.nodes[tree.chosen]
+    assert chosen.answer == "5" and chosen.status == "finished"
+    assert tree.to_treeval().meta["cut_nodes"] == 1
+
+
+def test_bon_sizes_off_the_powers_of_two_are_computed_exactly():
+    from mmprm.search.report import search_report
+
+    # min ranks the wrong .9 first: any subset holding it is wrong. N=4 always holds it; of the four
+    # subsets of 3 (all enumerated), one does not: N=3 is right 1/4 of the time, not N=4's 0.
+    cands = [{"step_probs": [0.9], "answer": "9", "correct": False, "tokens": 4}] + [
+        {"step_probs": [p], "answer": "5", "correct": True, "tokens": 4} for p in (0.5, 0.4, 0.3)
+    ]
+    search = [{"id": "p1", "correct": True, "stats": {"generated_tokens": 12, "prm_sequences": 3, "seconds": 1.0}}]
+    r = search_report({"beam": search}, [{"id": "p1", "candidates": cands}], bon_ns=(3, 4), n_resamples=50)
+    assert r["methods"]["Best-of-N (PRM min) N=3"]["mean"] == pytest.approx(0.25)
+    assert r["methods"]["Best-of-N (PRM min) N=4"]["mean"] == 0.0
+    assert r["methods"]["Best-of-N (PRM min) N=3"]["tokens_per_problem"] == 12.0
+
+
+def test_report_counts_cut_search_nodes_and_truncated_bon_candidates(tmp_path):
+    from mmprm.search.report import search_report, write_search_report
+
+    search = [
+        {
+            "id": "p1",
+            "correct": True,
+            "stats": {"generated_tokens": 8, "prm_sequences": 3, "seconds": 1.0, "cut_nodes": 2},
+        }
+    ]
+    bon = [
+        {
+            "id": "p1",
+            "candidates": [  # the truncated one's partial .99 must not win
+                {"step_probs": [0.99], "truncated": True, "answer": "9", "correct": False, "tokens": 9},
+                {"step_probs": [0.6, 0.7], "answer": "5", "correct": True, "tokens": 5},
+            ],
+        }
+    ]
+    r = search_report({"beam": search}, bon, bon_ns=(2,), n_resamples=50)
+    assert r["methods"]["beam"]["cut_nodes"] == 2 and r["settings"]["bon_truncated_candidates"] == 1
+    assert r["methods"]["Best-of-N (PRM min) N=2"]["mean"] == 1.0
+    md = write_search_report(r, tmp_path, "t").read_text()
+    assert "beam: 2 search nodes" in md and "Best-of-N: 1 candidates" in md

@@ -144,6 +144,7 @@ def bon_curve(
     weighted_by: str = "min",
     normalize: Callable[[str], str] | None = None,
     same: Callable[[str, str], bool] | None = None,
+    ns: Sequence[int] | None = None,
 ) -> BonCurve:
     """Per-problem Best-of-N accuracy of every method at every N.
 
@@ -155,6 +156,7 @@ def bon_curve(
         seed: seed of the subset draws.
         weighted_by: aggregator whose scores weight `weighted_vote` (must be >= 0).
         normalize, same: answer equivalence for the votes (see `answer_groups`).
+        ns: the subset sizes to compute, each in 1..n_max; default `n_values(n_max)`.
     """
     if not problems:
         raise ValueError("bon_curve: no problems")
@@ -172,7 +174,13 @@ def bon_curve(
     arr = _candidate_arrays(problems, n_max, weighted_by, normalize, same)
     rng = np.random.default_rng(seed)
     p = len(problems)
-    ns = n_values(n_max)
+    if ns is None:
+        ns = n_values(n_max)
+    else:
+        bad = [n for n in ns if not 1 <= n <= n_max]
+        if bad:
+            raise ValueError(f"bon_curve: sizes {bad} are outside 1..n_max={n_max}")
+        ns = sorted(set(ns))
     per_problem: dict[str, dict[int, np.ndarray]] = {m: {n: np.empty(p) for n in ns} for m in METHODS}
     for n in ns:
         # Problems in blocks (the draws are the same as for all at once: the generator's stream is

@@ -25,11 +25,15 @@ Methods (W = `width`, M = `expansions`):
 
 The answer is the best finished node of the tree; with none, the best node at all (no answer,
 counted wrong). Dead nodes (the proposer's text held neither a step nor an answer) are kept in
-the tree for the record but never scored or expanded.
+the tree for the record but never scored or expanded. Cut nodes (the PRM's `max_length` cut their
+path, so their last steps have no score) are kept the same way: a partial score would compare a
+middle step with other nodes' last ones, and every child would be cut too. `stats["cut_nodes"]`
+counts them.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,7 +43,7 @@ from mmprm.scoring.aggregators import AGGREGATORS
 from mmprm.steps import ANSWER_CLOSE, ANSWER_OPEN, prm_steps
 
 Method = Literal["beam", "dvts", "best_first"]
-NodeStatus = Literal["root", "open", "finished", "dead"]
+NodeStatus = Literal["root", "open", "finished", "dead", "cut"]
 
 
 @dataclass
@@ -137,8 +141,8 @@ class SearchNode:
     answer: str | None = None
     depth: int = 0
     status: NodeStatus = "open"
-    probs: list[float] = field(default_factory=list)  # PRM probability per step of prm_path
-    score: float | None = None  # aggregated over probs; None until scored (and for dead nodes)
+    probs: list[float] = field(default_factory=list)  # PRM probability per step of prm_path (cut: the scored prefix)
+    score: float | None = None  # aggregated over probs; None until scored (and for dead and cut nodes)
     tokens: int = 0
     round: int = 0
     kept: bool = False  # selected by the search to stay (beam/dvts) or expanded (best_first)
@@ -250,19 +254,23 @@ class SearchTree:
         Every scored node becomes a conclusion ("n{id}") whose parent is its parent step (first
         steps have none); its score is the PRM probability of its own step given its path (an
         answer node's is that of the last step with the answer attached). `tree.root` is the chosen
-        node, so RPTS is read along the chosen solution. Dead nodes are left out (counted in
-        `meta["dead_nodes"]`).
+        node, so RPTS is read along the chosen solution. Dead and cut nodes are left out (counted in
+        `meta["dead_nodes"]` and `meta["cut_nodes"]`).
         """
         from mmprm.treeval.tree import Node, Tree
 
         tree = Tree(
             question=self.question,
             images=list(self.images),
-            meta={"problem_id": self.problem_id, "dead_nodes": sum(n.status == "dead" for n in self.nodes)},
+            meta={
+                "problem_id": self.problem_id,
+                "dead_nodes": sum(n.status == "dead" for n in self.nodes),
+                "cut_nodes": sum(n.status == "cut" for n in self.nodes),
+            },
         )
         chosen_path = {n.id for n in self.path(self.nodes[self.chosen])} if self.chosen else set()
         for n in self.nodes[1:]:
-            if n.status == "dead" or not n.probs:
+            if n.status in ("dead", "cut") or not n.probs:
                 continue
             text = n.step if n.answer is None else f"{n.step}\n{ANSWER_OPEN}{n.answer}{ANSWER_CLOSE}".strip()
             parent = [f"n{n.parent}"] if n.parent else []
@@ -300,7 +308,7 @@ class _Search:
         raise NotImplementedError
 
     def update(self, children: list[list[SearchNode]]) -> None:
-        """Children (scored, dead ones unscored) of the nodes of the last `requests`, in order."""
+        """Children (scored; dead and cut ones unscored) of the nodes of the last `requests`, in order."""
         raise NotImplementedError
 
     def _expandable(self, node: SearchNode) -> bool:
@@ -330,7 +338,7 @@ class _BeamSearch(_Search):
         return [(n, self.cfg.expansions) for n in self.active]
 
     def update(self, children: list[list[SearchNode]]) -> None:
-        alive = [c for kids in children for c in kids if c.status != "dead"]
+        alive = [c for kids in children for c in kids if c.score is not None]
         kept = self._distinct(sorted(alive, key=lambda n: (-n.score, n.id)))[: self.cfg.width]
         for n in kept:
             n.kept = True
@@ -359,7 +367,7 @@ class _DiverseTreeSearch(_Search):
         for subtree, kids in groups.items():
             for k in kids:
                 k.meta["subtree"] = subtree
-            best = self.tree.best([k for k in kids if k.status != "dead"])
+            best = self.tree.best([k for k in kids if k.score is not None])
             if best is not None:
                 best.kept = True
                 if self._expandable(best):
@@ -388,7 +396,7 @@ class _BestFirstSearch(_Search):
     def update(self, children: list[list[SearchNode]]) -> None:
         if self.round == 0:
             self.expanded = 1
-        self.frontier += [c for kids in children for c in kids if c.status != "dead"]
+        self.frontier += [c for kids in children for c in kids if c.score is not None]
         # Nodes at the depth limit can never grow: only finished ones may stay as answers.
         self.frontier = self._distinct(
             sorted(
@@ -415,15 +423,16 @@ def run_search(
     """Search every problem (objects or dicts with id, question, images) in lockstep.
 
     Returns one `SearchTree` per problem, its `chosen` node set and `stats` holding
-    generated_tokens, proposals, prm_sequences (prefixes the PRM scored), rounds and seconds
-    (this call's wall time, split evenly: the problems share every batch).
+    generated_tokens, proposals, prm_sequences (prefixes the PRM scored), cut_nodes (prefixes the
+    PRM's max_length cut, see the module docstring), rounds and seconds (this call's wall time,
+    split evenly: the problems share every batch).
     """
     cfg.validate()
     start = time.perf_counter()
     trees = [SearchTree(str(_get(p, "id")), _get(p, "question"), list(_get(p, "images") or [])) for p in problems]
     searches = [_METHODS[cfg.method](t, cfg) for t in trees]
     for t in trees:
-        t.stats = {"generated_tokens": 0, "proposals": 0, "prm_sequences": 0, "rounds": 0}
+        t.stats = {"generated_tokens": 0, "proposals": 0, "prm_sequences": 0, "cut_nodes": 0, "rounds": 0}
     while True:
         work = [(s, node, n) for s in searches if not s.done for node, n in s.requests()]
         if not work:
@@ -451,9 +460,13 @@ def run_search(
                 ]
             )
             for (s, k), p in zip(to_score, probs):
-                k.probs = [float(x) for x in p]
-                k.score = AGGREGATORS[cfg.aggregator](k.probs)
+                k.probs = [float(x) for x in p if not math.isnan(x)]  # NaN: a step past the PRM's max_length
                 s.tree.stats["prm_sequences"] += 1
+                if len(k.probs) < len(p):
+                    k.status = "cut"
+                    s.tree.stats["cut_nodes"] += 1
+                else:
+                    k.score = AGGREGATORS[cfg.aggregator](k.probs)
         by_search: dict[int, list[list[SearchNode]]] = {}
         for (s, _, _), kids in zip(work, children):
             by_search.setdefault(id(s), []).append(kids)

@@ -54,7 +54,13 @@ def bon_points(
     n_max = max(ns)
     problems = [row["candidates"][:n_max] for row in bon_rows]
     curve = bon_curve(
-        problems, n_max=n_max, n_subsets=n_subsets, seed=seed, weighted_by="min", same=lambda a, b: answers_match(a, b)
+        problems,
+        n_max=n_max,
+        n_subsets=n_subsets,
+        seed=seed,
+        weighted_by="min",
+        same=lambda a, b: answers_match(a, b),
+        ns=ns,
     )
     per_candidate = np.asarray([np.mean([c["tokens"] for c in cands]) for cands in problems])  # (P,)
     out: dict[str, dict[int, dict[str, np.ndarray]]] = {
@@ -63,9 +69,8 @@ def bon_points(
         "single": {1: {"acc": curve.per_problem["random"][n_max], "tokens": per_candidate}},
     }
     for n in ns:
-        n_eff = n if n in curve.per_problem[aggregator] else n_max
-        out["bon_prm"][n] = {"acc": curve.per_problem[aggregator][n_eff], "tokens": per_candidate * n}
-        out["majority"][n] = {"acc": curve.per_problem["majority"][n_eff], "tokens": per_candidate * n}
+        out["bon_prm"][n] = {"acc": curve.per_problem[aggregator][n], "tokens": per_candidate * n}
+        out["majority"][n] = {"acc": curve.per_problem["majority"][n], "tokens": per_candidate * n}
     return out
 
 
@@ -111,9 +116,13 @@ def search_report(
             "prm_sequences_per_problem": float(np.mean([s["prm_sequences"] for s in st])),
             "seconds_per_problem": float(np.mean([s["seconds"] for s in st])),
             "finished_share": float(np.mean([bool(r.get("complete")) for r in rows])),
+            "cut_nodes": int(sum(s.get("cut_nodes", 0) for s in st)),
         }
+    truncated = None
     if bon_rows is not None:
         bon_rows = aligned(bon_rows, "Best-of-N rows")
+        n_max = max(bon_ns)
+        truncated = sum(bool(c.get("truncated")) for r in bon_rows for c in r["candidates"][:n_max])
         for kind, by_n in bon_points(bon_rows, bon_ns, aggregator, seed=seed).items():
             for n, pts in by_n.items():
                 label = {
@@ -161,6 +170,7 @@ def search_report(
             "n_resamples": n_resamples,
             "seed": seed,
             "bon_ns": list(bon_ns),
+            "bon_truncated_candidates": truncated,
             "tokens": "generated tokens of the policy's text (EOS and prompts not counted)",
         },
     }
@@ -199,6 +209,18 @@ def _markdown(report: dict[str, Any], title: str) -> str:
                 f"{m['search_acc']:.3f} | {m['bon_acc']:.3f} | {m['diff']:+.3f} "
                 f"[{m['ci95'][0]:+.3f}, {m['ci95'][1]:+.3f}] |"
             )
+    cut = {name: m["cut_nodes"] for name, m in report["methods"].items() if m.get("cut_nodes")}
+    truncated = report["settings"].get("bon_truncated_candidates")
+    if cut or truncated:
+        lines += [
+            "",
+            "Cut by the PRM's `scoring.max_length` (their last steps unscored; raise it to score them): "
+            + "; ".join(
+                [f"{name}: {n} search nodes, never kept or chosen" for name, n in cut.items()]
+                + ([f"Best-of-N: {truncated} candidates, ranked last by the PRM"] if truncated else [])
+            )
+            + ".",
+        ]
     lines += ["", "![accuracy vs generated tokens](search_vs_bon.png)", ""]
     return "\n".join(lines)
 
