@@ -190,3 +190,25 @@ def test_empty_candidate_scores_as_empty_list(tiny_models):
         [{"question": "Q", "steps": []}, {"question": "Q", "steps": ["a"]}, {"question": "Q", "steps": ["b", "c"]}]
     )
     assert [len(s) for s in out] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])  # the M-RoPE architectures
+@pytest.mark.parametrize("sharing", ["trees", "prompt_cache", "none"])
+def test_scores_do_not_depend_on_what_was_scored_before(tiny_models, arch, sharing, monkeypatch):
+    """M-RoPE models keep the last image's position offset on the module; a text-only group scored
+    after an image group must not inherit it."""
+    import mmprm.models.prm as prm_module
+
+    monkeypatch.setattr(prm_module, "TREE_TOKEN_SHARE", 1.0)  # trees even where they share little
+    if sharing == "prompt_cache":
+        monkeypatch.setattr(prm_module, "_packs_trees", lambda backbone: False)
+    cands = [["Tile 1 is 3.", "3 + 4 = 7."], ["Tile 1 is 5.", "5 + 4 = 9.", "So 9."], ["7."]]
+    text = [{"question": "Add the tiles.", "images": [], "steps": s} for s in cands]
+    image = [{"question": "Add the tiles.", "images": _images(arch, 1, (56, 56)), "steps": s} for s in cands]
+    share = sharing != "none"
+    fresh = PRMScorer(*_prm(tiny_models, arch, "value"), batch_size=3).score(text, share_prefix=share)
+    scorer = PRMScorer(*_prm(tiny_models, arch, "value"), batch_size=3)
+    before = scorer.score(text, share_prefix=share)
+    scorer.score(image, share_prefix=share)
+    after = scorer.score(text, share_prefix=share)
+    assert before == after == fresh

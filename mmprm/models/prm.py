@@ -358,9 +358,7 @@ class PRMScorer:
         prefix_ids = torch.tensor([first[:prefix_len]], device=self.device)
         pre = decoder(input_ids=prefix_ids, attention_mask=torch.ones_like(prefix_ids), use_cache=True, **mm)
         cache = pre.past_key_values
-        # M-RoPE models (Qwen2-VL family) shift text positions after images by a per-sequence delta.
-        delta = getattr(decoder, "rope_deltas", None)
-        delta = int(delta.reshape(-1)[0]) if isinstance(delta, torch.Tensor) else 0
+        delta = _mrope_delta(decoder, prefix_ids, mm)
         out: list[list[float]] = [[] for _ in toks]
         order = sorted(range(len(toks)), key=lambda i: len(toks[i].input_ids))
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -394,6 +392,18 @@ class PRMScorer:
                 out[i] = probs[pos : pos + c]
                 pos += c
         return out
+
+
+def _mrope_delta(decoder: nn.Module, input_ids: torch.Tensor, model_inputs: dict[str, torch.Tensor]) -> int:
+    """How far M-RoPE models (the Qwen2-VL family) shift the text after this prompt's images: its
+    last position is `len - 1 + delta`. Computed from these inputs alone: the model's own
+    `rope_deltas` is the last image input's, kept across calls without images."""
+    grids = {k: model_inputs[k] for k in ("image_grid_thw", "video_grid_thw") if k in model_inputs}
+    rope_index = getattr(decoder, "get_rope_index", None)
+    if rope_index is None or not grids:
+        return 0
+    _, delta = rope_index(input_ids, mm_token_type_ids=model_inputs["mm_token_type_ids"], **grids)
+    return int(delta.reshape(-1)[0])
 
 
 SCORE_PACK_TOKENS = 4096  # most tokens in one packed group (prm_train's pack_tokens default)
