@@ -34,7 +34,7 @@ from mmprm.annotate.search import SearchConfig
 from mmprm.annotate.simulated import GOLD, SimProblem, SimulatedPolicy, random_problems
 from mmprm.chat import EndpointUnavailable
 from mmprm.data.problems import load_problems
-from mmprm.data.schema import DataError
+from mmprm.data.schema import DataError, ImageReadError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -367,7 +367,8 @@ def test_hf_backend_samples_n_continuations_reproducibly(tiny_dirs, tmp_path):
     with pytest.raises(RolloutInputError) as err:
         backend.generate([reqs[1], RolloutRequest("c", "<image1> <image2>", [img], [], 1)])
     assert err.value.index == 1 and "problem c" in str(err.value)
-    with pytest.raises(RolloutInputError, match="not found|No such file"):
+    # A file gone since the problems were checked is the filesystem's doing: an outage, not the problem's error
+    with pytest.raises(ImageReadError, match="gone.png: could not read the file"):
         backend.generate([RolloutRequest("d", "Q", [str(tmp_path / "gone.png")], [], 1)])
     text_only = HFBackend.from_pretrained(str(tiny_dirs["qwen2"]), sampling)
     with pytest.raises(RolloutInputError, match="text-only"):
@@ -665,3 +666,69 @@ def test_a_second_worker_on_a_held_rank_file_stops_naming_the_holder(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     TreeFile(path).close()
+
+
+def test_load_image_retries_reads_and_never_retries_decoding(tmp_path, monkeypatch):
+    import errno
+
+    from mmprm.data import schema
+
+    good = tmp_path / "good.png"
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(good)
+    real_read = Path.read_bytes
+    failures = {"left": 2, "calls": 0}
+
+    def flaky_read(self):
+        failures["calls"] += 1
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OSError(errno.EIO, "Input/output error", str(self))
+        return real_read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", flaky_read)
+    assert schema.load_image(good, wait=0).getpixel((0, 0)) == (1, 2, 3) and failures["calls"] == 3
+    failures.update(left=5, calls=0)
+    with pytest.raises(schema.ImageReadError, match=r"good.png: could not read the file \(OSError"):
+        schema.load_image(good, wait=0)
+    assert failures["calls"] == 3
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image at all")
+    failures.update(left=0, calls=0)
+    with pytest.raises(OSError) as e:
+        schema.load_image(bad, wait=0)
+    assert not isinstance(e.value, schema.ImageReadError) and failures["calls"] == 1
+
+
+def test_an_image_read_error_is_an_outage_and_a_bad_image_a_permanent_error(tiny_dirs, tmp_path, monkeypatch):
+    """A flaky filesystem must not cost a problem for good: the run stops with nothing recorded for
+    it, and a rerun annotates it; an image that reads but does not decode is the input's fault."""
+    import errno
+
+    from mmprm.annotate.backends.hf import HFBackend
+    from mmprm.data import schema
+
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(tmp_path / "ok.png")
+    (tmp_path / "corrupt.png").write_bytes(b"\x89PNG but nothing after")
+    Image.new("RGB", (56, 56), (30, 200, 30)).save(tmp_path / "nfs.png")
+    real_read, down = Path.read_bytes, {"nfs": True}
+
+    def read(self):
+        if self.name == "nfs.png" and down["nfs"]:
+            raise OSError(errno.ESTALE, "Stale file handle", str(self))
+        return real_read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read)
+    monkeypatch.setattr(schema.time, "sleep", lambda s: None)
+    backend = HFBackend.from_pretrained(str(tiny_dirs["qwen2_vl"]), SamplingConfig(max_new_tokens=8), batch_size=32)
+    cfg = SearchConfig(rollouts_per_estimate=2, max_rollouts=4)
+    q = "<image1> What is 2 + 3?"
+    problems = [Problem(name, q, "5", [str(tmp_path / f"{name}.png")]) for name in ("ok", "corrupt", "nfs")]
+    records = []
+    with pytest.raises(AnnotationOutage, match="ImageReadError: .*nfs.png: could not read the file"):
+        AnnotationEngine(backend, cfg, concurrency=1).run(problems, records.append)
+    by_id = {r["id"]: r for r in records}
+    assert by_id["corrupt"]["status"] == "error" and by_id["corrupt"]["error_kind"] == "permanent"
+    assert "nfs" not in by_id and by_id["ok"]["status"] == "no_steps"
+    down["nfs"] = False  # the filesystem is back: the rerun does the problem
+    AnnotationEngine(backend, cfg, concurrency=1).run([problems[2]], records.append)
+    assert records[-1]["id"] == "nfs" and records[-1]["status"] == "no_steps"

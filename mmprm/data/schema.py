@@ -18,10 +18,12 @@ raises `DataError` listing every problem as `FILE:LINE: id=...: field: what is w
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
 import secrets
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,15 +123,37 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, s
             yield lineno, obj, None
 
 
-def load_image(image: Any) -> Any:
-    """A path opened as an RGB image (the processors expect 3 channels) and its file closed; an
-    image object passes through as it is."""
-    if isinstance(image, (str, Path)):
-        from PIL import Image
+class ImageReadError(OSError):
+    """An image file could not be read (an I/O error, a network filesystem's stale handle or
+    timeout) even after retries. A later run may read it: callers treat this as an outage to
+    rerun, never as a bad input to skip for good. A file that reads but does not decode is a
+    plain OSError from PIL, and is the input's fault."""
 
-        with Image.open(image) as im:
-            return im.convert("RGB")
-    return image
+
+def load_image(image: Any, attempts: int = 3, wait: float = 0.5) -> Any:
+    """A path opened as an RGB image (the processors expect 3 channels); an image object passes
+    through as it is.
+
+    Reading the bytes is retried `attempts` times, `wait` seconds doubling between tries, then
+    raises `ImageReadError`; decoding is not retried (its errors are the file's content).
+    """
+    if not isinstance(image, (str, Path)):
+        return image
+    from PIL import Image
+
+    for attempt in range(attempts):
+        try:
+            data = Path(image).read_bytes()
+            break
+        except OSError as e:
+            if attempt == attempts - 1:
+                raise ImageReadError(
+                    f"{image}: could not read the file ({type(e).__name__}: {e}) in {attempts} tries; "
+                    "check the filesystem, then rerun"
+                ) from e
+            time.sleep(wait * 2**attempt)
+    with Image.open(io.BytesIO(data)) as im:
+        return im.convert("RGB")
 
 
 def _check_image(path: Path, cache: dict[Path, str | None]) -> str | None:

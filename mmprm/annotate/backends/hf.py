@@ -27,6 +27,7 @@ from mmprm.annotate.backends.base import (
     rollout_prompt,
     stop_strings,
 )
+from mmprm.data.schema import ImageReadError
 from mmprm.steps import needs_special_tokens
 
 
@@ -138,6 +139,8 @@ class HFBackend:
             text = rollout_prompt(
                 self.processor, req.question, len(images), req.prefix_steps, self.step_mode, self.system
             )
+        except ImageReadError:
+            raise  # the filesystem's fault, not the problem's: an outage that a rerun retries
         except (OSError, ValueError) as e:
             raise RolloutInputError(index, f"problem {req.problem_id}: {e}") from e
         return text, images

@@ -36,6 +36,7 @@ from mmprm.annotate.backends.base import (
     rollout_prompt,
     stop_strings,
 )
+from mmprm.data.schema import ImageReadError
 from mmprm.steps import needs_special_tokens
 
 # Launcher variables that would make vLLM think it is part of a torch.distributed job; each
@@ -136,6 +137,8 @@ class VLLMBackend:
                 text = rollout_prompt(
                     self.processor, req.question, len(images), req.prefix_steps, self.step_mode, self.system
                 )
+            except ImageReadError:
+                raise  # the filesystem's fault, not the problem's: an outage that a rerun retries
             except (OSError, ValueError) as e:
                 raise RolloutInputError(i, f"problem {req.problem_id}: {e}") from e
             prompt: dict[str, Any] = {"prompt": text}
