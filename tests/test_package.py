@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -53,3 +55,48 @@ def test_every_cli_command_resolves_to_a_function():
 
     for name, (module, func, _) in COMMANDS.items():
         assert callable(getattr(importlib.import_module(module), func)), name
+
+
+def _requirement_name(req: str) -> str:
+    import re
+
+    return re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0].lower().replace("_", "-")
+
+
+# Imported under another name than the distribution's (PIL is pillow's, yaml is pyyaml's, ...).
+_DIST_OF = {"PIL": "pillow", "yaml": "pyyaml", "flash_attn": "flash-attn", "math_verify": "math-verify"}
+# Packages whose own imports need more than they declare: what they need is ours to declare.
+_UNDECLARED_NEEDS = {"trl": ["requests"]}  # trl's GRPOTrainer imports its vLLM client, which needs requests
+
+
+def test_every_imported_package_is_declared():
+    """A fresh environment installs only what pyproject.toml names: every third-party package that
+    the library, recipes, tests or benchmarks import must be named there (in the core or an
+    extra), not arrive as some other package's dependency."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = {_requirement_name(r) for r in project["dependencies"]}
+    for reqs in project["optional-dependencies"].values():
+        declared |= {_requirement_name(r) for r in reqs}
+    local = {p.stem for d in ("tests", "benchmarks", "recipes") for p in (REPO / d).glob("*.py")}
+    local |= {"mmprm", "recipes", "tests", "benchmarks"}
+    imported: dict[str, str] = {}
+    for folder in ("mmprm", "recipes", "tests", "benchmarks"):
+        for path in (REPO / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    top = name.split(".")[0]
+                    if top not in sys.stdlib_module_names and top not in local and top != "__future__":
+                        imported.setdefault(top, str(path.relative_to(REPO)))
+    needed = {_DIST_OF.get(m, m).lower().replace("_", "-"): where for m, where in imported.items()}
+    for dist, extra in _UNDECLARED_NEEDS.items():
+        if dist in needed:
+            needed |= {e: f"{dist} (undeclared by it)" for e in extra}
+    missing = {dist: where for dist, where in needed.items() if dist not in declared}
+    assert missing == {}, f"imported but not declared in pyproject.toml (dist: first importer): {missing}"
