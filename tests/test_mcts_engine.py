@@ -668,6 +668,31 @@ def test_a_second_worker_on_a_held_rank_file_stops_naming_the_holder(tmp_path):
     TreeFile(path).close()
 
 
+def test_a_filesystem_without_locks_warns_and_goes_on(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from mmprm.annotate import engine
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(engine.fcntl, "flock", no_locks)
+    path = tmp_path / tree_file_name(0, 1)
+    trees = TreeFile(path)
+    trees.append({"id": "a", "status": "no_steps"})
+    trees.close()
+    err = capsys.readouterr().err
+    assert f"the filesystem of {tmp_path} does not support file locks" in err and "start only one" in err
+    assert [r["id"] for r in iter_records(path)] == ["a"]
+
+    def broken(fd, op):  # any other error is still an error
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(engine.fcntl, "flock", broken)
+    with pytest.raises(OSError, match="Input/output error"):
+        TreeFile(path)
+
+
 def test_load_image_retries_reads_and_never_retries_decoding(tmp_path, monkeypatch):
     import errno
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -107,9 +108,16 @@ def iter_records(path: str | Path, repair: bool = False) -> Iterator[dict[str, A
         yield rec
 
 
+# What flock raises on a filesystem that has no locks (some NFS mounts, FUSE and object-store mounts).
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
 def _hold_lock(path: Path, tree_file: Path) -> Any:
     """Take the exclusive lock on `path` (kept open, so the OS drops it when the process ends,
-    even on kill -9) and write who holds it; raise RankBusyError naming the live holder."""
+    even on kill -9) and write who holds it; raise RankBusyError naming the live holder.
+
+    Where the filesystem has no flock, the worker goes on unguarded and says so: stopping every
+    rank there would leave no way to annotate on it at all."""
     f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the worker's lifetime: that is the lock
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -126,6 +134,16 @@ def _hold_lock(path: Path, tree_file: Path) -> Any:
             "would annotate every problem twice. Let it finish or stop it (a stopped or crashed worker releases "
             "the lock), or give this run another output_dir or rank."
         ) from None
+    except OSError as e:
+        if e.errno not in _NO_FLOCK:
+            raise
+        print(
+            f"warning: the filesystem of {path.parent} does not support file locks (flock: {e.strerror}); "
+            f"{tree_file} is not guarded against a second worker on the same output_dir and rank: start only "
+            "one, or put output_dir on a local or lock-capable filesystem",
+            file=sys.stderr,
+            flush=True,
+        )
     f.seek(0)
     f.truncate()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
