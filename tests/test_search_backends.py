@@ -246,3 +246,22 @@ def test_image_cache_decodes_once_and_keeps_the_most_recent(tmp_path, monkeypatc
     assert cache(paths[0]) is a and opened == paths
     cache(paths[1])
     assert opened == [*paths, paths[1]] and a.getpixel((0, 0)) == (0, 0, 0)
+
+
+def test_each_rank_pins_its_own_gpu_inside_an_allocation(monkeypatch):
+    """Inside a Slurm allocation CUDA_VISIBLE_DEVICES already lists the node's GPUs: each rank must
+    take its own entry of that list, not the whole list (every engine would open the first GPU)."""
+    from mmprm.annotate.backends.vllm import local_gpu, pin_local_gpu
+
+    assert [local_gpu("0,1,2,3,4,5,6,7", str(r)) for r in range(8)] == [str(r) for r in range(8)]
+    assert local_gpu("4,5,6,7", "1") == "5" and local_gpu(None, "3") == "3"
+    assert local_gpu("6", "3") is None and local_gpu("0,1", None) is None
+    with pytest.raises(ValueError, match="local rank 2 but CUDA_VISIBLE_DEVICES=0,1 lists 2 GPUs"):
+        local_gpu("0,1", "2")
+    for env, want in [({"CUDA_VISIBLE_DEVICES": "0,1,2,3", "SLURM_LOCALID": "3"}, "3"), ({"LOCAL_RANK": "1"}, "1")]:
+        for key in ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "SLURM_LOCALID"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        pin_local_gpu()
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == want

@@ -62,14 +62,40 @@ def _independent_engine() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def pin_local_gpu() -> None:
-    """Under torchrun/accelerate/srun on a multi-GPU node, give this rank its own GPU.
+def local_gpu(visible: str | None, local_rank: str | None) -> str | None:
+    """The CUDA_VISIBLE_DEVICES this rank's engine should see, or None to leave it as it is.
 
-    Must run before CUDA is initialised; a CUDA_VISIBLE_DEVICES set by the user wins.
+    No launcher rank: as it is. Unset: the GPU numbered by the local rank. A list of several
+    (what a Slurm allocation or a user sets for the whole node): its local-rank-th entry, so eight
+    ranks do not all open the first GPU. One entry: already narrowed to this rank (srun's
+    --gpus-per-task, or a user), kept.
+
+    >>> local_gpu("0,1,2,3", "2"), local_gpu(None, "2"), local_gpu("5", "2"), local_gpu("0,1", None)
+    ('2', '2', None, None)
     """
-    local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID"))
-    if local is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        os.environ["CUDA_VISIBLE_DEVICES"] = local
+    if local_rank is None:
+        return None
+    if visible is None:
+        return local_rank
+    devices = [d.strip() for d in visible.split(",") if d.strip()]
+    if len(devices) <= 1:
+        return None
+    if int(local_rank) >= len(devices):
+        raise ValueError(
+            f"local rank {local_rank} but CUDA_VISIBLE_DEVICES={visible} lists {len(devices)} GPUs: start at most "
+            f"{len(devices)} processes per node"
+        )
+    return devices[int(local_rank)]
+
+
+def pin_local_gpu() -> None:
+    """Under torchrun/accelerate/srun on a multi-GPU node, give this rank's engine its own GPU
+    (`local_gpu`). Must run before CUDA is initialised."""
+    pinned = local_gpu(
+        os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID"))
+    )
+    if pinned is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = pinned
 
 
 class VLLMBackend:
