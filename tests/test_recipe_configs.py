@@ -189,3 +189,38 @@ def test_a_missing_model_directory_names_its_key_before_any_loading(tmp_path):
                 f"output_dir={tmp_path / 'bon'}",
             ]
         )
+
+
+GPU_MARKERS = ("torchrun", "--num_processes 8", "sbatch", "srun", "backend=vllm", "shard.count=8", "--nproc")
+
+
+def readme_gpu_commands() -> list[str]:
+    """The README's commands (continuation lines joined) that run on GPUs."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        cmd = ""
+        for line in block.splitlines():
+            if line.strip().startswith("#"):
+                continue
+            cmd += line.rstrip().removesuffix("\\") + " "
+            if not line.rstrip().endswith("\\"):
+                if any(m in cmd for m in GPU_MARKERS):
+                    commands.append(" ".join(cmd.split()))
+                cmd = ""
+    return commands
+
+
+def test_readme_gpu_commands_name_real_configs_that_take_their_overrides():
+    """A tiny config on a GPU runs a 7B in fp32 with 128 new tokens: every GPU command of the README
+    names a real config, and its config loads with the overrides the command gives."""
+    commands = readme_gpu_commands()
+    assert len(commands) >= 4
+    for cmd in commands:
+        assert "configs/tiny/" not in cmd, f"README GPU command names a tiny config: {cmd}"
+        config = re.search(r"recipes/(\w+)\.py --config (recipes/configs/\S+)", cmd)
+        if config is None:
+            continue  # a placeholder (CONFIG.yaml), or an sbatch line naming its config in CONFIG=
+        recipe, path = config.groups()
+        overrides = [w for w in cmd.split(path, 1)[1].split() if "=" in w and not w.startswith("-")]
+        load_config(config_class(recipe), str(REPO / path), overrides)
