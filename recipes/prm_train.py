@@ -370,12 +370,12 @@ def main(argv: list[str]) -> None:
     )
     t0, tokens_seen, running = time.time(), 0, []
     while progress.step < cfg.train.max_steps:
-        micro_batches = [
-            rank_share(stream.next(), accelerator.process_index, accelerator.num_processes)
-            for _ in range(cfg.train.grad_accum)
-        ]
-        # average per step token over the whole accumulation window, not per micro-batch
-        n_steps_total = sum(unit_steps[i] for mb in micro_batches for i in mb)
+        global_batches = [stream.next() for _ in range(cfg.train.grad_accum)]
+        micro_batches = [rank_share(b, accelerator.process_index, accelerator.num_processes) for b in global_batches]
+        # The loss is a mean over the step tokens of the whole window on all ranks, so a step token
+        # weighs the same whichever rank and micro-batch run it. Every rank holds the global batches,
+        # so each counts them all without a collective.
+        n_steps_total = sum(unit_steps[i] for b in global_batches for i in b)
         step_loss_sum = 0.0
         for k, idx in enumerate(micro_batches):
             batch, items = train_collate(idx)
@@ -400,10 +400,14 @@ def main(argv: list[str]) -> None:
                         f"non-finite loss {loss.item()} at step {progress.step}, micro-batch {k}, "
                         f"example ids {ids}: lower train.lr or check these rows"
                     )
-                # backward() divides by grad_accum; this makes the window a mean over its step tokens
-                accelerator.backward(loss * row_steps * cfg.train.grad_accum / max(1, n_steps_total))
+                # backward() divides by grad_accum and DDP / DeepSpeed average the ranks' gradients:
+                # both undone, the window's gradient is that of the mean over its step tokens
+                scale = cfg.train.grad_accum * accelerator.num_processes / max(1, n_steps_total)
+                accelerator.backward(loss * row_steps * scale)
             step_loss_sum += loss.item() * row_steps / max(1, n_steps_total)
             tokens_seen += run_tokens(batch)
+        # this rank's share of the window's mean; the ranks' shares add up to the loss trained on
+        step_loss_sum = accelerator.reduce(torch.tensor(step_loss_sum, device=accelerator.device), "sum").item()
         if cfg.train.max_grad_norm > 0:
             accelerator.clip_grad_norm_(trainable, cfg.train.max_grad_norm)
         optimizer.step()

@@ -206,6 +206,60 @@ def test_two_process_ddp(tiny_models, toy, tmp_path, head):
     assert ev_rows and math.isfinite(ev_rows[-1]["bce"])
 
 
+def write_uneven_tree_data(out_dir, n):
+    """n toy problems whose trees hold 1 to 4 rows (2, 3, 5 and 7 step tokens per pack), so the
+    ranks of a global batch get packs of different sizes."""
+    src = write_toy_prm_data(out_dir, n, 0)
+    rows = []
+    for i, r in enumerate(map(json.loads, src.read_text().splitlines())):
+        first = r["steps"][0]
+        tree = [
+            r,
+            {**r, "id": r["id"] + "/prefix", "steps": [first], "labels": r["labels"][:1]},
+            {**r, "id": r["id"] + "/branch", "steps": [first, "So it is 7."], "labels": [r["labels"][0], 0.4]},
+            {**r, "id": r["id"] + "/other", "steps": [first, "So it is 8."], "labels": [r["labels"][0], 0.6]},
+        ]
+        rows += tree[: i % 4 + 1]
+    train = out_dir / "uneven_tree.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return train
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "rows"])
+def test_two_processes_train_the_weights_of_one_on_the_same_global_batch(tiny_models, tmp_path, packed):
+    """A step token weighs the same whichever rank runs it: 2 ranks of batch 2 with packs (or rows)
+    of unequal step counts train the weights of 1 rank of batch 4, accumulation included."""
+    train = write_uneven_tree_data(tmp_path / "toy", 8)
+    args = [*common(tiny_models("qwen2_vl"), train, "null", tmp_path / "x", steps=3), "prm.head=value"]
+    # group_by_length would sort the batch so that the strided shares hold equal step counts
+    args += [
+        "train.warmup_steps=0",
+        "train.grad_accum=2",
+        "train.group_by_length=false",
+        f"data.pack_trees={str(packed).lower()}",
+    ]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_recipe("prm_train", *args, f"output_dir={one}", "train.batch_size=4")
+    res = run_recipe(
+        "prm_train",
+        *args,
+        f"output_dir={two}",
+        "train.batch_size=2",
+        launcher=cpu_ddp_launcher(),
+        extra_env={"ACCELERATE_USE_CPU": "true"},
+    )
+    assert json.loads((two / "config.resolved.json").read_text())["num_processes"] == 2
+    if packed:
+        assert "tree packing: 20 rows in 8 packs" in res.stdout + res.stderr
+    for name in ("model.safetensors", "value_head.safetensors"):
+        a, b = load_file(one / name), load_file(two / name)
+        worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+        assert worst <= 1e-4, f"{name}: 2 ranks train other weights than 1 rank, by {worst}"
+    loss = [r["loss"] for r in read_metrics(two, "train")]
+    assert loss == pytest.approx([r["loss"] for r in read_metrics(one, "train")], abs=1e-4)
+
+
 @pytest.mark.slow
 def test_two_processes_with_a_row_count_that_used_to_starve_a_rank(tiny_models, tmp_path):
     # 9 rows, 2 processes x batch 4: the epoch's second global batch held 1 row, so rank 1 got an
