@@ -457,8 +457,9 @@ def main(argv: list[str]) -> None:
 
     # ---- save -----------------------------------------------------------------------------
     accelerator.wait_for_everyone()
-    # ZeRO-3 shards every weight: all ranks gather the full state dict, then rank 0 writes it.
-    state = None if cfg.model.lora.enabled else accelerator.get_state_dict(model)
+    # ZeRO-3 shards every weight, LoRA's base weights and adapters included: all ranks gather the
+    # full state dict, then rank 0 writes it (merging LoRA into a copy that holds these weights).
+    state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         save_prm(accelerator.unwrap_model(model), processor, out_dir, state_dict=state)
         log(f"saved PRM to {out_dir} (load with mmprm.load_prm('{out_dir}'))")

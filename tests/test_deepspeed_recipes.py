@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from ports import free_port
-from recipe_runs import read_metrics, run_recipe
+from recipe_runs import REPO, read_metrics, run_recipe
 from safetensors.torch import load_file
 from toy_data import write_toy_prm_data
 
@@ -30,11 +30,14 @@ EMBED = "backbone.model.language_model.embed_tokens.weight"
 LM_HEAD = "backbone.lm_head.weight"
 
 
-def launch(recipe: str, stage: int, processes: int, *overrides: str, bf16: bool = False) -> str:
-    """`accelerate launch --config_file launch/accelerate/deepspeed_zeroN.yaml` as a user types it."""
+def launch(
+    recipe: str, stage: int, processes: int, *overrides: str, bf16: bool = False, config_file: Path | None = None
+) -> str:
+    """`accelerate launch --config_file launch/accelerate/deepspeed_zeroN.yaml` as a user types it
+    (or `config_file`)."""
     launcher = [
         sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", f"launch/accelerate/deepspeed_zero{stage}.yaml",
+        "--config_file", str(config_file or f"launch/accelerate/deepspeed_zero{stage}.yaml"),
         "--num_processes", str(processes),
         "--main_process_port", str(free_port()),
         "--mixed_precision", "bf16" if bf16 else "no",
@@ -150,6 +153,42 @@ def test_tree_packed_prm_train_under_zero3_two_processes(model_128, toy, tmp_pat
     assert last < first, f"loss did not go down ({first:.4f} -> {last:.4f})"
     check_partitions(out, 3, 2, [EMBED, LM_HEAD], 1025 * 128)
     assert round_trip_diff(out, ev) <= 1e-5
+
+
+def zero3_partitioning_everything(folder: Path) -> Path:
+    """launch/accelerate/deepspeed_zero3.yaml with stage3_param_persistence_threshold 0: every
+    weight is partitioned, the 128 x 128 projections and LoRA adapters of the tiny model too."""
+    ds = json.loads((REPO / "launch" / "deepspeed" / "zero3.json").read_text())
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    (folder / "zero3.json").write_text(json.dumps(ds))
+    shipped = (REPO / "launch" / "accelerate" / "deepspeed_zero3.yaml").read_text()
+    assert "launch/deepspeed/zero3.json" in shipped and "zero3_init_flag: true" in shipped
+    config = folder / "deepspeed_zero3.yaml"
+    config.write_text(shipped.replace("launch/deepspeed/zero3.json", str(folder / "zero3.json")))
+    return config
+
+
+def test_lora_prm_train_under_zero3_two_processes_saves_what_it_trained(model_128, toy, tmp_path):
+    """The final save merges LoRA into weights that ZeRO-3 holds in slices over two ranks: the
+    saved PRM scores the eval rows as the trained model did in memory, and its merged
+    projections are the base weights plus the trained adapters."""
+    out = tmp_path / "prm"
+    lora = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8", "model.lora.dropout=0"]
+    launch(
+        "prm_train", 3, 2, *prm_args(model_128, toy, out, steps=12), *lora,
+        config_file=zero3_partitioning_everything(tmp_path),
+    )  # fmt: skip
+    q_proj = "backbone.base_model.model.model.language_model.layers.0.self_attn.q_proj"
+    check_partitions(out, 3, 2, [f"{q_proj}.base_layer.weight"], 128 * 128)
+    check_partitions(out, 3, 2, [f"{q_proj}.lora_A.default.weight"], 4 * 128)
+    saved = load_file(out / "model.safetensors")
+    start = load_file(model_128 / "model.safetensors")
+    weight = "model.layers.0.self_attn.q_proj.weight"  # the checkpoint layout transformers saves
+    assert saved[weight].shape == start[weight].shape == (128, 128)
+    assert (saved[weight] - start[weight]).abs().max() > 0  # the adapters were merged in
+    diff = round_trip_diff(out, toy[1])
+    print(f"  LoRA load_prm round trip max |diff| = {diff:.2e}")
+    assert diff <= 1e-5
 
 
 @pytest.fixture(scope="module")

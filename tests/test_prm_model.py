@@ -212,3 +212,30 @@ def test_scores_do_not_depend_on_what_was_scored_before(tiny_models, arch, shari
     scorer.score(image, share_prefix=share)
     after = scorer.score(text, share_prefix=share)
     assert before == after == fresh
+
+
+@pytest.mark.parametrize("gathered", [True, False], ids=["state_dict", "module"])
+def test_saved_lora_prm_scores_as_the_model_in_memory(tiny_models, tmp_path, gathered):
+    """save_prm merges LoRA from the module's weights or from a gathered state dict (what prm_train
+    passes, ZeRO-3 or not) into a copy: the saved PRM scores as the model did, which is left as it was."""
+    from peft import LoraConfig, get_peft_model
+
+    from mmprm.models.prm import load_prm, save_prm
+
+    model, processor = _prm(tiny_models, "qwen2_vl", head="value")
+    model.backbone = get_peft_model(model.backbone, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # adapters start at zero: give them something to merge
+                p.normal_(std=0.5, generator=torch.Generator().manual_seed(len(name)))
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ex = [{"question": "Sum?", "images": _images("qwen2_vl"), "steps": ["2 + 3 = 5.", "So 5."]}]
+    expected = PRMScorer(model, processor).score(ex)[0]
+    with model.backbone.disable_adapter():
+        unmerged = PRMScorer(model, processor).score(ex)[0]
+    assert unmerged != pytest.approx(expected, abs=1e-3)  # the adapters move the scores
+    save_prm(model, processor, tmp_path, state_dict=model.state_dict() if gathered else None)
+    assert load_prm(tmp_path).score(ex)[0] == pytest.approx(expected, abs=1e-6)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -489,6 +489,7 @@ def save_prm(
 
     `state_dict` is the full wrapper state gathered across ranks (ZeRO-3 shards every weight, so
     the local module alone holds empty parameters); without it the module's own weights are saved.
+    LoRA is merged into a copy of the backbone that holds these weights; `state_dict` is not changed.
     """
     from safetensors.torch import save_file
 
@@ -500,8 +501,13 @@ def save_prm(
         backbone_sd = {k[len("backbone.") :]: v for k, v in state_dict.items() if k.startswith("backbone.")}
         head_sd = {k[len("value_head.") :]: v for k, v in state_dict.items() if k.startswith("value_head.")}
     if merge_lora and hasattr(backbone, "merge_and_unload"):
-        backbone = copy.deepcopy(backbone).merge_and_unload()
-        backbone_sd = None  # merged weights come from the module itself (LoRA keeps the base unsharded)
+        backbone = copy.deepcopy(backbone)  # merging writes into the base weights
+        if backbone_sd is not None:
+            # under ZeRO-3 the copy holds this rank's empty slices: merge the gathered weights
+            for name, param in backbone.named_parameters():
+                param.data = backbone_sd[name].clone()
+        backbone = backbone.merge_and_unload()
+        backbone_sd = None  # the merged weights are the module's own
     backbone.save_pretrained(out, state_dict=backbone_sd)
     processor.save_pretrained(out)
     if model.spec.head == "value":
