@@ -21,7 +21,7 @@ import torch
 from ports import free_port
 from recipe_runs import REPO, read_metrics, run_recipe
 from safetensors.torch import load_file
-from toy_data import write_toy_prm_data
+from toy_data import write_toy_prm_data, write_uneven_tree_data
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("deepspeed")
@@ -252,6 +252,22 @@ def test_zero2_resume_continues_exactly(model_128, toy, tmp_path):
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     print(f"  resumed vs straight max |diff| = {worst:.2e}")
     assert worst <= 1e-6, f"resumed run differs from straight run by {worst}"
+
+
+def test_zero2_two_processes_train_the_weights_of_one_on_the_same_global_batch(model_128, tmp_path):
+    """DeepSpeed averages the ranks' gradients as DDP does: 2 ranks of batch 2, with packs of
+    unequal step counts, train the weights of 1 rank of batch 4 (test_prm_train.py has the DDP run)."""
+    train = write_uneven_tree_data(tmp_path / "toy", 8)
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = [*prm_args(model_128, (train, "null"), one, steps=3), "prm.head=value", "data.pack_trees=true"]
+    args += ["train.grad_accum=2", "train.group_by_length=false"]  # see test_prm_train.py
+    launch("prm_train", 2, 1, *args, "train.batch_size=4")
+    launch("prm_train", 2, 2, *args, f"output_dir={two}", "train.batch_size=2")
+    for name in ("model.safetensors", "value_head.safetensors"):
+        a, b = load_file(one / name), load_file(two / name)
+        worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+        print(f"  {name}: 2 ranks vs 1 max |diff| = {worst:.2e}")
+        assert worst <= 1e-4, f"{name}: 2 ranks train other weights than 1 rank, by {worst}"
 
 
 def test_bf16_prm_train_zero2(model_128, toy, tmp_path):

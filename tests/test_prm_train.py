@@ -9,7 +9,7 @@ import sys
 import pytest
 from recipe_runs import REPO, cpu_ddp_launcher, read_metrics, run_recipe
 from safetensors.torch import load_file
-from toy_data import write_toy_prm_data
+from toy_data import write_toy_prm_data, write_uneven_tree_data
 
 from mmprm.training import CHECKPOINT_DONE
 
@@ -204,25 +204,6 @@ def test_two_process_ddp(tiny_models, toy, tmp_path, head):
     assert json.loads((out / "config.resolved.json").read_text())["num_processes"] == 2
     ev_rows = read_metrics(out, "eval")
     assert ev_rows and math.isfinite(ev_rows[-1]["bce"])
-
-
-def write_uneven_tree_data(out_dir, n):
-    """n toy problems whose trees hold 1 to 4 rows (2, 3, 5 and 7 step tokens per pack), so the
-    ranks of a global batch get packs of different sizes."""
-    src = write_toy_prm_data(out_dir, n, 0)
-    rows = []
-    for i, r in enumerate(map(json.loads, src.read_text().splitlines())):
-        first = r["steps"][0]
-        tree = [
-            r,
-            {**r, "id": r["id"] + "/prefix", "steps": [first], "labels": r["labels"][:1]},
-            {**r, "id": r["id"] + "/branch", "steps": [first, "So it is 7."], "labels": [r["labels"][0], 0.4]},
-            {**r, "id": r["id"] + "/other", "steps": [first, "So it is 8."], "labels": [r["labels"][0], 0.6]},
-        ]
-        rows += tree[: i % 4 + 1]
-    train = out_dir / "uneven_tree.jsonl"
-    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return train
 
 
 @pytest.mark.slow

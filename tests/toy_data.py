@@ -45,3 +45,22 @@ def write_toy_prm_data(
     path = out_dir / name
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def write_uneven_tree_data(out_dir: Path, n: int) -> Path:
+    """n toy problems whose trees hold 1 to 4 rows (2, 3, 5 and 7 step tokens per pack), so the
+    ranks of a global batch get packs of different sizes."""
+    src = write_toy_prm_data(out_dir, n, 0)
+    rows = []
+    for i, r in enumerate(map(json.loads, src.read_text().splitlines())):
+        first = r["steps"][0]
+        tree = [
+            r,
+            {**r, "id": r["id"] + "/prefix", "steps": [first], "labels": r["labels"][:1]},
+            {**r, "id": r["id"] + "/branch", "steps": [first, "So it is 7."], "labels": [r["labels"][0], 0.4]},
+            {**r, "id": r["id"] + "/other", "steps": [first, "So it is 8."], "labels": [r["labels"][0], 0.6]},
+        ]
+        rows += tree[: i % 4 + 1]
+    train = out_dir / "uneven_tree.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return train
