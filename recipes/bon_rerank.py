@@ -66,7 +66,7 @@ class GenerateConfig:
         problems_file: JSONL of {id, images, question, answer, choices?} (required when enabled)
         n: candidates per problem
         backend: hf (transformers generate) | vllm
-        batch_size: hf: sequences per generate call
+        batch_size: hf: sequences per generate call (vllm sends 8192 per call and schedules them itself)
         step_mode: how steps are written and read: tags (SFT'd policy) | blank_lines; unset (null)
             takes the policy's saved spec (mmprm_policy.json from recipes/policy_sft.py), else tags
         system_prompt: system prompt sent to the policy; unset takes the saved spec, "" sends none
@@ -207,7 +207,7 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
     Each backend call's problems are appended (fsync'ed) to `<file>.partial` as they finish; a
     killed run resumes after the last one written, and the finished file is only renamed into place.
     """
-    from mmprm.annotate.backends.base import RolloutRequest
+    from mmprm.annotate.backends.base import RolloutRequest, problems_per_call
     from mmprm.answers import answers_match
     from mmprm.data import store
     from mmprm.rerank.candidates import Candidate, count_rows, load_problems
@@ -235,7 +235,7 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
     if done:
         print(f"resuming: {len(done)} problems already sampled in {partial}, {len(todo)} to go")
     backend = make_backend(cfg)
-    per_call = max(1, g.batch_size // g.n)  # problems per backend call: about batch_size sequences
+    per_call = problems_per_call(backend, g.n, g.batch_size)
     t0, n_parsed, n_correct = time.time(), 0, 0
     with store.open_append(partial) as f:
         for lo in range(0, len(todo), per_call):

@@ -61,7 +61,8 @@ class PolicyConfig:
         step_mode: how steps are written and read: tags (SFT'd policy) | blank_lines; unset (null)
             takes the policy's saved spec (mmprm_policy.json from recipes/policy_sft.py), else tags
         system_prompt: system prompt sent to the policy; unset (null) takes the saved spec, "" sends none
-        batch_size: hf: sequences per generate call (Best-of-N: problems per call = batch_size // max(bon.n))
+        batch_size: hf: sequences per generate call (Best-of-N: problems per call = batch_size // max(bon.n);
+            vllm sends 8192 sequences per call and schedules them itself)
         dtype: torch dtype name of the policy (e.g. bfloat16); null keeps the checkpoint's
         gpu_memory_utilization: vllm: share of GPU memory the engine may take (leave room for the PRM)
         max_model_len: vllm: context length (prompt + generated); null takes the model's
@@ -277,6 +278,7 @@ def main(argv: list[str]) -> None:
     print(f"shard {sh.index}/{sh.count}: {len(problems)} problems")
 
     # ---- models: the policy behind a rollout backend, the PRM scorer -------------------------
+    from mmprm.annotate.backends.base import problems_per_call
     from mmprm.models.loading import resolve_device
     from mmprm.models.prm import load_prm
     from mmprm.search.core import run_search
@@ -341,7 +343,7 @@ def main(argv: list[str]) -> None:
         print(f"[Best-of-N] {len(done)} problems already done, {len(todo)} to sample x {n_max}", flush=True)
         backend.sampling.max_new_tokens = cfg.bon.max_new_tokens  # whole solutions now, not one step
         t0 = time.time()
-        per_call = max(1, cfg.policy.batch_size // n_max)
+        per_call = problems_per_call(backend, n_max, cfg.policy.batch_size)
         with store.open_append(path) as f:
             for lo in range(0, len(todo), per_call):
                 chunk = todo[lo : lo + per_call]

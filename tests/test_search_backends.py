@@ -265,3 +265,18 @@ def test_each_rank_pins_its_own_gpu_inside_an_allocation(monkeypatch):
             monkeypatch.setenv(key, value)
         pin_local_gpu()
         assert os.environ["CUDA_VISIBLE_DEVICES"] == want
+
+
+def test_whole_solutions_go_to_vllm_in_large_calls_and_to_hf_in_its_batches():
+    """vLLM schedules its own batches: Best-of-N must not hand it batch_size // n problems a call
+    (4 problems of 16 with the 7B config), which leaves the engine idle at every call's tail."""
+    from mmprm.annotate.backends.base import problems_per_call
+
+    class Engine:
+        sequences_per_call = 8192
+
+    class Rows:
+        batch_size = 64
+
+    assert problems_per_call(Engine(), 16, 64) == 512 and problems_per_call(Rows(), 16, 64) == 4
+    assert problems_per_call(Rows(), 128, 64) == 1

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mmprm.annotate.backends.base import RolloutBackend, RolloutRequest, StepMode
+from mmprm.annotate.backends.base import RolloutBackend, RolloutRequest, StepMode, problems_per_call
 from mmprm.search.core import StepProposal, StepRequest
 from mmprm.steps import ANSWER_CLOSE, STEP_CLOSE, parse_solution
 
@@ -118,7 +118,7 @@ def sample_solutions(
     from mmprm.steps import prm_steps
 
     tokenizer = tokenizer or backend_tokenizer(backend)
-    per_call = max(1, batch_size // n)
+    per_call = problems_per_call(backend, n, batch_size)
     out: list[list[dict[str, Any]]] = []
     for lo in range(0, len(problems), per_call):
         chunk = problems[lo : lo + per_call]

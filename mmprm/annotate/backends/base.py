@@ -167,6 +167,17 @@ class ImageCache:
         return image
 
 
+def problems_per_call(backend: Any, n: int, batch_size: int) -> int:
+    """Problems (of `n` samples each) to send in one `generate` call of whole solutions.
+
+    A backend that schedules its own batches (vLLM: `sequences_per_call`) gets many: a call that
+    ends waits for its longest samples with the engine emptying, so short calls leave it idle; a
+    call's results are still written as soon as it returns, so a kill loses at most one call. Any
+    other backend runs `batch_size` rows at a time, and gets that many sequences per call.
+    """
+    return max(1, getattr(backend, "sequences_per_call", batch_size) // n)
+
+
 class RolloutInputError(ValueError):
     """One request cannot be turned into a prompt (unreadable image, placeholder mismatch).
 

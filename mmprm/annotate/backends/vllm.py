@@ -107,6 +107,9 @@ class VLLMBackend:
         step_mode: prompt and stop format.
         system: optional system prompt.
         max_images_per_prompt: vLLM's `limit_mm_per_prompt` for images.
+        sequences_per_call: how many sequences callers that sample whole solutions send per
+            `generate` (`problems_per_call`): the engine schedules them itself, and a call's
+            results are written when it returns.
         **llm_kwargs: passed to `vllm.LLM` (gpu_memory_utilization, max_model_len, dtype,
             tensor_parallel_size, ...).
     """
@@ -118,6 +121,7 @@ class VLLMBackend:
         step_mode: StepMode = "tags",
         system: str | None = None,
         max_images_per_prompt: int = 4,
+        sequences_per_call: int = 8192,
         **llm_kwargs: Any,
     ):
         try:
@@ -132,6 +136,7 @@ class VLLMBackend:
         self.sampling = sampling
         self.step_mode = step_mode
         self.system = system
+        self.sequences_per_call = sequences_per_call
         self.processor = load_processor(model_path)
         self._vllm = vllm
         from vllm.platforms import current_platform
