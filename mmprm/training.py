@@ -57,6 +57,8 @@ class TrainConfig:
             max_steps
         keep_checkpoints: keep only the newest N complete checkpoints (a 7B ZeRO-3 checkpoint with its
             optimizer is ~100 GB); null keeps every one
+        overwrite_output_dir: let a fresh start (no resume_from_checkpoint) delete the checkpoints another run
+            left in output_dir; false refuses to start over them
         lr: peak learning rate (AdamW)
     """
 
@@ -78,6 +80,7 @@ class TrainConfig:
     report_to: str = "tensorboard"
     stop_at_step: int | None = None
     keep_checkpoints: int | None = None
+    overwrite_output_dir: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what to do."""
@@ -214,7 +217,8 @@ def lr_factor(
     raise ValueError(f"unknown schedule {schedule!r}: use cosine, linear or constant")
 
 
-# Written into a checkpoint after every rank has saved its part: one without it was cut off.
+# Written into a checkpoint after every rank has saved its part: one without it was cut off. It
+# names the step and the run that wrote it (`run_id`, which every resume of that run keeps).
 CHECKPOINT_DONE = "mmprm_checkpoint.json"
 
 
@@ -228,38 +232,79 @@ def _step_dirs(output_dir: str | Path) -> list[Path]:
     return sorted((p for p in found if p.name.removeprefix("step_").isdigit()), key=_step)
 
 
-def save_checkpoint(accelerator: Any, output_dir: str | Path, step: int, keep: int | None = None) -> Path:
+def _marker(checkpoint: Path) -> dict | None:
+    """A checkpoint's completion marker; None for one cut off while saving."""
+    import json
+
+    try:
+        return json.loads((checkpoint / CHECKPOINT_DONE).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _refuse_fresh_start(output_dir: str | Path, overwrite: bool) -> None:
+    """Raise FileExistsError when a fresh start would train over checkpoints another run left."""
+    found = _step_dirs(output_dir)
+    if found and not overwrite:
+        raise FileExistsError(
+            f"{Path(output_dir) / 'checkpoints'} holds another run's checkpoints "
+            f"({', '.join(p.name for p in found)}): continue that run with resume_from_checkpoint=latest, "
+            "or start over, deleting them, with train.overwrite_output_dir=true (or pick another output_dir)"
+        )
+
+
+def save_checkpoint(
+    accelerator: Any, output_dir: str | Path, step: int, *, run_id: str, keep: int | None = None
+) -> Path:
     """`accelerator.save_state` into output_dir/checkpoints/step_STEP, marked complete once all ranks wrote.
 
     A job killed while saving (a Slurm time limit, a preempted node) leaves a folder without the
-    marker, which `find_checkpoint(..., "latest")` passes over. With `keep`, rank 0 then deletes all
-    but the newest `keep` complete checkpoints, and any cut-off one older than the newest.
+    marker, which `find_checkpoint(..., "latest")` passes over. A step_STEP already there is deleted,
+    marker first, before any rank writes, so a kill during the rewrite cannot leave new weights beside
+    an old optimizer under an old marker. The marker records `run_id` (see `start_run`). With `keep`,
+    rank 0 then deletes all but the newest `keep` complete checkpoints of this run (and ones whose
+    marker names no run, written before markers did), and any cut-off one older than `step`; another
+    run's checkpoints are never deleted.
     """
     import json
     import shutil
 
+    from mmprm.data.schema import atomic_write
+
     path = Path(output_dir) / "checkpoints" / f"step_{step}"
+    if accelerator.is_main_process and path.exists():
+        (path / CHECKPOINT_DONE).unlink(missing_ok=True)
+        shutil.rmtree(path)
+    accelerator.wait_for_everyone()  # no rank writes into the old folder while it is being deleted
     accelerator.save_state(str(path))
     accelerator.wait_for_everyone()  # every rank's shards are on disk before the marker says so
     if accelerator.is_main_process:
-        (path / CHECKPOINT_DONE).write_text(json.dumps({"step": step, "processes": accelerator.num_processes}))
+        # whole or absent: a marker cut off while written would still pass for complete
+        with atomic_write(path / CHECKPOINT_DONE) as f:
+            f.write(json.dumps({"step": step, "processes": accelerator.num_processes, "run_id": run_id}))
         if keep is not None:
             found = _step_dirs(output_dir)
-            complete = [p for p in found if (p / CHECKPOINT_DONE).is_file()]
-            stale = [p for p in found if p not in complete[-keep:] and _step(p) < step]
-            for old in stale:
+            mine = [p for p in found if (m := _marker(p)) is not None and m.get("run_id", run_id) == run_id]
+            cut = [p for p in found if _marker(p) is None and _step(p) < step]
+            for old in [p for p in mine[:-keep] if _step(p) < step] + cut:
                 shutil.rmtree(old, ignore_errors=True)
     return path
 
 
-def find_checkpoint(output_dir: str | Path, resume: str | None, log: Any = print) -> Path | None:
+def find_checkpoint(
+    output_dir: str | Path, resume: str | None, log: Any = print, overwrite: bool = False
+) -> Path | None:
     """Resolve `resume_from_checkpoint`: None/'' -> None, 'latest' -> the newest complete checkpoint.
 
-    'latest' passes over checkpoints cut off while saving (no `CHECKPOINT_DONE`), naming them with
-    `log`. Folders that exist but none complete raise rather than start over: passing one
-    explicitly (`resume_from_checkpoint=PATH`) loads it as it is.
+    None over checkpoints already in output_dir raises FileExistsError unless `overwrite`
+    (`train.overwrite_output_dir`): a fresh start would mix its checkpoints with another run's,
+    and `latest` could later resume the wrong one. 'latest' passes over checkpoints cut off while
+    saving (no `CHECKPOINT_DONE`), naming them with `log`. Folders that exist but none complete
+    raise rather than start over: passing one explicitly (`resume_from_checkpoint=PATH`) loads it
+    as it is.
     """
     if not resume:
+        _refuse_fresh_start(output_dir, overwrite)
         return None
     if resume == "latest":
         found = _step_dirs(output_dir)
@@ -281,6 +326,68 @@ def find_checkpoint(output_dir: str | Path, resume: str | None, log: Any = print
             "(use 'latest' or a path under OUTPUT_DIR/checkpoints)"
         )
     return path
+
+
+def start_run(
+    accelerator: Any,
+    output_dir: str | Path,
+    checkpoint: Path | None,
+    step: int,
+    overwrite: bool = False,
+    log: Any = print,
+) -> str:
+    """Ready output_dir/checkpoints for a run that starts, or resumed from `checkpoint`, at `step`;
+    return the run id its checkpoints record (the same on every rank).
+
+    A fresh start gets a new id; over checkpoints another run left it raises as `find_checkpoint`
+    does, unless `overwrite`, which deletes them. A resumed run keeps the id in its checkpoint's
+    marker, so one run keeps one id through every restart. Checkpoints newer than `step` were
+    written by a continuation this run replaces (e.g. resuming step_900 explicitly after a step_1000
+    that diverged): complete ones are moved to checkpoints/abandoned_after_step_STEP/ (kept for the
+    user, never resumed by `latest` nor pruned by `keep`), ones cut off while saving are deleted,
+    each named in the log. Call it after `load_state`, on every rank.
+    """
+    import secrets
+    import shutil
+    import time
+
+    from accelerate.utils import broadcast_object_list
+
+    folder = Path(output_dir) / "checkpoints"
+    run_id = None
+    if checkpoint is not None:
+        run_id = (_marker(checkpoint) or {}).get("run_id")
+    else:
+        _refuse_fresh_start(output_dir, overwrite)
+    if run_id is None:
+        run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    if accelerator.is_main_process:
+        if checkpoint is None:
+            if found := _step_dirs(output_dir):
+                log(f"train.overwrite_output_dir: deleting {', '.join(p.name for p in found)} in {folder}")
+            for old in found:
+                (old / CHECKPOINT_DONE).unlink(missing_ok=True)
+                shutil.rmtree(old)
+        newer = [p for p in _step_dirs(output_dir) if _step(p) > step]
+        cut = [p for p in newer if _marker(p) is None]
+        if cut:
+            log(f"resuming at step {step}: deleting {', '.join(p.name for p in cut)} in {folder}: cut off while saving")
+        for old in cut:
+            shutil.rmtree(old)
+        if done := [p for p in newer if p not in cut]:
+            aside, k = folder / f"abandoned_after_step_{step}", 1
+            while aside.exists():
+                k += 1
+                aside = folder / f"abandoned_after_step_{step}_{k}"
+            aside.mkdir()
+            for p in done:
+                p.rename(aside / p.name)
+            log(
+                f"resuming at step {step}: {', '.join(p.name for p in done)} in {folder} came after it, from a "
+                f"continuation this run replaces; moved them to {aside} (delete it to free the space)"
+            )
+    accelerator.wait_for_everyone()  # no rank saves before the folder is ready
+    return broadcast_object_list([run_id])[0]
 
 
 def accelerator_kwargs() -> list:

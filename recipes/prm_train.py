@@ -47,6 +47,7 @@ from mmprm.training import (
     lr_factor,
     rank_share,
     save_checkpoint,
+    start_run,
     wrap_padding,
 )
 from mmprm.training_data import PackedPRMCollator, PRMCollator, load_tokenized, plan_tree_packs
@@ -136,7 +137,7 @@ class Config:
         train: the loop
         output_dir: where checkpoints, metrics.jsonl and the final PRM directory go
         resume_from_checkpoint: latest (the newest checkpoint in output_dir) or a checkpoint directory; null
-            starts fresh
+            starts fresh (refused over checkpoints in output_dir unless train.overwrite_output_dir=true)
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -230,6 +231,8 @@ def main(argv: list[str]) -> None:
     )
     set_seed(cfg.train.seed)
     log = accelerator.print
+    # before loading anything: a fresh start over another run's checkpoints is refused here
+    ckpt = find_checkpoint(out_dir, cfg.resume_from_checkpoint, log=log, overwrite=cfg.train.overwrite_output_dir)
 
     # ---- model and data -------------------------------------------------------------------
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
@@ -337,10 +340,10 @@ def main(argv: list[str]) -> None:
     progress = TrainProgress()
     accelerator.register_for_checkpointing(stream, progress)
 
-    ckpt = find_checkpoint(out_dir, cfg.resume_from_checkpoint, log=log)
     if ckpt is not None:
         accelerator.load_state(str(ckpt))
         log(f"resumed from {ckpt} at step {progress.step}")
+    run_id = start_run(accelerator, out_dir, ckpt, progress.step, cfg.train.overwrite_output_dir, log)
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.resolved.json").write_text(
@@ -445,7 +448,7 @@ def main(argv: list[str]) -> None:
             )
         stopping = progress.step == cfg.train.stop_at_step
         if progress.step % cfg.train.save_every == 0 or progress.step == cfg.train.max_steps or stopping:
-            save_checkpoint(accelerator, out_dir, progress.step, keep=cfg.train.keep_checkpoints)
+            save_checkpoint(accelerator, out_dir, progress.step, run_id=run_id, keep=cfg.train.keep_checkpoints)
         if stopping:
             log(
                 f"stopping at step {progress.step} as asked (train.stop_at_step); resume with "
@@ -472,6 +475,6 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, DataError, StepTokenError, FileNotFoundError) as e:
+    except (ConfigError, DataError, StepTokenError, FileNotFoundError, FileExistsError) as e:
         print(f"prm_train: {e}", file=sys.stderr)
         sys.exit(2)

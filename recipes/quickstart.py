@@ -436,6 +436,7 @@ def main(argv: list[str]) -> None:
             f"output_dir={policy}",
             f"train.seed={cfg.seed}",
             "train.report_to=none",
+            "train.overwrite_output_dir=true",  # a stage that runs again starts over (see stage())
             attn,
             *cfg.sft,
         ),
@@ -476,6 +477,7 @@ def main(argv: list[str]) -> None:
             f"output_dir={model_out}",
             f"train.seed={cfg.seed}",
             "train.report_to=none",
+            "train.overwrite_output_dir=true",  # a stage that runs again starts over (see stage())
             attn,
             *cfg.prm,
             *extra,

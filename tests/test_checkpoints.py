@@ -1,15 +1,19 @@
 """Checkpoints a killed job leaves behind: `latest` resumes from the newest complete one, never from
-one cut off while saving, and `keep` bounds how many stay on disk."""
+one cut off while saving or rewritten, `keep` bounds how many stay on disk and never deletes the run
+that resumed, and a fresh start never trains over another run's checkpoints unless asked."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 from accelerate import Accelerator
 
-from mmprm.training import CHECKPOINT_DONE, TrainConfig, find_checkpoint, save_checkpoint
+from mmprm.training import CHECKPOINT_DONE, TrainConfig, find_checkpoint, save_checkpoint, start_run
 
 
 @pytest.fixture
@@ -26,7 +30,7 @@ def steps(out) -> list[str]:
 
 def test_latest_passes_over_a_checkpoint_cut_off_while_saving(accelerator, tmp_path):
     for step in (5, 10):
-        save_checkpoint(accelerator, tmp_path, step)
+        save_checkpoint(accelerator, tmp_path, step, run_id="a")
     # a job killed inside save_state at step 15: some files written, no marker
     shutil.copytree(tmp_path / "checkpoints" / "step_10", tmp_path / "checkpoints" / "step_15")
     (tmp_path / "checkpoints" / "step_15" / CHECKPOINT_DONE).unlink()
@@ -34,7 +38,7 @@ def test_latest_passes_over_a_checkpoint_cut_off_while_saving(accelerator, tmp_p
     assert find_checkpoint(tmp_path, "latest", log=said.append) == tmp_path / "checkpoints" / "step_10"
     assert len(said) == 1 and "step_15" in said[0] and "cut off while saving" in said[0]
     # step_9 sorts after step_10 as text: the order must be numeric
-    save_checkpoint(accelerator, tmp_path, 9)
+    save_checkpoint(accelerator, tmp_path, 9, run_id="a")
     assert find_checkpoint(tmp_path, "latest", log=said.append) == tmp_path / "checkpoints" / "step_10"
     # an explicit path loads as it is, marker or not
     assert find_checkpoint(tmp_path, str(tmp_path / "checkpoints" / "step_15")) == tmp_path / "checkpoints" / "step_15"
@@ -51,16 +55,126 @@ def test_latest_with_no_complete_checkpoint_refuses_to_start_over(accelerator, t
 
 
 def test_keep_deletes_all_but_the_newest_complete_checkpoints(accelerator, tmp_path):
-    save_checkpoint(accelerator, tmp_path, 2, keep=2)
+    save_checkpoint(accelerator, tmp_path, 2, run_id="a", keep=2)
     (tmp_path / "checkpoints" / "step_3").mkdir()  # cut off: older than the next save, so it goes too
     for step in (4, 6, 8):
-        save_checkpoint(accelerator, tmp_path, step, keep=2)
+        save_checkpoint(accelerator, tmp_path, step, run_id="a", keep=2)
     assert steps(tmp_path) == ["step_6", "step_8"]
     assert all((tmp_path / "checkpoints" / s / CHECKPOINT_DONE).is_file() for s in steps(tmp_path))
-    save_checkpoint(accelerator, tmp_path, 10)  # keep=None keeps every one
+    save_checkpoint(accelerator, tmp_path, 10, run_id="a")  # keep=None keeps every one
     assert steps(tmp_path) == ["step_6", "step_8", "step_10"]
 
 
 def test_keep_checkpoints_below_one_is_refused():
     with pytest.raises(ValueError, match="train.keep_checkpoints: 0"):
         TrainConfig(keep_checkpoints=0).validate()
+
+
+def marker(out, step: int) -> dict:
+    return json.loads((out / "checkpoints" / f"step_{step}" / CHECKPOINT_DONE).read_text())
+
+
+def test_a_rewrite_is_never_marked_complete_while_half_written(accelerator, tmp_path):
+    for step in (5, 10):
+        save_checkpoint(accelerator, tmp_path, step, run_id="a")
+    (tmp_path / "checkpoints" / "step_10" / "left_by_the_first_write").write_text("")
+    save_state = accelerator.save_state
+
+    def killed_while_saving(path):  # the model written, then the job dies before the optimizer
+        assert not (tmp_path / "checkpoints" / "step_10" / CHECKPOINT_DONE).exists()
+        save_state(path)
+        (tmp_path / "checkpoints" / "step_10" / "optimizer.bin").unlink()
+        raise KeyboardInterrupt
+
+    accelerator.save_state = killed_while_saving
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(accelerator, tmp_path, 10, run_id="a")
+    said = []
+    assert find_checkpoint(tmp_path, "latest", log=said.append) == tmp_path / "checkpoints" / "step_5"
+    assert "step_10" in said[0] and "cut off while saving" in said[0]
+    accelerator.save_state = save_state
+    save_checkpoint(accelerator, tmp_path, 10, run_id="a")  # a rewrite starts from an empty folder
+    assert not (tmp_path / "checkpoints" / "step_10" / "left_by_the_first_write").exists()
+    assert find_checkpoint(tmp_path, "latest") == tmp_path / "checkpoints" / "step_10"
+
+
+def test_the_marker_names_the_run_and_every_resume_keeps_it(accelerator, tmp_path):
+    first = start_run(accelerator, tmp_path, None, 0)
+    save_checkpoint(accelerator, tmp_path, 2, run_id=first)
+    assert marker(tmp_path, 2) == {"step": 2, "processes": 1, "run_id": first}
+    again = start_run(accelerator, tmp_path, find_checkpoint(tmp_path, "latest"), 2)
+    assert again == first
+    save_checkpoint(accelerator, tmp_path, 4, run_id=again)
+    assert marker(tmp_path, 4)["run_id"] == first
+    other = start_run(accelerator, tmp_path / "elsewhere", None, 0)
+    assert other != first  # a fresh start is a new run
+
+
+def test_resuming_an_earlier_step_sets_the_later_continuation_aside(accelerator, tmp_path):
+    """The run saved steps 5 and 10; it is resumed from step 5 (step 10 diverged) and saves every 3
+    steps keeping 1: step 8 must be what remains and what `latest` resumes, not the abandoned 10."""
+    run = start_run(accelerator, tmp_path, None, 0)
+    for step in (5, 10):
+        save_checkpoint(accelerator, tmp_path, step, run_id=run)
+    (tmp_path / "checkpoints" / "step_15").mkdir()  # the abandoned run was killed saving step 15
+    resumed = find_checkpoint(tmp_path, str(tmp_path / "checkpoints" / "step_5"))
+    said = []
+    assert start_run(accelerator, tmp_path, resumed, 5, log=said.append) == run
+    aside = tmp_path / "checkpoints" / "abandoned_after_step_5"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["abandoned_after_step_5", "step_5"]
+    assert [p.name for p in aside.iterdir()] == ["step_10"] and (aside / "step_10" / CHECKPOINT_DONE).is_file()
+    assert any("step_15" in s and "cut off while saving" in s for s in said)
+    assert any("step_10" in s and str(aside) in s for s in said)
+    kept = shutil.copytree(resumed, tmp_path / "kept" / "step_5")
+    save_checkpoint(accelerator, tmp_path, 8, run_id=run, keep=1)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["abandoned_after_step_5", "step_8"]
+    assert find_checkpoint(tmp_path, "latest") == tmp_path / "checkpoints" / "step_8"
+    # rewound to step 5 once more (from a copy kept elsewhere): the second continuation goes beside the first
+    assert start_run(accelerator, tmp_path, kept, 5) == run
+    assert (aside / "step_10").is_dir() and (tmp_path / "checkpoints" / "abandoned_after_step_5_2" / "step_8").is_dir()
+
+
+def test_keep_never_deletes_another_runs_checkpoints(accelerator, tmp_path):
+    save_checkpoint(accelerator, tmp_path, 1, run_id="other")  # e.g. resumed from a path elsewhere
+    save_checkpoint(accelerator, tmp_path, 2, run_id="old")
+    (tmp_path / "checkpoints" / "step_2" / CHECKPOINT_DONE).write_text('{"step": 2, "processes": 1}')
+    for step in (3, 4):
+        save_checkpoint(accelerator, tmp_path, step, run_id="mine", keep=1)
+    # a marker that names no run was written before markers did: pruned as this run's
+    assert steps(tmp_path) == ["step_1", "step_4"]
+
+
+def test_a_fresh_start_over_another_runs_checkpoints_is_refused_unless_asked(accelerator, tmp_path):
+    assert find_checkpoint(tmp_path, None) is None  # nothing there: a fresh start
+    save_checkpoint(accelerator, tmp_path, 3, run_id="a")
+    (tmp_path / "checkpoints" / "step_4").mkdir()  # cut off: still another run's
+    for fresh in (lambda: find_checkpoint(tmp_path, None), lambda: start_run(accelerator, tmp_path, None, 0)):
+        with pytest.raises(FileExistsError) as e:
+            fresh()
+        assert str(tmp_path / "checkpoints") in str(e.value) and "step_3, step_4" in str(e.value)
+        assert "resume_from_checkpoint=latest" in str(e.value) and "train.overwrite_output_dir=true" in str(e.value)
+    assert steps(tmp_path) == ["step_3", "step_4"]
+    assert find_checkpoint(tmp_path, None, overwrite=True) is None
+    said = []
+    run = start_run(accelerator, tmp_path, None, 0, overwrite=True, log=said.append)
+    assert run != "a" and not list((tmp_path / "checkpoints").iterdir())
+    assert "step_3, step_4" in said[0]
+
+
+@pytest.mark.parametrize("recipe", ["prm_train", "policy_sft"])
+def test_the_recipes_refuse_a_fresh_start_before_loading_anything(recipe, tiny_models, tmp_path):
+    from recipe_runs import REPO, recipe_env
+
+    (tmp_path / "checkpoints" / "step_10").mkdir(parents=True)
+    cmd = [
+        sys.executable,
+        str(REPO / "recipes" / f"{recipe}.py"),
+        f"model.name_or_path={tiny_models('qwen2_vl')}",
+        f"data.train_file={tmp_path / 'never_read.jsonl'}",
+        f"output_dir={tmp_path}",
+        "train.report_to=none",
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=recipe_env())
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr.startswith(f"{recipe}: {tmp_path / 'checkpoints'} holds another run's checkpoints (step_10)")
+    assert "train.overwrite_output_dir=true" in res.stderr
