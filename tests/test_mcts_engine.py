@@ -262,6 +262,43 @@ def test_merge_copies_each_chosen_line_as_written(tmp_path):
     assert (streamed, stats) == export_examples(records, ExportConfig())
 
 
+def test_two_ranks_merging_at_once_both_succeed(tmp_path, monkeypatch):
+    """Two ranks that finish together both merge: each writes its own temp file, so neither
+    truncates the other's nor finds it renamed away. Both hold their rename until both have
+    written, which is when one shared temp name fails."""
+    import threading
+
+    rows = "".join(json.dumps({"id": str(i), "status": "annotated", "pad": "x" * 200}) + "\n" for i in range(200))
+    (tmp_path / tree_file_name(0, 2)).write_text(rows)
+    (tmp_path / tree_file_name(1, 2)).write_text(rows.replace('"annotated"', '"no_steps"'))
+    both_written = threading.Barrier(2, timeout=30)
+    replace = os.replace
+
+    def replace_when_both_wrote(src, dst):
+        both_written.wait()
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_when_both_wrote)
+    failures = []
+
+    def merge():
+        try:
+            merge_annotations(tmp_path)
+        except Exception as e:  # noqa: BLE001 - reported by the assert below
+            failures.append(repr(e))
+
+    ranks = [threading.Thread(target=merge) for _ in range(2)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join()
+    assert failures == []
+    assert (tmp_path / "trees.jsonl").read_text() == rows
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [tree_file_name(0, 2), tree_file_name(1, 2), "trees.jsonl"]
+    )
+
+
 def test_merge_cli_reports_missing_ids(tmp_path, capsys):
     (tmp_path / tree_file_name(0, 2)).write_text('{"id": "1", "status": "annotated"}\n')
     (tmp_path / tree_file_name(1, 2)).write_text('{"id": "2", "status": "no_steps"}\n{"id": "1", "status": "x"}\n')

@@ -40,7 +40,7 @@ from mmprm.annotate.backends.base import (
 from mmprm.annotate.search import OmegaSearch, Probe, Rollout, SearchConfig
 from mmprm.data import store
 from mmprm.data.problems import Problem
-from mmprm.data.schema import DataError, iter_jsonl
+from mmprm.data.schema import DataError, atomic_write, iter_jsonl
 from mmprm.steps import parse_solution
 
 # pred answer (None when the rollout gave none), gold answer, choices -> correct?
@@ -233,17 +233,16 @@ def merge_annotations(
     for *_, status in chosen.values():
         by_status[status] = by_status.get(status, 0) + 1
     out = Path(out) if out is not None else output_dir / "trees.jsonl"
-    tmp = out.with_name(out.name + ".tmp")
     handles = [open(path, "rb") for path in files]  # noqa: SIM115 - closed below
     try:
-        with open(tmp, "wb") as dst:
+        # a temp file of its own: ranks that finish together all merge, each renaming a whole file
+        with atomic_write(out, binary=True) as dst:
             for k, offset, length, _, _ in chosen.values():
                 handles[k].seek(offset)
                 dst.write(handles[k].read(length))
     finally:
         for h in handles:
             h.close()
-    os.replace(tmp, out)
     n, seen = len(chosen), set(chosen)
     summary: dict[str, Any] = {
         "out": str(out),

@@ -332,9 +332,10 @@ def load_examples(path: str | Path, require_labels: bool = False, check_images: 
 
 
 @contextlib.contextmanager
-def atomic_write(path: str | Path) -> Iterator[IO[str]]:
-    """Open PATH for writing text through a temp file beside it, renamed over PATH on success,
-    so a crash never leaves half a file.
+def atomic_write(path: str | Path, binary: bool = False) -> Iterator[IO]:
+    """Open PATH for writing text (bytes with `binary`) through a temp file beside it, renamed over
+    PATH on success, so a crash never leaves half a file. Each call's temp name is its own, so
+    processes writing the same PATH at once never write into one another's.
 
     The temp file is created like `open()` creates files (mode 0o666 less the umask): mkstemp's
     0o600 would keep the outputs from teammates on a shared cluster.
@@ -344,7 +345,7 @@ def atomic_write(path: str | Path) -> Iterator[IO[str]]:
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
