@@ -14,7 +14,7 @@ cache of recent prompts (`PRMCollator`: an MCTS export repeats each problem's pr
 `cache_dir/<key>/`. The key hashes the input file (absolute path, size, mtime), the processor
 (class, tokenizer with its added tokens, chat template, image-processor settings) and every
 setting that changes the result (max_length, step token, system prompt, label mode, ...). A rerun,
-or a second rank after `main_process_first`, opens the cache instead of tokenizing again. A build
+or a rank that waited on the cache's file lock, opens the cache instead of tokenizing again. A build
 goes to a temporary folder renamed into place, so concurrent builders never see half a cache.
 
 **How the cache knows the image-token count without pixels.** The number of image tokens a
@@ -30,7 +30,9 @@ after the cache was built fails there with the row named, rather than training o
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
+import fcntl
 import functools
 import hashlib
 import itertools
@@ -38,6 +40,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -484,7 +487,8 @@ def load_tokenized(
             label_mode, hard_threshold; sft: max_length, system. All of them key the cache.
         cache_dir: where caches live (default `default_cache_dir()`).
         num_proc: tokenization workers (default `default_num_proc()`).
-        accelerator: with several processes, the main one builds and the others wait, then open.
+        accelerator: with several processes, the first to take the cache's file lock builds and the
+            others wait on the lock, never in a collective (whose timeout a long build outlasts), then open.
 
     Returns:
         (rows, stats): the kept rows (`CachedRows`), with columns id, line, question, steps, images,
@@ -499,24 +503,43 @@ def load_tokenized(
     folder = root / cache_key(path, processor_fingerprint(processor), settings)
     reused = (folder / "stats.json").is_file()
     if accelerator is not None and accelerator.num_processes > 1:
-        # Rank 0 builds while the others wait at the barrier, then they open what it wrote. Every
-        # rank enters the barrier whatever it finds on disk: a rank that starts late would see the
-        # cache rank 0 just wrote, skip the barrier, and leave rank 0 waiting in it for ever.
-        with accelerator.main_process_first():
-            if accelerator.is_main_process and not reused:
+        # The first rank to take the folder's file lock builds; the others wait for the lock, not
+        # in a collective, whose timeout (NCCL's 600 s) a large build outlasts. A rank that gets
+        # the lock and finds no cache builds it itself: the builder failed (it raises on every
+        # rank then) or sees other storage (each node builds its own).
+        with _build_lock(root / f"{folder.name}.lock", accelerator):
+            if not (folder / "stats.json").is_file():
                 _build(path, kind, processor, settings, folder, num_proc or default_num_proc())
-        if not (folder / "stats.json").is_file():
-            raise FileNotFoundError(
-                f"{path}: rank {accelerator.process_index} on {socket.gethostname()} cannot see the "
-                f"tokenization cache rank 0 built in {folder}: put data.cache_dir (or $MMPRM_CACHE) "
-                "on storage every node sees"
-            )
     elif not reused:
         _build(path, kind, processor, settings, folder, num_proc or default_num_proc())
     stats = json.loads((folder / "stats.json").read_text())
     data = CachedRows(folder / "data")
     stats.update(reused=reused, cache=str(folder), seconds=round(time.perf_counter() - started, 3))
     return data, stats
+
+
+@contextlib.contextmanager
+def _build_lock(lock: Path, accelerator: Any) -> Iterator[None]:
+    """Hold an exclusive `flock` on LOCK, waiting as long as the holder takes. The kernel releases
+    it when the holder exits, killed or not. Where the filesystem has no locks, go on without:
+    every rank then builds, and the rename in `_build` keeps one cache."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
+        except BlockingIOError:
+            accelerator.print(f"waiting for another process to finish the tokenization cache ({lock})")
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            locked = True
+        except OSError as e:  # no locks on this filesystem (some NFS and Lustre mounts)
+            print(f"{lock}: no file lock here ({e}); every process builds the cache", file=sys.stderr)
+            locked = False
+        try:
+            yield
+        finally:
+            if locked:  # the tokenization workers inherited the descriptor: release the lock itself
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 class CachedRows:

@@ -261,7 +261,7 @@ def main(argv: list[str]) -> None:
     tokenizer = getattr(processor, "tokenizer", processor)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    # Text tokenized once into an on-disk cache (rank 0 builds, the others wait and reuse it);
+    # Text tokenized once into an on-disk cache (one rank builds, the others wait on its lock);
     # images are opened per micro-batch by the collator, which keeps only a bounded cache of recent
     # prompts, so memory does not grow with the data.
     settings = {

@@ -313,6 +313,63 @@ acc.end_training()
         assert seen == [f"{train} 6 {rank == 1}", f"{ev} 4 {rank == 1}"], (rank, seen)
 
 
+def test_a_build_longer_than_the_collective_timeout_does_not_kill_the_waiting_rank(tiny_models, tmp_path):
+    """Two ranks whose process group times out after 5 s; building the cache takes 15. No rank may
+    wait for the builder inside a collective (a barrier would time out, as NCCL's 600 s default did
+    on a large multimodal set): both get the rows. A build that fails fails on both ranks."""
+    import subprocess
+
+    from recipe_runs import cpu_ddp_launcher
+
+    model = tiny_models("qwen2_vl")
+    train = write_rows(tmp_path, 6)
+    bad = tmp_path / "bad.jsonl"
+    rows = [json.loads(line) for line in train.read_text().splitlines()]
+    rows[0]["labels"] = [2.0] * len(rows[0]["steps"])
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cache = tmp_path / "cache"
+    script = tmp_path / "slow_build.py"
+    script.write_text(f"""
+import datetime, time
+import torch
+from accelerate import Accelerator, InitProcessGroupKwargs
+from mmprm import training_data
+from mmprm.data.schema import DataError
+from mmprm.models.loading import add_step_token, load_processor
+
+acc = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=5))])
+build = training_data._build
+
+def slow_build(path, *args, **kwargs):
+    if path == {str(train)!r}:
+        time.sleep(15)  # a large set on real processors, in miniature
+    return build(path, *args, **kwargs)
+
+training_data._build = slow_build
+processor = load_processor({str(model)!r})
+add_step_token(processor, None)
+rows, stats = training_data.load_tokenized(
+    {str(train)!r}, "prm", processor, {SETTINGS!r}, cache_dir={str(cache)!r}, accelerator=acc
+)
+total = acc.reduce(torch.tensor([float(len(rows))]), reduction="sum").item()
+assert total == 2 * len(rows) == 12, (acc.process_index, total, len(rows))
+try:
+    training_data.load_tokenized({str(bad)!r}, "prm", processor, {SETTINGS!r}, cache_dir={str(cache)!r}, accelerator=acc)
+    outcome = "built"
+except DataError as e:
+    outcome = str(e)
+with open({str(tmp_path)!r} + f"/rank{{acc.process_index}}.txt", "w") as f:
+    f.write(f"{{len(rows)}} {{stats['reused']}}\\n{{outcome}}\\n")
+""")
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    res = subprocess.run([*cpu_ddp_launcher(), str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    for rank in (0, 1):
+        got, failed = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
+        assert got == "6 False", (rank, got)  # neither found the cache when it asked: it was built for this job
+        assert "bad.jsonl:1: id=r0: labels[0]: 2.0 is outside [0,1]" in failed, (rank, failed)
+
+
 def test_image_changed_after_caching_is_caught_by_the_collator(tiny_models, tmp_path):
     processor = prm_processor(tiny_models, "qwen2_vl")
     path = write_rows(tmp_path, 3)
