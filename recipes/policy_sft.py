@@ -342,12 +342,12 @@ def main(argv: list[str]) -> None:
     )
     t0, running = time.time(), []
     while progress.step < cfg.train.max_steps:
-        micro_batches = [
-            rank_share(stream.next(), accelerator.process_index, accelerator.num_processes)
-            for _ in range(cfg.train.grad_accum)
-        ]
-        # mean over assistant tokens of the whole accumulation window
-        n_tokens = sum(n_targets[i] for mb in micro_batches for i in mb)
+        global_batches = [stream.next() for _ in range(cfg.train.grad_accum)]
+        micro_batches = [rank_share(b, accelerator.process_index, accelerator.num_processes) for b in global_batches]
+        # The loss is a mean over the assistant tokens of the whole window on all ranks, so a token
+        # weighs the same whichever rank and micro-batch run it. Every rank holds the global batches,
+        # so each counts them all without a collective.
+        n_tokens = sum(n_targets[i] for b in global_batches for i in b)
         step_loss = 0.0
         for k, idx in enumerate(micro_batches):
             batch, items = collate(idx)
@@ -361,9 +361,12 @@ def main(argv: list[str]) -> None:
                         f"non-finite loss at step {progress.step}, micro-batch {k}, example ids "
                         f"{[t['id'] for t in items]}: lower train.lr or check these rows"
                     )
-                # backward() divides by grad_accum; the loss is already a mean over the window's tokens
-                accelerator.backward(loss_sum * cfg.train.grad_accum / max(1, n_tokens))
+                # backward() divides by grad_accum and DDP / DeepSpeed average the ranks' gradients:
+                # both undone, the window's gradient is that of the mean over its tokens
+                accelerator.backward(loss_sum * cfg.train.grad_accum * accelerator.num_processes / max(1, n_tokens))
             step_loss += loss_sum.item() / max(1, n_tokens)
+        # this rank's share of the window's mean; the ranks' shares add up to the loss trained on
+        step_loss = accelerator.reduce(torch.tensor(step_loss, device=accelerator.device), "sum").item()
         if cfg.train.max_grad_norm > 0:
             accelerator.clip_grad_norm_(trainable, cfg.train.max_grad_norm)
         optimizer.step()

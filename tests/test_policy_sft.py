@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from ports import free_port
-from recipe_runs import REPO, read_metrics, run_recipe
+from recipe_runs import REPO, cpu_ddp_launcher, read_metrics, run_recipe
 from safetensors.torch import load_file
 
 from mmprm.training import lr_factor
@@ -250,6 +250,41 @@ def test_two_process_ddp_keeps_the_lr_schedule(tiny_models, synthetic, tmp_path)
         res.stdout[-3000:],
     )
     assert (out / "model.safetensors").exists()
+
+
+def write_uneven_sft_data(train):
+    """The synthetic rows cut to 1 to 4 steps, so the ranks of a global batch get rows of unequal
+    assistant-token counts (written beside `train`, whose image paths are relative)."""
+    out = train.parent / "uneven_sft.jsonl"
+    rows = [json.loads(line) for line in open(train)]
+    rows = [{**r, "steps": r["steps"][: i % 4 + 1]} for i, r in enumerate(rows)]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_weights_of_one_on_the_same_global_batch(tiny_models, synthetic, tmp_path):
+    """An assistant token weighs the same whichever rank runs it: 2 ranks of batch 2 with rows of
+    unequal target-token counts train the weights of 1 rank of batch 4, accumulation included."""
+    train = write_uneven_sft_data(synthetic[0])
+    one, two = tmp_path / "one", tmp_path / "two"
+    # group_by_length would sort the batch so that the strided shares hold similar lengths
+    args = [*common(tiny_models("qwen2_vl"), train, one, steps=3), "train.grad_accum=2", "train.group_by_length=false"]
+    run_recipe("policy_sft", *args, "train.batch_size=4")
+    run_recipe(
+        "policy_sft",
+        *args,
+        f"output_dir={two}",
+        "train.batch_size=2",
+        launcher=cpu_ddp_launcher(),
+        extra_env={"ACCELERATE_USE_CPU": "true"},
+    )
+    assert json.loads((two / "config.resolved.json").read_text())["num_processes"] == 2
+    a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst <= 1e-4, f"2 ranks train other weights than 1 rank, by {worst}"
+    loss = [r["loss"] for r in read_metrics(two, "train")]
+    assert loss == pytest.approx([r["loss"] for r in read_metrics(one, "train")], abs=1e-4)
 
 
 def test_demo_size_tiny_model(tmp_path):
