@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.data.schema import DataError, load_image
 from mmprm.models.loading import load_backbone, resolve_attn_implementation, vision_tower_parameters
-from mmprm.models.sharding import log_zero3_partitions
+from mmprm.models.sharding import log_zero3_partitions, merge_lora_copy
 from mmprm.policy import PolicySpec, save_policy_spec
 from mmprm.steps import parse_solution, prompt_text
 from mmprm.training import (
@@ -401,12 +401,13 @@ def main(argv: list[str]) -> None:
 
     # ---- save -----------------------------------------------------------------------------
     accelerator.wait_for_everyone()
-    # ZeRO-3 shards every weight: all ranks gather the full state dict, then rank 0 writes it.
-    state = None if cfg.model.lora.enabled else accelerator.get_state_dict(model)
+    # ZeRO-3 shards every weight, LoRA's base weights and adapters included: all ranks gather the
+    # full state dict, then rank 0 writes it (merging LoRA into a copy that holds these weights).
+    state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         final = accelerator.unwrap_model(model)
-        if hasattr(final, "merge_and_unload"):
-            final = final.merge_and_unload()
+        if cfg.model.lora.enabled:
+            final, state = merge_lora_copy(final, state), None  # the merged weights are its own
         final.save_pretrained(out_dir, state_dict=state)
         processor.save_pretrained(out_dir)
         # The prompt it learned, for annotation and Best-of-N (they read it unless overridden).

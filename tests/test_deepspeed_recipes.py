@@ -200,33 +200,35 @@ def sft_data(tmp_path_factory):
     return d / "train_sft.jsonl", d / "test_sft.jsonl"
 
 
+def sft_args(model: Path, sft_data, out: Path, steps: int) -> list[str]:
+    train, ev = sft_data
+    return [
+        f"model.name_or_path={model}",
+        f"data.train_file={train}",
+        f"data.eval_file={ev}",
+        f"output_dir={out}",
+        f"train.max_steps={steps}",
+        "train.lr=3e-3",
+        "train.batch_size=4",
+        "train.log_every=1",
+        f"train.eval_every={steps}",
+        f"train.save_every={steps}",
+        "train.eval_batch_size=4",
+        "data.max_length=256",
+        "train.report_to=none",
+    ]
+
+
 @pytest.mark.parametrize("stage,processes", [(2, 1), (2, 2), (3, 1), (3, 2)])
 def test_policy_sft_under_deepspeed(model_128, sft_data, tmp_path, stage, processes):
     from mmprm.models.loading import load_backbone
 
-    train, ev = sft_data
     out = tmp_path / "policy"
     # 9 eval rows, batches of 4: uneven over 2 ranks for the eval loss and for generation alike
     launch(
-        "policy_sft",
-        stage,
-        processes,
-        f"model.name_or_path={model_128}",
-        f"data.train_file={train}",
-        f"data.eval_file={ev}",
-        f"output_dir={out}",
-        "train.max_steps=8",
-        "train.lr=3e-3",
-        "train.batch_size=4",
-        "train.log_every=1",
-        "train.eval_every=8",
-        "train.save_every=8",
-        "train.eval_batch_size=4",
-        "train.eval_generations=9",
-        "train.max_new_tokens=8",
-        "data.max_length=256",
-        "train.report_to=none",
-    )
+        "policy_sft", stage, processes, *sft_args(model_128, sft_data, out, steps=8),
+        "train.eval_generations=9", "train.max_new_tokens=8",
+    )  # fmt: skip
     evals = read_metrics(out, "eval")
     print(f"  eval loss {evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}")
     assert evals[-1]["loss"] < evals[0]["loss"] and evals[-1]["generated"] == 9
@@ -236,6 +238,52 @@ def test_policy_sft_under_deepspeed(model_128, sft_data, tmp_path, stage, proces
     start, _ = load_backbone(model_128)
     moved = (model.lm_head.weight - start.lm_head.weight).abs().max().item()
     assert moved > 0
+
+
+def saved_policy_eval_loss(out: Path, eval_file: Path) -> float:
+    """The mean token loss of the policy saved in `out` on `eval_file`, by policy_sft's own
+    `eval_loss` on one process."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from mmprm.models.loading import load_backbone
+    from mmprm.training_data import SFTCollator, load_tokenized
+
+    spec = importlib.util.spec_from_file_location("policy_sft_recipe", REPO / "recipes" / "policy_sft.py")
+    recipe = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(recipe)
+    model, processor = load_backbone(out)
+    settings = {"max_length": 256, "system": None}  # what sft_args trains with
+    data, _ = load_tokenized(eval_file, "sft", processor, settings)
+    collate = SFTCollator(data, processor, processor.tokenizer.pad_token_id, **settings)
+    one_process = SimpleNamespace(process_index=0, num_processes=1, device=torch.device("cpu"), reduce=lambda t, _: t)
+    return recipe.eval_loss(model, collate, 4, one_process)
+
+
+def test_lora_policy_sft_under_zero3_two_processes_saves_what_it_trained(model_128, sft_data, tmp_path):
+    """The final save merges LoRA into weights that ZeRO-3 holds in slices over two ranks: the
+    saved policy has whole weights, the adapters merged in, and the eval loss the trained model
+    had in memory."""
+    out = tmp_path / "policy"
+    lora = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8", "model.lora.dropout=0"]
+    launch(
+        "policy_sft", 3, 2, *sft_args(model_128, sft_data, out, steps=8), *lora, "train.eval_generations=0",
+        config_file=zero3_partitioning_everything(tmp_path),
+    )  # fmt: skip
+    q_proj = "base_model.model.model.language_model.layers.0.self_attn.q_proj"
+    check_partitions(out, 3, 2, [f"{q_proj}.base_layer.weight"], 128 * 128)
+    check_partitions(out, 3, 2, [f"{q_proj}.lora_A.default.weight"], 4 * 128)
+    saved = load_file(out / "model.safetensors")
+    start = load_file(model_128 / "model.safetensors")
+    assert saved.keys() == start.keys()
+    assert all(saved[k].shape == start[k].shape for k in start)
+    weight = "model.layers.0.self_attn.q_proj.weight"  # the checkpoint layout transformers saves
+    assert (saved[weight] - start[weight]).abs().max() > 0  # the adapters were merged in
+    evals = read_metrics(out, "eval")
+    assert abs(evals[-1]["loss"] - evals[0]["loss"]) > 1e-2  # the adapters move the loss
+    loss = saved_policy_eval_loss(out, sft_data[1])
+    print(f"  eval loss in memory {evals[-1]['loss']:.6f}, saved policy {loss:.6f}")
+    assert loss == pytest.approx(evals[-1]["loss"], abs=1e-5)
 
 
 def test_zero2_resume_continues_exactly(model_128, toy, tmp_path):

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from mmprm.data.schema import load_image
+from mmprm.models.sharding import merge_lora_copy
 from mmprm.steps import STEP_TOKEN, TokenizedSteps, extend_steps, tokenize_steps
 
 if TYPE_CHECKING:
@@ -501,13 +502,7 @@ def save_prm(
         backbone_sd = {k[len("backbone.") :]: v for k, v in state_dict.items() if k.startswith("backbone.")}
         head_sd = {k[len("value_head.") :]: v for k, v in state_dict.items() if k.startswith("value_head.")}
     if merge_lora and hasattr(backbone, "merge_and_unload"):
-        backbone = copy.deepcopy(backbone)  # merging writes into the base weights
-        if backbone_sd is not None:
-            # under ZeRO-3 the copy holds this rank's empty slices: merge the gathered weights
-            for name, param in backbone.named_parameters():
-                param.data = backbone_sd[name].clone()
-        backbone = backbone.merge_and_unload()
-        backbone_sd = None  # the merged weights are the module's own
+        backbone, backbone_sd = merge_lora_copy(backbone, backbone_sd), None  # the merged weights are its own
     backbone.save_pretrained(out, state_dict=backbone_sd)
     processor.save_pretrained(out)
     if model.spec.head == "value":

@@ -15,6 +15,7 @@ deepspeed is imported only when a parameter is partitioned (which means it is in
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ __all__ = [
     "gathered",
     "is_partitioned",
     "log_zero3_partitions",
+    "merge_lora_copy",
     "partition_report",
     "partition_summary",
 ]
@@ -60,6 +62,22 @@ def gathered(params: Iterable[torch.Tensor], modifier_rank: int | None = None) -
 
     with deepspeed.zero.GatheredParameters(sharded, modifier_rank=modifier_rank):
         yield
+
+
+def merge_lora_copy(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """A copy of a PEFT model with its LoRA adapters merged into the base weights, ready to save.
+
+    Args:
+        model: the trained PEFT model; left as it is (merging writes into the base weights).
+        state_dict: its full weights gathered across ranks (`accelerator.get_state_dict`), keyed as
+            its `named_parameters`: under ZeRO-3 the module holds only this rank's empty slices,
+            so the copy takes these (cloned: the dict is not changed). None merges the module's own.
+    """
+    merged = copy.deepcopy(model)
+    if state_dict is not None:
+        for name, param in merged.named_parameters():
+            param.data = state_dict[name].clone()
+    return merged.merge_and_unload()
 
 
 def partition_report(model: nn.Module) -> list[dict[str, Any]]:
