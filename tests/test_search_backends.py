@@ -130,6 +130,24 @@ def test_make_rollout_backend_vllm_engine_arguments(monkeypatch):
     }
 
 
+def test_vllm_prompt_length_check_refuses_what_vllm_refuses():
+    """vLLM refuses a prompt of max_model_len tokens or more (no room for one generated token), and
+    with it the whole call: that request alone becomes its problem's input error, saying what to
+    change. The count itself runs against a real engine in the vLLM tier (tests/test_vllm_backend.py)."""
+    from mmprm.annotate.backends.base import RolloutInputError, RolloutRequest
+    from mmprm.annotate.backends.vllm import check_prompt_length
+
+    req = RolloutRequest("p7", "Q", ["/data/bars.png"], ["Step one.", "Step two."], 4)
+    check_prompt_length(3, req, 1023, 1024)  # one token of room: vLLM takes it, its samples cut short
+    with pytest.raises(RolloutInputError) as err:
+        check_prompt_length(3, req, 1024, 1024)
+    message = str(err.value)
+    assert err.value.index == 3 and message.startswith("problem p7: ")
+    assert "1 image(s), 2 step(s) so far) is 1024 tokens" in message and "max_model_len 1024" in message
+    for fix in ("model.vllm_max_model_len", "shorten the question", "max_pixels"):
+        assert fix in message
+
+
 @pytest.mark.slow
 def test_hf_greedy_search_rebuilds_the_greedy_solution(toy_policy, prm):
     from mmprm.annotate.backends.base import SamplingConfig

@@ -271,3 +271,64 @@ def test_annotation_records_have_one_schema_across_engines(engines):
             f"{name}: {[(r['id'], r['status'], r.get('error')) for r in recs]}"
         )
     assert schema_differences(records["vllm"], records["hf"]) == []
+
+
+def too_long(e: Engines) -> Any:
+    """A problem whose prompt alone is longer than the engine's max_model_len (1024 tokens)."""
+    question = " ".join(["The bar shows 2 and then 3 more."] * 150) + " What is the total?"
+    return dataclasses.replace(e.problems[2], id="too-long", question=question)
+
+
+def test_a_prompt_over_max_model_len_is_its_problems_input_error(engines):
+    """vLLM refuses a whole `generate` call for one prompt longer than max_model_len: the backend
+    names that request, and the others of the call still generate without it."""
+    from mmprm.annotate.backends.base import RolloutInputError, RolloutRequest
+
+    long = too_long(engines)
+    reqs = requests(engines, 2)
+    reqs.insert(1, RolloutRequest(long.id, long.question, long.images, [], 2))
+    length = len(hf_prompt_ids(engines.hf, reqs[1]))
+    assert length > 1024
+    backend = fresh(engines.vllm)
+    with pytest.raises(RolloutInputError) as err:
+        backend.generate(reqs)
+    assert err.value.index == 1
+    message = str(err.value)
+    assert "too-long" in message and f"{length} tokens" in message and "max_model_len 1024" in message, message
+    del reqs[1]  # as the annotation engine retries the rest of the call
+    assert [len(texts) for texts in backend.generate(reqs)] == [2, 2]
+
+
+def test_the_length_check_counts_each_prompt_as_vllm_does(engines):
+    """vLLM refuses a prompt of exactly max_model_len tokens (no room for one generated token) and
+    takes one a token shorter: the backend's count, images expanded, is vLLM's own."""
+    from mmprm.annotate.backends.base import RolloutInputError
+
+    reqs = requests(engines, 1)
+    _, outputs, _ = vllm_outputs(fresh(engines.vllm), reqs)
+    for req, out in zip(reqs, outputs):
+        length = len(out.prompt_token_ids)
+        tight, roomy = fresh(engines.vllm), fresh(engines.vllm)
+        tight.max_model_len, roomy.max_model_len = length, length + 1
+        with pytest.raises(RolloutInputError, match=f"{length} tokens"):
+            tight.generate([req])
+        assert [len(texts) for texts in roomy.generate([req])] == [1]
+
+
+def test_annotation_records_a_problem_over_max_model_len_and_finishes_the_rest(engines):
+    """The annotation run writes the other problems' records and a final (permanent) error record
+    for the long one, which a rerun therefore skips instead of stopping on it again."""
+    from mmprm.annotate.engine import AnnotationEngine, is_final, rule_verifier
+    from mmprm.annotate.search import SearchConfig
+
+    problems = [*engines.problems[:2], too_long(engines)]
+    search = SearchConfig(rollouts_per_estimate=4, max_searches=2, max_rollouts=16)
+    out: list[dict] = []
+    AnnotationEngine(fresh(engines.vllm), search, rule_verifier, "tags", concurrency=3).run(problems, out.append)
+    by_id = {r["id"]: r for r in out}
+    assert sorted(by_id) == sorted(p.id for p in problems)
+    bad = by_id["too-long"]
+    assert bad["status"] == "error" and bad["error_kind"] == "permanent" and is_final(bad), bad
+    assert "max_model_len 1024" in bad["message"]
+    for p in problems[:2]:
+        assert by_id[p.id]["status"] in {"annotated", "screened_all_correct", "screened_all_wrong"}, by_id[p.id]

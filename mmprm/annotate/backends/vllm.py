@@ -12,8 +12,10 @@ the partial assistant message.
 Written against vLLM 0.33 (`LLM.generate(prompts, sampling_params, use_tqdm=...)`, per-request
 `SamplingParams` with `seed`; with n > 1 vLLM derives seed + j for the j-th sample, so request
 seeds are spaced n apart by `request_seeds`). A sample vLLM stopped at `max_tokens`
-(`finish_reason == "length"`) comes back as a `Completion` marked truncated. Tested only where
-vllm is installed (`pytest -m vllm`).
+(`finish_reason == "length"`) comes back as a `Completion` marked truncated. vLLM refuses a whole
+`generate` call for one prompt of max_model_len tokens or more, so each prompt is counted first
+(`check_prompt_length`) and such a request is that problem's `RolloutInputError`. Tested only
+where vllm is installed (`pytest -m vllm`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -98,6 +101,25 @@ def pin_local_gpu() -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = pinned
 
 
+def check_prompt_length(index: int, req: RolloutRequest, length: int, max_model_len: int) -> None:
+    """Raise `RolloutInputError` for request `index` when vLLM would refuse its prompt of `length`
+    tokens (images expanded).
+
+    vLLM refuses a prompt that leaves no room for one generated token (length >= max_model_len),
+    and with it every other prompt of the call. A prompt that fits but leaves fewer than
+    max_new_tokens is taken: its samples stop at max_model_len and come back truncated.
+    """
+    if length >= max_model_len:
+        raise RolloutInputError(
+            index,
+            f"problem {req.problem_id}: its prompt (question, {len(req.images)} image(s), {len(req.prefix_steps)} "
+            f"step(s) so far) is {length} tokens, and vLLM's max_model_len {max_model_len} leaves no room to "
+            "generate: raise max_model_len (model.vllm_max_model_len in mcts_annotate, policy.max_model_len in "
+            "prm_search), shorten the question, or give the images fewer pixels (max_pixels in the model's "
+            "preprocessor_config.json)",
+        )
+
+
 class VLLMBackend:
     """`RolloutBackend` over `vllm.LLM`.
 
@@ -138,6 +160,7 @@ class VLLMBackend:
         self.system = system
         self.sequences_per_call = sequences_per_call
         self.processor = load_processor(model_path)
+        self._tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self._vllm = vllm
         from vllm.platforms import current_platform
 
@@ -156,12 +179,31 @@ class VLLMBackend:
                 limit_mm_per_prompt={"image": max_images_per_prompt},
                 **llm_kwargs,
             )
+        # The longest prompt + rollout the engine takes (its own, or the model's context length).
+        self.max_model_len: int = self.llm.model_config.max_model_len
         self._image = ImageCache()  # a problem's image is decoded once for all its rollout calls
+        # Tokens a problem's images add to its prompts, by image paths: the same for every prompt.
+        self._image_tokens: OrderedDict[tuple[str, ...], int] = OrderedDict()
         self.stats = GenerationStats()
+
+    def _prompt_length(self, req: RolloutRequest, text: str, images: list[Any], special: bool) -> int:
+        """Tokens of the prompt vLLM builds from `text` and `images`: the text's, plus what the
+        processor expands the images' placeholders to (counted once per problem's images)."""
+        length = len(self._tokenizer(text, add_special_tokens=special)["input_ids"])
+        if not images or self._tokenizer is self.processor:
+            return length
+        key = tuple(req.images)
+        if key not in self._image_tokens:
+            ids = self.processor(text=[text], images=[images], add_special_tokens=special)["input_ids"][0]
+            self._image_tokens[key] = len(ids) - length
+            if len(self._image_tokens) > self._image.size:
+                self._image_tokens.popitem(last=False)
+        self._image_tokens.move_to_end(key)
+        return length + self._image_tokens[key]
 
     def generate(self, requests: list[RolloutRequest]) -> list[list[Completion]]:
         start = time.perf_counter()
-        prompts: list[dict[str, Any]] = []
+        built: list[tuple[str, list[Any]]] = []
         for i, req in enumerate(requests):
             try:
                 images = [self._image(p) for p in req.images]
@@ -172,6 +214,12 @@ class VLLMBackend:
                 raise  # the filesystem's fault, not the problem's: an outage that a rerun retries
             except (OSError, ValueError) as e:
                 raise RolloutInputError(i, f"problem {req.problem_id}: {e}") from e
+            built.append((text, images))
+        # A BOS only where the chat template did not write one (LLaVA-1.5's does not; Llama 3's does).
+        special = bool(built) and needs_special_tokens(self._tokenizer, built[0][0])
+        prompts: list[dict[str, Any]] = []
+        for i, (req, (text, images)) in enumerate(zip(requests, built)):
+            check_prompt_length(i, req, self._prompt_length(req, text, images, special), self.max_model_len)
             prompt: dict[str, Any] = {"prompt": text}
             if images:
                 prompt["multi_modal_data"] = {"image": images}
@@ -193,9 +241,6 @@ class VLLMBackend:
             )
             for req, seed in zip(requests, seeds)
         ]
-        # A BOS only where the chat template did not write one (LLaVA-1.5's does not; Llama 3's does).
-        tokenizer = getattr(self.processor, "tokenizer", self.processor)
-        special = bool(prompts) and needs_special_tokens(tokenizer, prompts[0]["prompt"])
         outputs = self.llm.generate(
             prompts, params, use_tqdm=False, tokenization_kwargs={"add_special_tokens": special}
         )
