@@ -9,6 +9,8 @@ head_dim 64, taught our step format), so rollouts have real steps to check. Both
 - stop at the stop string and keep it (a rollout ends at `</answer>`; one step ends at `</step>`);
 - write the same text under greedy sampling, so the parsed steps agree;
 - give annotation records of one schema.
+The vLLM backend also counts each prompt as vLLM does, so that one prompt over max_model_len is its
+problem's input error rather than a refusal of the whole call.
 """
 
 from __future__ import annotations
