@@ -6,6 +6,7 @@ an uninterrupted run would have seen, on any number of processes.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Sequence
@@ -328,6 +329,35 @@ def find_checkpoint(
     return path
 
 
+METRICS_FILE = "metrics.jsonl"
+
+
+def _trim_metrics(path: Path, step: int | None, log: Any) -> None:
+    """Keep the rows of the metrics file that the run continues: none on a fresh start (`step`
+    None), those logged at or before `step` on a resume. Otherwise a rerun's curve is appended to
+    the last run's, and a resume from an earlier step leaves the abandoned continuation's rows in
+    between, each plotted as if this run had logged it."""
+    from mmprm.data.schema import atomic_write
+
+    if not path.is_file():
+        return
+    kept = dropped = 0
+    with open(path, encoding="utf-8") as src, atomic_write(path) as dst:
+        for line in src:
+            try:
+                row_step = json.loads(line).get("step")
+            except (json.JSONDecodeError, AttributeError):
+                row_step = None  # a line cut off by a kill: not this run's
+            if step is not None and isinstance(row_step, int) and row_step <= step:
+                dst.write(line if line.endswith("\n") else line + "\n")
+                kept += 1
+            else:
+                dropped += 1
+    if dropped:
+        why = "a fresh start" if step is None else f"resuming at step {step}"
+        log(f"{why}: dropped {dropped} row(s) of {path} logged by {'another run' if step is None else 'later steps'}")
+
+
 def start_run(
     accelerator: Any,
     output_dir: str | Path,
@@ -386,6 +416,7 @@ def start_run(
                 f"resuming at step {step}: {', '.join(p.name for p in done)} in {folder} came after it, from a "
                 f"continuation this run replaces; moved them to {aside} (delete it to free the space)"
             )
+        _trim_metrics(Path(output_dir) / METRICS_FILE, step if checkpoint is not None else None, log)
     accelerator.wait_for_everyone()  # no rank saves before the folder is ready
     return broadcast_object_list([run_id])[0]
 

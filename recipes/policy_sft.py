@@ -36,6 +36,7 @@ from mmprm.models.sharding import log_zero3_partitions, merge_lora_copy
 from mmprm.policy import PolicySpec, save_policy_spec
 from mmprm.steps import parse_solution, prompt_text
 from mmprm.training import (
+    METRICS_FILE,
     BatchStream,
     LoraConfig,
     TrainConfig,
@@ -315,7 +316,7 @@ def main(argv: list[str]) -> None:
 
     def write_metrics(row: dict) -> None:
         if accelerator.is_main_process:
-            with open(out_dir / "metrics.jsonl", "a") as f:
+            with open(out_dir / METRICS_FILE, "a") as f:
                 f.write(json.dumps(row) + "\n")
         accelerator.log(
             {f"{row['split']}/{k}": v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"]

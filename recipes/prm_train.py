@@ -37,6 +37,7 @@ from mmprm.scoring.losses import soft_bce_value, soft_ce_token_pair
 from mmprm.scoring.metrics import step_metrics
 from mmprm.steps import StepTokenError
 from mmprm.training import (
+    METRICS_FILE,
     BatchStream,
     LoraConfig,
     TrainConfig,
@@ -351,7 +352,7 @@ def main(argv: list[str]) -> None:
         )
     if log_with:
         accelerator.init_trackers("prm_train", config={k: str(v) for k, v in to_dict(cfg).items()})
-    metrics_file = out_dir / "metrics.jsonl"
+    metrics_file = out_dir / METRICS_FILE
 
     def write_metrics(row: dict) -> None:
         if accelerator.is_main_process:

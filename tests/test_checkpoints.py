@@ -178,3 +178,18 @@ def test_the_recipes_refuse_a_fresh_start_before_loading_anything(recipe, tiny_m
     assert res.returncode == 2, res.stderr[-3000:]
     assert res.stderr.startswith(f"{recipe}: {tmp_path / 'checkpoints'} holds another run's checkpoints (step_10)")
     assert "train.overwrite_output_dir=true" in res.stderr
+
+
+def test_the_metrics_file_holds_only_the_steps_this_run_continues(accelerator, tmp_path):
+    run = start_run(accelerator, tmp_path, None, 0)
+    save_checkpoint(accelerator, tmp_path, 4, run_id=run)
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"split": "eval", "step": s, "loss": 1.0 / s} for s in (2, 4, 6)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"split": "ev')  # killed mid-line
+    said = []
+    start_run(accelerator, tmp_path, tmp_path / "checkpoints" / "step_4", 4, log=said.append)
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [2, 4]
+    assert "dropped 2 row(s)" in said[0]  # step 6 and the cut line
+    said.clear()
+    start_run(accelerator, tmp_path, None, 0, overwrite=True, log=said.append)
+    assert metrics.read_text() == "" and any("fresh start: dropped 2 row(s)" in s for s in said)
