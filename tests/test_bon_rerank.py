@@ -243,8 +243,12 @@ def test_merge_refuses_mixed_runs_and_duplicate_ids(tmp_path, capsys):
     assert "no scored.shard" in capsys.readouterr().err
     for i in (0, 1):
         shard_path(tmp_path, i, 2).write_text(json.dumps(row) + "\n")
+    (tmp_path / "scored.jsonl").write_text("an earlier merge\n")
     with pytest.raises(ValueError, match="id=a appears in more than one shard"):
         merge_scored(tmp_path)
+    # a failed merge leaves the earlier one as it was, and no temp file beside it
+    assert (tmp_path / "scored.jsonl").read_text() == "an earlier merge\n"
+    assert sorted(p.name for p in tmp_path.iterdir() if "tmp" in p.name) == []
     shard_path(tmp_path, 0, 3).write_text(json.dumps(row) + "\n")
     with pytest.raises(ValueError, match=r"different shard counts \[2, 3\]"):
         merge_scored(tmp_path)

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from mmprm.data.schema import iter_jsonl
+from mmprm.data.schema import atomic_write, iter_jsonl
 
 _SHARD_RE = re.compile(r"scored\.shard(\d+)-of-(\d+)\.jsonl$")
 SETTINGS_FILE = "report_settings.json"
@@ -87,24 +86,20 @@ def merge_scored(out_dir: str | Path, count: int | None = None) -> Path:
     # Rows are copied one at a time; memory holds the ids only.
     seen: set[str] = set()
     merged = out / "scored.jsonl"
-    tmp = merged.with_name(merged.name + ".tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as dst:
-            for i in range(count):
-                for lineno, row, err in iter_jsonl(shards[(i, count)]):
-                    if err or row is None:
-                        raise ValueError(f"{shards[(i, count)]}:{lineno}: {err} (a damaged shard: rerun it)")
-                    if row["id"] in seen:
-                        raise ValueError(
-                            f"{shards[(i, count)]}: id={row['id']} appears in more than one shard "
-                            "(shards of different runs? rerun them into an empty folder)"
-                        )
-                    seen.add(row["id"])
-                    dst.write(json.dumps(row, ensure_ascii=False) + "\n")
-    except ValueError:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, merged)
+    # A temp file of this call's own (`atomic_write`): two processes that merge at once never write
+    # into one file, and a bad shard leaves no half-merged scored.jsonl behind.
+    with atomic_write(merged) as dst:
+        for i in range(count):
+            for lineno, row, err in iter_jsonl(shards[(i, count)]):
+                if err or row is None:
+                    raise ValueError(f"{shards[(i, count)]}:{lineno}: {err} (a damaged shard: rerun it)")
+                if row["id"] in seen:
+                    raise ValueError(
+                        f"{shards[(i, count)]}: id={row['id']} appears in more than one shard "
+                        "(shards of different runs? rerun them into an empty folder)"
+                    )
+                seen.add(row["id"])
+                dst.write(json.dumps(row, ensure_ascii=False) + "\n")
     return merged
 
 
