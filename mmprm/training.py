@@ -43,6 +43,9 @@ class TrainConfig:
         max_steps: optimizer steps to train (one epoch = ceil(rows / global batch))
         batch_size: examples per process per micro-step
         grad_accum: micro-steps per optimizer step (global batch = batch_size x grad_accum x processes)
+        global_batch_size: examples (packs with data.pack_trees) per optimizer step on any number of
+            processes: grad_accum is derived from it and the world size (`resolve_grad_accum`), so
+            the same config trains the same way on 1 node or 4; null uses grad_accum as given
         weight_decay: AdamW weight decay
         warmup_steps: linear warmup steps before the schedule
         schedule: learning-rate schedule after warmup: cosine | linear | constant
@@ -67,6 +70,7 @@ class TrainConfig:
     max_steps: int = 100
     batch_size: int = 8
     grad_accum: int = 1
+    global_batch_size: int | None = None
     lr: float = 2e-6
     weight_decay: float = 0.0
     warmup_steps: int = 0
@@ -90,6 +94,35 @@ class TrainConfig:
                 f"train.keep_checkpoints: {self.keep_checkpoints} would delete the checkpoint just written "
                 "(use 1 or more, or null to keep every one)"
             )
+
+
+def resolve_grad_accum(train: TrainConfig, num_processes: int) -> int:
+    """Set and return `train.grad_accum` for `num_processes`: from `train.global_batch_size` when
+    given (which must be a multiple of batch_size x processes), else as configured.
+
+    >>> resolve_grad_accum(TrainConfig(batch_size=4, global_batch_size=512), 8)
+    16
+    >>> resolve_grad_accum(TrainConfig(batch_size=4, global_batch_size=512), 32)
+    4
+    """
+    if train.global_batch_size is None:
+        return train.grad_accum
+    per_micro_step = train.batch_size * num_processes
+    accum, rest = divmod(train.global_batch_size, per_micro_step)
+    if accum < 1 or rest:
+        raise ValueError(
+            f"train.global_batch_size={train.global_batch_size} is not a multiple of train.batch_size x processes = "
+            f"{train.batch_size} x {num_processes} = {per_micro_step}: change one of them (or set "
+            "train.global_batch_size=null and give train.grad_accum)"
+        )
+    if train.grad_accum not in (1, accum):
+        raise ValueError(
+            f"train.grad_accum={train.grad_accum} and train.global_batch_size={train.global_batch_size} disagree on "
+            f"{num_processes} process(es) (the global batch asks for {accum}): give one of them (grad_accum=1 or "
+            "global_batch_size=null)"
+        )
+    train.grad_accum = accum
+    return accum
 
 
 def epoch_batches(

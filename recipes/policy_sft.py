@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 
@@ -46,6 +46,7 @@ from mmprm.training import (
     find_checkpoint,
     lr_factor,
     rank_share,
+    resolve_grad_accum,
     save_checkpoint,
     start_run,
     wrap_padding,
@@ -224,6 +225,11 @@ def main(argv: list[str]) -> None:
     use_bf16 = cfg.train.bf16 and (not torch.cuda.is_available() or torch.cuda.is_bf16_supported())
     # Our LR schedule counts optimizer steps: accelerate's default steps it once per process.
     # gradient_accumulation_steps tells DeepSpeed which micro-batch closes a step (see the loop).
+    # The world size is known before the Accelerator: PartialState is the one it will share.
+    try:
+        resolve_grad_accum(cfg.train, PartialState().num_processes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     accelerator = Accelerator(
         mixed_precision="bf16" if use_bf16 else "no",
         log_with=log_with,
@@ -295,6 +301,10 @@ def main(argv: list[str]) -> None:
     log_zero3_partitions(accelerator, model, out_dir, log)
     global_batch = cfg.train.batch_size * accelerator.num_processes
     stream = BatchStream(train_data.column("length"), global_batch, cfg.train.seed, cfg.train.group_by_length)
+    log(
+        f"global batch: {cfg.train.batch_size} rows x {cfg.train.grad_accum} micro-step(s) x "
+        f"{accelerator.num_processes} process(es) = {global_batch * cfg.train.grad_accum} rows per optimizer step"
+    )
     if padded := wrap_padding(len(train_data), global_batch):
         log(
             f"{len(train_data)} rows do not fill whole global batches of {global_batch}: each epoch's last batch "

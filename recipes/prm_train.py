@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
@@ -47,6 +47,7 @@ from mmprm.training import (
     find_checkpoint,
     lr_factor,
     rank_share,
+    resolve_grad_accum,
     save_checkpoint,
     start_run,
     wrap_padding,
@@ -222,6 +223,11 @@ def main(argv: list[str]) -> None:
     use_bf16 = cfg.train.bf16 and (not torch.cuda.is_available() or torch.cuda.is_bf16_supported())
     # Our LR schedule counts optimizer steps; gradient_accumulation_steps tells DeepSpeed which
     # micro-batch closes a step (see the loop).
+    # The world size is known before the Accelerator: PartialState is the one it will share.
+    try:
+        resolve_grad_accum(cfg.train, PartialState().num_processes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     accelerator = Accelerator(
         mixed_precision="bf16" if use_bf16 else "no",
         log_with=log_with,
@@ -333,6 +339,10 @@ def main(argv: list[str]) -> None:
     global_batch = cfg.train.batch_size * accelerator.num_processes
     stream = BatchStream(unit_lengths, global_batch, cfg.train.seed, cfg.train.group_by_length)
     unit = "packs" if cfg.data.pack_trees else "rows"
+    log(
+        f"global batch: {cfg.train.batch_size} {unit} x {cfg.train.grad_accum} micro-step(s) x "
+        f"{accelerator.num_processes} process(es) = {global_batch * cfg.train.grad_accum} {unit} per optimizer step"
+    )
     if padded := wrap_padding(len(unit_lengths), global_batch):
         log(
             f"{len(unit_lengths)} {unit} do not fill whole global batches of {global_batch}: each epoch's last "

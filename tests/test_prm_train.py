@@ -216,12 +216,14 @@ def test_two_processes_train_the_weights_of_one_on_the_same_global_batch(tiny_mo
     # group_by_length would sort the batch so that the strided shares hold equal step counts
     args += [
         "train.warmup_steps=0",
-        "train.grad_accum=2",
+        "train.global_batch_size=8",  # accumulates 2 micro-steps on either world size
         "train.group_by_length=false",
         f"data.pack_trees={str(packed).lower()}",
     ]
     one, two = tmp_path / "one", tmp_path / "two"
-    run_recipe("prm_train", *args, f"output_dir={one}", "train.batch_size=4")
+    res = run_recipe("prm_train", *args, f"output_dir={one}", "train.batch_size=4")
+    unit = "packs" if packed else "rows"
+    assert f"4 {unit} x 2 micro-step(s) x 1 process(es) = 8 {unit} per optimizer step" in res.stdout + res.stderr
     res = run_recipe(
         "prm_train",
         *args,
@@ -231,6 +233,7 @@ def test_two_processes_train_the_weights_of_one_on_the_same_global_batch(tiny_mo
         extra_env={"ACCELERATE_USE_CPU": "true"},
     )
     assert json.loads((two / "config.resolved.json").read_text())["num_processes"] == 2
+    assert f"2 {unit} x 2 micro-step(s) x 2 process(es) = 8 {unit}" in res.stdout + res.stderr
     if packed:
         assert "tree packing: 20 rows in 8 packs" in res.stdout + res.stderr
     for name in ("model.safetensors", "value_head.safetensors"):

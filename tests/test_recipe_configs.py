@@ -1,6 +1,7 @@
 """Every shipped recipe YAML parses against its recipe's typed Config and opens with its launch line;
 every accelerate config a YAML or a recipe docstring points at exists."""
 
+import dataclasses
 import importlib.util
 import re
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mmprm.config import load_config
+from mmprm.training import resolve_grad_accum
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "recipes" / "configs"
@@ -112,12 +114,17 @@ def test_recipe_docstring_config_files_exist(name):
 
 
 def test_real_backbone_batch_arithmetic():
-    """The 7B/8B configs keep MM-PRM's global batches on one 8-GPU node (their header comments)."""
+    """The 7B/8B configs keep MM-PRM's global batches on one 8-GPU node and on four."""
     for backbone in ("qwen2_5_vl_7b", "internvl3_8b"):
         for name, global_batch in (("prm_train", 512), ("policy_sft", 128)):
             path = CONFIGS / backbone / f"{name}.yaml"
             cfg = load_config(config_class(name), path)
-            assert cfg.train.batch_size * cfg.train.grad_accum * 8 == global_batch, rel(path)
+            assert cfg.train.global_batch_size == global_batch, rel(path)
+            for processes in (8, 32):  # one node, four
+                assert (
+                    cfg.train.batch_size * resolve_grad_accum(dataclasses.replace(cfg.train), processes) * processes
+                    == global_batch
+                )
             assert cfg.train.bf16 and cfg.model.freeze_vision_tower and cfg.train.schedule == "cosine"
             assert 0 < cfg.train.warmup_steps < cfg.train.max_steps and cfg.data.max_length == 4096
             if name == "prm_train":

@@ -17,7 +17,15 @@ from mmprm.data.schema import DataError, load_examples, load_image
 from mmprm.models.loading import add_step_token, load_processor
 from mmprm.models.prm import collate_steps
 from mmprm.steps import tokenize_steps
-from mmprm.training import BatchStream, epoch_batches, eval_share, rank_share, wrap_padding
+from mmprm.training import (
+    BatchStream,
+    TrainConfig,
+    epoch_batches,
+    eval_share,
+    rank_share,
+    resolve_grad_accum,
+    wrap_padding,
+)
 from mmprm.training_data import (
     PRMCollator,
     SFTCollator,
@@ -454,3 +462,16 @@ def test_eval_share_gives_every_rank_the_same_count():
     assert shares == [([0, 2, 4], 3), ([1, 3, 0], 2)]  # rank 1 scores row 0 again, counts 2
     assert sorted(i for idx, n in shares for i in idx[:n]) == [0, 1, 2, 3, 4]
     assert eval_share(1, 1, 4) == ([0], 0)
+
+
+def test_a_global_batch_size_derives_accumulation_from_the_world_size():
+    for processes, accum in ((1, 32), (8, 4), (32, 1)):
+        train = TrainConfig(batch_size=4, global_batch_size=128)
+        assert resolve_grad_accum(train, processes) == accum == train.grad_accum
+    assert resolve_grad_accum(TrainConfig(batch_size=4, grad_accum=3), 8) == 3  # no global batch: as given
+    with pytest.raises(ValueError, match=r"global_batch_size=100 is not a multiple of .* 4 x 8 = 32"):
+        resolve_grad_accum(TrainConfig(batch_size=4, global_batch_size=100), 8)
+    with pytest.raises(ValueError, match="not a multiple"):  # fewer rows than one micro-step of all ranks
+        resolve_grad_accum(TrainConfig(batch_size=4, global_batch_size=16), 8)
+    with pytest.raises(ValueError, match=r"grad_accum=2 and train.global_batch_size=128 disagree .* asks for 4"):
+        resolve_grad_accum(TrainConfig(batch_size=4, grad_accum=2, global_batch_size=128), 8)
