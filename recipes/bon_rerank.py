@@ -47,6 +47,8 @@ class SamplingConfig:
         top_p: nucleus sampling mass
         max_new_tokens: token cap per candidate
         seed: base seed; shard I samples with seed + I
+        seed_each_request: seed every vLLM request (a rerun repeats each sample); false is vLLM's faster
+            batched sampler (see mmprm.annotate.backends.base.SamplingConfig)
     """
 
     temperature: float = 1.0
@@ -54,6 +56,7 @@ class SamplingConfig:
     top_p: float = 0.9
     max_new_tokens: int = 4096  # MM-PRM's cap, as in annotation
     seed: int = 0
+    seed_each_request: bool = True
 
 
 @dataclass
@@ -207,12 +210,9 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
     Each backend call's problems are appended (fsync'ed) to `<file>.partial` as they finish; a
     killed run resumes after the last one written, and the finished file is only renamed into place.
     """
-    from mmprm.annotate.backends.base import RolloutRequest, problems_per_call
-    from mmprm.answers import answers_match
     from mmprm.data import store
-    from mmprm.rerank.candidates import Candidate, count_rows, load_problems
+    from mmprm.rerank.candidates import count_rows, load_problems
     from mmprm.rerank.shards import shard_bounds, take_shard
-    from mmprm.steps import parse_solution, prm_steps
 
     g = cfg.generate
     name = (
@@ -235,6 +235,25 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
     if done:
         print(f"resuming: {len(done)} problems already sampled in {partial}, {len(todo)} to go")
     backend = make_backend(cfg)
+    try:
+        sample_into(partial, backend, todo, cfg, len(done), len(problems))
+    finally:
+        # The PRM loads next on the same GPU: stop the engine now (the memory it took), not at exit.
+        if close := getattr(backend, "close", None):
+            close()
+    os.replace(partial, final)
+    return final
+
+
+def sample_into(partial: Path, backend: Any, todo: list[Any], cfg: Config, n_done: int, n_problems: int) -> None:
+    """Sample and verify `todo`'s solutions, appending each problem's row to `partial`."""
+    from mmprm.annotate.backends.base import RolloutRequest, problems_per_call
+    from mmprm.answers import answers_match
+    from mmprm.data import store
+    from mmprm.rerank.candidates import Candidate
+    from mmprm.steps import parse_solution, prm_steps
+
+    g = cfg.generate
     per_call = problems_per_call(backend, g.n, g.batch_size)
     t0, n_parsed, n_correct = time.time(), 0, 0
     with store.open_append(partial) as f:
@@ -260,13 +279,11 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
                 p.candidates = []  # written: keep no text in memory
             finished, elapsed = lo + len(chunk), time.time() - t0
             print(
-                f"generated {len(done) + finished}/{len(problems)} problems x {g.n} in {elapsed:.0f}s "
+                f"generated {n_done + finished}/{n_problems} problems x {g.n} in {elapsed:.0f}s "
                 f"(ETA {elapsed / finished * (len(todo) - finished):.0f}s)",
                 flush=True,
             )
-    os.replace(partial, final)
     print(f"{len(todo) * g.n} candidates sampled in this run: {n_parsed} with parsable steps, {n_correct} correct")
-    return final
 
 
 def check_same_run(run_file: Path, run: dict[str, Any], *outputs: Path) -> None:
@@ -298,6 +315,7 @@ def make_backend(cfg: Config):
         top_p=s.top_p,
         max_new_tokens=s.max_new_tokens,
         seed=worker_seed(s.seed, cfg.shard.index),
+        seed_each_request=s.seed_each_request,
     )
     try:
         system, step_mode = resolve_prompt_format(

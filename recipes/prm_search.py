@@ -42,6 +42,8 @@ class SamplingConfig:
         top_p: nucleus sampling mass
         max_new_tokens: token cap of ONE step in the search (Best-of-N's whole solutions: bon.max_new_tokens)
         seed: base seed; each shard samples its own stream (worker_seed(seed, shard.index))
+        seed_each_request: seed every vLLM request (a rerun repeats each sample); false is vLLM's faster
+            batched sampler (see mmprm.annotate.backends.base.SamplingConfig)
     """
 
     temperature: float = 1.0
@@ -49,6 +51,7 @@ class SamplingConfig:
     top_p: float = 0.9
     max_new_tokens: int = 128
     seed: int = 0
+    seed_each_request: bool = True
 
 
 @dataclass
@@ -227,6 +230,7 @@ def make_backend(cfg: Config, max_new_tokens: int):
         top_p=s.top_p,
         max_new_tokens=max_new_tokens,
         seed=worker_seed(s.seed, cfg.shard.index),
+        seed_each_request=s.seed_each_request,
     )
     try:
         system, step_mode = resolve_prompt_format(

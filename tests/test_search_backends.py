@@ -132,20 +132,39 @@ def test_make_rollout_backend_vllm_engine_arguments(monkeypatch):
 
 def test_vllm_prompt_length_check_refuses_what_vllm_refuses():
     """vLLM refuses a prompt of max_model_len tokens or more (no room for one generated token), and
-    with it the whole call: that request alone becomes its problem's input error, saying what to
+    with it the whole call; a question's prompt must leave max_new_tokens, or long solutions are
+    cut and graded wrong. Either request alone becomes its problem's input error, saying what to
     change. The count itself runs against a real engine in the vLLM tier (tests/test_vllm_backend.py)."""
     from mmprm.annotate.backends.base import RolloutInputError, RolloutRequest
     from mmprm.annotate.backends.vllm import check_prompt_length
 
     req = RolloutRequest("p7", "Q", ["/data/bars.png"], ["Step one.", "Step two."], 4)
-    check_prompt_length(3, req, 1023, 1024)  # one token of room: vLLM takes it, its samples cut short
+    check_prompt_length(3, req, 1023, 1024, 256)  # a continuation: one token of room is enough
     with pytest.raises(RolloutInputError) as err:
-        check_prompt_length(3, req, 1024, 1024)
+        check_prompt_length(3, req, 1024, 1024, 256)
     message = str(err.value)
     assert err.value.index == 3 and message.startswith("problem p7: ")
     assert "1 image(s), 2 step(s) so far) is 1024 tokens" in message and "max_model_len 1024" in message
     for fix in ("model.vllm_max_model_len", "shorten the question", "max_pixels"):
         assert fix in message
+    root = RolloutRequest("p8", "Q", [], [], 4)
+    check_prompt_length(0, root, 768, 1024, 256)  # a whole solution of 256 tokens fits
+    with pytest.raises(RolloutInputError, match="is 769 tokens, .* leaves fewer than max_new_tokens=256"):
+        check_prompt_length(0, root, 769, 1024, 256)
+
+
+def test_vllm_image_count_check_refuses_what_vllm_refuses():
+    """More images than the engine's limit_mm_per_prompt make vLLM refuse the whole call: that
+    request alone becomes its problem's input error, saying which key raises the limit."""
+    from mmprm.annotate.backends.base import RolloutInputError, RolloutRequest
+    from mmprm.annotate.backends.vllm import check_image_count
+
+    req = RolloutRequest("p7", "Q", [f"/data/{k}.png" for k in range(5)], [], 4)
+    check_image_count(0, req, 5)
+    with pytest.raises(RolloutInputError) as err:
+        check_image_count(2, req, 4)
+    assert err.value.index == 2 and str(err.value).startswith("problem p7: 5 images, over")
+    assert "limit of 4 per prompt" in str(err.value) and "limit_mm_per_prompt: {image: N}" in str(err.value)
 
 
 @pytest.mark.slow

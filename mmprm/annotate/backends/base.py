@@ -63,6 +63,11 @@ class SamplingConfig:
             unfinished: it counts as not correct in MC estimates but is never searched for an
             error (`mmprm.annotate.search`); records count such rollouts as `truncated_rollouts`.
         seed: base seed; each backend call derives its own, so reruns are reproducible.
+        seed_each_request: give every vLLM request its own seed, so a rerun repeats each sample.
+            Seeded requests take vLLM's per-request sampling path instead of its fast batched
+            top-k/top-p kernel (vLLM issue 42472), which costs throughput at large batches; false
+            seeds the engine once with `seed`: the same distribution, not the same samples. The HF
+            backend seeds each call either way.
     """
 
     temperature: float = 1.0
@@ -71,6 +76,7 @@ class SamplingConfig:
     top_p: float = 0.9
     max_new_tokens: int = 4096
     seed: int = 0
+    seed_each_request: bool = True
 
     def validate(self) -> None:
         if self.temperature <= 0:

@@ -13,14 +13,17 @@ Written against vLLM 0.33 (`LLM.generate(prompts, sampling_params, use_tqdm=...)
 `SamplingParams` with `seed`; with n > 1 vLLM derives seed + j for the j-th sample, so request
 seeds are spaced n apart by `request_seeds`). A sample vLLM stopped at `max_tokens`
 (`finish_reason == "length"`) comes back as a `Completion` marked truncated. vLLM refuses a whole
-`generate` call for one prompt of max_model_len tokens or more, so each prompt is counted first
-(`check_prompt_length`) and such a request is that problem's `RolloutInputError`. Tested only
-where vllm is installed (`pytest -m vllm`).
+`generate` call for one prompt of max_model_len tokens or more (or with more images than
+limit_mm_per_prompt), so each prompt is counted first (`check_prompt_length`, `check_image_count`)
+and such a request is that problem's `RolloutInputError`; so is a question whose prompt leaves
+less than max_new_tokens, whose long solutions would be cut and graded wrong. Tested only where
+vllm is installed (`pytest -m vllm`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
 from collections import OrderedDict
@@ -101,22 +104,39 @@ def pin_local_gpu() -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = pinned
 
 
-def check_prompt_length(index: int, req: RolloutRequest, length: int, max_model_len: int) -> None:
-    """Raise `RolloutInputError` for request `index` when vLLM would refuse its prompt of `length`
-    tokens (images expanded).
+def check_prompt_length(index: int, req: RolloutRequest, length: int, max_model_len: int, max_new_tokens: int) -> None:
+    """Raise `RolloutInputError` for request `index` when its prompt of `length` tokens (images
+    expanded) leaves too little of `max_model_len`.
 
-    vLLM refuses a prompt that leaves no room for one generated token (length >= max_model_len),
-    and with it every other prompt of the call. A prompt that fits but leaves fewer than
-    max_new_tokens is taken: its samples stop at max_model_len and come back truncated.
+    vLLM refuses a prompt that leaves no room for one generated token, and with it every other
+    prompt of the call. A prompt of the question alone (no steps yet) must leave `max_new_tokens`:
+    otherwise a solution that runs long is cut at max_model_len and graded as a wrong answer, a
+    label no search can tell from a real mistake. A prompt that continues steps needs one token of
+    room: its steps came from a solution budgeted from the root, so a continuation that keeps the
+    whole solution within max_new_tokens still fits.
     """
-    if length >= max_model_len:
+    needed = max_new_tokens if not req.prefix_steps else 1
+    if length + needed > max_model_len:
+        what = "leaves no room to generate" if needed == 1 else f"leaves fewer than max_new_tokens={max_new_tokens}"
         raise RolloutInputError(
             index,
             f"problem {req.problem_id}: its prompt (question, {len(req.images)} image(s), {len(req.prefix_steps)} "
-            f"step(s) so far) is {length} tokens, and vLLM's max_model_len {max_model_len} leaves no room to "
-            "generate: raise max_model_len (model.vllm_max_model_len in mcts_annotate, policy.max_model_len in "
-            "prm_search), shorten the question, or give the images fewer pixels (max_pixels in the model's "
-            "preprocessor_config.json)",
+            f"step(s) so far) is {length} tokens, and vLLM's max_model_len {max_model_len} {what} (solutions cut "
+            "there would count as wrong): raise max_model_len (model.vllm_max_model_len in mcts_annotate, "
+            "policy.max_model_len in prm_search), shorten the question, or give the images fewer pixels "
+            "(vllm_kwargs: {mm_processor_kwargs: {max_pixels: N}} on Qwen2-VL / Qwen2.5-VL)",
+        )
+
+
+def check_image_count(index: int, req: RolloutRequest, limit: int) -> None:
+    """Raise `RolloutInputError` for request `index` when it has more images than the engine takes
+    per prompt: vLLM would refuse the whole call for it."""
+    if len(req.images) > limit:
+        raise RolloutInputError(
+            index,
+            f"problem {req.problem_id}: {len(req.images)} images, over the vLLM engine's limit of {limit} per "
+            "prompt: raise it with vllm_kwargs: {limit_mm_per_prompt: {image: N}} (each image's tokens count "
+            "against max_model_len), or give the problem fewer images",
         )
 
 
@@ -128,7 +148,8 @@ class VLLMBackend:
         sampling: temperature / top_k (0 = off) / top_p / max_new_tokens / seed.
         step_mode: prompt and stop format.
         system: optional system prompt.
-        max_images_per_prompt: vLLM's `limit_mm_per_prompt` for images.
+        max_images_per_prompt: vLLM's `limit_mm_per_prompt` for images (`limit_mm_per_prompt` in
+            llm_kwargs wins); a problem with more images is its own input error.
         sequences_per_call: how many sequences callers that sample whole solutions send per
             `generate` (`problems_per_call`): the engine schedules them itself, and a call's
             results are written when it returns.
@@ -171,20 +192,45 @@ class VLLMBackend:
             llm_kwargs.setdefault("enable_chunked_prefill", False)
         # The engine seeds numpy with it, which takes < 2**32 only; worker_seed streams (rank or shard
         # >= 1) are larger. Sampling is seeded per request (request_seeds), so the fold changes no sample.
+        limit_mm_per_prompt = {"image": max_images_per_prompt, **(llm_kwargs.pop("limit_mm_per_prompt", None) or {})}
+        self.max_images_per_prompt: int = limit_mm_per_prompt["image"]
+        # The engine's image processor settings (max_pixels, ...), which our own count must share.
+        self._mm_processor_kwargs = dict(llm_kwargs.get("mm_processor_kwargs") or {})
         with _independent_engine():
             self.llm = vllm.LLM(
                 model=model_path,
                 enable_prefix_caching=True,
                 seed=sampling.seed % (1 << 32),
-                limit_mm_per_prompt={"image": max_images_per_prompt},
+                limit_mm_per_prompt=limit_mm_per_prompt,
                 **llm_kwargs,
             )
         # The longest prompt + rollout the engine takes (its own, or the model's context length).
         self.max_model_len: int = self.llm.model_config.max_model_len
+        if sampling.max_new_tokens >= self.max_model_len:
+            raise ValueError(
+                f"sampling.max_new_tokens={sampling.max_new_tokens} leaves no room for a prompt in vLLM's "
+                f"max_model_len {self.max_model_len}: raise max_model_len or lower max_new_tokens"
+            )
         self._image = ImageCache()  # a problem's image is decoded once for all its rollout calls
         # Tokens a problem's images add to its prompts, by image paths: the same for every prompt.
         self._image_tokens: OrderedDict[tuple[str, ...], int] = OrderedDict()
         self.stats = GenerationStats()
+
+    def close(self) -> None:
+        """Stop the engine (its worker process, weights and KV cache): the GPU memory it took
+        (gpu_memory_utilization of the device) is free for the next model this process loads, as
+        Best-of-N's PRM. The backend generates no more afterwards; closing twice is a no-op."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        shutdown = getattr(llm, "shutdown", None) or llm.llm_engine.engine_core.shutdown
+        shutdown()
+        del llm
+        gc.collect()
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _prompt_length(self, req: RolloutRequest, text: str, images: list[Any], special: bool) -> int:
         """Tokens of the prompt vLLM builds from `text` and `images`: the text's, plus what the
@@ -194,7 +240,9 @@ class VLLMBackend:
             return length
         key = tuple(req.images)
         if key not in self._image_tokens:
-            ids = self.processor(text=[text], images=[images], add_special_tokens=special)["input_ids"][0]
+            ids = self.processor(text=[text], images=[images], add_special_tokens=special, **self._mm_processor_kwargs)[
+                "input_ids"
+            ][0]
             self._image_tokens[key] = len(ids) - length
             if len(self._image_tokens) > self._image.size:
                 self._image_tokens.popitem(last=False)
@@ -205,6 +253,7 @@ class VLLMBackend:
         start = time.perf_counter()
         built: list[tuple[str, list[Any]]] = []
         for i, req in enumerate(requests):
+            check_image_count(i, req, self.max_images_per_prompt)
             try:
                 images = [self._image(p) for p in req.images]
                 text = rollout_prompt(
@@ -219,7 +268,8 @@ class VLLMBackend:
         special = bool(built) and needs_special_tokens(self._tokenizer, built[0][0])
         prompts: list[dict[str, Any]] = []
         for i, (req, (text, images)) in enumerate(zip(requests, built)):
-            check_prompt_length(i, req, self._prompt_length(req, text, images, special), self.max_model_len)
+            length = self._prompt_length(req, text, images, special)
+            check_prompt_length(i, req, length, self.max_model_len, self.sampling.max_new_tokens)
             prompt: dict[str, Any] = {"prompt": text}
             if images:
                 prompt["multi_modal_data"] = {"image": images}
@@ -235,7 +285,7 @@ class VLLMBackend:
                 top_k=s.top_k,
                 top_p=s.top_p,
                 max_tokens=s.max_new_tokens,
-                seed=seed,
+                seed=seed if s.seed_each_request else None,
                 stop=(stop_strings(self.step_mode) + (req.stop or [])) or None,
                 include_stop_str_in_output=True,
             )
