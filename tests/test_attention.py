@@ -21,6 +21,18 @@ def test_resolve_attn_implementation():
     assert resolve_attn_implementation("eager") == "eager"
     if not torch.cuda.is_available():
         assert resolve_attn_implementation("auto") == "sdpa"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto may choose flash-attn on a GPU")
+def test_auto_says_which_kernel_it_chose_and_why_once(capsys, monkeypatch):
+    from mmprm.models import loading
+
+    monkeypatch.setattr(loading, "_SAID", set())  # what earlier tests had said
+    for _ in range(2):
+        assert resolve_attn_implementation("auto", key="scorer.attn") == "sdpa"
+    why = "flash-attn is not installed" if not HAS_FLASH else "no CUDA GPU is visible"
+    [line] = capsys.readouterr().err.splitlines()  # said once, though resolved twice
+    assert line.startswith(f"scorer.attn=auto: sdpa ({why}")
     with pytest.raises(ConfigError, match=r"scorer\.attn: 'flash' is not one of \['sdpa', 'flash_attention_2'"):
         resolve_attn_implementation("flash", key="scorer.attn")
 
@@ -101,8 +113,8 @@ def test_every_recipe_names_the_key_when_flash_attn_is_missing(recipe, monkeypat
         message = capsys.readouterr().err
     assert code == 2, f"{recipe} accepted model.attn_implementation=flash_attention_2 without flash-attn"
     assert (
-        "model.attn_implementation=flash_attention_2 but flash-attn is not installed: pip install 'mmprm[flash]'"
-        in message
+        "model.attn_implementation=flash_attention_2 but flash-attn is not installed: on a CUDA machine with "
+        "torch installed, pip install 'mmprm[flash]' --no-build-isolation" in message
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -236,6 +237,16 @@ def load_processor(path: str | Path) -> Any:
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager", "auto")
 
 
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """Print a notice to stderr once per process: the recipes resolve the same key more than once."""
+    if message not in _SAID:
+        _SAID.add(message)
+        print(message, file=sys.stderr, flush=True)
+
+
 def resolve_attn_implementation(name: str, key: str = "model.attn_implementation") -> str:
     """The attention kernel to load with, checked before any weight is read.
 
@@ -254,11 +265,21 @@ def resolve_attn_implementation(name: str, key: str = "model.attn_implementation
         raise ConfigError(f"{key}: {name!r} is not one of {list(ATTN_IMPLEMENTATIONS)}")
     has_flash = importlib.util.find_spec("flash_attn") is not None
     if name == "auto":
-        return "flash_attention_2" if has_flash and torch.cuda.is_available() else "sdpa"
+        chosen = "flash_attention_2" if has_flash and torch.cuda.is_available() else "sdpa"
+        why = (
+            "flash-attn installed, CUDA visible"
+            if chosen != "sdpa"
+            else "flash-attn is not installed (see the README: it builds with --no-build-isolation)"
+            if not has_flash
+            else "no CUDA GPU is visible"
+        )
+        _say_once(f"{key}=auto: {chosen} ({why})")
+        return chosen
     if name == "flash_attention_2" and not has_flash:
         raise ConfigError(
-            f"{key}=flash_attention_2 but flash-attn is not installed: pip install 'mmprm[flash]' "
-            f"(on a CUDA machine), or set {key}=sdpa"
+            f"{key}=flash_attention_2 but flash-attn is not installed: on a CUDA machine with torch installed, "
+            f"pip install 'mmprm[flash]' --no-build-isolation (flash-attn builds against the installed torch), "
+            f"or set {key}=sdpa"
         )
     if name == "flash_attention_2" and not torch.cuda.is_available():
         raise ConfigError(f"{key}=flash_attention_2 needs a CUDA GPU and none is visible: set {key}=sdpa")
