@@ -104,11 +104,11 @@ def test_make_rollout_backend_vllm_engine_arguments(monkeypatch):
 
     made, pinned = [], []
     monkeypatch.setattr(vllm_backend, "VLLMBackend", lambda path, sampling, **kw: made.append((path, kw)) or kw)
-    monkeypatch.setattr(vllm_backend, "pin_local_gpu", lambda: pinned.append(True))
+    monkeypatch.setattr(vllm_backend, "pin_local_gpu", lambda tp=1: pinned.append(tp))
     sampling = SamplingConfig(max_new_tokens=4)
 
     make_rollout_backend("m", sampling, "tags", None, backend="vllm")
-    assert made[-1] == ("m", {"step_mode": "tags", "system": None, "dtype": "auto"}) and pinned
+    assert made[-1] == ("m", {"step_mode": "tags", "system": None, "dtype": "auto"})
     make_rollout_backend(
         "m",
         sampling,
@@ -128,6 +128,9 @@ def test_make_rollout_backend_vllm_engine_arguments(monkeypatch):
         "max_model_len": 2048,
         "enforce_eager": True,
     }
+    assert pinned == [1, 1]
+    make_rollout_backend("m", sampling, "tags", None, backend="vllm", vllm_kwargs={"tensor_parallel_size": 4})
+    assert pinned[-1] == 4  # the engine's GPUs are pinned as a block
 
 
 def test_vllm_prompt_length_check_refuses_what_vllm_refuses():
@@ -293,15 +296,35 @@ def test_each_rank_pins_its_own_gpu_inside_an_allocation(monkeypatch):
     assert [local_gpu("0,1,2,3,4,5,6,7", str(r)) for r in range(8)] == [str(r) for r in range(8)]
     assert local_gpu("4,5,6,7", "1") == "5" and local_gpu(None, "3") == "3"
     assert local_gpu("6", "3") is None and local_gpu("0,1", None) is None
-    with pytest.raises(ValueError, match="local rank 2 but CUDA_VISIBLE_DEVICES=0,1 lists 2 GPUs"):
+    with pytest.raises(
+        ValueError, match="local rank 2 of 3 process.* needs 3 GPUs, but CUDA_VISIBLE_DEVICES=0,1 lists 2"
+    ):
         local_gpu("0,1", "2")
+    # 8 processes on 4 GPUs fail on every rank, rank 0 included, before any engine starts
+    with pytest.raises(ValueError, match="start at most 4 processes per node"):
+        local_gpu("0,1,2,3", "0", 1, "8")
     for env, want in [({"CUDA_VISIBLE_DEVICES": "0,1,2,3", "SLURM_LOCALID": "3"}, "3"), ({"LOCAL_RANK": "1"}, "1")]:
-        for key in ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "SLURM_LOCALID"):
+        for key in ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "SLURM_LOCALID", "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
             monkeypatch.delenv(key, raising=False)
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         pin_local_gpu()
         assert os.environ["CUDA_VISIBLE_DEVICES"] == want
+
+
+def test_a_tensor_parallel_engine_gets_its_own_block_of_gpus():
+    """A 72B policy with tensor_parallel_size=4 on an 8-GPU node: 2 ranks, each engine on 4 GPUs of
+    its own; 8 ranks of 4 GPUs each are refused with the shape that fits."""
+    from mmprm.annotate.backends.vllm import local_gpu
+
+    node = "0,1,2,3,4,5,6,7"
+    assert [local_gpu(node, str(r), 4, "2") for r in range(2)] == ["0,1,2,3", "4,5,6,7"]
+    assert [local_gpu(None, str(r), 2) for r in range(2)] == ["0,1", "2,3"]
+    assert local_gpu("4,5", "1", 2) is None  # srun --gpus-per-task=2 narrowed it already
+    with pytest.raises(ValueError, match=r"8 process\(es\) per node x tensor_parallel_size 4 needs 32 GPUs.*at most 2"):
+        local_gpu(node, "0", 4, "8")
+    with pytest.raises(ValueError, match="lower tensor_parallel_size"):
+        local_gpu("0,1,2", "0", 4)
 
 
 def test_whole_solutions_go_to_vllm_in_large_calls_and_to_hf_in_its_batches():

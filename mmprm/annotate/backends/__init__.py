@@ -51,8 +51,9 @@ def make_rollout_backend(
             engine["gpu_memory_utilization"] = gpu_memory_utilization
         if max_model_len:
             engine["max_model_len"] = max_model_len
-        pin_local_gpu()
-        return VLLMBackend(path, sampling, step_mode=step_mode, system=system, **{**engine, **(vllm_kwargs or {})})
+        engine.update(vllm_kwargs or {})
+        pin_local_gpu(int(engine.get("tensor_parallel_size", 1)))
+        return VLLMBackend(path, sampling, step_mode=step_mode, system=system, **engine)
     if backend != "hf":
         raise ValueError(f"backend: {backend!r} is not one of ['hf', 'vllm']")
     from mmprm.annotate.backends.hf import HFBackend

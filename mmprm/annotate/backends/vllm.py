@@ -68,37 +68,51 @@ def _independent_engine() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def local_gpu(visible: str | None, local_rank: str | None) -> str | None:
+def local_gpu(
+    visible: str | None, local_rank: str | None, tensor_parallel_size: int = 1, local_world_size: str | None = None
+) -> str | None:
     """The CUDA_VISIBLE_DEVICES this rank's engine should see, or None to leave it as it is.
 
-    No launcher rank: as it is. Unset: the GPU numbered by the local rank. A list of several
-    (what a Slurm allocation or a user sets for the whole node): its local-rank-th entry, so eight
-    ranks do not all open the first GPU. One entry: already narrowed to this rank (srun's
-    --gpus-per-task, or a user), kept.
+    No launcher rank: as it is. Unset: the GPUs numbered from local rank x tensor_parallel_size. A
+    longer list (what a Slurm allocation or a user sets for the whole node): this rank's
+    tensor_parallel_size entries of it, so eight ranks do not all open the first GPU and an engine
+    spanning 4 GPUs gets 4 of its own. Exactly tensor_parallel_size entries: already narrowed to
+    this rank (srun's --gpus-per-task, or a user), kept. Ranks per node (`local_world_size`) that
+    need more GPUs than the list holds are refused, on every rank, before any engine starts.
 
     >>> local_gpu("0,1,2,3", "2"), local_gpu(None, "2"), local_gpu("5", "2"), local_gpu("0,1", None)
     ('2', '2', None, None)
+    >>> local_gpu("0,1,2,3,4,5,6,7", "1", 4), local_gpu(None, "1", 2), local_gpu("2,3", "0", 2)
+    ('4,5,6,7', '2,3', None)
     """
     if local_rank is None:
         return None
+    tp, rank = tensor_parallel_size, int(local_rank)
     if visible is None:
-        return local_rank
+        return ",".join(str(d) for d in range(rank * tp, (rank + 1) * tp))
     devices = [d.strip() for d in visible.split(",") if d.strip()]
-    if len(devices) <= 1:
+    if len(devices) == tp:
         return None
-    if int(local_rank) >= len(devices):
+    ranks = int(local_world_size) if local_world_size and local_world_size.isdigit() else rank + 1
+    if len(devices) < tp or max(ranks, rank + 1) * tp > len(devices):
+        shape = f" x tensor_parallel_size {tp}" if tp > 1 else ""
         raise ValueError(
-            f"local rank {local_rank} but CUDA_VISIBLE_DEVICES={visible} lists {len(devices)} GPUs: start at most "
-            f"{len(devices)} processes per node"
+            f"local rank {local_rank} of {ranks} process(es) per node{shape} needs {max(ranks, rank + 1) * tp} GPUs, "
+            f"but CUDA_VISIBLE_DEVICES={visible} lists {len(devices)}: start at most {len(devices) // tp} processes "
+            "per node (torchrun --nproc_per_node, srun --ntasks-per-node)"
+            + (" or lower tensor_parallel_size" if tp > 1 else "")
         )
-    return devices[int(local_rank)]
+    return ",".join(devices[rank * tp : (rank + 1) * tp])
 
 
-def pin_local_gpu() -> None:
-    """Under torchrun/accelerate/srun on a multi-GPU node, give this rank's engine its own GPU
-    (`local_gpu`). Must run before CUDA is initialised."""
+def pin_local_gpu(tensor_parallel_size: int = 1) -> None:
+    """Under torchrun/accelerate/srun on a multi-GPU node, give this rank's engine its own GPUs
+    (`local_gpu`), `tensor_parallel_size` of them. Must run before CUDA is initialised."""
     pinned = local_gpu(
-        os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID"))
+        os.environ.get("CUDA_VISIBLE_DEVICES"),
+        os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID")),
+        tensor_parallel_size,
+        os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE")),
     )
     if pinned is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = pinned
