@@ -61,6 +61,9 @@ class TrainConfig:
             max_steps
         keep_checkpoints: keep only the newest N complete checkpoints (a 7B ZeRO-3 checkpoint with its
             optimizer is ~100 GB); null keeps every one
+        require_gpu: stop before loading anything when no CUDA GPU is visible (the 7B configs set
+            it: a torch built for a newer CUDA than the host driver sees no GPU, and DeepSpeed then
+            trains on CPU without a word)
         overwrite_output_dir: let a fresh start (no resume_from_checkpoint) delete the checkpoints another run
             left in output_dir; false refuses to start over them
         lr: peak learning rate (AdamW)
@@ -86,6 +89,7 @@ class TrainConfig:
     stop_at_step: int | None = None
     keep_checkpoints: int | None = None
     overwrite_output_dir: bool = False
+    require_gpu: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what to do."""
@@ -94,6 +98,19 @@ class TrainConfig:
                 f"train.keep_checkpoints: {self.keep_checkpoints} would delete the checkpoint just written "
                 "(use 1 or more, or null to keep every one)"
             )
+
+
+def check_gpu(train: TrainConfig) -> None:
+    """Raise RuntimeError when `train.require_gpu` and torch sees no CUDA GPU, saying what to check."""
+    import torch
+
+    if train.require_gpu and not torch.cuda.is_available():
+        cuda = torch.version.cuda or "none (a CPU build)"
+        raise RuntimeError(
+            f"train.require_gpu: torch {torch.__version__} (CUDA {cuda}) sees no GPU. Check `nvidia-smi` and that "
+            "the driver supports this CUDA (a CUDA 13 build needs driver >= 580, or the forward-compatibility "
+            "libraries), and that the job was given GPUs (--gpus-per-node); set train.require_gpu=false to run on CPU"
+        )
 
 
 def resolve_grad_accum(train: TrainConfig, num_processes: int) -> int:

@@ -43,6 +43,7 @@ from mmprm.training import (
     TrainConfig,
     TrainProgress,
     accelerator_kwargs,
+    check_gpu,
     eval_share,
     find_checkpoint,
     lr_factor,
@@ -225,8 +226,9 @@ def main(argv: list[str]) -> None:
     # micro-batch closes a step (see the loop).
     # The world size is known before the Accelerator: PartialState is the one it will share.
     try:
+        check_gpu(cfg.train)
         resolve_grad_accum(cfg.train, PartialState().num_processes)
-    except ValueError as e:
+    except (RuntimeError, ValueError) as e:
         raise ConfigError(str(e)) from None
     accelerator = Accelerator(
         mixed_precision="bf16" if use_bf16 else "no",

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mmprm.config import load_config
 from mmprm.training import resolve_grad_accum
@@ -126,6 +127,7 @@ def test_real_backbone_batch_arithmetic():
                     == global_batch
                 )
             assert cfg.train.bf16 and cfg.model.freeze_vision_tower and cfg.train.schedule == "cosine"
+            assert cfg.train.require_gpu  # a 7B on CPU by accident never starts
             assert 0 < cfg.train.warmup_steps < cfg.train.max_steps and cfg.data.max_length == 4096
             if name == "prm_train":
                 assert 2e-6 <= cfg.train.lr <= 4e-6 and cfg.data.label_mode == "soft"
@@ -196,6 +198,27 @@ def test_a_missing_model_directory_names_its_key_before_any_loading(tmp_path):
                 f"output_dir={tmp_path / 'bon'}",
             ]
         )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: require_gpu passes")
+@pytest.mark.parametrize("recipe", ["prm_train", "policy_sft"])
+def test_a_gpu_config_without_a_gpu_stops_before_anything(recipe, tmp_path, tiny_models):
+    """The 7B configs set train.require_gpu: without a visible GPU (e.g. a driver older than
+    torch's CUDA) the run stops at once, naming the key, instead of training on CPU."""
+    from mmprm.config import ConfigError
+
+    config = str(CONFIGS / "tiny" / f"{recipe}.yaml")
+    with pytest.raises(ConfigError, match=r"^train\.require_gpu: torch .* sees no GPU\. Check `nvidia-smi`"):
+        recipe_module(recipe).main(
+            [
+                "--config",
+                config,
+                f"model.name_or_path={tiny_models('qwen2_vl')}",
+                "train.require_gpu=true",
+                f"output_dir={tmp_path / 'out'}",
+            ]
+        )
+    assert not (tmp_path / "out").exists()  # nothing written
 
 
 GPU_MARKERS = ("torchrun", "--num_processes 8", "sbatch", "srun", "backend=vllm", "shard.count=8", "--nproc")
