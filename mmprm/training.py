@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,9 @@ class TrainConfig:
         require_gpu: stop before loading anything when no CUDA GPU is visible (the 7B configs set
             it: a torch built for a newer CUDA than the host driver sees no GPU, and DeepSpeed then
             trains on CPU without a word)
+        prefetch_batches: collate the next optimizer step's micro-batches (image decoding,
+            tokenization checks, padding) on a background thread while this step trains
+            (`Prefetcher`); the batches are the same either way
         overwrite_output_dir: let a fresh start (no resume_from_checkpoint) delete the checkpoints another run
             left in output_dir; false refuses to start over them
         lr: peak learning rate (AdamW)
@@ -90,6 +93,7 @@ class TrainConfig:
     keep_checkpoints: int | None = None
     overwrite_output_dir: bool = False
     require_gpu: bool = False
+    prefetch_batches: bool = True
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what to do."""
@@ -230,12 +234,73 @@ class BatchStream:
         self.index += 1
         return batch
 
+    def peek(self, n: int) -> list[list[int]]:
+        """The next `n` batches, leaving the stream (and so its checkpointed position) where it is."""
+        saved = self.epoch, self.index, self._batches
+        try:
+            return [self.next() for _ in range(n)]
+        finally:
+            self.epoch, self.index, self._batches = saved
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
         self._batches = self._epoch(self.epoch)
+
+
+class Prefetcher:
+    """Collates micro-batches on one background thread while the training thread computes, so
+    image decoding and tokenization overlap the GPU's work instead of stalling it.
+
+        prefetch = Prefetcher(collate)
+        prefetch.submit(next_window)          # queued in the order they will be asked for
+        batch, items = prefetch.get(indices)  # collate(indices), from the queue when it is there
+
+    One thread: the collators keep a prompt cache that is not thread-safe, so a collator never
+    runs twice at once. `get` of anything not at the head of the queue waits for the queue, then
+    collates on the calling thread; batches are `collate(indices)`'s either way. Call `wait()`
+    before other work uses the same processor (evaluation): the queue then sits finished, and
+    `close()` at the end. With
+    `enabled=False` every `get` collates on the calling thread.
+    """
+
+    def __init__(self, collate: Callable[[Sequence[int]], Any], enabled: bool = True):
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.collate = collate
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mmprm-collate") if enabled else None
+        self._queue: deque = deque()  # (indices, Future), in submission order
+
+    def submit(self, batches: Sequence[Sequence[int]]) -> None:
+        if self._pool is None:
+            return
+        queued = {key for key, _ in self._queue}
+        for indices in batches:
+            key = tuple(indices)
+            if key not in queued:
+                queued.add(key)
+                self._queue.append((key, self._pool.submit(self.collate, list(indices))))
+
+    def get(self, indices: Sequence[int]) -> Any:
+        if self._queue and self._queue[0][0] == tuple(indices):
+            return self._queue.popleft()[1].result()
+        self.wait()  # asked out of order: the queue is of no use, and must not run beside us
+        self._queue.clear()
+        return self.collate(indices)
+
+    def wait(self) -> None:
+        """Block until every queued collation has finished (their batches stay queued), so that
+        nothing runs on the background thread."""
+        for _, future in self._queue:
+            future.exception()  # an error surfaces when its batch is asked for, not here
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._queue.clear()
 
 
 @dataclass

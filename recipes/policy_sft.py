@@ -39,6 +39,7 @@ from mmprm.training import (
     METRICS_FILE,
     BatchStream,
     LoraConfig,
+    Prefetcher,
     TrainConfig,
     TrainProgress,
     accelerator_kwargs,
@@ -354,16 +355,25 @@ def main(argv: list[str]) -> None:
         total=cfg.train.max_steps, initial=progress.step, desc="policy_sft", disable=not accelerator.is_main_process
     )
     t0, running = time.time(), []
+    prefetch = Prefetcher(collate, enabled=cfg.train.prefetch_batches)
     while progress.step < cfg.train.max_steps:
         global_batches = [stream.next() for _ in range(cfg.train.grad_accum)]
         micro_batches = [rank_share(b, accelerator.process_index, accelerator.num_processes) for b in global_batches]
+        # the next step's micro-batches collate on a background thread while this step trains
+        prefetch.submit(micro_batches)
+        prefetch.submit(
+            [
+                rank_share(b, accelerator.process_index, accelerator.num_processes)
+                for b in stream.peek(len(global_batches))
+            ]
+        )
         # The loss is a mean over the assistant tokens of the whole window on all ranks, so a token
         # weighs the same whichever rank and micro-batch run it. Every rank holds the global batches,
         # so each counts them all without a collective.
         n_tokens = sum(n_targets[i] for b in global_batches for i in b)
         step_loss = 0.0
         for k, idx in enumerate(micro_batches):
-            batch, items = collate(idx)
+            batch, items = prefetch.get(idx)
             batch = {key: v.to(accelerator.device) for key, v in batch.items()}
             # accumulate() syncs (DDP all-reduce, DeepSpeed step) on the last of grad_accum micro-batches only
             with accelerator.accumulate(model):
@@ -402,14 +412,17 @@ def main(argv: list[str]) -> None:
             )
             running = []
         if eval_collate and (progress.step % cfg.train.eval_every == 0 or progress.step == cfg.train.max_steps):
+            prefetch.wait()  # evaluation tokenizes with the same processor
             run_eval()
         stopping = progress.step == cfg.train.stop_at_step
         if progress.step % cfg.train.save_every == 0 or progress.step == cfg.train.max_steps or stopping:
             save_checkpoint(accelerator, out_dir, progress.step, run_id=run_id, keep=cfg.train.keep_checkpoints)
         if stopping:
             log(f"stopping at step {progress.step} (train.stop_at_step); resume with resume_from_checkpoint=latest")
+            prefetch.close()
             accelerator.end_training()
             return
+    prefetch.close()
     bar.close()
 
     # ---- save -----------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from mmprm.training import (
     METRICS_FILE,
     BatchStream,
     LoraConfig,
+    Prefetcher,
     TrainConfig,
     TrainProgress,
     accelerator_kwargs,
@@ -385,16 +386,25 @@ def main(argv: list[str]) -> None:
         total=cfg.train.max_steps, initial=progress.step, desc="prm_train", disable=not accelerator.is_main_process
     )
     t0, tokens_seen, running = time.time(), 0, []
+    prefetch = Prefetcher(train_collate, enabled=cfg.train.prefetch_batches)
     while progress.step < cfg.train.max_steps:
         global_batches = [stream.next() for _ in range(cfg.train.grad_accum)]
         micro_batches = [rank_share(b, accelerator.process_index, accelerator.num_processes) for b in global_batches]
+        # the next step's micro-batches collate on a background thread while this step trains
+        prefetch.submit(micro_batches)
+        prefetch.submit(
+            [
+                rank_share(b, accelerator.process_index, accelerator.num_processes)
+                for b in stream.peek(len(global_batches))
+            ]
+        )
         # The loss is a mean over the step tokens of the whole window on all ranks, so a step token
         # weighs the same whichever rank and micro-batch run it. Every rank holds the global batches,
         # so each counts them all without a collective.
         n_steps_total = sum(unit_steps[i] for b in global_batches for i in b)
         step_loss_sum = 0.0
         for k, idx in enumerate(micro_batches):
-            batch, items = train_collate(idx)
+            batch, items = prefetch.get(idx)
             batch = {key: v.to(accelerator.device) for key, v in batch.items()}
             # accumulate() syncs (DDP all-reduce, DeepSpeed step) on the last of grad_accum micro-batches only
             with accelerator.accumulate(model):
@@ -449,6 +459,7 @@ def main(argv: list[str]) -> None:
             )
             running = []
         if eval_collate and (progress.step % cfg.train.eval_every == 0 or progress.step == cfg.train.max_steps):
+            prefetch.wait()  # evaluation tokenizes with the same processor
             metrics, predictions = evaluate(model, eval_collate, cfg.train.eval_batch_size, accelerator)
             write_metrics({"split": "eval", "step": progress.step, **metrics})
             if accelerator.is_main_process:  # the latest eval's step scores, for error analysis
@@ -467,8 +478,10 @@ def main(argv: list[str]) -> None:
                 f"stopping at step {progress.step} as asked (train.stop_at_step); resume with "
                 "resume_from_checkpoint=latest"
             )
+            prefetch.close()
             accelerator.end_training()
             return
+    prefetch.close()
     bar.close()
 
     # ---- save -----------------------------------------------------------------------------

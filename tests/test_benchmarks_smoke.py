@@ -139,6 +139,14 @@ def test_prm_collate_quick():
     assert res["collate_ratio"] > 0 and res["step_ratio"] > 0
 
 
+@pytest.mark.slow
+def test_prm_prefetch_quick():
+    res = run_benchmark("prm_prefetch.py")
+    assert res["steps"] == 4 and res["step_s"]["inline"] > 0 and res["step_s"]["prefetch"] > 0
+    # the equality check passed (the script exits otherwise); speed is measured, not asserted here
+    assert res["step_ratio"] > 0
+
+
 def test_hf_sampling_quick():
     res = run_benchmark("hf_sampling.py")
     for setting in ("no_cut", "top_k50_top_p0.9"):

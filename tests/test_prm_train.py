@@ -115,6 +115,22 @@ def test_exact_resume_matches_straight_run(tiny_models, toy, tmp_path):
     assert worst <= 1e-6, f"resumed run differs from straight run by {worst}"
 
 
+def test_batches_collated_ahead_train_the_same_weights(tiny_models, toy, tmp_path):
+    """train.prefetch_batches collates the next step's micro-batches on a background thread (and
+    waits for it around evaluation): the same batches, so the same weights and eval rows bit for bit."""
+    train, ev = toy
+    model = tiny_models("qwen2_vl")
+    runs = {}
+    for prefetch in ("true", "false"):
+        out = tmp_path / prefetch
+        args = common(model, train, ev, out, steps=6)
+        run_recipe("prm_train", *args, "train.grad_accum=2", "train.eval_every=3", f"train.prefetch_batches={prefetch}")
+        runs[prefetch] = load_file(out / "model.safetensors"), read_metrics(out, "eval")
+    (a, eval_a), (b, eval_b) = runs["true"], runs["false"]
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert [r["bce"] for r in eval_a] == [r["bce"] for r in eval_b] and len(eval_a) == 2
+
+
 def write_tree_data(out_dir, n):
     """n toy problems, each a small MCTS tree: the row, its one-step prefix and a branch beside it."""
     src = write_toy_prm_data(out_dir, n, 0)

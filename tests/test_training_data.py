@@ -19,6 +19,7 @@ from mmprm.models.prm import collate_steps
 from mmprm.steps import tokenize_steps
 from mmprm.training import (
     BatchStream,
+    Prefetcher,
     TrainConfig,
     epoch_batches,
     eval_share,
@@ -475,3 +476,47 @@ def test_a_global_batch_size_derives_accumulation_from_the_world_size():
         resolve_grad_accum(TrainConfig(batch_size=4, global_batch_size=16), 8)
     with pytest.raises(ValueError, match=r"grad_accum=2 and train.global_batch_size=128 disagree .* asks for 4"):
         resolve_grad_accum(TrainConfig(batch_size=4, grad_accum=2, global_batch_size=128), 8)
+
+
+def test_peek_shows_the_next_batches_without_moving_the_stream():
+    stream = BatchStream([3, 1, 2, 5, 4], batch_size=2, seed=0, group_by_length=False)
+    stream.next()
+    state = stream.state_dict()
+    ahead = stream.peek(4)  # crosses into the next epoch
+    assert stream.state_dict() == state
+    assert [stream.next() for _ in range(4)] == ahead
+
+
+def test_prefetcher_collates_ahead_on_one_thread_and_equals_collate():
+    import threading
+    import time
+
+    calls, running, overlaps = [], [], []
+
+    def collate(indices):
+        if running:
+            overlaps.append(tuple(indices))
+        running.append(1)
+        time.sleep(0.01)
+        calls.append((tuple(indices), threading.current_thread().name))
+        running.pop()
+        if indices == [9]:
+            raise DataError(["row 9: bad image"])
+        return sum(indices)
+
+    prefetch = Prefetcher(collate)
+    prefetch.submit([[1, 2], [3]])
+    prefetch.submit([[3], [4, 5]])  # a batch already queued is not queued twice
+    assert [prefetch.get([1, 2]), prefetch.get([3]), prefetch.get([4, 5])] == [3, 3, 9]
+    assert [c for c, _ in calls] == [(1, 2), (3,), (4, 5)] and all(t.startswith("mmprm-collate") for _, t in calls)
+    prefetch.submit([[6], [7]])
+    assert prefetch.get([7]) == 7  # out of order: the queue is waited for and dropped, then collated here
+    assert calls[-1] == ((7,), threading.current_thread().name) and not overlaps
+    prefetch.submit([[9]])
+    prefetch.wait()  # the error stays with its batch
+    with pytest.raises(DataError, match="row 9"):
+        prefetch.get([9])
+    prefetch.close()
+    off = Prefetcher(collate, enabled=False)
+    off.submit([[8]])
+    assert off.get([8]) == 8 and calls[-1][1] == threading.current_thread().name
