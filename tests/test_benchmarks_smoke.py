@@ -92,6 +92,10 @@ def test_gpu_check_logic_on_cpu():
             "128",
             "--timeout",
             "600",
+            "--probe-tokens",
+            "64",
+            "--probe-divisor",
+            "16",
         ],
         cwd=REPO,
         env=env,
@@ -108,6 +112,11 @@ def test_gpu_check_logic_on_cpu():
     assert res["zero3"]["lm_head"] == {"numel": 1025 * 128, "local_numel": 1025 * 128, "partitioned": True}
     assert res["scorer"]["probabilities_dtype"] == "float32" and res["scorer"]["round_trip_max_diff"] <= 2e-2
     assert res["scorer"]["steps_per_s"] > 0
+    assert res["processes"] == 1  # every visible GPU: none here
+    packed = res["zero3_packed"]
+    assert packed["finite"] and packed["rows_in_packs"][0] > packed["rows_in_packs"][1] > 0, packed
+    assert res["vllm"]["skipped"].startswith("no GPU")
+    assert res["memory_7b_layer"]["tokens"] == 64 and res["memory_7b_layer"]["seconds_2_layers"] > 0
 
 
 @pytest.mark.slow
