@@ -227,3 +227,15 @@ def test_dockerignore_keeps_local_junk_out():
         if line.strip() and not line.startswith("#")
     }
     assert {".git", ".venv", "runs", "logs", ".pytest_cache", "**/__pycache__", "*.egg-info"} <= ignored
+
+
+def test_docker_image_works_as_any_calling_user():
+    """pyxis/enroot and Apptainer run the image as the calling user: no HF_HOME fixed under the
+    image user's home, the checkout readable by all, runs/ and logs/ writable by all; flash-attn's
+    build is a layer of its own that a build argument skips."""
+    text = (REPO / "docker" / "Dockerfile").read_text()
+    assert not re.search(r"^ENV HF_HOME=", text, re.M)
+    assert "chmod -R a+rX /workspace/mmprm" in text
+    assert "chmod 1777 /workspace/mmprm/runs /workspace/mmprm/logs" in text
+    flash = [block for block in text.split("\nRUN ") if "flash-attn==" in block]
+    assert len(flash) == 1 and "vllm==" not in flash[0] and 'if [[ -n "${FLASH_ATTN_VERSION}" ]]' in flash[0]
