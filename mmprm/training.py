@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -114,6 +115,28 @@ def check_gpu(train: TrainConfig) -> None:
             f"train.require_gpu: torch {torch.__version__} (CUDA {cuda}) sees no GPU. Check `nvidia-smi` and that "
             "the driver supports this CUDA (a CUDA 13 build needs driver >= 580, or the forward-compatibility "
             "libraries), and that the job was given GPUs (--gpus-per-node); set train.require_gpu=false to run on CPU"
+        )
+
+
+def launched_world_size() -> int:
+    """How many processes the launcher started, read from its environment (torchrun, accelerate,
+    deepspeed, MPI), 1 when run plainly. Read before the Accelerator exists: building a
+    PartialState early would fix the process group without the Accelerator's arguments (CPU mode,
+    timeout) and can leave each process believing it runs alone."""
+    for key in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
+        if os.environ.get(key):
+            return int(os.environ[key])
+    return 1
+
+
+def check_world_size(accelerator: Any, launched: int) -> None:
+    """Refuse a run whose processes do not see each other: each would train alone on the whole
+    data, write the same checkpoints, and use a grad_accum meant for `launched` processes."""
+    if accelerator.num_processes != launched:
+        raise RuntimeError(
+            f"the launcher started {launched} processes but this one sees {accelerator.num_processes}: the "
+            "processes did not join one group. Without GPUs, set ACCELERATE_USE_CPU=true for multi-process CPU "
+            "runs; with GPUs, check that each process sees one (CUDA_VISIBLE_DEVICES)"
         )
 
 

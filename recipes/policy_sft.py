@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 
@@ -44,8 +44,10 @@ from mmprm.training import (
     TrainProgress,
     accelerator_kwargs,
     check_gpu,
+    check_world_size,
     eval_share,
     find_checkpoint,
+    launched_world_size,
     lr_factor,
     rank_share,
     resolve_grad_accum,
@@ -227,10 +229,11 @@ def main(argv: list[str]) -> None:
     use_bf16 = cfg.train.bf16 and (not torch.cuda.is_available() or torch.cuda.is_bf16_supported())
     # Our LR schedule counts optimizer steps: accelerate's default steps it once per process.
     # gradient_accumulation_steps tells DeepSpeed which micro-batch closes a step (see the loop).
-    # The world size is known before the Accelerator: PartialState is the one it will share.
+    # The world size comes from the launcher: the Accelerator needs grad_accum when it is built.
     try:
         check_gpu(cfg.train)
-        resolve_grad_accum(cfg.train, PartialState().num_processes)
+        world_size = launched_world_size()
+        resolve_grad_accum(cfg.train, world_size)
     except (RuntimeError, ValueError) as e:
         raise ConfigError(str(e)) from None
     accelerator = Accelerator(
@@ -241,6 +244,10 @@ def main(argv: list[str]) -> None:
         step_scheduler_with_optimizer=False,
         kwargs_handlers=accelerator_kwargs(),
     )
+    try:
+        check_world_size(accelerator, world_size)
+    except RuntimeError as e:
+        raise ConfigError(str(e)) from None
     set_seed(cfg.train.seed)
     log = accelerator.print
     # before loading anything: a fresh start over another run's checkpoints is refused here

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import types
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,10 @@ from mmprm.training import (
     BatchStream,
     Prefetcher,
     TrainConfig,
+    check_world_size,
     epoch_batches,
     eval_share,
+    launched_world_size,
     rank_share,
     resolve_grad_accum,
     wrap_padding,
@@ -476,6 +479,19 @@ def test_a_global_batch_size_derives_accumulation_from_the_world_size():
         resolve_grad_accum(TrainConfig(batch_size=4, global_batch_size=16), 8)
     with pytest.raises(ValueError, match=r"grad_accum=2 and train.global_batch_size=128 disagree .* asks for 4"):
         resolve_grad_accum(TrainConfig(batch_size=4, grad_accum=2, global_batch_size=128), 8)
+
+
+def test_the_world_size_is_the_launchers_and_a_process_that_runs_alone_is_refused(monkeypatch):
+    for key in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert launched_world_size() == 1
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    assert launched_world_size() == 4
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    assert launched_world_size() == 16
+    check_world_size(types.SimpleNamespace(num_processes=16), 16)
+    with pytest.raises(RuntimeError, match="started 16 processes but this one sees 1: .* ACCELERATE_USE_CPU=true"):
+        check_world_size(types.SimpleNamespace(num_processes=1), 16)
 
 
 def test_peek_shows_the_next_batches_without_moving_the_stream():
