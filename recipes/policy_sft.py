@@ -33,6 +33,7 @@ from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir,
 from mmprm.data.schema import DataError, load_image
 from mmprm.models.loading import load_backbone, resolve_attn_implementation, vision_tower_parameters
 from mmprm.models.sharding import log_zero3_partitions, merge_lora_copy
+from mmprm.models.vision_sync import vision_sync
 from mmprm.policy import PolicySpec, save_policy_spec
 from mmprm.steps import parse_solution, prompt_text
 from mmprm.training import (
@@ -156,8 +157,9 @@ def token_loss_sum(model, batch) -> tuple[torch.Tensor, int]:
 
 
 @torch.no_grad()
-def generate_eval(model, processor, data, cfg: Config, accelerator) -> dict[str, float]:
-    """Greedy solutions for the first eval rows: format compliance and answer accuracy."""
+def generate_eval(model, processor, data, cfg: Config, accelerator, sync) -> dict[str, float]:
+    """Greedy solutions for the first eval rows: format compliance and answer accuracy.
+    `sync`: `mmprm.models.vision_sync.vision_sync`."""
     from mmprm.answers import answers_match
 
     tokenizer = getattr(processor, "tokenizer", processor)
@@ -182,9 +184,10 @@ def generate_eval(model, processor, data, cfg: Config, accelerator) -> dict[str,
         else:
             enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         enc = {k: v.to(accelerator.device) for k, v in enc.items()}
-        out = model.generate(
-            **enc, do_sample=False, max_new_tokens=cfg.train.max_new_tokens, pad_token_id=tokenizer.pad_token_id
-        )
+        with sync(enc, generate=True):
+            out = model.generate(
+                **enc, do_sample=False, max_new_tokens=cfg.train.max_new_tokens, pad_token_id=tokenizer.pad_token_id
+            )
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         for ex, text in zip(chunk, texts):
             parsed = parse_solution(text)
@@ -203,8 +206,9 @@ def generate_eval(model, processor, data, cfg: Config, accelerator) -> dict[str,
 
 
 @torch.no_grad()
-def eval_loss(model, collate: SFTCollator, batch_size, accelerator) -> float:
-    """Mean token loss on the eval split (each process an even share; wrap-around rows not counted)."""
+def eval_loss(model, collate: SFTCollator, batch_size, accelerator, sync) -> float:
+    """Mean token loss on the eval split (each process an even share; wrap-around rows not counted).
+    `sync`: `mmprm.models.vision_sync.vision_sync`."""
     model.eval()
     total, count = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
     mine, n_real = eval_share(len(collate.data), accelerator.process_index, accelerator.num_processes)
@@ -213,7 +217,8 @@ def eval_loss(model, collate: SFTCollator, batch_size, accelerator) -> float:
         if start + batch_size > n_real:  # padding rows: forward them (even passes), count nothing
             keep = torch.arange(batch["labels"].shape[0], device=accelerator.device) < n_real - start
             batch["labels"] = torch.where(keep[:, None], batch["labels"], IGNORE)
-        loss, n = token_loss_sum(model, batch)
+        with sync(batch):
+            loss, n = token_loss_sum(model, batch)
         total, count = total + loss, count + n
     model.train()
     total, count = accelerator.reduce(total, "sum"), accelerator.reduce(count, "sum")
@@ -274,6 +279,8 @@ def main(argv: list[str]) -> None:
         )
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # ZeRO-3 / FSDP: a batch without images still runs the vision tower, or the ranks' collectives part
+    sync = vision_sync(accelerator, model, processor)
     tokenizer = getattr(processor, "tokenizer", processor)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
@@ -346,10 +353,10 @@ def main(argv: list[str]) -> None:
         row = {
             "split": "eval",
             "step": progress.step,
-            "loss": eval_loss(model, eval_collate, cfg.train.eval_batch_size, accelerator),
+            "loss": eval_loss(model, eval_collate, cfg.train.eval_batch_size, accelerator, sync),
         }
         if cfg.train.eval_generations > 0:
-            row.update(generate_eval(model, processor, eval_collate.data, cfg, accelerator))
+            row.update(generate_eval(model, processor, eval_collate.data, cfg, accelerator, sync))
         write_metrics(row)
         log(f"step {progress.step} eval: " + " ".join(f"{k}={v:.4f}" for k, v in row.items() if isinstance(v, float)))
 
@@ -384,7 +391,7 @@ def main(argv: list[str]) -> None:
             batch = {key: v.to(accelerator.device) for key, v in batch.items()}
             # accumulate() syncs (DDP all-reduce, DeepSpeed step) on the last of grad_accum micro-batches only
             with accelerator.accumulate(model):
-                with accelerator.autocast():
+                with accelerator.autocast(), sync(batch):
                     loss_sum, _ = token_loss_sum(model, batch)
                 if not torch.isfinite(loss_sum):
                     raise FloatingPointError(

@@ -32,6 +32,7 @@ from mmprm.data.schema import DataError
 from mmprm.models.loading import load_backbone, resolve_attn_implementation, vision_tower_parameters
 from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, model_input_keys, save_prm
 from mmprm.models.sharding import log_zero3_partitions
+from mmprm.models.vision_sync import vision_sync
 from mmprm.packing import run_tokens
 from mmprm.scoring.losses import soft_bce_value, soft_ce_token_pair
 from mmprm.scoring.metrics import step_metrics
@@ -185,9 +186,9 @@ def step_loss(head_logits: torch.Tensor, targets: torch.Tensor, weights: torch.T
 
 
 @torch.no_grad()
-def evaluate(model, collate: PRMCollator, batch_size, accelerator) -> tuple[dict[str, float], list[dict]]:
+def evaluate(model, collate: PRMCollator, batch_size, accelerator, sync) -> tuple[dict[str, float], list[dict]]:
     """Step-level metrics on the eval split (each process scores an even share, gathered on all), and
-    the per-step scores by example id."""
+    the per-step scores by example id. `sync`: `mmprm.models.vision_sync.vision_sync`."""
     model.eval()
     # An even share: under ZeRO-3 each forward gathers weights from all ranks, so a rank with one
     # batch fewer would leave the others waiting for ever.
@@ -196,9 +197,9 @@ def evaluate(model, collate: PRMCollator, batch_size, accelerator) -> tuple[dict
     for start in range(0, len(mine), batch_size):
         batch, items = collate(mine[start : start + batch_size])
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        probs = ProcessRewardModel.probabilities(
-            model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))
-        ).tolist()
+        with sync(batch):
+            logits = model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))
+        probs = ProcessRewardModel.probabilities(logits).tolist()
         pos = 0
         for t in items:  # nothing for a rank that only ran to keep the others company
             scores.append(probs[pos : pos + len(t.step_positions)])
@@ -275,6 +276,8 @@ def main(argv: list[str]) -> None:
         )
     if cfg.model.gradient_checkpointing:
         model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # ZeRO-3 / FSDP: a batch without images still runs the vision tower, or the ranks' collectives part
+    sync = vision_sync(accelerator, model.backbone, processor)
     tokenizer = getattr(processor, "tokenizer", processor)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
@@ -415,7 +418,7 @@ def main(argv: list[str]) -> None:
             batch = {key: v.to(accelerator.device) for key, v in batch.items()}
             # accumulate() syncs (DDP all-reduce, DeepSpeed step) on the last of grad_accum micro-batches only
             with accelerator.accumulate(model):
-                with accelerator.autocast():
+                with accelerator.autocast(), sync(batch):
                     logits = model(
                         batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch)
                     )
@@ -467,7 +470,7 @@ def main(argv: list[str]) -> None:
             running = []
         if eval_collate and (progress.step % cfg.train.eval_every == 0 or progress.step == cfg.train.max_steps):
             prefetch.wait()  # evaluation tokenizes with the same processor
-            metrics, predictions = evaluate(model, eval_collate, cfg.train.eval_batch_size, accelerator)
+            metrics, predictions = evaluate(model, eval_collate, cfg.train.eval_batch_size, accelerator, sync)
             write_metrics({"split": "eval", "step": progress.step, **metrics})
             if accelerator.is_main_process:  # the latest eval's step scores, for error analysis
                 (out_dir / "eval_predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in predictions))

@@ -20,6 +20,7 @@ import torch
 from template_families import FAMILIES, FIXTURES, NAMES, TEXT_ARCHS, build_family_checkpoint
 
 from mmprm.models import add_step_token, load_backbone
+from mmprm.models.vision_sync import no_vision_sync
 from mmprm.steps import (
     STEP_TOKEN,
     assistant_start,
@@ -398,7 +399,7 @@ def test_policy_sft_eval_generation_without_a_pad_token(checkpoint):
         {"id": f"q{i}", "question": q, "images": [], "answer": "12"}
         for i, q in enumerate([TEXT_QUESTION, "What is 2 + 2?"])
     ]
-    stats = recipe.generate_eval(model, processor, examples, cfg, Accelerator(cpu=True))
+    stats = recipe.generate_eval(model, processor, examples, cfg, Accelerator(cpu=True), no_vision_sync)
     assert stats["generated"] == 2 and processor.pad_token == processor.eos_token
 
 

@@ -31,7 +31,13 @@ LM_HEAD = "backbone.lm_head.weight"
 
 
 def launch(
-    recipe: str, stage: int, processes: int, *overrides: str, bf16: bool = False, config_file: Path | None = None
+    recipe: str,
+    stage: int,
+    processes: int,
+    *overrides: str,
+    bf16: bool = False,
+    config_file: Path | None = None,
+    timeout: int = 900,
 ) -> str:
     """`accelerate launch --config_file launch/accelerate/deepspeed_zeroN.yaml` as a user types it
     (or `config_file`)."""
@@ -45,7 +51,7 @@ def launch(
     ]  # fmt: skip
     t0 = time.time()
     # ACCELERATE_USE_CPU (set for the DDP tests on CPU) turns DeepSpeed off: these runs need it off
-    res = run_recipe(recipe, *overrides, launcher=launcher, timeout=900, extra_env={"ACCELERATE_USE_CPU": "false"})
+    res = run_recipe(recipe, *overrides, launcher=launcher, timeout=timeout, extra_env={"ACCELERATE_USE_CPU": "false"})
     print(f"\n[{recipe} zero{stage} x{processes}{' bf16' if bf16 else ''}] {time.time() - t0:.1f}s")
     return res.stdout + res.stderr
 
@@ -247,6 +253,7 @@ def saved_policy_eval_loss(out: Path, eval_file: Path) -> float:
     from types import SimpleNamespace
 
     from mmprm.models.loading import load_backbone
+    from mmprm.models.vision_sync import no_vision_sync
     from mmprm.training_data import SFTCollator, load_tokenized
 
     spec = importlib.util.spec_from_file_location("policy_sft_recipe", REPO / "recipes" / "policy_sft.py")
@@ -257,7 +264,7 @@ def saved_policy_eval_loss(out: Path, eval_file: Path) -> float:
     data, _ = load_tokenized(eval_file, "sft", processor, settings)
     collate = SFTCollator(data, processor, processor.tokenizer.pad_token_id, **settings)
     one_process = SimpleNamespace(process_index=0, num_processes=1, device=torch.device("cpu"), reduce=lambda t, _: t)
-    return recipe.eval_loss(model, collate, 4, one_process)
+    return recipe.eval_loss(model, collate, 4, one_process, no_vision_sync)
 
 
 def test_lora_policy_sft_under_zero3_two_processes_saves_what_it_trained(model_128, sft_data, tmp_path):
@@ -338,3 +345,46 @@ def test_bf16_prm_train_zero2(model_128, toy, tmp_path):
     diff = round_trip_diff(out, toy[1], dtype=torch.bfloat16)
     print(f"  bf16 load_prm round trip max |diff| = {diff:.2e}")
     assert diff <= 1e-2  # same bf16 weights; CPU bf16 kernels may round differently per batch shape
+
+
+def mix_text_only_rows(src: Path, dest: Path) -> Path:
+    """SRC with every second row's images removed (text-only), beside SRC's images."""
+    rows = [json.loads(line) for line in src.read_text().splitlines()]
+    dest.write_text(
+        "".join(json.dumps({**r, "images": [] if i % 2 else r["images"]}) + "\n" for i, r in enumerate(rows))
+    )
+    return dest
+
+
+# Batches of 1 row per rank: a step where one rank's row has an image and the other's has none.
+# Before mmprm.models.vision_sync, gloo aborted at the first such step ("Received data size doesn't
+# match") and NCCL hangs; the timeout turns a hang into a failure.
+MIXED = ["train.batch_size=1", "train.eval_batch_size=1", "train.group_by_length=false"]
+VISUAL_PATCH = "model.visual.patch_embed.proj.weight"
+
+
+def test_prm_train_under_zero3_mixes_text_only_and_image_rows(model_128, toy, tmp_path):
+    train, ev = (mix_text_only_rows(f, f.with_name(f"mixed_{f.name}")) for f in toy)
+    out = tmp_path / "prm"
+    log = launch(
+        "prm_train", 3, 2, *prm_args(model_128, (train, ev), out, steps=8), *MIXED, "train.eval_every=4",
+        "model.freeze_vision_tower=false", config_file=zero3_partitioning_everything(tmp_path), timeout=300,
+    )  # fmt: skip
+    assert "step 8 eval:" in log
+    check_partitions(out, 3, 2, [f"backbone.{VISUAL_PATCH}"], 32 * 3 * 2 * 14 * 14)  # the tower is sharded
+    assert all(math.isfinite(r["loss"]) for r in read_metrics(out, "train"))
+    assert round_trip_diff(out, ev) <= 1e-5
+
+
+def test_policy_sft_under_zero3_mixes_text_only_and_image_rows(model_128, sft_data, tmp_path):
+    """Training, the eval loss and generation (transformers encodes images before the prefill)."""
+    train, ev = (mix_text_only_rows(f, f.with_name(f"mixed_{f.name}")) for f in sft_data)
+    out = tmp_path / "policy"
+    launch(
+        "policy_sft", 3, 2, *sft_args(model_128, (train, ev), out, steps=4), *MIXED, "train.eval_every=2",
+        "train.eval_generations=4", "train.max_new_tokens=4",
+        config_file=zero3_partitioning_everything(tmp_path), timeout=300,
+    )  # fmt: skip
+    check_partitions(out, 3, 2, [VISUAL_PATCH], 32 * 3 * 2 * 14 * 14)
+    evals = read_metrics(out, "eval")
+    assert [r["step"] for r in evals] == [0, 2, 4] and all(r["generated"] == 4 for r in evals)
