@@ -10,16 +10,21 @@ fixture apt-get install slurm-wlm and munge); otherwise skipped with the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from ports import free_port
 from slurm_cluster import APT_PACKAGES, SLURM_BINARIES, JobResult, SlurmCluster, ensure_debian_packages
+
+from mmprm.config import load_config, parse_cli
+from mmprm.training import CHECKPOINT_DONE
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM_DIR = REPO / "launch" / "slurm"
@@ -193,11 +198,50 @@ def test_train_sbatch_runs_one_process_group_across_two_nodes(cluster, tmp_path)
     assert [r["world"] for r in ranks] == [2, 2]
     assert {r["node"] for r in ranks} == {"n1", "n2"}  # one process per node, not two on one
     assert all(r["type"] == "DistributedType.MULTI_CPU" and r["sum"] == 3.0 for r in ranks)
-    assert ranks[0]["argv"] == ["--config", str(config), "a.b=1", "c=2"]
+    assert ranks[0]["argv"] == ["--config", str(config), "resume_from_checkpoint=latest", "a.b=1", "c=2"]
     assert sorted(p.name for p in logs.glob("*.log")) == [
         f"mmprm-train-{job}-node{n}.log" for job in [_job_id(res)] for n in (0, 1)
     ]
     assert "on 2 node(s) x 1 = 2 processes" in out
+
+
+def test_train_sbatch_defaults_resume_and_scratch_output_but_user_overrides_win(cluster, tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(TRAIN_PROBE)
+    config = tmp_path / "cfg.yaml"
+    config.write_text("output_dir: runs/x\n")
+    scratch, ckpt = tmp_path / "scratch", tmp_path / "ckpt"
+    env = {
+        "RECIPE": str(probe),
+        "CONFIG": str(config),
+        "ACCEL_CONFIG": "launch/accelerate/ddp.yaml",
+        "LOG_DIR": str(tmp_path / "logs"),
+        "PROBE_OUT": str(tmp_path),
+        "SCRATCH": str(scratch),
+    }
+    res, out = submit(
+        cluster,
+        "train.sbatch",
+        ["--nodes=1", "--gpus-per-node=1"],
+        env,
+        tmp_path,
+        args=[f"resume_from_checkpoint={ckpt}"],
+    )
+    assert res.returncode == 0, report(res, out, tmp_path / "logs")
+    argv = json.loads((tmp_path / "rank0.json").read_text())["argv"]
+    defaults = ["resume_from_checkpoint=latest", f"output_dir={scratch}/runs/x"]
+    assert argv == ["--config", str(config), *defaults, f"resume_from_checkpoint={ckpt}"]
+    # the recipe's own parser: the last override of a key wins, so the user's resume path is kept
+    cfg = load_config(_RunDirs, *parse_cli(argv))
+    assert (cfg.resume_from_checkpoint, cfg.output_dir) == (str(ckpt), f"{scratch}/runs/x")
+
+
+@dataclasses.dataclass
+class _RunDirs:
+    """The two keys train.sbatch sets by default, as the recipes declare them."""
+
+    output_dir: str = "runs/prm"
+    resume_from_checkpoint: str | None = None
 
 
 def test_train_sbatch_fails_when_one_rank_fails(cluster, tmp_path):
@@ -364,6 +408,82 @@ def test_prm_train_on_two_nodes(cluster, tmp_path, tiny_models):
     assert states == ["random_states_0.pkl", "random_states_1.pkl"], report(res, out, logs)
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2, 3, 4]
+
+
+def test_prm_train_requeued_at_time_limit_resumes(cluster, tmp_path, tiny_models):
+    """The time-limit notice (USR1 to the batch shell) requeues the job; the rerun resumes and finishes."""
+    _need("recipes/prm_train.py", "tests/toy_data.py")
+    from toy_data import write_toy_prm_data
+
+    train = write_toy_prm_data(tmp_path / "data", 16, 0)
+    config = tmp_path / "prm.yaml"
+    config.write_text(
+        f"model:\n  name_or_path: {tiny_models('qwen2_vl')}\ndata:\n  train_file: {train}\n  max_length: 256\n"
+    )
+    out_dir, logs, job_out = tmp_path / "prm", tmp_path / "logs", tmp_path / "train.sbatch.out"
+    # Enough steps (tens of seconds here) that the first run is still training when the notice
+    # comes right after its first checkpoint.
+    steps = 400
+    overrides = (
+        f"output_dir={out_dir} train.max_steps={steps} train.batch_size=2 train.log_every=1 "
+        "train.save_every=5 train.keep_checkpoints=2 train.report_to=none"
+    )
+    env = {
+        **JOB_ENV,
+        "MAIN_PROCESS_PORT": str(free_port()),
+        "RECIPE": "recipes/prm_train.py",
+        "CONFIG": str(config),
+        "ACCEL_CONFIG": "launch/accelerate/ddp.yaml",
+        "LOG_DIR": str(logs),
+        "OVERRIDES": overrides,
+    }
+    sub = cluster.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--time=10",
+            "--nodes=2",
+            "--gpus-per-node=1",
+            f"--output={job_out}",
+            str(SLURM_DIR / "train.sbatch"),
+        ],
+        env=env,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+
+    def job_text() -> str:
+        return job_out.read_text(errors="replace") if job_out.exists() else "(no job output)"
+
+    def wait_for(check, what: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                cluster.run(["scancel", job], timeout=30)
+                pytest.fail(f"{what} not seen after {timeout:.0f} s:\n{report(sub, job_text(), logs)}")
+            time.sleep(0.2)
+
+    wait_for(lambda: any((out_dir / "checkpoints").glob(f"step_*/{CHECKPOINT_DONE}")), "a first checkpoint")
+    # What --signal=B:USR1@300 sends before the time limit: USR1 to the batch shell only.
+    sig = cluster.run(["scancel", "--batch", "--signal=USR1", job], timeout=30)
+    assert sig.returncode == 0, sig.stderr
+    wait_for(lambda: "train.sbatch: done" in job_text(), "the requeued run's end")
+    wait_for(
+        lambda: cluster.run(["squeue", "-h", "-j", job], timeout=30).stdout.strip() == "", "the job leaving squeue"
+    )
+
+    text = job_text()
+    assert f"requeued job {job}" in text and "restart 1," in text, report(sub, text, logs)
+    node0 = (logs / f"mmprm-train-{job}-node0.log").read_text(errors="replace")  # both runs: appended
+    resumed = re.search(r"resumed from (\S+) at step (\d+)", node0)
+    assert resumed, report(sub, text, logs)
+    step = int(resumed.group(2))
+    assert 5 <= step < steps and Path(resumed.group(1)).name == f"step_{step}"
+    assert (out_dir / "mmprm_prm.json").exists(), report(sub, text, logs)
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["split"] == "train"] == list(range(1, steps + 1))
 
 
 def test_policy_sft_on_two_nodes(cluster, tmp_path, tiny_inputs):
