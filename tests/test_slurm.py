@@ -178,20 +178,26 @@ def test_impossible_job_is_refused_not_left_pending(cluster, tmp_path):
 # -- train.sbatch -------------------------------------------------------------------------------
 
 
-def test_train_sbatch_runs_one_process_group_across_two_nodes(cluster, tmp_path):
+def _probe_job(tmp_path: Path, config_text: str, **env: str) -> tuple[Path, dict[str, str]]:
+    """A config with `config_text` and the environment that runs TRAIN_PROBE through train.sbatch
+    (DDP, logs in tmp_path/logs, each rank's probe JSON in tmp_path), plus `env`."""
     probe = tmp_path / "probe.py"
     probe.write_text(TRAIN_PROBE)
     config = tmp_path / "cfg.yaml"
-    config.write_text("x: 1\n")
-    logs = tmp_path / "logs"
-    env = {
+    config.write_text(config_text)
+    return config, {
         "RECIPE": str(probe),
         "CONFIG": str(config),
         "ACCEL_CONFIG": "launch/accelerate/ddp.yaml",
-        "LOG_DIR": str(logs),
+        "LOG_DIR": str(tmp_path / "logs"),
         "PROBE_OUT": str(tmp_path),
-        "OVERRIDES": "a.b=1",
+        **env,
     }
+
+
+def test_train_sbatch_runs_one_process_group_across_two_nodes(cluster, tmp_path):
+    config, env = _probe_job(tmp_path, "x: 1\n", OVERRIDES="a.b=1")
+    logs = tmp_path / "logs"
     res, out = submit(cluster, "train.sbatch", ["--nodes=2", "--gpus-per-node=1"], env, tmp_path, args=["c=2"])
     assert res.returncode == 0, report(res, out, logs)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -206,19 +212,8 @@ def test_train_sbatch_runs_one_process_group_across_two_nodes(cluster, tmp_path)
 
 
 def test_train_sbatch_defaults_resume_and_scratch_output_but_user_overrides_win(cluster, tmp_path):
-    probe = tmp_path / "probe.py"
-    probe.write_text(TRAIN_PROBE)
-    config = tmp_path / "cfg.yaml"
-    config.write_text("output_dir: runs/x\n")
     scratch, ckpt = tmp_path / "scratch", tmp_path / "ckpt"
-    env = {
-        "RECIPE": str(probe),
-        "CONFIG": str(config),
-        "ACCEL_CONFIG": "launch/accelerate/ddp.yaml",
-        "LOG_DIR": str(tmp_path / "logs"),
-        "PROBE_OUT": str(tmp_path),
-        "SCRATCH": str(scratch),
-    }
+    config, env = _probe_job(tmp_path, "output_dir: runs/x\n", SCRATCH=str(scratch))
     res, out = submit(
         cluster,
         "train.sbatch",
@@ -245,18 +240,7 @@ class _RunDirs:
 
 
 def test_train_sbatch_fails_when_one_rank_fails(cluster, tmp_path):
-    probe = tmp_path / "probe.py"
-    probe.write_text(TRAIN_PROBE)
-    config = tmp_path / "cfg.yaml"
-    config.write_text("x: 1\n")
-    env = {
-        "RECIPE": str(probe),
-        "CONFIG": str(config),
-        "ACCEL_CONFIG": "launch/accelerate/ddp.yaml",
-        "LOG_DIR": str(tmp_path / "logs"),
-        "PROBE_OUT": str(tmp_path),
-        "PROBE_FAIL_RANK": "1",
-    }
+    _, env = _probe_job(tmp_path, "x: 1\n", PROBE_FAIL_RANK="1")
     res, out = submit(cluster, "train.sbatch", ["--nodes=2", "--gpus-per-node=1"], env, tmp_path)
     assert res.returncode != 0, report(res, out, tmp_path / "logs")
     assert "train.sbatch: done" not in out
