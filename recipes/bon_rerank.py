@@ -100,6 +100,9 @@ class ScoringConfig:
         device: auto (cuda when available, else cpu), cpu, cuda or cuda:N
         chunk_problems: problems read, scored and written to the shard file at a time: memory holds
             one chunk, and a killed run resumes after the last chunk it wrote
+        backend: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
+            same scores, served the way large runs serve reward models)
+        vllm_kwargs: backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
     """
 
     batch_size: int = 16
@@ -107,6 +110,8 @@ class ScoringConfig:
     max_length: int | None = None
     device: str = "auto"
     chunk_problems: int = 256
+    backend: Literal["hf", "vllm"] = "hf"
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.chunk_problems < 1:
@@ -436,6 +441,8 @@ def main(argv: list[str]) -> None:
             batch_size=cfg.scoring.batch_size,
             max_length=cfg.scoring.max_length,
             attn_implementation=cfg.model.attn_implementation,
+            backend=cfg.scoring.backend,
+            vllm_kwargs=cfg.scoring.vllm_kwargs,
         )
         t0, n_scored, n_steps, dropped, cut = time.time(), 0, 0, 0, 0
         todo = (p for p in iter_candidates(cand_file, lo, hi) if p.id not in done)

@@ -82,6 +82,9 @@ class ScorerConfig:
         max_length: tokens per example; steps cut by truncation are not scored and their examples are excluded
         device: auto (cuda when available, else cpu), cpu, cuda or cuda:N
         use_images: show the PRM each example's images
+        backend: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
+            same scores, served the way large runs serve reward models)
+        vllm_kwargs: backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
     """
 
     prm_path: str = ""
@@ -89,6 +92,8 @@ class ScorerConfig:
     max_length: int | None = None
     device: str = "auto"
     use_images: bool = True
+    backend: Literal["hf", "vllm"] = "hf"
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -313,6 +318,8 @@ def main(argv: list[str]) -> int:
         batch_size=cfg.scorer.batch_size,
         max_length=cfg.scorer.max_length,
         attn_implementation=cfg.model.attn_implementation,
+        backend=cfg.scorer.backend,
+        vllm_kwargs=cfg.scorer.vllm_kwargs,
     )
 
     # ---- score; truncated steps come back NaN and their examples leave the metrics (counted)

@@ -93,11 +93,16 @@ class ScoringConfig:
         batch_size: sequences per PRM forward
         max_length: tokens per scored sequence; null: no truncation
         device: auto (cuda when available, else cpu), cpu, cuda or cuda:N
+        backend: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
+            same scores, served the way large runs serve reward models)
+        vllm_kwargs: backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
     """
 
     batch_size: int = 16
     max_length: int | None = None
     device: str = "auto"
+    backend: Literal["hf", "vllm"] = "hf"
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -296,6 +301,8 @@ def main(argv: list[str]) -> None:
         batch_size=cfg.scoring.batch_size,
         max_length=cfg.scoring.max_length,
         attn_implementation=cfg.model.attn_implementation,
+        backend=cfg.scoring.backend,
+        vllm_kwargs=cfg.scoring.vllm_kwargs,
     )
     backend = make_backend(cfg, cfg.policy.sampling.max_new_tokens)
     step_mode = backend.step_mode  # as resolved from the config and the policy's saved spec

@@ -167,6 +167,9 @@ class ScorerConfig:
         rpts: the RPTS judge protocol's switches (section)
         prm_path: kind=prm: the PRM directory
         prm_batch_size: kind=prm: trees scored per forward batch
+        prm_backend: kind=prm: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
+            same scores, served the way large runs serve reward models)
+        prm_vllm_kwargs: kind=prm, prm_backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
         mc_rollouts: kind=mc: rollouts per node
         constant: kind=constant: the score of every node
         device: auto | cpu | cuda
@@ -177,6 +180,8 @@ class ScorerConfig:
     rpts: RPTSJudgeConfig = field(default_factory=RPTSJudgeConfig)
     prm_path: str | None = None
     prm_batch_size: int = 8
+    prm_backend: Literal["hf", "vllm"] = "hf"
+    prm_vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     mc_rollouts: int = 8
     constant: float = 1.0
     device: str = "auto"
@@ -518,7 +523,12 @@ def run(cfg: ReasoningEvalConfig) -> int:
 
         device = resolve_device(sc.device)
         prm = load_prm(
-            sc.prm_path, device=device, batch_size=sc.prm_batch_size, attn_implementation=cfg.model.attn_implementation
+            sc.prm_path,
+            device=device,
+            batch_size=sc.prm_batch_size,
+            attn_implementation=cfg.model.attn_implementation,
+            backend=sc.prm_backend,
+            vllm_kwargs=sc.prm_vllm_kwargs,
         )
         for i in scored:
             set_scores(trees[i], prm_scores(trees[i], prm))

@@ -101,6 +101,9 @@ class ScorerConfig:
         max_length: kind=prm: tokens per node path; null: no truncation
         device: kind=prm: auto (cuda when available, else cpu), cpu, cuda or cuda:N
         use_images: show the PRM/judge the item's images (missing files are dropped)
+        backend: kind=prm: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
+            same scores, served the way large runs serve reward models)
+        vllm_kwargs: kind=prm, backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
         judge: kind=judge: the judge (section)
     """
 
@@ -111,6 +114,8 @@ class ScorerConfig:
     max_length: int | None = None
     device: str = "auto"
     use_images: bool = True
+    backend: Literal["hf", "vllm"] = "hf"
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
@@ -304,6 +309,8 @@ def main(argv: list[str]) -> int:
             batch_size=sc.batch_size,
             max_length=sc.max_length,
             attn_implementation=cfg.model.attn_implementation,
+            backend=sc.backend,
+            vllm_kwargs=sc.vllm_kwargs,
         )
     elif sc.kind == "judge":
         j = sc.judge

@@ -27,6 +27,7 @@ from mmprm.models.sharding import merge_lora_copy
 from mmprm.steps import STEP_TOKEN, TokenizedSteps, extend_steps, tokenize_steps
 
 if TYPE_CHECKING:
+    from mmprm.models.vllm_prm import VLLMPRMScorer
     from mmprm.packing import PackedTree
 
 SPEC_FILE = "mmprm_prm.json"
@@ -519,17 +520,31 @@ def load_prm(
     max_length: int | None = None,
     dtype: torch.dtype | None = None,
     attn_implementation: str = "sdpa",
-) -> PRMScorer:
-    """Restore a PRM saved by `save_prm` (or `recipes/prm_train.py`) as a `PRMScorer`.
+    backend: str = "hf",
+    vllm_kwargs: dict[str, Any] | None = None,
+) -> PRMScorer | VLLMPRMScorer:
+    """Restore a PRM saved by `save_prm` (or `recipes/prm_train.py`) as a scorer.
 
-    `attn_implementation`: sdpa (default), flash_attention_2 (needs flash-attn and CUDA), eager
-    or auto; checked before any weight loads. Scores are float32 whatever `dtype` the model runs in.
+    backend "hf" (default): a `PRMScorer` in this process. `attn_implementation`: sdpa (default),
+    flash_attention_2 (needs flash-attn and CUDA), eager or auto; checked before any weight loads.
+    backend "vllm": a `mmprm.models.vllm_prm.VLLMPRMScorer`, the same scores from a vLLM engine
+    (`vllm_kwargs` go to `vllm.LLM`; `device` and `attn_implementation` are vLLM's to choose).
+    Scores are float32 whatever `dtype` the model runs in.
     """
     from safetensors.torch import load_file
 
     from mmprm.models.loading import load_backbone
 
+    if backend not in ("hf", "vllm"):
+        raise ValueError(f"backend: {backend!r} is not one of ['hf', 'vllm']")
     path = Path(path)
+    if backend == "vllm":
+        from mmprm.models.vllm_prm import VLLMPRMScorer
+
+        kwargs = dict(vllm_kwargs or {})
+        if dtype is not None:
+            kwargs.setdefault("dtype", str(dtype).removeprefix("torch."))
+        return VLLMPRMScorer(path, batch_size=batch_size, max_length=max_length, **kwargs)
     spec_file = path / SPEC_FILE
     if not spec_file.exists():
         raise FileNotFoundError(
