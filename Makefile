@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml | $(VENV_DEP)
 
 install: $(STAMP)
 
+# runs/demo/ holds every stage's output; publish=true copies the report and plots to docs/demo/
 demo: $(STAMP)
 	$(PYTHON) recipes/quickstart.py --config recipes/configs/tiny/quickstart.yaml publish=true
 

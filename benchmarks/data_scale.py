@@ -1,7 +1,7 @@
 """PRM training at growing data sizes: does memory stay flat, and does a rerun skip tokenization?
 
     python benchmarks/data_scale.py              # 2k and 32k rows (2 min on 2 idle cores)
-    python benchmarks/data_scale.py --sizes 2000,32000,128000   # the README table (8 min)
+    python benchmarks/data_scale.py --sizes 2000,32000,128000   # the table in docs/scaling.md (8 min)
     python benchmarks/data_scale.py --quick      # smoke test (200 and 800 rows)
     python benchmarks/data_scale.py --num-proc 8 --sizes 2000,32000,256000
 

@@ -19,7 +19,7 @@ On tiny random-init models (nothing is downloaded), with every visible GPU unles
 - the memory of one decoder layer shaped as Qwen2.5-VL-7B's language model (hidden 3584, 28
   heads of 128, 4 KV heads, MLP 18944) training on one 4096-token sequence in bf16 with gradient
   checkpointing, measured at 1 and 2 layers and extrapolated to the model's 28 (weights, gradients
-  and activations; optimizer states are ZeRO's, see the README's memory table).
+  and activations; optimizer states are ZeRO's, see the memory table in docs/scaling.md).
 
 Prints ONE JSON line; exit 0 when every check passed, 1 when one failed, 2 when there is no CUDA
 GPU (the check does not run on CPU; `--allow-cpu` exists for the CPU test of this script only).

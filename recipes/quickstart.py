@@ -22,8 +22,8 @@ Stages (each one the real recipe, run as a user would run it, with a tiny config
 
 Stages 5-7 run in two lanes, one per core (`in_lanes`); their output goes to OUTPUT_DIR/logs/.
 
-With `publish=true` (what `make demo` passes) the report, its JSON and plot are copied to
-docs/demo/ and the README's demo section is rewritten from them.
+With `publish=true` (what `make demo` passes) the report, its JSON and plots are copied to
+docs/demo/, which the README links to; the README itself is never rewritten.
 
 A finished stage is skipped when rerun (its output is there); `force=true` reruns everything.
 The PRM is also judged against ground truth: the synthetic task lets us check every step of every
@@ -35,7 +35,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -136,7 +135,7 @@ class Config:
         search_problems: test problems (the first ones) that PRM-guided search and its Best-of-N baseline
             run on at equal generated tokens; 0 skips the search stage
         search: extra key=value overrides for the prm_search stage (its `searches` and `bon.n`)
-        publish: copy the report to docs/demo/ and rewrite the README's demo section
+        publish: copy the report, its JSON and plots to docs/demo/ (the README only links there)
     """
 
     seed: int = 0
@@ -669,23 +668,17 @@ def main(argv: list[str]) -> None:
 
 
 def publish(out: Path) -> None:
-    """Copy the report to docs/demo/ and rewrite the README between its demo-results markers."""
+    """Copy the report, its JSON and plots to docs/demo/.
+
+    The README links to docs/demo/report.md instead of holding the numbers, so a run never edits
+    prose that people wrote.
+    """
     docs = REPO / "docs" / "demo"
     docs.mkdir(parents=True, exist_ok=True)
     for name in ("report.md", "report.json", "bon_curve.png", "search_vs_bon.png"):
         if (out / name).exists():
             shutil.copyfile(out / name, docs / name)
-    readme = REPO / "README.md"
-    text = readme.read_text()
-    start, end = "<!-- demo-results:start -->", "<!-- demo-results:end -->"
-    if start not in text or end not in text:
-        print(f"quickstart: README.md has no {start} ... {end} block; left it alone", file=sys.stderr)
-        return
-    section = (out / "readme_section.md").read_text()
-    readme.write_text(
-        re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: f"{start}\n{section}{end}", text, flags=re.S)
-    )
-    print(f"==> [publish] docs/demo/ and README.md updated from {out}", flush=True)
+    print(f"==> [publish] {docs.relative_to(REPO)}/ updated from {out}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 report compares the soft-label PRM, the hard-label PRM and the outcome model on the same candidates,
 with the aggregator chosen on dev and every step checked against exact labels."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -24,6 +25,26 @@ def test_a_bad_task_setting_is_refused_before_any_stage_runs(tmp_path):
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "sft_ranks: 0 must be >= 1" in res.stderr
     assert not out.exists()
+
+
+def test_publish_copies_the_report_to_docs_and_leaves_the_readme_alone(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("quickstart_recipe", REPO / "recipes" / "quickstart.py")
+    quickstart = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, quickstart)  # dataclasses resolve annotations through it
+    spec.loader.exec_module(quickstart)
+    repo, out = tmp_path / "repo", tmp_path / "runs" / "demo"
+    out.mkdir(parents=True)
+    repo.mkdir()
+    readme = "# mmprm\n<!-- demo-results:start -->\nold\n<!-- demo-results:end -->\n"
+    (repo / "README.md").write_text(readme)
+    for name in ("report.md", "report.json", "bon_curve.png"):
+        (out / name).write_text(name)
+    (out / "readme_section.md").write_text("new")
+    monkeypatch.setattr(quickstart, "REPO", repo)
+    quickstart.publish(out)
+    assert sorted(p.name for p in (repo / "docs" / "demo").iterdir()) == ["bon_curve.png", "report.json", "report.md"]
+    assert (repo / "docs" / "demo" / "report.md").read_text() == "report.md"
+    assert (repo / "README.md").read_text() == readme
 
 
 @pytest.mark.slow
@@ -158,7 +179,7 @@ def test_reduced_demo_pipeline(tmp_path):
     assert search["num_problems"] == 8 and search["matched"]
     assert "## PRM-guided search vs Best-of-N at equal generated tokens" in text and "beam W2xM2" in text
     assert (out / "search_vs_bon.png").exists()
-    assert (out / "bon_curve.png").stat().st_size > 10_000 and (out / "readme_section.md").exists()
+    assert (out / "bon_curve.png").stat().st_size > 10_000 and not (out / "readme_section.md").exists()
     assert (REPO / "README.md").read_text() == readme_before  # publish is off unless asked
 
 

@@ -225,8 +225,9 @@ GPU_MARKERS = ("torchrun", "--num_processes 8", "sbatch", "srun", "backend=vllm"
 
 
 def readme_gpu_commands() -> list[str]:
-    """The README's commands (continuation lines joined) that run on GPUs."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+    """The commands of the README and docs/ (continuation lines joined) that run on GPUs."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    text = "\n".join(page.read_text(encoding="utf-8") for page in pages)
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         cmd = ""
@@ -243,11 +244,11 @@ def readme_gpu_commands() -> list[str]:
 
 def test_readme_gpu_commands_name_real_configs_that_take_their_overrides():
     """A tiny config on a GPU runs a 7B in fp32 with 128 new tokens: every GPU command of the README
-    names a real config, and its config loads with the overrides the command gives."""
+    and docs/ names a real config, and its config loads with the overrides the command gives."""
     commands = readme_gpu_commands()
     assert len(commands) >= 4
     for cmd in commands:
-        assert "configs/tiny/" not in cmd, f"README GPU command names a tiny config: {cmd}"
+        assert "configs/tiny/" not in cmd, f"GPU command in README.md or docs/ names a tiny config: {cmd}"
         config = re.search(r"recipes/(\w+)\.py --config (recipes/configs/\S+)", cmd)
         if config is None:
             continue  # a placeholder (CONFIG.yaml), or an sbatch line naming its config in CONFIG=

@@ -57,9 +57,9 @@ def test_search_section_reads_the_matched_budgets(tmp_path):
         ],
     }  # fmt: skip
     (tmp_path / "report.json").write_text(json.dumps(report))
-    lines, summary = search_section(tmp_path, image_prefix="docs/demo/")
+    lines, summary = search_section(tmp_path)
     assert "| beam W2xM2 | 100 | 0.667 | Best-of-N (PRM min) N=4 | 98 | 0.333 | +0.333 [+0.000, +0.667] |" in lines
-    assert lines[-1] == "![Accuracy against generated tokens](docs/demo/search_vs_bon.png)"
+    assert lines[-1] == "![Accuracy against generated tokens](search_vs_bon.png)"
     assert "majority vote N=4 0.500" in "\n".join(lines)
     # the summary is about the largest budget, and its interval decides the verdict
     assert summary.startswith("- PRM-guided search at the largest matched budget: beam W4xM4 1.000 vs")

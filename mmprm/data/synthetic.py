@@ -20,7 +20,7 @@ step per tile, so a misread tile is a wrong step a PRM can only catch by looking
     write_split(problems, "runs/demo/data", "train")   # PNGs + three JSONL files
     mmprm synthetic --out runs/demo/data --train 2000 --test 200 --seed 0
 
-`describe()` returns the palette and the question templates as Markdown for the README;
+`describe()` returns the palette and the question templates as Markdown for docs;
 `style="human"` draws each digit on its tile so people can check an image by eye (train on the
 default `style="tiles"`: text would make patches non-uniform).
 """
@@ -428,7 +428,7 @@ def add_slips(problems: Sequence[SyntheticProblem], rate: float, seed: int = 0) 
     when it samples, and each one is visible from the step before it alone - the kind of error a
     process reward model is for. Every later step goes on from the written total, yet a policy
     trained on them still sometimes repairs a slip at the next step (it carries the true total
-    again), so a slip's Monte Carlo value is not always 0 (measured in the README's demo section).
+    again), so a slip's Monte Carlo value is not always 0 (measured in docs/experiments/).
     One slip per slipped solution, not one chance per carry: at 0.3 per carry, two in three 4-tile
     solutions would slip, one in five more than once.
     Only `running_sum` problems get slips; `answer` and `steps` become the slipped solution's, meta
@@ -507,7 +507,7 @@ def text_only_accuracy(train: Sequence[SyntheticProblem], test: Sequence[Synthet
 
 
 def describe() -> str:
-    """The task, the palette and the question templates as Markdown (for the README)."""
+    """The task, the palette and the question templates as Markdown (for docs)."""
     lines = [
         "Each image is a grid of solid square tiles read left to right, top to bottom. A tile's "
         'colour is a digit; grey tiles are distractors (questions then say "Ignore grey tiles."), '

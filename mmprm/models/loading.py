@@ -269,7 +269,7 @@ def resolve_attn_implementation(name: str, key: str = "model.attn_implementation
         why = (
             "flash-attn installed, CUDA visible"
             if chosen != "sdpa"
-            else "flash-attn is not installed (see the README: it builds with --no-build-isolation)"
+            else "flash-attn is not installed (see docs/scaling.md: it builds with --no-build-isolation)"
             if not has_flash
             else "no CUDA GPU is visible"
         )

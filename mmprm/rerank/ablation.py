@@ -18,8 +18,8 @@ are its scores of each prefix, read the same way.
 
 Files read under OUTPUT_DIR: data/heldout_problems.jsonl, bon/candidates.jsonl,
 {bon dir}/scored.jsonl per model and the outcome model's prefix scores (`PREFIX_SCORES` in its
-Best-of-N folder, written first when missing). Files written: report.json, report.md, bon_curve.png and
-readme_section.md (the README's demo block).
+Best-of-N folder, written first when missing). Files written: report.json, report.md and bon_curve.png
+(and search_vs_bon.png, copied from the search stage).
 """
 
 from __future__ import annotations
@@ -404,7 +404,7 @@ def _bon_table(results: dict) -> list[str]:
     return lines
 
 
-def search_section(search_dir: Path, image_prefix: str = "") -> tuple[list[str], str | None]:
+def search_section(search_dir: Path) -> tuple[list[str], str | None]:
     """Markdown of `recipes/prm_search.py`'s equal-budget comparison (its report.json), and one
     summary line on the largest matched budget; ([], None) when the search did not run."""
     path = search_dir / "report.json"
@@ -433,7 +433,7 @@ def search_section(search_dir: Path, image_prefix: str = "") -> tuple[list[str],
             "",
             "Majority vote over the same samples: " + "; ".join(f"{k} {v['mean']:.3f}" for k, v in votes) + ".",
         ]
-    lines += ["", f"![Accuracy against generated tokens]({image_prefix}search_vs_bon.png)"]
+    lines += ["", "![Accuracy against generated tokens](search_vs_bon.png)"]
     summary = None
     if matched:
         top = max(matched, key=lambda m: (m["bon_tokens"], m["search_tokens"]))  # the costliest search on a tie
@@ -453,7 +453,7 @@ def write_report(
     timings: Sequence[tuple[str, float, float, str]],
     run_wall: float | None = None,
 ) -> None:
-    """report.json, report.md, bon_curve.png and readme_section.md in `out`.
+    """report.json, report.md and bon_curve.png in `out`.
 
     `run_wall`: seconds from the first stage to the report of the run that made every output
     (stages overlap in lanes, so it is less than the sum of stage wall times); None when unknown.
@@ -577,16 +577,3 @@ def write_report(
         "",
     ]
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    readme = [
-        *table,
-        "",
-        *facts,
-        "",
-        "![Best-of-N accuracy on the test split](docs/demo/bon_curve.png)",
-        "",
-        *kinds,
-        "",
-    ]
-    if search_lines:
-        readme += [*search_section(out / "search", image_prefix="docs/demo/")[0], ""]
-    (out / "readme_section.md").write_text("\n".join(readme))
