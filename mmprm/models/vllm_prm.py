@@ -286,9 +286,9 @@ class VLLMPRMScorer:
     def score(self, examples: Sequence[Any], share_prefix: bool = True, progress: bool = False) -> list[list[float]]:
         """One probability per step per example (steps cut by max_length get NaN), as `PRMScorer`.
 
-        Candidates of one question and images are tokenized once for the prompt (`extend_steps`);
-        the engine shares their prompt through its own prefix cache. `share_prefix` only groups
-        the tokenization here.
+        Candidates of one question and images are tokenized once for the prompt (`extend_steps`;
+        `share_prefix=False`: each alone). The engine runs every candidate whole: vLLM does not
+        read its prefix cache for token-level pooling, whose output is every token's logit.
         """
         results: list[list[float] | None] = [None] * len(examples)
         per_call = 64 * self.batch_size
