@@ -183,3 +183,81 @@ def test_bon_rerank_with_the_vllm_scorer_writes_the_hf_runs_scores(vllm_prms, re
     assert_same_scores([c["step_probs"] for c in cands["vllm"]], [c["step_probs"] for c in cands["hf"]])
     report = {b: json.loads((tmp_path / b / "report.json").read_text()) for b in scored}
     assert report["vllm"]["n_max"] == report["hf"]["n_max"]
+
+
+def test_a_prm_served_by_vllm_serve_scores_as_the_hf_scorer(vllm_prms, tmp_path):
+    """`mmprm export-vllm` then `vllm serve` as docs/serving.md says; the client is the same scorer."""
+    import socket
+    import time
+    import urllib.request
+
+    import torch
+
+    from mmprm.models.prm import load_prm
+    from mmprm.models.vllm_prm import export_for_vllm
+
+    prm = vllm_prms("qwen2", "value")
+    served = export_for_vllm(prm, tmp_path / "served")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "vllm.log", "w")
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(served),
+            "--runner",
+            "pooling",
+            "--convert",
+            "classify",
+            "--pooler-config",
+            json.dumps({"task": "token_classify"}),
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--enforce-eager",
+            "--max-model-len",
+            "1024",
+            "--dtype",
+            "float32",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            if server.poll() is not None:
+                pytest.fail("vllm serve exited:\n" + (tmp_path / "vllm.log").read_text()[-3000:])
+            try:
+                urllib.request.urlopen(f"{url}/v1/models", timeout=2).close()
+                break
+            except OSError:
+                if time.time() > deadline:
+                    pytest.fail("vllm serve did not come up in 600 s")
+                time.sleep(2)
+        rows = toy_examples(tmp_path, images=False)
+        hf = load_prm(prm, dtype=torch.float32, max_length=256).score(rows)
+        client = load_prm(prm, backend="vllm", max_length=256, vllm_kwargs={"server_url": url})
+        assert client.max_model_len == 1024  # read from the server
+        assert_same_scores(client.score(rows), hf)
+        with pytest.raises(ValueError, match=r"id=x: has images, and a served PRM scores text only"):
+            client.score([{"id": "x", "question": "q", "images": [blank_image(tmp_path)], "steps": ["a."]}])
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+
+
+def blank_image(tmp_path: Path) -> str:
+    """A small image file."""
+    from PIL import Image
+
+    Image.new("RGB", (28, 28)).save(tmp_path / "blank.png")
+    return str(tmp_path / "blank.png")

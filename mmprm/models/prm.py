@@ -542,7 +542,7 @@ def load_prm(
         from mmprm.models.vllm_prm import VLLMPRMScorer
 
         kwargs = dict(vllm_kwargs or {})
-        if dtype is not None:
+        if dtype is not None and not kwargs.get("server_url"):  # a served PRM runs in the server's dtype
             kwargs.setdefault("dtype", str(dtype).removeprefix("torch."))
         return VLLMPRMScorer(path, batch_size=batch_size, max_length=max_length, **kwargs)
     spec_file = path / SPEC_FILE

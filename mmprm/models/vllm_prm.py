@@ -199,6 +199,10 @@ class VLLMPRMScorer:
             scorer does. Defaults to the engine's max_model_len.
         export_dir: where the vLLM view of the PRM goes (`export_for_vllm`); a temporary directory,
             removed by `close`, when None.
+        server_url: score with a running `vllm serve` of this PRM's export instead of an engine of
+            our own (e.g. http://gpu-node:8000); the PRM directory still gives the tokenizer, the
+            spec and the value head's bias. Text only: vLLM's pooling endpoint takes token ids
+            without images.
         **llm_kwargs: passed to `vllm.LLM` (dtype, gpu_memory_utilization, max_model_len,
             tensor_parallel_size, enforce_eager, ...).
     """
@@ -209,33 +213,46 @@ class VLLMPRMScorer:
         batch_size: int = 8,
         max_length: int | None = None,
         export_dir: str | Path | None = None,
+        server_url: str | None = None,
         **llm_kwargs: Any,
     ):
-        try:
-            import vllm
-        except ImportError:
-            raise ImportError(
-                "the vllm scorer needs vllm: pip install 'mmprm[vllm]' (or use scorer.backend=hf)"
-            ) from None
-        from mmprm.annotate.backends.vllm import _independent_engine
         from mmprm.models.loading import load_processor
 
         prm_path = Path(prm_path)
         self.spec = _read_spec(prm_path)
         self.processor = load_processor(str(prm_path))
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
-        self._tmp = None if export_dir is not None else tempfile.mkdtemp(prefix="mmprm-vllm-prm-")
-        self.export_dir = export_for_vllm(prm_path, export_dir or self._tmp)
         self.batch_size = batch_size
         self.dropped_steps = 0
-        self._vllm = vllm
+        self._tmp = None
+        self._server = PoolingServer(server_url) if server_url else None
         limit = {"image": 4, **(llm_kwargs.pop("limit_mm_per_prompt", None) or {})}
-        if self.tokenizer is self.processor:
-            limit = {}  # a text model takes no images
-        kwargs = {**POOLING_ARGS, **llm_kwargs}
-        with _independent_engine():
-            self.llm = vllm.LLM(model=str(self.export_dir), limit_mm_per_prompt=limit or None, **kwargs)
-        self.max_model_len: int = self.llm.model_config.max_model_len
+        if self.tokenizer is self.processor or self._server is not None:
+            limit = {}  # a text model takes no images; nor does the served endpoint
+        if self._server is not None:
+            if llm_kwargs or export_dir is not None:
+                raise ValueError(
+                    f"server_url: {server_url} serves the PRM; engine settings ({', '.join(sorted(llm_kwargs))}"
+                    f"{', export_dir' if export_dir is not None else ''}) are the server's own: set them on vllm serve"
+                )
+            self.max_model_len: int = self._server.max_model_len
+        else:
+            try:
+                import vllm
+            except ImportError:
+                raise ImportError(
+                    "the vllm scorer needs vllm: pip install 'mmprm[vllm]' (or use scorer.backend=hf)"
+                ) from None
+            from mmprm.annotate.backends.vllm import _independent_engine
+
+            self._vllm = vllm
+            self._tmp = None if export_dir is not None else tempfile.mkdtemp(prefix="mmprm-vllm-prm-")
+            self.export_dir = export_for_vllm(prm_path, export_dir or self._tmp)
+            with _independent_engine():
+                self.llm = vllm.LLM(
+                    model=str(self.export_dir), limit_mm_per_prompt=limit or None, **{**POOLING_ARGS, **llm_kwargs}
+                )
+            self.max_model_len = self.llm.model_config.max_model_len
         if max_length is not None and max_length > self.max_model_len:
             raise ValueError(
                 f"max_length={max_length} is over the vLLM engine's max_model_len {self.max_model_len}: "
@@ -262,6 +279,12 @@ class VLLMPRMScorer:
 
     def tokenize(self, ex: Any) -> TokenizedSteps:
         images = [load_image(p) for p in (_field(ex, "images") or [])]
+        if images and self._server is not None:
+            raise ValueError(
+                f"id={_field(ex, 'id', '?')}: has images, and a served PRM scores text only here (vLLM's "
+                "pooling endpoint takes token ids without images): score it with an engine of mmprm's "
+                "own (backend=vllm without server_url), or without its images"
+            )
         if len(images) > self.max_images:
             raise ValueError(
                 f"id={_field(ex, 'id', '?')}: {len(images)} images, over the vLLM scorer's limit of "
@@ -346,21 +369,77 @@ class VLLMPRMScorer:
                     )
                 prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
             prompts.append(prompt)
-        params = self._vllm.PoolingParams(use_activation=False)
-        outputs = self.llm.encode(prompts, params, pooling_task="token_classify", use_tqdm=False)
-        for (i, tok, _), out in zip(pending, outputs):
-            if list(out.prompt_token_ids) != tok.input_ids:
+        for (i, tok, _), (ids, data) in zip(pending, self._token_logits(prompts)):
+            if ids != tok.input_ids:
                 raise ValueError(
                     f"id={_field(examples[i], 'id', '?')}: vLLM expanded its images to "
-                    f"{len(out.prompt_token_ids)} tokens where mmprm's processor gives {len(tok.input_ids)}: "
+                    f"{len(ids)} tokens where mmprm's processor gives {len(tok.input_ids)}: "
                     "give the engine the processor's image settings (vllm_kwargs: {mm_processor_kwargs: "
                     "{min_pixels: N, max_pixels: N}})"
                 )
-            logits = out.outputs.data.reshape(len(tok.input_ids), -1)[tok.step_positions, 0]
+            logits = data.reshape(len(tok.input_ids), -1)[tok.step_positions, 0]
             probs = torch.sigmoid(logits.float() + self._bias).tolist()
             results[i] = probs + [float("nan")] * (len(_steps_of(examples[i])) - len(probs))
             self.dropped_steps += tok.dropped_steps
         bar.update(len(pending))
+
+    def _token_logits(self, prompts: list[dict[str, Any]]) -> list[tuple[list[int], Any]]:
+        """(the prompt's token ids as the engine expanded them, one logit per token) per prompt."""
+        if self._server is not None:
+            return self._server.token_logits([p["prompt_token_ids"] for p in prompts])
+        params = self._vllm.PoolingParams(use_activation=False)
+        outputs = self.llm.encode(prompts, params, pooling_task="token_classify", use_tqdm=False)
+        return [(list(out.prompt_token_ids), out.outputs.data) for out in outputs]
+
+
+class PoolingServer:
+    """A client of `vllm serve`'s pooling endpoint for a PRM export (`export_for_vllm`)."""
+
+    def __init__(self, url: str, timeout: float = 600.0, attempts: int = 3):
+        self.url = url.rstrip("/").removesuffix("/v1")
+        self.timeout, self.attempts = timeout, attempts
+        models = self._call("GET", "/v1/models")["data"]
+        if not models:
+            raise ValueError(f"server_url: {self.url} serves no model")
+        self.model: str = models[0]["id"]
+        self.max_model_len: int = int(models[0].get("max_model_len") or 0) or 1 << 30
+
+    def _call(self, method: str, route: str, body: dict[str, Any] | None = None) -> Any:
+        import time
+        import urllib.error
+        import urllib.request
+
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(
+            self.url + route, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        for attempt in range(self.attempts):
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as e:  # the server's answer: a bad request is not retried
+                raise ValueError(f"server_url: {self.url}{route} answered {e.code}: {e.read()[:500]!r}") from None
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+                if attempt == self.attempts - 1:
+                    raise ConnectionError(
+                        f"server_url: {self.url}{route} did not answer after {self.attempts} tries ({e}); is "
+                        "`vllm serve` running there with --runner pooling --convert classify?"
+                    ) from None
+                time.sleep(2**attempt)
+        raise AssertionError("unreachable")
+
+    def token_logits(self, prompts: list[list[int]]) -> list[tuple[list[int], Any]]:
+        import torch
+
+        body = {
+            "model": self.model,
+            "input": prompts,
+            "task": "token_classify",
+            "use_activation": False,
+            "add_special_tokens": False,
+        }
+        rows = sorted(self._call("POST", "/pooling", body)["data"], key=lambda r: r["index"])
+        return [(ids, torch.tensor(row["data"], dtype=torch.float32)) for ids, row in zip(prompts, rows)]
 
 
 def cli_export_vllm(argv: list[str]) -> int:
