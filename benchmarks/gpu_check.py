@@ -16,6 +16,8 @@ On tiny random-init models (nothing is downloaded), with every visible GPU unles
   trained model did in memory, and returns float32 probabilities; scorer steps per second;
 - one tiny vLLM engine per GPU under torchrun (`mmprm.annotate.backends.vllm.pin_local_gpu`):
   each rank's engine on a GPU of its own, each generating (skipped, saying so, without vllm);
+- the vLLM scorer (`scoring.backend=vllm`) beside the HF scorer on one GPU in bf16
+  (`benchmarks/prm_vllm_scoring.py`): both scorers' steps/s, and their scores agree;
 - the memory of one decoder layer shaped as Qwen2.5-VL-7B's language model (hidden 3584, 28
   heads of 128, 4 KV heads, MLP 18944) training on one 4096-token sequence in bf16 with gradient
   checkpointing, measured at 1 and 2 layers and extrapolated to the model's 28 (weights, gradients
@@ -259,6 +261,26 @@ def vllm_engines(root: Path, processes: int, timeout: int) -> dict[str, Any]:
     }
 
 
+def vllm_scorer(timeout: int) -> dict[str, Any]:
+    """The vLLM scorer and the HF scorer side by side on one GPU, bf16
+    (`benchmarks/prm_vllm_scoring.py`): both steps/s, and the scores agree."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return {"ok": True, "skipped": "vllm is not installed (pip install 'mmprm[vllm]' to check it)"}
+    cmd = [sys.executable, str(REPO / "benchmarks" / "prm_vllm_scoring.py"), "--device", "cuda", "--dtype", "bfloat16"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+    try:
+        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False, env=env)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {timeout}s"}
+    lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
+    if res.returncode != 0 or not lines:
+        return {"ok": False, "error": (res.stdout + res.stderr)[-1500:]}
+    bench = json.loads(lines[-1])
+    return {**bench, "ok": bench["max_abs_score_diff"] <= 2e-2}
+
+
 def vllm_worker(model: str, out: Path) -> None:
     """One torchrun rank of `vllm_engines`: pin this rank's GPU, start an engine, generate."""
     from mmprm.annotate.backends.base import RolloutRequest, SamplingConfig
@@ -401,11 +423,16 @@ def main(argv: list[str]) -> int:
         if device == "cuda"
         else {"ok": True, "skipped": "no GPU: vLLM's CUDA engine is not started"}
     )
+    result["vllm_scorer"] = (
+        vllm_scorer(args.timeout * 2)
+        if device == "cuda"
+        else {"ok": True, "skipped": "no GPU: vLLM's CUDA engine is not started"}
+    )
     divisor = args.probe_divisor
     width = {"hidden": 3584 // divisor, "mlp": 18944 // divisor, "heads": 28, "kv_heads": 4}
     result["memory_7b_layer"] = layer_memory(args.probe_tokens, device, width)
     result["seconds"] = round(time.time() - t_start, 1)
-    checks = ("zero2", "zero3", "zero3_packed", "scorer", "vllm", "memory_7b_layer")
+    checks = ("zero2", "zero3", "zero3_packed", "scorer", "vllm", "vllm_scorer", "memory_7b_layer")
     result["ok"] = all(result.get(k, {"ok": False})["ok"] for k in checks)
     print(json.dumps(result))
     return 0 if result["ok"] else 1

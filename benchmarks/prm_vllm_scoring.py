@@ -41,6 +41,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="the HF scorer's device (vLLM uses its platform's)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16, both scorers")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.5,
+        help="vLLM's share of the GPU (the HF scorer holds the rest)",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -71,7 +77,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         root / "prm",
         backend="vllm",
         batch_size=16,
-        vllm_kwargs={"dtype": args.dtype, "max_model_len": 4096, "enforce_eager": args.device == "cpu"},
+        vllm_kwargs={
+            "dtype": args.dtype,
+            "max_model_len": 4096,
+            "enforce_eager": args.device == "cpu",
+            **({"gpu_memory_utilization": args.gpu_memory_utilization} if args.device.startswith("cuda") else {}),
+        },
     )
     startup = time.perf_counter() - start
     vllm.score(examples[:1])  # the first request compiles and warms the engine

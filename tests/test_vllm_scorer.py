@@ -261,3 +261,20 @@ def blank_image(tmp_path: Path) -> str:
 
     Image.new("RGB", (28, 28)).save(tmp_path / "blank.png")
     return str(tmp_path / "blank.png")
+
+
+def test_the_vllm_scoring_benchmark_prints_its_ratio():
+    res = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "prm_vllm_scoring.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        timeout=900,
+        check=False,
+    )
+    lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
+    assert res.returncode == 0 and len(lines) == 1, res.stdout[-2000:] + res.stderr[-3000:]
+    bench = json.loads(lines[0])
+    assert bench["vllm_over_hf"] > 0 and bench["hf_steps_per_s"] > 0 and bench["vllm_steps_per_s"] > 0
+    assert bench["max_abs_score_diff"] < TOLERANCE
