@@ -4,6 +4,7 @@ every accelerate config a YAML or a recipe docstring points at exists."""
 import dataclasses
 import importlib.util
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -253,5 +254,5 @@ def test_readme_gpu_commands_name_real_configs_that_take_their_overrides():
         if config is None:
             continue  # a placeholder (CONFIG.yaml), or an sbatch line naming its config in CONFIG=
         recipe, path = config.groups()
-        overrides = [w for w in cmd.split(path, 1)[1].split() if "=" in w and not w.startswith("-")]
+        overrides = [w for w in shlex.split(cmd.split(path, 1)[1]) if "=" in w and not w.startswith("-")]
         load_config(config_class(recipe), str(REPO / path), overrides)
