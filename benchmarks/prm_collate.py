@@ -81,8 +81,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     """Both sides on the same batches, in `work`; the JSON line as a dict."""
     import torch
 
+    from mmprm.collate import model_input_keys
     from mmprm.models import build_tiny_model, load_backbone
-    from mmprm.models.prm import PRMSpec, build_prm, model_input_keys
+    from mmprm.models.prm import PRMSpec, build_prm
     from mmprm.training import BatchStream
     from mmprm.training_data import PRMCollator, load_tokenized
 

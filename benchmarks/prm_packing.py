@@ -95,10 +95,11 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     import torch
 
     from mmprm import packing
+    from mmprm.collate import model_input_keys
     from mmprm.data.schema import write_jsonl
     from mmprm.data.synthetic import SyntheticConfig, generate, write_split
     from mmprm.models import build_tiny_model, load_backbone
-    from mmprm.models.prm import PRMSpec, build_prm, model_input_keys
+    from mmprm.models.prm import PRMSpec, build_prm
     from mmprm.packing import run_tokens, tree_attention
     from mmprm.scoring.losses import soft_bce_value
     from mmprm.training import BatchStream

@@ -56,8 +56,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     import torch
     from prm_collate import write_paths
 
+    from mmprm.collate import model_input_keys
     from mmprm.models import build_tiny_model, load_backbone
-    from mmprm.models.prm import PRMSpec, build_prm, model_input_keys
+    from mmprm.models.prm import PRMSpec, build_prm
     from mmprm.training import BatchStream, Prefetcher
     from mmprm.training_data import PRMCollator, load_tokenized
 

@@ -50,10 +50,11 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     """Both sides on the same rows and batches, in `work`; the JSON line as a dict."""
     import torch
 
+    from mmprm.collate import collate_steps, model_input_keys
     from mmprm.data.schema import load_image, read_jsonl
     from mmprm.data.synthetic import SyntheticConfig, add_slips, generate, write_split
     from mmprm.models import build_tiny_model, load_backbone
-    from mmprm.models.prm import PRMSpec, build_prm, collate_steps, model_input_keys
+    from mmprm.models.prm import PRMSpec, build_prm
     from mmprm.models.tiny import corpus_text
     from mmprm.steps import tokenize_steps
 

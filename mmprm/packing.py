@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from mmprm.models.prm import PER_TOKEN_KEYS, collate_model_inputs
+from mmprm.collate import PER_TOKEN_KEYS, collate_model_inputs
 from mmprm.steps import TokenizedSteps, torch_cat_zeros
 
 

@@ -49,9 +49,9 @@ from typing import Any, Literal
 
 import torch
 
+from mmprm.collate import PER_TOKEN_KEYS, collate_model_inputs, collate_steps
 from mmprm.data.schema import DataError, check_row, iter_jsonl, load_image
 from mmprm.data.sft import sft_row_problems
-from mmprm.models.prm import PER_TOKEN_KEYS, collate_model_inputs, collate_steps
 from mmprm.steps import (
     STEP_TOKEN,
     StepTokenError,

@@ -27,10 +27,11 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
+from mmprm.collate import model_input_keys
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.data.schema import DataError
 from mmprm.models.loading import load_backbone, resolve_attn_implementation, vision_tower_parameters
-from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, model_input_keys, save_prm
+from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, save_prm
 from mmprm.models.sharding import log_zero3_partitions
 from mmprm.models.vision_sync import vision_sync
 from mmprm.packing import run_tokens

@@ -7,9 +7,10 @@ import torch
 from PIL import Image
 
 from mmprm import packing
+from mmprm.collate import collate_steps, model_input_keys
 from mmprm.models import prm as prm_module
 from mmprm.models.loading import load_backbone
-from mmprm.models.prm import PRMScorer, PRMSpec, build_prm, collate_steps, model_input_keys
+from mmprm.models.prm import PRMScorer, PRMSpec, build_prm
 from mmprm.packing import collate_packed, pack_rows, plan_packs
 from mmprm.scoring.losses import soft_bce_value
 from mmprm.steps import TokenizedSteps, tokenize_steps

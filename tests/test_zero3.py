@@ -14,8 +14,9 @@ from ports import free_port
 
 deepspeed = pytest.importorskip("deepspeed")
 
+from mmprm.collate import collate_steps
 from mmprm.models.loading import add_step_token, load_backbone
-from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, collate_steps
+from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm
 from mmprm.models.sharding import full_shape, gathered, partition_report
 from mmprm.models.tiny import build_tiny_model
 from mmprm.steps import tokenize_steps

@@ -15,55 +15,31 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from mmprm.collate import PER_TOKEN_KEYS, collate_steps, model_input_keys
 from mmprm.data.schema import load_image
 from mmprm.models.sharding import merge_lora_copy
-from mmprm.steps import STEP_TOKEN, TokenizedSteps, extend_steps, tokenize_steps
+from mmprm.models.spec import (
+    SPEC_FILE,
+    VALUE_HEAD_FILE,
+    PRMSpec,
+    example_field,
+    example_steps,
+    progress_bar,
+    read_spec,
+    reward_token_ids,
+)
+from mmprm.steps import TokenizedSteps, extend_steps, tokenize_steps
 
 if TYPE_CHECKING:
     from mmprm.models.vllm_prm import VLLMPRMScorer
     from mmprm.packing import PackedTree
-
-SPEC_FILE = "mmprm_prm.json"
-VALUE_HEAD_FILE = "value_head.safetensors"
-# Processor outputs that run along the token axis (padded like input_ids, not concatenated).
-PER_TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
-
-
-@dataclass
-class PRMSpec:
-    """What a PRM directory needs besides the HF files to score exactly like training did."""
-
-    head: str = "token_pair"
-    step_token: str = STEP_TOKEN
-    reward_tokens: list[str] = field(default_factory=lambda: ["+", "-"])
-    system_prompt: str | None = None
-
-    def validate(self) -> None:
-        if self.head not in ("token_pair", "value"):
-            raise ValueError(f"head: {self.head!r} is not one of ['token_pair', 'value']")
-        if len(self.reward_tokens) != 2 or self.reward_tokens[0] == self.reward_tokens[1]:
-            raise ValueError("reward_tokens: give two different tokens, positive first (e.g. ['+', '-'])")
-
-
-def reward_token_ids(tokenizer: Any, tokens: Sequence[str]) -> list[int]:
-    """Ids of the reward tokens; each must be a single token of the vocabulary."""
-    ids = []
-    for tok in tokens:
-        enc = tokenizer.encode(tok, add_special_tokens=False)
-        if len(enc) != 1:
-            raise ValueError(
-                f"reward token {tok!r} is {len(enc)} tokens for this tokenizer: pick single-token "
-                "reward tokens (set prm.reward_tokens)"
-            )
-        ids.append(enc[0])
-    return ids
 
 
 def _decoder(backbone: nn.Module) -> nn.Module:
@@ -138,60 +114,6 @@ class ProcessRewardModel(nn.Module):
         return torch.sigmoid(head_logits.float())
 
 
-def collate_steps(items: Sequence[TokenizedSteps], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a batch of tokenized examples; step positions stay where tokenization put them.
-
-    Returns input_ids/attention_mask/step_mask (B, S), targets (N,) float when labelled, and the
-    processor's image tensors concatenated along dim 0 (the models index images in batch order).
-    """
-    width = max(len(t.input_ids) for t in items)
-    batch = len(items)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, width), dtype=torch.long)
-    step_mask = torch.zeros((batch, width), dtype=torch.bool)
-    for i, t in enumerate(items):
-        n = len(t.input_ids)
-        input_ids[i, :n] = torch.tensor(t.input_ids)
-        attention_mask[i, :n] = 1
-        step_mask[i, t.step_positions] = True
-    out: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention_mask, "step_mask": step_mask}
-    if all(t.labels is not None for t in items):
-        # float32 end to end: a 0.7 label reaches the loss as 0.7
-        out["targets"] = torch.tensor([x for t in items for x in t.labels], dtype=torch.float32)
-    out.update(collate_model_inputs([t.model_inputs for t in items], width))
-    return out
-
-
-def collate_model_inputs(extras: Sequence[dict[str, torch.Tensor]], width: int) -> dict[str, torch.Tensor]:
-    """Batch the processor's extra outputs of single examples (PRM and SFT collators alike).
-
-    Per-token tensors (1, n) are right-padded with 0 to (B, width) like input_ids; image tensors
-    are concatenated along dim 0, since the models consume images in batch order.
-    """
-    out: dict[str, torch.Tensor] = {}
-    for key in sorted(set().union(*(e.keys() for e in extras))):
-        values = [e[key] for e in extras if key in e]
-        if key in PER_TOKEN_KEYS:
-            padded = torch.zeros((len(extras), width), dtype=values[0].dtype)
-            for i, e in enumerate(extras):
-                if key in e:
-                    v = e[key][0][:width]
-                    padded[i, : len(v)] = v
-            out[key] = padded
-        else:
-            out[key] = torch.cat(values, dim=0)
-    return out
-
-
-def model_input_keys(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The entries of a collated batch that go to the backbone (not targets)."""
-    return {
-        k: v
-        for k, v in batch.items()
-        if k not in ("targets", "step_weights", "input_ids", "attention_mask", "step_mask")
-    }
-
-
 class PRMScorer:
     """Scores steps with a trained PRM, using the training step tokenization.
 
@@ -221,11 +143,11 @@ class PRMScorer:
         self.dropped_steps = 0
 
     def tokenize(self, ex: Any) -> TokenizedSteps:
-        images = [load_image(p) for p in (_field(ex, "images") or [])]
+        images = [load_image(p) for p in (example_field(ex, "images") or [])]
         tok = tokenize_steps(
             self.processor,
-            _field(ex, "question"),
-            _steps_of(ex),
+            example_field(ex, "question"),
+            example_steps(ex),
             images,
             max_length=self.max_length,
             step_token=self.spec.step_token,
@@ -233,7 +155,7 @@ class PRMScorer:
         )
         if tok is None:
             raise ValueError(
-                f"id={_field(ex, 'id', '?')}: the prompt and the first step do not fit in "
+                f"id={example_field(ex, 'id', '?')}: the prompt and the first step do not fit in "
                 f"max_length={self.max_length}; raise max_length or shorten the question"
             )
         return tok
@@ -250,20 +172,20 @@ class PRMScorer:
         results: list[list[float] | None] = [None] * len(examples)
         groups: dict[Any, list[int]] = {}
         for i, ex in enumerate(examples):
-            if not _steps_of(ex):
+            if not example_steps(ex):
                 results[i] = []  # nothing to score; aggregators rank an empty candidate last
                 continue
             # PIL images are unhashable: group those by object identity, paths by value
-            imgs = tuple(x if isinstance(x, (str, Path)) else id(x) for x in (_field(ex, "images") or ()))
-            groups.setdefault((_field(ex, "question"), imgs) if share_prefix else i, []).append(i)
-        bar = _progress(sum(map(len, groups.values())), progress)
+            imgs = tuple(x if isinstance(x, (str, Path)) else id(x) for x in (example_field(ex, "images") or ()))
+            groups.setdefault((example_field(ex, "question"), imgs) if share_prefix else i, []).append(i)
+        bar = progress_bar(sum(map(len, groups.values())), progress)
         singles: list[tuple[int, TokenizedSteps]] = []
         trees: list[tuple[list[int], PackedTree]] = []  # packed groups waiting for a batch
         packed = _packs_trees(self.model.backbone)
 
         def keep(idx: list[int], scores: list[list[float]]) -> None:
             for i, s in zip(idx, scores):
-                results[i] = s + [float("nan")] * (len(_steps_of(examples[i])) - len(s))
+                results[i] = s + [float("nan")] * (len(example_steps(examples[i])) - len(s))
             bar.update(len(idx))
 
         def flush_singles() -> None:
@@ -289,7 +211,7 @@ class PRMScorer:
                 ext = extend_steps(
                     self.processor,
                     first,
-                    _steps_of(examples[i]),
+                    example_steps(examples[i]),
                     max_length=self.max_length,
                     step_token=self.spec.step_token,
                 )
@@ -445,31 +367,6 @@ def _pack_group(toks: list[TokenizedSteps], idx: list[int]) -> list[tuple[list[i
     return None if first is None or second is None else first + second
 
 
-def _field(ex: Any, key: str, default: Any = None) -> Any:
-    """A field of an example given as a dict or as an object (StepExample, Problem)."""
-    return ex.get(key, default) if isinstance(ex, dict) else getattr(ex, key, default)
-
-
-def _steps_of(ex: Any) -> list[str]:
-    return list(_field(ex, "steps"))
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, enabled: bool) -> Any:
-    if not enabled:
-        return _NoBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="scoring", unit="sol")
-
-
 def build_prm(backbone: nn.Module, processor: Any, spec: PRMSpec) -> ProcessRewardModel:
     """Wrap a loaded backbone as a PRM: adds the step token and resolves reward token ids."""
     from mmprm.models.loading import add_step_token
@@ -545,13 +442,7 @@ def load_prm(
         if dtype is not None and not kwargs.get("server_url"):  # a served PRM runs in the server's dtype
             kwargs.setdefault("dtype", str(dtype).removeprefix("torch."))
         return VLLMPRMScorer(path, batch_size=batch_size, max_length=max_length, **kwargs)
-    spec_file = path / SPEC_FILE
-    if not spec_file.exists():
-        raise FileNotFoundError(
-            f"{path}: no {SPEC_FILE}; this is not a PRM directory written by mmprm "
-            "(train one with recipes/prm_train.py, or use PRMSpec with build_prm)"
-        )
-    spec = PRMSpec(**json.loads(spec_file.read_text()))
+    spec = read_spec(path)
     backbone, processor = load_backbone(path, dtype=dtype, attn_implementation=attn_implementation)
     model = build_prm(backbone, processor, spec)
     if spec.head == "value":

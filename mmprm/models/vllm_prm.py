@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mmprm.data.schema import load_image
-from mmprm.models.prm import SPEC_FILE, VALUE_HEAD_FILE, PRMSpec, _field, _progress, _steps_of
+from mmprm.models.spec import VALUE_HEAD_FILE, example_field, example_steps, progress_bar, read_spec
 from mmprm.steps import TokenizedSteps, extend_steps, tokenize_steps
 
 SCORE_WEIGHTS_FILE = "mmprm_score.safetensors"
@@ -38,26 +38,14 @@ INDEX_FILE = "model.safetensors.index.json"
 POOLING_ARGS = {"runner": "pooling", "convert": "classify", "pooler_config": {"task": "token_classify"}}
 
 
-def _read_spec(prm_dir: Path) -> PRMSpec:
-    spec_file = prm_dir / SPEC_FILE
-    if not spec_file.exists():
-        raise FileNotFoundError(
-            f"{prm_dir}: no {SPEC_FILE}; this is not a PRM directory written by mmprm "
-            "(train one with recipes/prm_train.py)"
-        )
-    spec = PRMSpec(**json.loads(spec_file.read_text()))
-    spec.validate()
-    return spec
-
-
 def classifier_config(prm_dir: str | Path, tokenizer: Any | None = None) -> dict[str, Any]:
     """The config.json keys that make vLLM read `prm_dir`'s head as a one-logit token classifier."""
     prm_dir = Path(prm_dir)
-    spec = _read_spec(prm_dir)
+    spec = read_spec(prm_dir)
     if spec.head == "value":
         return {"id2label": {"0": "step_correct"}, "label2id": {"step_correct": 0}}
     from mmprm.models.loading import load_processor
-    from mmprm.models.prm import reward_token_ids
+    from mmprm.models.spec import reward_token_ids
 
     if tokenizer is None:
         processor = load_processor(str(prm_dir))
@@ -76,7 +64,7 @@ def export_for_vllm(prm_dir: str | Path, out_dir: str | Path, link: bool = True)
     directory stays a PRM directory: `load_prm` reads it too.
     """
     prm_dir, out = Path(prm_dir).resolve(), Path(out_dir)
-    spec = _read_spec(prm_dir)
+    spec = read_spec(prm_dir)
     if out.resolve() == prm_dir:
         raise ValueError(f"{out}: export to a directory of its own, not over the PRM")
     out.mkdir(parents=True, exist_ok=True)
@@ -219,7 +207,7 @@ class VLLMPRMScorer:
         from mmprm.models.loading import load_processor
 
         prm_path = Path(prm_path)
-        self.spec = _read_spec(prm_path)
+        self.spec = read_spec(prm_path)
         self.processor = load_processor(str(prm_path))
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.batch_size = batch_size
@@ -278,22 +266,22 @@ class VLLMPRMScorer:
             self._tmp = None
 
     def tokenize(self, ex: Any) -> TokenizedSteps:
-        images = [load_image(p) for p in (_field(ex, "images") or [])]
+        images = [load_image(p) for p in (example_field(ex, "images") or [])]
         if images and self._server is not None:
             raise ValueError(
-                f"id={_field(ex, 'id', '?')}: has images, and a served PRM scores text only here (vLLM's "
+                f"id={example_field(ex, 'id', '?')}: has images, and a served PRM scores text only here (vLLM's "
                 "pooling endpoint takes token ids without images): score it with an engine of mmprm's "
                 "own (backend=vllm without server_url), or without its images"
             )
         if len(images) > self.max_images:
             raise ValueError(
-                f"id={_field(ex, 'id', '?')}: {len(images)} images, over the vLLM scorer's limit of "
+                f"id={example_field(ex, 'id', '?')}: {len(images)} images, over the vLLM scorer's limit of "
                 f"{self.max_images} per example: raise it with vllm_kwargs: {{limit_mm_per_prompt: {{image: N}}}}"
             )
         tok = tokenize_steps(
             self.processor,
-            _field(ex, "question"),
-            _steps_of(ex),
+            example_field(ex, "question"),
+            example_steps(ex),
             images,
             max_length=self.max_length,
             step_token=self.spec.step_token,
@@ -301,7 +289,7 @@ class VLLMPRMScorer:
         )
         if tok is None:
             raise ValueError(
-                f"id={_field(ex, 'id', '?')}: the prompt and the first step do not fit in "
+                f"id={example_field(ex, 'id', '?')}: the prompt and the first step do not fit in "
                 f"max_length={self.max_length}; raise max_length or shorten the question"
             )
         return tok
@@ -315,24 +303,24 @@ class VLLMPRMScorer:
         """
         results: list[list[float] | None] = [None] * len(examples)
         per_call = 64 * self.batch_size
-        bar = _progress(len(examples), progress)
+        bar = progress_bar(len(examples), progress)
         pending: list[tuple[int, TokenizedSteps, list[Any]]] = []
         groups: dict[Any, list[int]] = {}
         for i, ex in enumerate(examples):
-            if not _steps_of(ex):
+            if not example_steps(ex):
                 results[i] = []
                 continue
-            imgs = tuple(x if isinstance(x, (str, Path)) else id(x) for x in (_field(ex, "images") or ()))
-            groups.setdefault((_field(ex, "question"), imgs) if share_prefix else i, []).append(i)
+            imgs = tuple(x if isinstance(x, (str, Path)) else id(x) for x in (example_field(ex, "images") or ()))
+            groups.setdefault((example_field(ex, "question"), imgs) if share_prefix else i, []).append(i)
         for idx in groups.values():
-            images = [load_image(p) for p in (_field(examples[idx[0]], "images") or [])]
+            images = [load_image(p) for p in (example_field(examples[idx[0]], "images") or [])]
             first = self.tokenize(examples[idx[0]])
             pending.append((idx[0], first, images))
             for i in idx[1:]:
                 ext = extend_steps(
                     self.processor,
                     first,
-                    _steps_of(examples[i]),
+                    example_steps(examples[i]),
                     max_length=self.max_length,
                     step_token=self.spec.step_token,
                 )
@@ -363,7 +351,7 @@ class VLLMPRMScorer:
                 ids, spans = self._placeholders.fold(tok.input_ids)
                 if spans != len(images):
                     raise ValueError(
-                        f"id={_field(examples[i], 'id', '?')}: {len(images)} image(s) but {spans} image "
+                        f"id={example_field(examples[i], 'id', '?')}: {len(images)} image(s) but {spans} image "
                         "placeholder span(s) in its tokens: a question or step that writes the image "
                         "token itself cannot be scored"
                     )
@@ -372,14 +360,14 @@ class VLLMPRMScorer:
         for (i, tok, _), (ids, data) in zip(pending, self._token_logits(prompts)):
             if ids != tok.input_ids:
                 raise ValueError(
-                    f"id={_field(examples[i], 'id', '?')}: vLLM expanded its images to "
+                    f"id={example_field(examples[i], 'id', '?')}: vLLM expanded its images to "
                     f"{len(ids)} tokens where mmprm's processor gives {len(tok.input_ids)}: "
                     "give the engine the processor's image settings (vllm_kwargs: {mm_processor_kwargs: "
                     "{min_pixels: N, max_pixels: N}})"
                 )
             logits = data.reshape(len(tok.input_ids), -1)[tok.step_positions, 0]
             probs = torch.sigmoid(logits.float() + self._bias).tolist()
-            results[i] = probs + [float("nan")] * (len(_steps_of(examples[i])) - len(probs))
+            results[i] = probs + [float("nan")] * (len(example_steps(examples[i])) - len(probs))
             self.dropped_steps += tok.dropped_steps
         bar.update(len(pending))
 
