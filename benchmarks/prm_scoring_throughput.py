@@ -23,8 +23,9 @@ Then the same problems with 4 distinct candidates written 4 times each (a policy
 ours against prompt_cache there (`repeated_candidates`); ours packs a tree only where it runs at most
 half the tokens (`mmprm.models.prm.TREE_TOKEN_SHARE`).
 
-Prints ONE JSON line: steps scored per second for each, ours/per_candidate, ours/prompt_cache and
-ours/per_step_prefix, a profile (tokenization time, and forward-only times on pre-tokenized inputs) and the largest score
+Prints ONE JSON line: steps scored per second for each, ours/per_candidate, ours/prompt_cache,
+ours/per_step_prefix and ours/bare_forward (the floor: the decoder alone over the prompt once per
+problem and its N candidates in one batch on its KV cache, inputs built beforehand, no head), a profile (tokenization time, and forward-only times on pre-tokenized inputs) and the largest score
 difference between the three (causal attention makes them equal up to float error).
 """
 
@@ -100,6 +101,47 @@ def timed(fns: dict[str, Callable[[], Any]], repeats: int) -> tuple[dict[str, fl
             out[k] = fn()
             best[k] = min(best[k], time.perf_counter() - t)
     return best, out
+
+
+def floor_forward(scorer: Any, groups: list[list[Any]], prompt_len: int) -> Callable[[], None]:
+    """One problem's prompt through the decoder once, then its candidates' own tokens in one batch
+    on that prompt's KV cache: what any Best-of-N scorer must run, with no tokenization, no head
+    and no scores. Returns the timed function; its inputs are built here, outside the timing."""
+    import torch
+
+    from mmprm.collate import PER_TOKEN_KEYS
+    from mmprm.models.prm import _decoder, _mrope_delta
+
+    decoder = _decoder(scorer.model.backbone)
+    runs = []
+    for toks in groups:
+        mm = dict(toks[0].model_inputs)
+        for key in PER_TOKEN_KEYS:
+            if key in mm:
+                mm[key] = mm[key][:, :prompt_len]
+        prefix = torch.tensor([toks[0].input_ids[:prompt_len]])
+        width = max(len(t.input_ids) for t in toks) - prompt_len
+        ids = torch.zeros((len(toks), width), dtype=torch.long)
+        mask = torch.zeros((len(toks), prompt_len + width), dtype=torch.long)
+        mask[:, :prompt_len] = 1
+        for row, t in enumerate(toks):
+            suffix = t.input_ids[prompt_len:]
+            ids[row, : len(suffix)] = torch.tensor(suffix)
+            mask[row, prompt_len : prompt_len + len(suffix)] = 1
+        delta = _mrope_delta(decoder, prefix, mm)
+        positions = torch.arange(prompt_len, prompt_len + width).expand(len(toks), -1) + delta
+        runs.append((prefix, mm, ids, mask, positions))
+
+    @torch.no_grad()
+    def run() -> None:
+        for prefix, mm, ids, mask, positions in runs:
+            cache = decoder(
+                input_ids=prefix, attention_mask=torch.ones_like(prefix), use_cache=True, **mm
+            ).past_key_values
+            cache.batch_repeat_interleave(len(ids))
+            decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -185,6 +227,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             {"a": lambda: [scorer._score_shared(g) for g in groups], "b": lambda: scorer._score_plain(toks)}, repeats
         )
     t_fa, t_fb = tf["a"], tf["b"]
+    # The floor: the decoder alone over the same tokens, the prompt once per problem and its KV
+    # cache under the N candidates in one batch; inputs built beforehand, no head, no scores.
+    floor = floor_forward(scorer, groups, prompt_len)
+    tfl, _ = timed({"floor": floor}, repeats)
 
     # A policy's samples repeat themselves (the demo's: a third of the candidate steps distinct):
     # the same problems with 4 distinct candidates written 4 times each, where the tree pays.
@@ -226,6 +272,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratio_ours_vs_per_candidate": round(rate["shared_prefix"] / rate["per_candidate"], 3),
         "ratio_ours_vs_prompt_cache": round(rate["shared_prefix"] / rate["prompt_cache"], 3),
         "ratio_ours_vs_per_step_prefix": round(rate["shared_prefix"] / rate["per_step_prefix"], 3),
+        "ratio_ours_vs_bare_forward": round(tfl["floor"] / t_a, 3),
         "seconds": {
             "shared_prefix": round(t_a, 3),
             "prompt_cache": round(t["k"], 3),
@@ -237,6 +284,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "tokenize_share_of_ours": round(t_tok / t_a, 3),
             "forward_only_s": {"shared_prefix": round(t_fa, 3), "per_candidate": round(t_fb, 3)},
             "forward_only_ratio_ours_vs_per_candidate": round(t_fb / t_fa, 3),
+            "bare_forward_s": round(tfl["floor"], 3),
+            "forward_only_ratio_ours_vs_bare_forward": round(tfl["floor"] / t_fa, 3),
         },
         "repeated_candidates": repeated_result,
         "max_abs_score_diff": {

@@ -22,6 +22,9 @@ steps, each in its own process (so peak RSS is that side's alone):
 tokens/s counts non-pad tokens. A step's time runs from fetching its batch to the end of its
 optimizer step. The machine is shared, so the headline rate is the median over steps (first two
 skipped: one-off warm-up); the mean rate is beside it.
+Two more sides are floors of what any PRM trainer pays, the bare backbone with backward and AdamW
+on the same batches as ours: `floor_lm` with its plain LM loss (vocabulary logits at every token),
+`floor_decoder` with the decoder alone and a loss at the step tokens (`ratio_tokens_per_s_vs_*`).
 The sides alternate for `--rounds` rounds; each keeps its best round. Prints ONE JSON line.
 """
 
@@ -46,6 +49,9 @@ WORDS = (
     "we add the two numbers then multiply by three so the total is and the answer follows since each "
     "side of the square has length four which gives area perimeter"
 ).split()
+
+
+FLOORS = ("floor_lm", "floor_decoder")
 
 
 def write_rows(path: Path, n: int, seed: int = 0) -> Path:
@@ -135,9 +141,10 @@ def ours_child(a: argparse.Namespace) -> None:
     import torch
     from accelerate import Accelerator
 
+    from mmprm.collate import collate_steps, model_input_keys
     from mmprm.data.schema import load_examples
     from mmprm.models.loading import load_backbone
-    from mmprm.models.prm import PRMSpec, build_prm, collate_steps, model_input_keys
+    from mmprm.models.prm import PRMSpec, build_prm
     from mmprm.steps import tokenize_steps
     from mmprm.training import BatchStream, lr_factor
 
@@ -186,6 +193,63 @@ def ours_child(a: argparse.Namespace) -> None:
                 "final_loss": loss_value,
                 "trainer": "recipes/prm_train.py loop: collate_steps + ProcessRewardModel + step_loss + "
                 "BatchStream(group_by_length) + accelerate",
+            }
+        )
+    )
+
+
+def floor_child(a: argparse.Namespace) -> None:
+    """The floor of any PRM trainer: the bare backbone, forward + backward + AdamW on the very
+    batches ours trains on (same tokenization, sampler and collation), and nothing else: no head,
+    no step loss, no accelerate, no clipping, no schedule. Loss: `floor_lm` the backbone's plain LM
+    loss (logits over the vocabulary at every token); `floor_decoder` the decoder alone, a loss
+    read off its last hidden states at the step tokens (what no PRM head can undercut)."""
+    import torch
+
+    from mmprm.collate import collate_steps
+    from mmprm.data.schema import load_examples
+    from mmprm.models.loading import add_step_token, load_backbone
+    from mmprm.steps import STEP_TOKEN, tokenize_steps
+    from mmprm.training import BatchStream
+
+    torch.manual_seed(42)
+    backbone, processor = load_backbone(a.model, dtype=torch.float32)
+    add_step_token(processor, backbone, STEP_TOKEN)
+    data = [
+        t
+        for ex in load_examples(a.data, require_labels=True)
+        if (t := tokenize_steps(processor, ex.question, ex.steps, labels=ex.labels, max_length=a.max_length))
+    ]
+    optimizer = torch.optim.AdamW([p for p in backbone.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
+    stream = BatchStream([len(t.input_ids) for t in data], a.batch_size, seed=42, group_by_length=True)
+    pad_id = processor.pad_token_id if processor.pad_token_id is not None else 0
+    backbone.train()
+    step_tokens, step_seconds, loss_value = [], [], None
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        batch = collate_steps([data[i] for i in stream.next()], pad_id)
+        if a._child == "floor_lm":
+            labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+            loss = backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels).loss
+        else:
+            hidden = backbone.model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).last_hidden_state
+            loss = hidden[batch["step_mask"]].float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        step_seconds.append(time.perf_counter() - t0)
+        step_tokens.append(int(batch["attention_mask"].sum()))
+    print(
+        json.dumps(
+            {
+                "step_tokens": step_tokens,
+                "step_seconds": step_seconds,
+                "final_loss": loss_value,
+                "trainer": "bare backbone, AdamW: "
+                + ("forward with its LM loss" if a._child == "floor_lm" else "decoder, loss at the step tokens"),
             }
         )
     )
@@ -308,13 +372,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=["random", "group_by_length"],
         help="TRL side's batch sampler: 'random' is PRMConfig's default, what its users get",
     )
-    parser.add_argument("--_child", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--_child", choices=["ours", "trl", "floor_lm", "floor_decoder"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
     if a._child:
-        (ours_child if a._child == "ours" else trl_child)(a)
+        {"ours": ours_child, "trl": trl_child}.get(a._child, floor_child)(a)
         return {}
     if a.quick:
         a.rows, a.steps, a.rounds = 32, 4, 1
@@ -333,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     best: dict[str, dict[str, Any]] = {}
     for r in range(a.rounds):
-        for name in ("ours", "trl"):
+        for name in ("ours", "trl", "floor_lm", "floor_decoder"):
             res = run_side(name, model, data, root / f"{name}_{r}", a, env)
             if name not in best or res["tokens_per_s"] > best[name]["tokens_per_s"]:
                 best[name] = res
@@ -352,6 +416,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "trl": {k: round(v, 4) if isinstance(v, float) else v for k, v in best["trl"].items()},
         "ratio_tokens_per_s": round(best["ours"]["tokens_per_s"] / best["trl"]["tokens_per_s"], 3),
         "ratio_peak_rss": round(best["ours"]["peak_rss_mib"] / best["trl"]["peak_rss_mib"], 3),
+        **{side: {k: round(v, 4) if isinstance(v, float) else v for k, v in best[side].items()} for side in FLOORS},
+        **{
+            f"ratio_tokens_per_s_vs_{side}": round(best["ours"]["tokens_per_s"] / best[side]["tokens_per_s"], 3)
+            for side in FLOORS
+        },
     }
     print(json.dumps(result))
     return result

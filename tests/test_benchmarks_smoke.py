@@ -36,7 +36,7 @@ def test_prm_scoring_throughput_quick():
     assert set(rates) == {"shared_prefix", "prompt_cache", "per_candidate", "per_step_prefix"}
     assert all(v > 0 for v in rates.values())
     assert res["ratio_ours_vs_per_candidate"] > 0 and res["ratio_ours_vs_per_step_prefix"] > 0
-    assert res["ratio_ours_vs_prompt_cache"] > 0
+    assert res["ratio_ours_vs_prompt_cache"] > 0 and res["ratio_ours_vs_bare_forward"] > 0
     assert res["steps_scored"] == res["n"] * res["problems"] * res["steps_per_candidate"]
     # the three ways score the same steps: equal up to float error, or the comparison means nothing
     assert max(res["max_abs_score_diff"].values()) < 1e-4
@@ -46,11 +46,12 @@ def test_prm_scoring_throughput_quick():
 @pytest.mark.slow
 def test_prm_train_throughput_quick():
     res = run_benchmark("prm_train_throughput.py")
-    for side in ("ours", "trl"):
+    for side in ("ours", "trl", "floor_lm", "floor_decoder"):
         assert res[side]["tokens_per_s"] > 0 and res[side]["peak_rss_mib"] > 0
         assert res[side]["final_loss"] == res[side]["final_loss"]  # not NaN
-    # --quick is exactly one epoch (32 rows, 4 steps of 8) on both sides: the same non-pad tokens
-    assert res["ours"]["non_pad_tokens"] == res["trl"]["non_pad_tokens"]
+    # --quick is exactly one epoch (32 rows, 4 steps of 8) on every side: the same non-pad tokens
+    assert res["ours"]["non_pad_tokens"] == res["trl"]["non_pad_tokens"] == res["floor_decoder"]["non_pad_tokens"]
+    assert res["ratio_tokens_per_s_vs_floor_lm"] > 0 and res["ratio_tokens_per_s_vs_floor_decoder"] > 0
     assert res["ratio_tokens_per_s"] > 0 and res["ratio_peak_rss"] > 0
 
 
