@@ -14,12 +14,12 @@ from mmprm.rerank.report import (
     bon_curve,
     cli_bon_report,
     n_values,
-    paired_bootstrap,
     read_candidates,
     summarize,
     write_report,
 )
 from mmprm.scoring import AGGREGATORS, majority_vote, pick_best, weighted_vote
+from mmprm.scoring.stats import paired_bootstrap
 
 
 def cand(probs, answer, correct):
@@ -148,7 +148,7 @@ def test_curve_in_problem_blocks_equals_all_at_once(monkeypatch):
 def test_resample_means_are_the_plain_bootstrap_in_chunks():
     """Resample b's mean over problems indexed by row b of rng.integers(0, P, (B, P)); several
     rows at once use the same draws (paired), and B need not be a multiple of the chunk."""
-    from mmprm.rerank.report import resample_means
+    from mmprm.scoring.stats import resample_means
 
     acc = np.random.default_rng(0).random((3, 50))
     idx = np.random.default_rng(7).integers(0, 50, size=(130, 50))
@@ -273,3 +273,11 @@ def test_a_truncated_candidate_never_wins_on_its_partial_score(tmp_path):
     assert "3 of 4 candidates were truncated" in (tmp_path / "report.md").read_text()
     with pytest.raises(ValueError, match="truncated: must be true or false"):
         bon_curve([[{**cand([0.5], "1", True), "truncated": "yes"}]])
+
+
+def test_percentile_interval_by_hand():
+    """The 2.5th and 97.5th percentiles, numpy's linear interpolation: 0..100 -> [2.5, 97.5]."""
+    from mmprm.scoring.stats import percentile_interval
+
+    assert percentile_interval(np.arange(101.0)) == [2.5, 97.5]
+    assert percentile_interval(np.array([3.0, 3.0, 3.0])) == [3.0, 3.0]

@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mmprm.rerank.report import BonCurve, paired_bootstrap
+from mmprm.rerank.report import BonCurve
 from mmprm.scoring.aggregators import AGGREGATORS
+from mmprm.scoring.stats import paired_bootstrap
 
 
 def choose_on_dev(dev: BonCurve, candidates: Sequence[str] = tuple(AGGREGATORS), n: int | None = None) -> str:

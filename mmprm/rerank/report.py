@@ -41,6 +41,7 @@ import numpy as np
 
 from mmprm.scoring.aggregators import AGGREGATORS, aggregate
 from mmprm.scoring.selection import answer_groups, vote_accuracy
+from mmprm.scoring.stats import paired_bootstrap, percentile_interval, resample_means
 
 BASELINES = ("random", "majority", "weighted_vote", "oracle")
 METHODS = (*AGGREGATORS, *BASELINES)
@@ -223,49 +224,6 @@ def bon_curve(
     return BonCurve(p, n_max, ns, per_problem, settings)
 
 
-def resample_means(values: np.ndarray, n_resamples: int = 1000, seed: int = 0) -> np.ndarray:
-    """Bootstrap means over problems: (B,) for a (P,) array, (B, K) for K rows of a (K, P) array.
-
-    Resample b draws P problem indices (`default_rng(seed).integers(0, P, size=(B, P))`, row b),
-    the same draws for every call with the same (P, B, seed): intervals of methods on the same
-    problems are paired. Drawn 64 resamples at a time as per-problem counts, so memory is
-    O(64 x P) whatever B and K (the dense (B, P) matrix is 800 MB at 100k problems).
-    """
-    v = np.asarray(values, dtype=float)
-    rows = v[None, :] if v.ndim == 1 else v
-    p = rows.shape[1]
-    rng = np.random.default_rng(seed)
-    out = np.empty((n_resamples, rows.shape[0]))
-    for lo in range(0, n_resamples, 64):
-        b = min(64, n_resamples - lo)
-        idx = rng.integers(0, p, size=(b, p))
-        counts = np.bincount((np.arange(b)[:, None] * p + idx).ravel(), minlength=b * p).reshape(b, p)
-        out[lo : lo + b] = counts @ rows.T / p
-    return out[:, 0] if v.ndim == 1 else out
-
-
-def _ci(boot: np.ndarray) -> list[float]:
-    lo, hi = np.percentile(boot, [2.5, 97.5], axis=0)
-    return [float(lo), float(hi)]
-
-
-def paired_bootstrap(acc_a: np.ndarray, acc_b: np.ndarray, n_resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
-    """Mean per-problem difference a - b with a 95% percentile bootstrap CI over problems.
-
-    Args:
-        acc_a, acc_b: (P,) per-problem accuracies of two methods on the same problems.
-
-    Returns:
-        {"diff": float, "ci95": [lo, hi]}; a CI above zero means a beats b.
-    """
-    a, b = np.asarray(acc_a, dtype=float), np.asarray(acc_b, dtype=float)
-    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
-        raise ValueError(f"paired_bootstrap: need two equal-length 1-D arrays, got {a.shape} and {b.shape}")
-    d = a - b
-    boot = resample_means(d, n_resamples, seed)  # (B,)
-    return {"diff": float(d.mean()), "ci95": _ci(boot)}
-
-
 def summarize(curve: BonCurve, n_resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
     """The report.json content: mean and 95% CI of every method at every N, plus the
     best aggregator at n_max against random (picked on the same data, so read it as a check,
@@ -274,7 +232,7 @@ def summarize(curve: BonCurve, n_resamples: int = 1000, seed: int = 0) -> dict[s
     boot = resample_means(np.stack([acc for _, _, acc in cells]), n_resamples, seed)  # (B, cells)
     methods: dict[str, dict[str, dict[str, Any]]] = {}
     for k, (name, n, acc) in enumerate(cells):
-        methods.setdefault(name, {})[str(n)] = {"mean": float(acc.mean()), "ci95": _ci(boot[:, k])}
+        methods.setdefault(name, {})[str(n)] = {"mean": float(acc.mean()), "ci95": percentile_interval(boot[:, k])}
     top = str(curve.n_max)
     best = max(AGGREGATORS, key=lambda m: (methods[m][top]["mean"], -list(AGGREGATORS).index(m)))
     diff = paired_bootstrap(

@@ -1,4 +1,5 @@
-"""Pure scoring math: step-score aggregators, Best-of-N selection, step metrics and losses.
+"""Pure scoring math: step-score aggregators, Best-of-N selection, step metrics, bootstrap
+statistics (`mmprm.scoring.stats`) and losses.
 
 Aggregators, selection and metrics need only numpy; `mmprm.scoring.losses` imports torch, so it
 is not imported here.

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from mmprm.rerank.report import paired_bootstrap, resample_means
+from mmprm.scoring.stats import paired_bootstrap, resample_means
 
 
 def bootstrap_mean(acc: Sequence[float], n_resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
