@@ -14,7 +14,7 @@ On tiny random-init models (nothing is downloaded), with every visible GPU unles
   kernel) on rows that share their prompt and first step;
 - the saved PRM, loaded with `mmprm.load_prm` in bf16 on the GPU, scores the eval rows as the
   trained model did in memory, and returns float32 probabilities; scorer steps per second;
-- one tiny vLLM engine per GPU under torchrun (`mmprm.annotate.backends.vllm.pin_local_gpu`):
+- one tiny vLLM engine per GPU under torchrun (`mmprm.generation.vllm.pin_local_gpu`):
   each rank's engine on a GPU of its own, each generating (skipped, saying so, without vllm);
 - the vLLM scorer (`scoring.backend=vllm`) beside the HF scorer on one GPU in bf16
   (`benchmarks/prm_vllm_scoring.py`): both scorers' steps/s, and their scores agree;
@@ -283,8 +283,8 @@ def vllm_scorer(timeout: int) -> dict[str, Any]:
 
 def vllm_worker(model: str, out: Path) -> None:
     """One torchrun rank of `vllm_engines`: pin this rank's GPU, start an engine, generate."""
-    from mmprm.annotate.backends.base import RolloutRequest, SamplingConfig
-    from mmprm.annotate.backends.vllm import VLLMBackend, pin_local_gpu
+    from mmprm.generation.base import RolloutRequest, SamplingConfig
+    from mmprm.generation.vllm import VLLMBackend, pin_local_gpu
 
     pin_local_gpu()
     import torch

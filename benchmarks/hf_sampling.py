@@ -4,7 +4,7 @@
     python benchmarks/hf_sampling.py --quick    # smoke test
 
 `transformers`' sampler draws with `torch.multinomial`, which on CPU draws one exponential per
-vocabulary entry per row at every decode step. `mmprm.annotate.backends.hf.InverseCDFSampler`
+vocabulary entry per row at every decode step. `mmprm.generation.hf.InverseCDFSampler`
 draws one uniform per row (inverse CDF) from the same distribution. Both sides here decode the
 same left-padded batch of rollout prompts (the demo's task and model size: a tiny Qwen2-VL,
 hidden 128, 4 layers, one thread) for exactly `--tokens` new tokens (`min_new_tokens`, so both
@@ -48,9 +48,9 @@ def main() -> None:
 def measure(args: argparse.Namespace, work: Path) -> dict:
     import torch
 
-    from mmprm.annotate.backends.base import rollout_prompt
-    from mmprm.annotate.backends.hf import InverseCDFSampler
     from mmprm.data.synthetic import SyntheticConfig, generate
+    from mmprm.generation.base import rollout_prompt
+    from mmprm.generation.hf import InverseCDFSampler
     from mmprm.models import build_tiny_model, load_backbone
 
     model, processor = load_backbone(

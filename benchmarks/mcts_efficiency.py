@@ -34,10 +34,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mmprm.annotate.backends.base import RolloutRequest  # noqa: E402
 from mmprm.annotate.engine import AnnotationEngine  # noqa: E402
 from mmprm.annotate.search import OmegaSearch, Rollout, SearchConfig, drive  # noqa: E402
 from mmprm.annotate.simulated import GOLD, SimulatedPolicy, first_error, random_problems  # noqa: E402
+from mmprm.generation.base import RolloutRequest  # noqa: E402
 from mmprm.steps import parse_solution  # noqa: E402
 
 
@@ -151,11 +151,11 @@ def part_b(
 
     import torch
 
-    from mmprm.annotate.backends.base import SamplingConfig
-    from mmprm.annotate.backends.hf import HFBackend
     from mmprm.annotate.engine import rule_verifier
     from mmprm.annotate.simulated import train_toy_policy, write_toy_problems
     from mmprm.data.problems import load_problems
+    from mmprm.generation.base import SamplingConfig
+    from mmprm.generation.hf import HFBackend
     from mmprm.models.loading import is_multimodal
     from mmprm.models.tiny import build_tiny_model
 
@@ -238,11 +238,11 @@ def part_vllm(arch: str, n_problems: int, k: int, max_rollouts: int, max_new_tok
     import statistics
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
-    from mmprm.annotate.backends.base import SamplingConfig
-    from mmprm.annotate.backends.vllm import VLLMBackend
     from mmprm.annotate.engine import rule_verifier
     from mmprm.annotate.simulated import train_toy_policy, write_toy_problems
     from mmprm.data.problems import load_problems
+    from mmprm.generation.base import SamplingConfig
+    from mmprm.generation.vllm import VLLMBackend
     from mmprm.models.loading import is_multimodal
     from mmprm.models.tiny import VLLM_HEAD_DIM, build_tiny_model
 

@@ -48,7 +48,7 @@ class SamplingConfig:
         max_new_tokens: token cap per candidate
         seed: base seed; shard I samples with seed + I
         seed_each_request: seed every vLLM request (a rerun repeats each sample); false is vLLM's faster
-            batched sampler (see mmprm.annotate.backends.base.SamplingConfig)
+            batched sampler (see mmprm.generation.base.SamplingConfig)
     """
 
     temperature: float = 1.0
@@ -252,9 +252,9 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
 
 def sample_into(partial: Path, backend: Any, todo: list[Any], cfg: Config, n_done: int, n_problems: int) -> None:
     """Sample and verify `todo`'s solutions, appending each problem's row to `partial`."""
-    from mmprm.annotate.backends.base import RolloutRequest, problems_per_call
     from mmprm.answers import answers_match
     from mmprm.data import store
+    from mmprm.generation.base import RolloutRequest, problems_per_call
     from mmprm.rerank.candidates import Candidate
     from mmprm.steps import parse_solution, prm_steps
 
@@ -307,10 +307,10 @@ def check_same_run(run_file: Path, run: dict[str, Any], *outputs: Path) -> None:
 def make_backend(cfg: Config):
     """The generation backend, prompting the policy as its SFT saved it (`mmprm_policy.json`)
     unless `generate.system_prompt` / `generate.step_mode` say otherwise (then with a warning)."""
-    from mmprm.annotate.backends import make_rollout_backend
-    from mmprm.annotate.backends.base import SamplingConfig as BackendSampling
-    from mmprm.annotate.backends.base import worker_seed
-    from mmprm.policy import resolve_prompt_format
+    from mmprm.generation import make_rollout_backend
+    from mmprm.generation.base import SamplingConfig as BackendSampling
+    from mmprm.generation.base import worker_seed
+    from mmprm.generation.policy import resolve_prompt_format
 
     s = cfg.generate.sampling
     # Each shard samples its own stream; a rerun of the same shard samples the same candidates.

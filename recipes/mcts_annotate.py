@@ -30,8 +30,6 @@ from typing import Any, Literal
 
 from tqdm.auto import tqdm
 
-from mmprm.annotate.backends import make_rollout_backend
-from mmprm.annotate.backends.base import SamplingConfig, worker_seed
 from mmprm.annotate.engine import (
     AnnotationEngine,
     AnnotationOutage,
@@ -51,7 +49,9 @@ from mmprm.chat import ChatClient, ChatConfig
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.data.problems import load_problems
 from mmprm.data.schema import DataError, write_jsonl
-from mmprm.policy import resolve_prompt_format
+from mmprm.generation import make_rollout_backend
+from mmprm.generation.base import SamplingConfig, worker_seed
+from mmprm.generation.policy import resolve_prompt_format
 
 
 @dataclass

@@ -12,7 +12,7 @@ assistant tokens only; eval reports loss, format compliance (greedy generations 
 steps + an answer) and answer accuracy with `mmprm.answers`. Rows are tokenized once into an
 on-disk cache and their images opened per micro-batch (`mmprm.training_data`), as in prm_train.
 The prompt format (system prompt, step mode) is saved beside the weights as `mmprm_policy.json`
-(`mmprm.policy`), and annotation and Best-of-N generation read it, so they prompt the policy
+(`mmprm.generation.policy`), and annotation and Best-of-N generation read it, so they prompt the policy
 exactly as it was trained.
 """
 
@@ -31,10 +31,10 @@ from tqdm.auto import tqdm
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.data.schema import DataError, load_image
+from mmprm.generation.policy import PolicySpec, save_policy_spec
 from mmprm.models.loading import load_backbone, resolve_attn_implementation, vision_tower_parameters
 from mmprm.models.sharding import log_zero3_partitions, merge_lora_copy
 from mmprm.models.vision_sync import vision_sync
-from mmprm.policy import PolicySpec, save_policy_spec
 from mmprm.steps import parse_solution, prompt_text
 from mmprm.training import (
     METRICS_FILE,

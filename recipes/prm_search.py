@@ -43,7 +43,7 @@ class SamplingConfig:
         max_new_tokens: token cap of ONE step in the search (Best-of-N's whole solutions: bon.max_new_tokens)
         seed: base seed; each shard samples its own stream (worker_seed(seed, shard.index))
         seed_each_request: seed every vLLM request (a rerun repeats each sample); false is vLLM's faster
-            batched sampler (see mmprm.annotate.backends.base.SamplingConfig)
+            batched sampler (see mmprm.generation.base.SamplingConfig)
     """
 
     temperature: float = 1.0
@@ -222,10 +222,10 @@ def slug(label: str) -> str:
 def make_backend(cfg: Config, max_new_tokens: int):
     """The policy's rollout backend, prompting it as its SFT saved it (`mmprm_policy.json`)
     unless `policy.system_prompt` / `policy.step_mode` say otherwise (then with a warning)."""
-    from mmprm.annotate.backends import make_rollout_backend
-    from mmprm.annotate.backends.base import SamplingConfig as BackendSampling
-    from mmprm.annotate.backends.base import worker_seed
-    from mmprm.policy import resolve_prompt_format
+    from mmprm.generation import make_rollout_backend
+    from mmprm.generation.base import SamplingConfig as BackendSampling
+    from mmprm.generation.base import worker_seed
+    from mmprm.generation.policy import resolve_prompt_format
 
     s = cfg.policy.sampling
     # Each shard samples its own stream; a rerun of the same shard samples the same steps.
@@ -287,7 +287,7 @@ def main(argv: list[str]) -> None:
     print(f"shard {sh.index}/{sh.count}: {len(problems)} problems")
 
     # ---- models: the policy behind a rollout backend, the PRM scorer -------------------------
-    from mmprm.annotate.backends.base import problems_per_call
+    from mmprm.generation.base import problems_per_call
     from mmprm.models.loading import resolve_device
     from mmprm.models.prm import load_prm
     from mmprm.search.core import run_search

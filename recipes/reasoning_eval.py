@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mmprm.annotate.backends.base import RolloutRequest, SamplingConfig
 from mmprm.answers import answers_match, extract_answer
 from mmprm.chat import ChatClient, ChatConfig, ChatError
 from mmprm.config import ConfigError, load_config, parse_cli, to_dict
 from mmprm.data.schema import read_jsonl, write_jsonl
 from mmprm.data.sft import split_solution
+from mmprm.generation.base import RolloutRequest, SamplingConfig
 from mmprm.treeval import (
     JudgeScorer,
     RPTSJudge,
@@ -324,8 +324,8 @@ def load_problems(cfg: ProblemsConfig) -> list[dict[str, Any]]:
 
 
 def make_backend(a: AnswersConfig, attn_implementation: str, step_mode: str = "blank_lines") -> Any:
-    """The model under test as a rollout backend (`mmprm.annotate.backends`), continuing free text."""
-    from mmprm.annotate.backends import make_rollout_backend
+    """The model under test as a rollout backend (`mmprm.generation`), continuing free text."""
+    from mmprm.generation import make_rollout_backend
 
     return make_rollout_backend(
         a.model,

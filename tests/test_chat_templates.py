@@ -209,8 +209,8 @@ def test_extend_steps_equals_full_tokenization(loaded, tmp_path, name, system):
 @pytest.mark.parametrize("name", NAMES)
 def test_rollout_prompt_token_by_token(loaded, tmp_path, name, system):
     """The text the HF backend continues: the generation prompt, then the steps so far, verbatim."""
-    from mmprm.annotate.backends.base import RolloutRequest, SamplingConfig, rollout_prompt
-    from mmprm.annotate.backends.hf import HFBackend
+    from mmprm.generation.base import RolloutRequest, SamplingConfig, rollout_prompt
+    from mmprm.generation.hf import HFBackend
 
     model, processor, _ = loaded(name)
     tok = _tok(processor)
@@ -262,7 +262,7 @@ def test_default_system_prompt_and_prefix_sharing(loaded, tmp_path, name):
     replaced, not repeated, when the user sets one; prompts with and without it never share tokens
     past the point where they differ.
     """
-    from mmprm.annotate.backends.base import rollout_prompt
+    from mmprm.generation.base import rollout_prompt
 
     _, processor, step_id = loaded(name)
     tok, default = _tok(processor), FAMILIES[name]["default_system"]
@@ -284,8 +284,8 @@ def test_default_system_prompt_and_prefix_sharing(loaded, tmp_path, name):
 def test_left_padded_rollouts_equal_one_by_one(checkpoint, name):
     """With and without a pad token (Llama 3 has none), left-padded batches continue each prompt as
     it would alone: top_k=1 makes sampling greedy, so the texts must match exactly."""
-    from mmprm.annotate.backends.base import RolloutRequest, SamplingConfig
-    from mmprm.annotate.backends.hf import HFBackend
+    from mmprm.generation.base import RolloutRequest, SamplingConfig
+    from mmprm.generation.hf import HFBackend
 
     model, processor = load_backbone(checkpoint(name))
     had_pad = processor.pad_token is not None
@@ -361,8 +361,8 @@ def test_string_concatenating_template_on_a_text_only_model(checkpoint):
     paths of prm_train (tokenize_steps), policy_sft (tokenize_sft) and mcts_annotate (HF backend)
     now give that template string content and run.
     """
-    from mmprm.annotate.backends.base import RolloutRequest, SamplingConfig
-    from mmprm.annotate.backends.hf import HFBackend
+    from mmprm.generation.base import RolloutRequest, SamplingConfig
+    from mmprm.generation.hf import HFBackend
 
     model, processor = load_backbone(checkpoint("smollm2_instruct"))
     assert is_text_only(processor) and model.config.tie_word_embeddings

@@ -16,7 +16,6 @@ import pytest
 from PIL import Image
 from real_data import DATA, full_or_subset
 
-from mmprm.annotate.backends.base import RolloutInputError, RolloutRequest, SamplingConfig
 from mmprm.annotate.engine import (
     AnnotationEngine,
     AnnotationOutage,
@@ -35,6 +34,7 @@ from mmprm.annotate.simulated import GOLD, SimProblem, SimulatedPolicy, random_p
 from mmprm.chat import EndpointUnavailable
 from mmprm.data.problems import load_problems
 from mmprm.data.schema import DataError, ImageReadError
+from mmprm.generation.base import RolloutInputError, RolloutRequest, SamplingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -383,7 +383,7 @@ def tiny_dirs(tmp_path_factory):
 
 
 def test_hf_backend_samples_n_continuations_reproducibly(tiny_dirs, tmp_path):
-    from mmprm.annotate.backends.hf import HFBackend
+    from mmprm.generation.hf import HFBackend
 
     Image.new("RGB", (40, 28), (200, 30, 30)).save(tmp_path / "img.png")
     img = str(tmp_path / "img.png")
@@ -416,7 +416,7 @@ def test_inverse_cdf_sampler_draws_the_warped_distribution():
     """The sampler's frequencies are softmax(logits / T), cut by top-k and top-p as generate cuts them."""
     import torch
 
-    from mmprm.annotate.backends.hf import InverseCDFSampler
+    from mmprm.generation.hf import InverseCDFSampler
 
     torch.manual_seed(0)
     rows = 40_000
@@ -444,7 +444,7 @@ def test_inverse_cdf_sampler_takes_each_rows_own_temperature():
     """A (rows, 1) temperature tensor samples row i as the one-value sampler at T_i would."""
     import torch
 
-    from mmprm.annotate.backends.hf import InverseCDFSampler
+    from mmprm.generation.hf import InverseCDFSampler
 
     torch.manual_seed(0)
     rows = 20_000
@@ -495,7 +495,7 @@ def test_prefix_probes_sample_at_the_prefix_temperature_and_the_root_at_the_back
 
 def test_hf_backend_samples_each_request_at_its_own_temperature(tiny_dirs):
     """Rows at a near-zero temperature are the greedy text; rows at T = 1 in the same call vary."""
-    from mmprm.annotate.backends.hf import HFBackend
+    from mmprm.generation.hf import HFBackend
 
     backend = HFBackend.from_pretrained(
         str(tiny_dirs["qwen2"]), SamplingConfig(max_new_tokens=8, top_k=0, top_p=1.0, seed=5), batch_size=16
@@ -511,7 +511,7 @@ def test_hf_backend_samples_each_request_at_its_own_temperature(tiny_dirs):
 
 
 def test_hf_backend_continues_the_assistant_message(tiny_dirs):
-    from mmprm.annotate.backends.base import rollout_prompt
+    from mmprm.generation.base import rollout_prompt
     from mmprm.models.loading import load_processor
 
     proc = load_processor(tiny_dirs["qwen2"])
@@ -525,7 +525,7 @@ def test_hf_backend_continues_the_assistant_message(tiny_dirs):
 
 def test_engine_over_hf_backend_with_a_random_model_reports_no_steps(tiny_dirs):
     """A random-init model writes no step tags: every problem says so instead of vanishing."""
-    from mmprm.annotate.backends.hf import HFBackend
+    from mmprm.generation.hf import HFBackend
 
     backend = HFBackend.from_pretrained(str(tiny_dirs["qwen2"]), SamplingConfig(max_new_tokens=8), batch_size=32)
     records = []
@@ -580,7 +580,7 @@ class _CutBackend(SimulatedPolicy):
     half-written guess the policy might have revised)."""
 
     def generate(self, requests):
-        from mmprm.annotate.backends.base import Completion
+        from mmprm.generation.base import Completion
 
         return [[Completion(t, truncated="boxed{-1}" in t) for t in texts] for texts in super().generate(requests)]
 
@@ -766,8 +766,8 @@ def test_an_image_read_error_is_an_outage_and_a_bad_image_a_permanent_error(tiny
     it, and a rerun annotates it; an image that reads but does not decode is the input's fault."""
     import errno
 
-    from mmprm.annotate.backends.hf import HFBackend
     from mmprm.data import schema
+    from mmprm.generation.hf import HFBackend
 
     Image.new("RGB", (56, 56), (200, 30, 30)).save(tmp_path / "ok.png")
     (tmp_path / "corrupt.png").write_bytes(b"\x89PNG but nothing after")

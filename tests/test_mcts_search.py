@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from mmprm.annotate.backends.base import RolloutRequest
 from mmprm.annotate.search import CandidatePool, OmegaSearch, Probe, Rollout, SearchConfig, drive, q_value, u_value
 from mmprm.annotate.simulated import GOLD, SimProblem, SimulatedPolicy, first_error, random_problems, true_mc
+from mmprm.generation.base import RolloutRequest
 from mmprm.steps import parse_solution
 
 
@@ -255,7 +255,7 @@ def test_a_root_with_no_finished_rollout_is_no_answer_not_all_wrong():
 
 
 def test_request_seeds_are_spaced_n_apart_so_no_two_samples_share_a_seed():
-    from mmprm.annotate.backends.base import request_seeds
+    from mmprm.generation.base import request_seeds
 
     # vLLM seeds sample j of a request with seed + j. Seeds s, s + 1 for two requests of n = 4
     # would share 3 samples' seeds; spaced n apart they share none.
@@ -271,7 +271,7 @@ def test_request_seeds_are_spaced_n_apart_so_no_two_samples_share_a_seed():
 
 
 def test_worker_seed_streams_never_overlap():
-    from mmprm.annotate.backends.base import request_seeds, worker_seed
+    from mmprm.generation.base import request_seeds, worker_seed
 
     # Before: shard i sampled with seed + i, so shard 1's request seeds were shard 0's shifted by one.
     def used(worker):

@@ -352,9 +352,9 @@ def _recipe_module(name):
 def test_annotation_and_generation_prompt_the_policy_exactly_as_sft_trained_it(tiny_models, synthetic, tmp_path):
     """SFT with a system prompt -> mmprm_policy.json -> annotation's and Best-of-N's backends send
     the very prompt tokens SFT trained on, with no system prompt or step mode in their configs."""
-    from mmprm.annotate.backends.base import RolloutRequest
     from mmprm.config import load_config
     from mmprm.data.schema import load_examples, load_image
+    from mmprm.generation.base import RolloutRequest
     from mmprm.models.loading import load_processor
 
     train, _ = synthetic

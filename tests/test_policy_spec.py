@@ -1,4 +1,4 @@
-"""mmprm.policy: the prompt format saved with a policy, and how configs override it."""
+"""mmprm.generation.policy: the prompt format saved with a policy, and how configs override it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from mmprm.policy import (
+from mmprm.generation.policy import (
     POLICY_SPEC_FILE,
     PolicySpec,
     load_policy_spec,

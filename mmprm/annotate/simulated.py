@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from mmprm.annotate.backends.base import GenerationStats, RolloutRequest, StepMode
+from mmprm.generation.base import GenerationStats, RolloutRequest, StepMode
 from mmprm.steps import render_solution
 
 GOLD = "42"
@@ -196,7 +196,7 @@ def train_toy_policy(model_dir: str, out_dir: str, steps: int = 150, seed: int =
     model.eval()
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
-    from mmprm.policy import PolicySpec, save_policy_spec
+    from mmprm.generation.policy import PolicySpec, save_policy_spec
 
     save_policy_spec(out_dir, PolicySpec(system_prompt=None, step_mode="tags"))  # what it was trained on
     return out_dir

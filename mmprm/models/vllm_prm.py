@@ -231,7 +231,7 @@ class VLLMPRMScorer:
                 raise ImportError(
                     "the vllm scorer needs vllm: pip install 'mmprm[vllm]' (or use scorer.backend=hf)"
                 ) from None
-            from mmprm.annotate.backends.vllm import _independent_engine
+            from mmprm.generation.vllm import _independent_engine
 
             self._vllm = vllm
             self._tmp = None if export_dir is not None else tempfile.mkdtemp(prefix="mmprm-vllm-prm-")

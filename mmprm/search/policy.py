@@ -5,7 +5,7 @@
     proposals = proposer.propose([StepRequest("p1", question, images, ["Tile 1 is 3."], n=4)])
 
 The prompt continues the partial assistant message exactly as annotation rollouts do
-(`mmprm.annotate.backends.base.rollout_prompt`); generation stops at the end of ONE step
+(`mmprm.generation.base.rollout_prompt`); generation stops at the end of ONE step
 (`</step>`, or `</answer>` when the policy answers instead; a blank line in blank_lines mode).
 All requests of a search round go to the backend in one `generate` call, so HF batches them in
 chunks of `batch_size` rows and vLLM schedules them together with prefix caching.
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mmprm.annotate.backends.base import RolloutBackend, RolloutRequest, StepMode, problems_per_call
+from mmprm.generation.base import RolloutBackend, RolloutRequest, StepMode, problems_per_call
 from mmprm.search.core import StepProposal, StepRequest
 from mmprm.steps import ANSWER_CLOSE, STEP_CLOSE, parse_solution
 

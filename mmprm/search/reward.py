@@ -24,7 +24,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from mmprm.annotate.backends.base import StepMode
+from mmprm.generation.base import StepMode
 from mmprm.scoring.aggregators import AGGREGATORS
 from mmprm.search.core import PrefixScorer
 from mmprm.steps import parse_solution, prm_steps

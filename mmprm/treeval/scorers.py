@@ -112,12 +112,12 @@ def rollout_mc_scores(
 ) -> dict[str, float]:
     """Monte-Carlo value of every conclusion: the share of `k` rollouts from its path that end right.
 
-    The policy (`backend`, any `mmprm.annotate.backends.RolloutBackend`) continues the path of each
+    The policy (`backend`, any `mmprm.generation.RolloutBackend`) continues the path of each
     node (its conclusion ancestors, then the node) `k` times, all nodes of the tree in one
     `generate` call; `verify(path text + continuation)` says whether a rollout reaches the right
     answer. This is the value OmegaPRM annotates, for a tree the policy did not write itself.
     """
-    from mmprm.annotate.backends.base import RolloutRequest
+    from mmprm.generation.base import RolloutRequest
 
     paths = node_paths(tree)
     if not paths:

@@ -1,14 +1,16 @@
-"""Rollout backends behind one interface (`base.RolloutBackend`): HF generate, vLLM, simulated.
+"""Generation: rollout backends behind one interface (`base.RolloutBackend`: HF generate, vLLM,
+simulated) and the policy spec a trained policy carries (`mmprm.generation.policy`).
 
-Backends import their engine lazily, so `import mmprm.annotate.backends` needs neither torch
-generation nor vllm. `make_rollout_backend` is how every recipe builds one.
+Annotation, Best-of-N generation, PRM-guided search and tree evaluation all sample through these.
+Backends import their engine lazily, so `import mmprm.generation` needs neither torch generation
+nor vllm. `make_rollout_backend` is how every recipe builds one.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from mmprm.annotate.backends.base import (
+from mmprm.generation.base import (
     GenerationStats,
     RolloutBackend,
     RolloutInputError,
@@ -44,7 +46,7 @@ def make_rollout_backend(
     (sdpa, flash_attention_2, eager, auto).
     """
     if backend == "vllm":
-        from mmprm.annotate.backends.vllm import VLLMBackend, pin_local_gpu
+        from mmprm.generation.vllm import VLLMBackend, pin_local_gpu
 
         engine: dict[str, Any] = {"dtype": dtype or "auto"}
         if gpu_memory_utilization is not None:
@@ -56,7 +58,7 @@ def make_rollout_backend(
         return VLLMBackend(path, sampling, step_mode=step_mode, system=system, **engine)
     if backend != "hf":
         raise ValueError(f"backend: {backend!r} is not one of ['hf', 'vllm']")
-    from mmprm.annotate.backends.hf import HFBackend
+    from mmprm.generation.hf import HFBackend
 
     return HFBackend.from_pretrained(
         path,

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, get_args
 
-from mmprm.annotate.backends.base import StepMode
+from mmprm.generation.base import StepMode
 
 POLICY_SPEC_FILE = "mmprm_policy.json"
 SPEC_VERSION = 1

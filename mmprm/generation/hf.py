@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from mmprm.annotate.backends.base import (
+from mmprm.data.schema import ImageReadError
+from mmprm.generation.base import (
     Completion,
     GenerationStats,
     ImageCache,
@@ -27,7 +28,6 @@ from mmprm.annotate.backends.base import (
     rollout_prompt,
     stop_strings,
 )
-from mmprm.data.schema import ImageReadError
 from mmprm.steps import needs_special_tokens
 
 

@@ -30,7 +30,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
-from mmprm.annotate.backends.base import (
+from mmprm.data.schema import ImageReadError
+from mmprm.generation.base import (
     Completion,
     GenerationStats,
     ImageCache,
@@ -42,7 +43,6 @@ from mmprm.annotate.backends.base import (
     rollout_prompt,
     stop_strings,
 )
-from mmprm.data.schema import ImageReadError
 from mmprm.steps import needs_special_tokens
 
 # Launcher variables that would make vLLM think it is part of a torch.distributed job; each
