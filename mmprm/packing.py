@@ -1,7 +1,7 @@
 """Tree packing: all the rows of one problem in one sequence, each shared token computed once.
 
 An MCTS export has many rows per problem. They share the prompt (image tokens included) and often
-their first steps: in the demo's annotation only 46% of the row tokens are distinct. A packed
+their first steps, so many of a problem's row tokens repeat (docs/tree-packing.md). A packed
 sequence holds the shared prompt once, then every distinct step once, in depth-first order. An
 attention mask lets a token see only its own path (its ancestors and the earlier tokens of its
 step), and every token keeps the position it has in its rows, so the head at each step token sees
@@ -15,12 +15,11 @@ of the rows themselves.
     tree_attention(..)         a context in which sdpa attends on CPU by blocks of the tree mask
     plan_packs(rows, ..)       cached rows -> packs of row indices under a token budget, with lengths
 
-Attention over a pack costs its length squared, yet a token sees only its own path: in the demo's
-packs (465 tokens on average) a row is about 100. On CPU, `tree_attention` cuts the queries into
-blocks of 64 and runs each block against only the keys some query in it sees: the same numbers
-(up to float rounding), 1.29x the rows per second of the one masked kernel when training on the
-demo's annotation (`benchmarks/prm_packing.py --run`). On a GPU the masked kernel is kept (many
-small kernels may cost more in launches than they save: not measured).
+Attention over a pack costs its length squared, yet a token sees only its own path, a small part
+of the pack. On CPU, `tree_attention` cuts the queries into blocks of 64 and runs each block
+against only the keys some query in it sees: the same numbers (up to float rounding), far fewer
+of them computed (`benchmarks/prm_packing.py`; figures in docs/tree-packing.md). On a GPU the
+masked kernel is kept: many small kernels may cost more in launches than they save.
 """
 
 from __future__ import annotations
@@ -228,7 +227,7 @@ def packed_attention_mask(mask: torch.Tensor, attn_implementation: str, dtype: t
 
 
 TREE_ATTENTION = "mmprm_tree_sdpa"  # the name `tree_attention` registers with transformers
-TREE_BLOCK = 64  # queries per block: fewer cost more calls, more see more keys (32 and 128 were slower)
+TREE_BLOCK = 64  # queries per block: fewer cost more calls, more see more keys (docs/tree-packing.md)
 
 
 @dataclass

@@ -320,8 +320,8 @@ def _tokenize_prm_row(
     prompts: _BytesLRU | None = None,
 ) -> dict[str, Any]:
     """`prompts`: the tokenized prompts of recent problems (question, images), so that the other
-    rows of a problem tokenize only their steps (`extend_steps`: 2.7x the rows per second on the
-    demo's annotation, the same ids)."""
+    rows of a problem tokenize only their steps (`extend_steps`: the same ids, without running the
+    processor on the prompt and images again)."""
     out = {
         "labels": prm_labels(row["labels"], label_mode, hard_threshold),
         "input_ids": [],
@@ -547,7 +547,7 @@ class CachedRows:
 
     The cache is written by `datasets` (`save_to_disk`: Arrow stream files listed in state.json);
     reading it needs only pyarrow, so a cached rerun and every rank but the builder skip importing
-    `datasets` (0.4 s of each start here). Pages are read from disk as rows are fetched.
+    `datasets`, an import every start would pay for. Pages are read from disk as rows are fetched.
 
         rows = CachedRows(folder)
         len(rows); rows.column("length"); rows[[3, 17]]  # -> {"id": [...], "input_ids": [...], ...}
@@ -661,8 +661,8 @@ def _build(path: str | Path, kind: Kind, processor: Any, settings: dict[str, Any
             "dropped_steps": int(sum(kept["dropped_steps"])) if kind == "prm" else 0,
             "settings": settings,
         }
-        # One process: save_to_disk(num_proc=2) was ~300x slower here (42 rows/s). Reading the
-        # mapped rows pages them into this process (~1 KB per row), which the kernel can reclaim.
+        # One process: save_to_disk's worker processes cost far more than they save (docs/scaling.md).
+        # Reading the mapped rows pages them into this process; the kernel can reclaim those pages.
         kept.save_to_disk(str(tmp / "data"))
         shutil.rmtree(tmp / "raw", ignore_errors=True)
         shutil.rmtree(tmp / "map", ignore_errors=True)

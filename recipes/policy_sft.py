@@ -70,7 +70,7 @@ class ModelConfig:
             (flash-attn when installed and a GPU is visible, else sdpa)
         dtype: weights dtype at load (float32, bfloat16, float16); use train.bf16 for mixed precision
         freeze_vision_tower: keep the vision encoder frozen (MM-PRM: language model updated, ViT frozen)
-        gradient_checkpointing: recompute activations in the backward pass: less memory, ~30% slower
+        gradient_checkpointing: recompute activations in the backward pass: less memory, the forward runs twice
         lora: LoRA adapters (section)
         system_prompt: system message of every prompt; annotation and Best-of-N must send the same
     """
@@ -454,7 +454,7 @@ def main(argv: list[str]) -> None:
         save_policy_spec(out_dir, PolicySpec(system_prompt=cfg.model.system_prompt, step_mode="tags"))
         log(f"saved policy to {out_dir}")
     # Every rank leaves together: a rank that tears the process group down while rank 0 still
-    # writes can abort at exit (seen once with 2 gloo ranks under ZeRO-3).
+    # writes can make the job abort at exit.
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

@@ -71,7 +71,7 @@ class ModelConfig:
             (flash-attn when installed and a GPU is visible, else sdpa)
         dtype: weights dtype at load (float32, bfloat16, float16); use train.bf16 for mixed precision
         freeze_vision_tower: keep the vision encoder frozen (MM-PRM trains only the language model)
-        gradient_checkpointing: recompute activations in the backward pass: less memory, ~30% slower
+        gradient_checkpointing: recompute activations in the backward pass: less memory, the forward runs twice
         lora: LoRA adapters (section)
     """
 
@@ -332,7 +332,7 @@ def main(argv: list[str]) -> None:
             f"tree packing: {len(train_data)} rows in {len(plan.packs)} packs of at most {cfg.data.pack_tokens} "
             f"tokens; {sum(plan.lengths)} tokens to run instead of {plan.row_tokens} ({plan.ratio:.2f}x)"
         )
-        if plan.ratio > 0.7:  # measured: the demo's outcome rows keep 0.76 and train slower packed
+        if plan.ratio > 0.7:  # so few tokens saved that attention over whole packs can cost more
             log(
                 "tree packing saves little here: a pack's attention spans all its branches, which can cost "
                 "more than the shared tokens save; compare a few steps with data.pack_trees=false"
@@ -504,7 +504,7 @@ def main(argv: list[str]) -> None:
         save_prm(accelerator.unwrap_model(model), processor, out_dir, state_dict=state)
         log(f"saved PRM to {out_dir} (load with mmprm.load_prm('{out_dir}'))")
     # Every rank leaves together: a rank that tears the process group down while rank 0 still
-    # writes can abort at exit (seen once with 2 gloo ranks under ZeRO-3).
+    # writes can make the job abort at exit.
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

@@ -116,8 +116,8 @@ class Config:
         hidden_size: tiny model hidden size
         num_layers: tiny model layers
         tokenizer_corpus: train the tiny model's tokenizer on the task's SFT text too, so that the task's
-            words are single tokens as a real tokenizer's common words are (sequences about 20% shorter,
-            every stage faster); off by default, which keeps the published demo reproducible
+            words are single tokens as a real tokenizer's common words are (shorter sequences, every
+            stage faster); off by default, which keeps the published demo reproducible
         task: the synthetic task (section)
         model: model loading, passed to every stage (section)
         n: candidates per held-out problem

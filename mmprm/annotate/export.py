@@ -21,8 +21,8 @@ search ran on (`SearchConfig.keep_failed_rollouts`) to its answer, every step af
 labelled 0.0; the path above becomes ``steps [A, B, B2 + answer 4] labels [0.75, 0.0, 0.0]``.
 Cut paths (`negatives="cut"`, MM-PRM's; also any negative without a kept rollout) end mid-solution
 without an answer while positive paths end with one, and the PRM sees the answer on the last step
-(`prm_steps`): it can then learn "has an answer" instead of checking the step. On the demo task a
-PRM trained on exact labels of such cut data fell from 0.90 to 0.53 same-step AUROC.
+(`prm_steps`): it can then learn "has an answer" instead of checking the step, which is why
+`complete` is the default (the demo's figures are in docs/scaling.md).
 
 `edges="node"` makes each tree edge one PRM step (its policy steps joined by newlines, as MM-PRM
 does); `edges="step"` keeps every policy step and gives the steps inside an edge the edge's value

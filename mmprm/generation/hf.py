@@ -36,10 +36,10 @@ class InverseCDFSampler:
     then one token per row by inverse CDF (one uniform draw, a cumulative sum, a binary search).
     Each row comes back as -inf except the drawn token, which greedy decoding then takes.
 
-    Why: `generate`'s sampler, `torch.multinomial`, draws one exponential per vocabulary entry, on
-    CPU about 3 ms a step for 64 rows of a 1,024-token vocabulary, 0.1 ms this way: a fifth of a
-    tiny model's decode step (`benchmarks/hf_sampling.py`). The distribution is the same; the
-    random stream is not, so the same seed draws other tokens than `do_sample=True` would.
+    Why: `generate`'s sampler, `torch.multinomial`, draws one exponential per vocabulary entry per
+    row, a real share of a tiny model's decode step on CPU; one uniform per row costs next to
+    nothing (`benchmarks/hf_sampling.py`; figures in docs/performance.md). The distribution is the
+    same; the random stream is not, so the same seed draws other tokens than `do_sample=True` would.
     The draws use torch's global generator (`torch.manual_seed` makes them reproducible).
     `temperature` is one value, or a (rows, 1) tensor of each row's own.
     """

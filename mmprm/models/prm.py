@@ -331,11 +331,9 @@ def _mrope_delta(decoder: nn.Module, input_ids: torch.Tensor, model_inputs: dict
 
 
 SCORE_PACK_TOKENS = 4096  # most tokens in one packed group (prm_train's pack_tokens default)
-# A tree pays for its mask and its blocks of attention only where it runs far fewer tokens than
-# the prompt cache: 16 distinct candidates after a 479-token prompt scored at 0.50x the steps per
-# second of the prompt cache as a tree, 4 distinct ones written 4 times each at 1.29x
-# (`benchmarks/prm_scoring_throughput.py`); in the demo, the outcome model's per-prefix scores (a
-# third of the prefixes distinct) took its rescoring stage from 64 s to 39 s.
+# A tree pays for its mask and its blocks of attention, so it beats the prompt cache only where it
+# runs far fewer tokens: distinct candidates keep the cache, candidates that repeat steps become a
+# tree (`benchmarks/prm_scoring_throughput.py`; the figures are in docs/performance.md).
 TREE_TOKEN_SHARE = 0.5
 
 
@@ -347,7 +345,7 @@ def _packs_trees(backbone: nn.Module) -> bool:
 def _pack_group(toks: list[TokenizedSteps], idx: list[int]) -> list[tuple[list[int], PackedTree]] | None:
     """The candidates of one question as trees (`mmprm.packing.pack_rows`) of at most
     SCORE_PACK_TOKENS tokens, each with the example indices of its rows: every distinct step runs
-    once, and a policy's samples repeat many (a third of the demo's candidate steps are distinct).
+    once, and a policy's samples repeat many of their steps.
     None when the rows do not share their prompt, or the tree would run more than TREE_TOKEN_SHARE
     of the tokens the prompt cache runs (prompt once, then every candidate's own): the prompt
     cache scores them then."""
