@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mmprm.annotate.engine import AnnotationEngine  # noqa: E402
-from mmprm.annotate.search import OmegaSearch, Rollout, SearchConfig, drive  # noqa: E402
+from mmprm.annotate.omega import OmegaConfig, OmegaSearch, Rollout, drive  # noqa: E402
 from mmprm.annotate.simulated import GOLD, SimulatedPolicy, first_error, random_problems  # noqa: E402
 from mmprm.generation.base import RolloutRequest  # noqa: E402
 from mmprm.steps import parse_solution  # noqa: E402
@@ -56,7 +56,7 @@ def _prefix(nodes: list[dict], node_id: int | None) -> list[str]:
     return steps
 
 
-def ours(policy: SimulatedPolicy, pid: str, cfg: SearchConfig) -> tuple[int, int, int]:
+def ours(policy: SimulatedPolicy, pid: str, cfg: OmegaConfig) -> tuple[int, int, int]:
     """(rollouts, localised errors, correct ones) of one OmegaPRM search."""
     res = drive(OmegaSearch(cfg), lambda probe: _rollouts(policy, pid, list(probe.prefix), probe.n))
     errors = {e["node"]: e["step"] for e in res.first_errors}
@@ -96,7 +96,7 @@ def per_step_mc(policy: SimulatedPolicy, pid: str, k: int, budget: int, early_st
 
 
 def part_a(n_problems: int, seed: int) -> dict:
-    cfg = SearchConfig()  # MM-PRM defaults: k=16, 200 searches, 1000 rollouts
+    cfg = OmegaConfig()  # MM-PRM defaults: k=16, 200 searches, 1000 rollouts
     problems = random_problems(n_problems, 8, 16, seed=seed)
     out = {}
     for name, fn in [
@@ -169,7 +169,7 @@ def part_b(
     backend = HFBackend.from_pretrained(
         policy_dir, SamplingConfig(max_new_tokens=max_new_tokens, seed=0), device=device, batch_size=batch_size
     )
-    search = SearchConfig(rollouts_per_estimate=k, max_rollouts=max_rollouts, max_searches=50)
+    search = OmegaConfig(rollouts_per_estimate=k, max_rollouts=max_rollouts, max_searches=50)
 
     def timed(fn) -> dict:
         tokens, sequences = backend.stats.generated_tokens, backend.stats.sequences
@@ -257,7 +257,7 @@ def part_vllm(arch: str, n_problems: int, k: int, max_rollouts: int, max_new_tok
         enforce_eager=True,
         max_model_len=1024,
     )
-    search = SearchConfig(rollouts_per_estimate=k, max_rollouts=max_rollouts, max_searches=50)
+    search = OmegaConfig(rollouts_per_estimate=k, max_rollouts=max_rollouts, max_searches=50)
     engine_generate = backend.llm.generate
     calls: list[tuple[list, list]] = []  # (prompts, params) of every engine call the search made
 

@@ -44,7 +44,7 @@ from mmprm.annotate.engine import (
     tree_file_name,
 )
 from mmprm.annotate.export import ExportConfig, iter_examples, write_report
-from mmprm.annotate.search import SearchConfig
+from mmprm.annotate.omega import OmegaConfig
 from mmprm.chat import ChatClient, ChatConfig
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.data.problems import load_problems
@@ -146,7 +146,7 @@ class AnnotateConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    search: SearchConfig = field(default_factory=SearchConfig)
+    search: OmegaConfig = field(default_factory=OmegaConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)

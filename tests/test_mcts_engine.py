@@ -29,7 +29,7 @@ from mmprm.annotate.engine import (
     shard,
     tree_file_name,
 )
-from mmprm.annotate.search import SearchConfig
+from mmprm.annotate.omega import OmegaConfig
 from mmprm.annotate.simulated import GOLD, SimProblem, SimulatedPolicy, random_problems
 from mmprm.chat import EndpointUnavailable
 from mmprm.data.problems import load_problems
@@ -48,7 +48,7 @@ def run_engine(problems: dict, concurrency: int = 8, **kw):
     policy = SimulatedPolicy(problems, seed=0, step_mode=step_mode, unparsable=kw.pop("unparsable", ()))
     engine = AnnotationEngine(
         policy,
-        SearchConfig(max_rollouts=kw.pop("max_rollouts", 200)),
+        OmegaConfig(max_rollouts=kw.pop("max_rollouts", 200)),
         kw.pop("verify", exact),
         step_mode=step_mode,
         concurrency=concurrency,
@@ -115,7 +115,7 @@ def test_a_bad_problem_gets_an_error_record_and_the_rest_go_on():
 
     verify.calls_for_boom = False
     records = []
-    engine = AnnotationEngine(policy, SearchConfig(max_rollouts=100), verify, concurrency=8)
+    engine = AnnotationEngine(policy, OmegaConfig(max_rollouts=100), verify, concurrency=8)
     engine.run([Problem(pid, "q", GOLD) for pid in problems], records.append)
     by_id = {r["id"]: r for r in records}
     assert set(by_id) == set(problems) and len(records) == len(problems)
@@ -124,7 +124,7 @@ def test_a_bad_problem_gets_an_error_record_and_the_rest_go_on():
 
     verify.calls_for_boom = True
     records = []
-    AnnotationEngine(SimulatedPolicy({"boom": problems["boom"]}), SearchConfig(), verify).run(
+    AnnotationEngine(SimulatedPolicy({"boom": problems["boom"]}), OmegaConfig(), verify).run(
         [Problem("boom", "q", GOLD)], records.append
     )
     assert records[0]["status"] == "error" and records[0]["message"] == "RuntimeError: verifier crashed"
@@ -315,14 +315,14 @@ WORKER = textwrap.dedent("""
     from pathlib import Path
     from mmprm.annotate.engine import AnnotationEngine, TreeFile, shard, tree_file_name
     from mmprm.data.problems import load_problems
-    from mmprm.annotate.search import SearchConfig
+    from mmprm.annotate.omega import OmegaConfig
     from mmprm.annotate.simulated import SimulatedPolicy, random_problems
     out, delay, rank, world = Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     problems = load_problems(sys.argv[5])
     trees = TreeFile(out / tree_file_name(rank, world), scan_dir=out)
     todo = [p for p in shard(problems, rank, world) if p.id not in trees.done]
     policy = SimulatedPolicy(random_problems(len(problems), seed=0), delay_s=delay)
-    engine = AnnotationEngine(policy, SearchConfig(max_rollouts=320), lambda p, g, c: p == g, concurrency=3)
+    engine = AnnotationEngine(policy, OmegaConfig(max_rollouts=320), lambda p, g, c: p == g, concurrency=3)
     engine.run(todo, trees.append)
 """)
 
@@ -483,7 +483,7 @@ class _TemperatureLog(SimulatedPolicy):
 def test_prefix_probes_sample_at_the_prefix_temperature_and_the_root_at_the_backends(prefix_temperature):
     policy = _TemperatureLog(random_problems(6, seed=2), seed=0)
     engine = AnnotationEngine(
-        policy, SearchConfig(max_rollouts=200), exact, concurrency=6, prefix_temperature=prefix_temperature
+        policy, OmegaConfig(max_rollouts=200), exact, concurrency=6, prefix_temperature=prefix_temperature
     )
     records = []
     engine.run([Problem(pid, "q", GOLD) for pid in policy.problems], records.append)
@@ -529,7 +529,7 @@ def test_engine_over_hf_backend_with_a_random_model_reports_no_steps(tiny_dirs):
 
     backend = HFBackend.from_pretrained(str(tiny_dirs["qwen2"]), SamplingConfig(max_new_tokens=8), batch_size=32)
     records = []
-    stats = AnnotationEngine(backend, SearchConfig(rollouts_per_estimate=4, max_rollouts=16), concurrency=4).run(
+    stats = AnnotationEngine(backend, OmegaConfig(rollouts_per_estimate=4, max_rollouts=16), concurrency=4).run(
         [Problem(f"p{i}", "What is 2 + 3?", "5") for i in range(5)], records.append
     )
     assert sorted(r["id"] for r in records) == [f"p{i}" for i in range(5)]
@@ -589,7 +589,7 @@ def test_rollouts_cut_at_max_new_tokens_are_counted_truncated_and_never_searched
     problems = {"cut": SimProblem([0.2] * 6)}
     records = []
     AnnotationEngine(
-        _CutBackend(problems, step_mode="blank_lines"), SearchConfig(max_rollouts=100), exact, step_mode="blank_lines"
+        _CutBackend(problems, step_mode="blank_lines"), OmegaConfig(max_rollouts=100), exact, step_mode="blank_lines"
     ).run([Problem("cut", "q", GOLD)], records.append)
     (rec,) = records
     assert rec["status"] == "annotated" and rec["stats"]["truncated_rollouts"] > 0
@@ -616,7 +616,7 @@ def test_transient_errors_are_retried_on_resume_and_permanent_ones_are_final(tmp
 
     out = tmp_path / "run"
     trees = TreeFile(out / tree_file_name(0, 1), scan_dir=out)
-    Engine(policy, SearchConfig(max_rollouts=100), verify, concurrency=8).run(
+    Engine(policy, OmegaConfig(max_rollouts=100), verify, concurrency=8).run(
         [Problem(pid, "q", GOLD) for pid in problems], trees.append
     )
     trees.close()
@@ -629,7 +629,7 @@ def test_transient_errors_are_retried_on_resume_and_permanent_ones_are_final(tmp
     flaky["down"] = False
     todo = [Problem(pid, "q", GOLD) for pid in problems if pid not in trees.done]
     assert [p.id for p in todo] == ["flaky"]
-    Engine(policy, SearchConfig(max_rollouts=100), verify).run(todo, trees.append)
+    Engine(policy, OmegaConfig(max_rollouts=100), verify).run(todo, trees.append)
     trees.close()
     summary = merge_annotations(out)
     merged = {r["id"]: r for r in (json.loads(x) for x in (out / "trees.jsonl").read_text().splitlines())}
@@ -645,7 +645,7 @@ def test_an_outage_stops_the_run_instead_of_emptying_it():
 
     records = []
     engine = AnnotationEngine(
-        SimulatedPolicy(problems), SearchConfig(max_rollouts=100), judge_down, concurrency=8, max_consecutive_failures=5
+        SimulatedPolicy(problems), OmegaConfig(max_rollouts=100), judge_down, concurrency=8, max_consecutive_failures=5
     )
     with pytest.raises(
         AnnotationOutage, match=r"5 problems in a row failed .*EndpointUnavailable.*rerun the same command"
@@ -662,7 +662,7 @@ class _DeadBackend(SimulatedPolicy):
 def test_a_failing_backend_call_is_an_outage_not_error_records():
     records = []
     with pytest.raises(AnnotationOutage, match="backend call failed: ConnectionError: engine process died"):
-        AnnotationEngine(_DeadBackend(random_problems(3)), SearchConfig(max_rollouts=100), exact).run(
+        AnnotationEngine(_DeadBackend(random_problems(3)), OmegaConfig(max_rollouts=100), exact).run(
             [Problem(pid, "q", GOLD) for pid in random_problems(3)], records.append
         )
     assert records == []
@@ -782,7 +782,7 @@ def test_an_image_read_error_is_an_outage_and_a_bad_image_a_permanent_error(tiny
     monkeypatch.setattr(Path, "read_bytes", read)
     monkeypatch.setattr(schema.time, "sleep", lambda s: None)
     backend = HFBackend.from_pretrained(str(tiny_dirs["qwen2_vl"]), SamplingConfig(max_new_tokens=8), batch_size=32)
-    cfg = SearchConfig(rollouts_per_estimate=2, max_rollouts=4)
+    cfg = OmegaConfig(rollouts_per_estimate=2, max_rollouts=4)
     q = "<image1> What is 2 + 3?"
     problems = [Problem(name, q, "5", [str(tmp_path / f"{name}.png")]) for name in ("ok", "corrupt", "nfs")]
     records = []

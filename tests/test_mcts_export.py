@@ -9,7 +9,7 @@ from real_data import DATA
 
 from mmprm.annotate.engine import AnnotationEngine, Problem
 from mmprm.annotate.export import ExportConfig, export_examples, tree_paths, write_report
-from mmprm.annotate.search import SearchConfig
+from mmprm.annotate.omega import OmegaConfig
 from mmprm.annotate.simulated import GOLD, SimulatedPolicy, random_problems
 from mmprm.data.schema import load_examples, write_jsonl
 
@@ -137,7 +137,7 @@ def test_min_words_drops_short_paths():
 def test_export_of_a_real_search_is_valid_training_data(tmp_path):
     problems = random_problems(4, seed=3)
     records = []
-    AnnotationEngine(SimulatedPolicy(problems), SearchConfig(max_rollouts=160), lambda p, g, c: p == g).run(
+    AnnotationEngine(SimulatedPolicy(problems), OmegaConfig(max_rollouts=160), lambda p, g, c: p == g).run(
         [Problem(pid, "What is the answer?", GOLD) for pid in problems], records.append
     )
     rows, stats = export_examples(records, ExportConfig())

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from mmprm.annotate.search import CandidatePool, OmegaSearch, Probe, Rollout, SearchConfig, drive, q_value, u_value
+from mmprm.annotate.omega import CandidatePool, OmegaConfig, OmegaSearch, Probe, Rollout, drive, q_value, u_value
 from mmprm.annotate.simulated import GOLD, SimProblem, SimulatedPolicy, first_error, random_problems, true_mc
 from mmprm.generation.base import RolloutRequest
 from mmprm.steps import parse_solution
@@ -27,9 +27,9 @@ def answerer(policy: SimulatedPolicy, pid: str):
     return answer
 
 
-def run(problem: SimProblem, cfg: SearchConfig | None = None, seed: int = 0):
+def run(problem: SimProblem, cfg: OmegaConfig | None = None, seed: int = 0):
     policy = SimulatedPolicy({"p": problem}, seed=seed)
-    search = OmegaSearch(cfg or SearchConfig())
+    search = OmegaSearch(cfg or OmegaConfig())
     return search, drive(search, answerer(policy, "p"))
 
 
@@ -116,7 +116,7 @@ def test_the_searched_wrong_rollout_is_kept_below_its_first_error():
         assert below, f"no kept rollout below first error node {e['node']}"
         for leaf in below:
             assert leaf["mc"] == 0.0 and leaf["answer"] != GOLD and len(full_prefix(res.nodes, leaf["id"])) == 10
-    _, plain = run(problem, SearchConfig(keep_failed_rollouts=False))
+    _, plain = run(problem, OmegaConfig(keep_failed_rollouts=False))
     # MM-PRM's tree: the same search (no rollout is spent on a kept leaf), without those leaves
     assert plain.rollouts == res.rollouts and plain.first_errors and len(plain.nodes) < len(res.nodes)
     assert not any(answered_leaves_below(plain.nodes, e["node"]) for e in plain.first_errors)
@@ -137,7 +137,7 @@ def test_localised_errors_match_the_true_first_error_on_random_problems():
 def test_mc_estimates_converge_to_true_values():
     problem = SimProblem([0.05, 0.1, 0.2, 0.0, 0.15, 0.1, 0.05, 0.1])
     # k = 4000 at the root: standard error ~0.008
-    search, _ = run(problem, SearchConfig(rollouts_per_estimate=4000, max_rollouts=4000, max_searches=0))
+    search, _ = run(problem, OmegaConfig(rollouts_per_estimate=4000, max_rollouts=4000, max_searches=0))
     assert search.nodes[0].mc == pytest.approx(true_mc(problem, []), abs=0.035)
     # Over every probe of a normal search, estimates are unbiased around the exact values.
     diffs = []
@@ -151,7 +151,7 @@ def test_mc_estimates_converge_to_true_values():
 
 @pytest.mark.parametrize("max_rollouts,max_searches", [(16, 200), (50, 200), (100, 200), (1000, 3), (333, 7)])
 def test_budgets_hold_also_inside_a_binary_search(max_rollouts, max_searches):
-    cfg = SearchConfig(max_rollouts=max_rollouts, max_searches=max_searches)
+    cfg = OmegaConfig(max_rollouts=max_rollouts, max_searches=max_searches)
     for _pid, problem in random_problems(6, seed=max_rollouts).items():
         search, res = run(problem, cfg)
         assert res.rollouts <= max_rollouts
@@ -161,7 +161,7 @@ def test_budgets_hold_also_inside_a_binary_search(max_rollouts, max_searches):
 
 def test_no_rollout_is_selected_twice_and_popped_ones_are_gone():
     for _pid, problem in random_problems(5, seed=11).items():
-        search, res = run(problem, SearchConfig(max_searches=10_000, max_rollouts=3000))
+        search, res = run(problem, OmegaConfig(max_searches=10_000, max_rollouts=3000))
         assert len(res.selected) == len(set(res.selected)) == res.searches
         # the search ran until its pool was empty or the rollout budget stopped it
         assert len(search.pool) == 0 or res.rollouts + 16 > 3000
@@ -171,7 +171,7 @@ def test_screening_and_no_steps():
     assert run(SimProblem([0.0] * 5))[1].status == "screened_all_correct"
     assert run(SimProblem([1.0] + [0.0] * 4))[1].status == "screened_all_wrong"
     policy = SimulatedPolicy({"p": SimProblem([0.3] * 5)}, unparsable=["p"])
-    res = drive(OmegaSearch(SearchConfig()), answerer(policy, "p"))
+    res = drive(OmegaSearch(OmegaConfig()), answerer(policy, "p"))
     assert res.status == "no_steps" and res.unparsed_rollouts == 16 and res.nodes[0]["n"] == 16
 
 
@@ -193,8 +193,8 @@ def test_tree_is_a_prefix_trie():
 
 def test_search_rejects_bad_config_and_wrong_rollout_counts():
     with pytest.raises(ValueError, match="max_rollouts"):
-        OmegaSearch(SearchConfig(max_rollouts=8))
-    gen = OmegaSearch(SearchConfig()).run()
+        OmegaSearch(OmegaConfig(max_rollouts=8))
+    gen = OmegaSearch(OmegaConfig()).run()
     assert next(gen) == Probe((), 16)
     with pytest.raises(ValueError, match="asked for 16 rollouts"):
         gen.send([Rollout(["a"], "1", True)])
@@ -227,7 +227,7 @@ def test_an_unfinished_rollout_never_becomes_an_error_label():
         (): [Rollout(["a", "b", "c"], GOLD, True), Rollout(["a", "b"], None, False)],
         ("a",): [Rollout(["b", "c"], GOLD, True), Rollout(["b", "c"], GOLD, True)],
     }
-    search = OmegaSearch(SearchConfig(rollouts_per_estimate=2, max_rollouts=100))
+    search = OmegaSearch(OmegaConfig(rollouts_per_estimate=2, max_rollouts=100))
     res = drive(search, scripted(replies))
     assert res.status == "annotated"
     assert res.first_errors == [] and res.selected == []
@@ -242,7 +242,7 @@ def test_a_probe_whose_rollouts_all_stop_unfinished_is_not_called_bad():
         (): [Rollout(["a", "b"], GOLD, True), Rollout(["a", "x", "y"], "-1", False)],
         ("a",): [Rollout(["b"], None, False), Rollout(["x"], None, False)],
     }
-    res = drive(OmegaSearch(SearchConfig(rollouts_per_estimate=2, max_rollouts=100)), scripted(replies))
+    res = drive(OmegaSearch(OmegaConfig(rollouts_per_estimate=2, max_rollouts=100)), scripted(replies))
     assert res.status == "annotated" and res.searches == 1
     assert res.first_errors == [] and res.incomplete_searches == 1
     assert res.stats()["truncated_rollouts"] == 2
@@ -250,7 +250,7 @@ def test_a_probe_whose_rollouts_all_stop_unfinished_is_not_called_bad():
 
 def test_a_root_with_no_finished_rollout_is_no_answer_not_all_wrong():
     replies = {(): [Rollout(["a", "b"], None, False), Rollout(["a"], None, False)]}
-    res = drive(OmegaSearch(SearchConfig(rollouts_per_estimate=2, max_rollouts=100)), scripted(replies))
+    res = drive(OmegaSearch(OmegaConfig(rollouts_per_estimate=2, max_rollouts=100)), scripted(replies))
     assert res.status == "no_answer" and res.stats()["truncated_rollouts"] == 2
 
 

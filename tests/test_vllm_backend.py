@@ -269,9 +269,9 @@ def test_greedy_rollouts_are_the_same_text_in_both_engines(engines):
 
 def test_annotation_records_have_one_schema_across_engines(engines):
     from mmprm.annotate.engine import AnnotationEngine, rule_verifier
-    from mmprm.annotate.search import SearchConfig
+    from mmprm.annotate.omega import OmegaConfig
 
-    search = SearchConfig(rollouts_per_estimate=4, max_searches=4, max_rollouts=24)
+    search = OmegaConfig(rollouts_per_estimate=4, max_searches=4, max_rollouts=24)
     records: dict[str, list[dict]] = {}
     for name in ("vllm", "hf"):
         out: list[dict] = []
@@ -335,10 +335,10 @@ def test_annotation_records_a_problem_over_max_model_len_and_finishes_the_rest(e
     """The annotation run writes the other problems' records and a final (permanent) error record
     for the long one, which a rerun therefore skips instead of stopping on it again."""
     from mmprm.annotate.engine import AnnotationEngine, is_final, rule_verifier
-    from mmprm.annotate.search import SearchConfig
+    from mmprm.annotate.omega import OmegaConfig
 
     problems = [*engines.problems[:2], too_long(engines)]
-    search = SearchConfig(rollouts_per_estimate=4, max_searches=2, max_rollouts=16)
+    search = OmegaConfig(rollouts_per_estimate=4, max_searches=2, max_rollouts=16)
     out: list[dict] = []
     AnnotationEngine(fresh(engines.vllm), search, rule_verifier, "tags", concurrency=3).run(problems, out.append)
     by_id = {r["id"]: r for r in out}

@@ -3,7 +3,7 @@
     problems = load_problems("problems.jsonl")                  # mmprm.data.problems
     rank, world = resolve_rank_world()                          # torchrun / accelerate / srun / single
     trees = TreeFile(out_dir / tree_file_name(rank, world), scan_dir=out_dir)
-    engine = AnnotationEngine(backend, SearchConfig(), concurrency=64)
+    engine = AnnotationEngine(backend, OmegaConfig(), concurrency=64)
     engine.run([p for p in shard(problems, rank, world) if p.id not in trees.done], trees.append)
     merge_annotations(out_dir)                                  # -> out_dir/trees.jsonl
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mmprm.annotate.search import OmegaSearch, Probe, Rollout, SearchConfig
+from mmprm.annotate.omega import OmegaConfig, OmegaSearch, Probe, Rollout
 from mmprm.data import store
 from mmprm.data.problems import Problem
 from mmprm.data.schema import DataError, atomic_write, iter_jsonl
@@ -357,7 +357,7 @@ class AnnotationEngine:
     def __init__(
         self,
         backend: RolloutBackend,
-        search: SearchConfig,
+        search: OmegaConfig,
         verify: Verifier | None = None,
         step_mode: StepMode = "tags",
         concurrency: int = 64,

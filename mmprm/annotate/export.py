@@ -17,7 +17,7 @@ the node it reaches. Example, a tree root -> A (mc 0.75) -> B (mc 0.0), A -> C (
     positive: steps [A, C + answer] labels [0.75, 1.0]
 
 `negatives="complete"` (the default) goes on below the first error along the wrong rollout the
-search ran on (`SearchConfig.keep_failed_rollouts`) to its answer, every step after the error
+search ran on (`OmegaConfig.keep_failed_rollouts`) to its answer, every step after the error
 labelled 0.0; the path above becomes ``steps [A, B, B2 + answer 4] labels [0.75, 0.0, 0.0]``.
 Cut paths (`negatives="cut"`, MM-PRM's; also any negative without a kept rollout) end mid-solution
 without an answer while positive paths end with one, and the PRM sees the answer on the last step

@@ -61,7 +61,7 @@ class SamplingConfig:
         top_p: nucleus sampling mass; 0.9, with top_k, cuts that tail too.
         max_new_tokens: 4096 (MM-PRM's value), the cap per rollout. A rollout cut there is
             unfinished: it counts as not correct in MC estimates but is never searched for an
-            error (`mmprm.annotate.search`); records count such rollouts as `truncated_rollouts`.
+            error (`mmprm.annotate.omega`); records count such rollouts as `truncated_rollouts`.
         seed: base seed; each backend call derives its own, so reruns are reproducible.
         seed_each_request: give every vLLM request its own seed, so a rerun repeats each sample.
             Seeded requests take vLLM's per-request sampling path instead of its fast batched

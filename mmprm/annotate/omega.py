@@ -3,7 +3,7 @@
 The search never calls a model. It is a generator that yields `Probe`s ("roll out `n` solutions
 continuing this step prefix") and receives the parsed, verified `Rollout`s back::
 
-    search = OmegaSearch(SearchConfig())
+    search = OmegaSearch(OmegaConfig())
     gen = search.run()
     probe = next(gen)                  # always the root first: Probe(prefix=(), n=16)
     while True:
@@ -54,7 +54,7 @@ Status = Literal["annotated", "screened_all_correct", "screened_all_wrong", "no_
 
 
 @dataclass
-class SearchConfig:
+class OmegaConfig:
     """OmegaPRM hyper-parameters; defaults are MM-PRM's.
 
     Attributes:
@@ -123,7 +123,7 @@ class Probe:
 
 
 @dataclass
-class Node:
+class OmegaNode:
     """A state of the tree: a step prefix with its MC estimate.
 
     A terminal node is a complete rollout (steps + answer); its value is exact (1.0 or 0.0 from
@@ -268,12 +268,12 @@ class CandidatePool:
 class OmegaSearch:
     """OmegaPRM on one problem; `run()` is the generator the engine drives (see module doc)."""
 
-    def __init__(self, cfg: SearchConfig):
+    def __init__(self, cfg: OmegaConfig):
         cfg.validate()
         self.cfg = cfg
-        self.nodes: list[Node] = []
-        self._by_prefix: dict[tuple[str, ...], Node] = {}
-        self._terminals: dict[tuple[tuple[str, ...], str | None], Node] = {}
+        self.nodes: list[OmegaNode] = []
+        self._by_prefix: dict[tuple[str, ...], OmegaNode] = {}
+        self._terminals: dict[tuple[tuple[str, ...], str | None], OmegaNode] = {}
         self.pool = CandidatePool(cfg.c_puct)
         self.rollouts = 0
         self.searches = 0
@@ -310,7 +310,7 @@ class OmegaSearch:
                 break  # no further probe is affordable
         return self._result("annotated")
 
-    def _estimate(self, prefix: tuple[str, ...]) -> Generator[Probe, list[Rollout], tuple[Node, list[Rollout]]]:
+    def _estimate(self, prefix: tuple[str, ...]) -> Generator[Probe, list[Rollout], tuple[OmegaNode, list[Rollout]]]:
         """MC estimate of `prefix` from k fresh rollouts (cached: a known prefix costs nothing)."""
         if prefix in self._by_prefix:
             return self._by_prefix[prefix], []
@@ -339,7 +339,7 @@ class OmegaSearch:
                     self.pool.add(node.id, q, ((node.id, index), r))
         return node, rollouts
 
-    def _binary_search(self, state: Node, rollout: Rollout) -> Generator[Probe, list[Rollout], None]:
+    def _binary_search(self, state: OmegaNode, rollout: Rollout) -> Generator[Probe, list[Rollout], None]:
         """Find the first wrong step of `state.prefix + rollout.steps`, keeping every probe."""
         full = state.prefix + tuple(rollout.steps)
         good, bad = len(state.prefix), len(full)  # full[:good] has MC > 0; full[:bad] is wrong
@@ -368,21 +368,21 @@ class OmegaSearch:
 
     # -- bookkeeping ----------------------------------------------------------------------
 
-    def _add_node(self, prefix: tuple[str, ...], mc: float, correct: int, total: int) -> Node:
-        node = Node(id=len(self.nodes), prefix=prefix, mc=mc, correct=correct, total=total)
+    def _add_node(self, prefix: tuple[str, ...], mc: float, correct: int, total: int) -> OmegaNode:
+        node = OmegaNode(id=len(self.nodes), prefix=prefix, mc=mc, correct=correct, total=total)
         self.nodes.append(node)
         self._by_prefix[prefix] = node
         return node
 
-    def _terminal(self, steps: tuple[str, ...], answer: str | None, mc: float) -> Node:
+    def _terminal(self, steps: tuple[str, ...], answer: str | None, mc: float) -> OmegaNode:
         key = (steps, answer)
         if key not in self._terminals:
-            node = Node(id=len(self.nodes), prefix=steps, mc=mc, answer=answer, terminal=True)
+            node = OmegaNode(id=len(self.nodes), prefix=steps, mc=mc, answer=answer, terminal=True)
             self.nodes.append(node)
             self._terminals[key] = node
         return self._terminals[key]
 
-    def _parent(self, node: Node) -> int | None:
+    def _parent(self, node: OmegaNode) -> int | None:
         """Longest proper prefix that is a (non-terminal) node; a terminal may sit on its own prefix."""
         if not node.terminal and not node.prefix:
             return None
