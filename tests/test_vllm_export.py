@@ -144,3 +144,29 @@ def test_cli_prints_the_serve_command(prms, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"vllm serve {out} --runner pooling --convert classify" in printed
     assert (out / SCORE_WEIGHTS_FILE).exists() and not math.isnan(load_prm(out).score(examples([]))[0][0])
+
+
+@pytest.mark.parametrize("head", ["token_pair", "value"])
+def test_a_sharded_checkpoint_exports_with_its_index(prms, head, tmp_path):
+    """A 7B is saved in shards: the export keeps the index (a value head's classifier added to
+    it), and still loads and scores as the PRM."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    prm = prms("qwen2", head)
+    sharded = tmp_path / "sharded"
+    shutil.copytree(prm, sharded)
+    (sharded / "model.safetensors").unlink()
+    AutoModelForCausalLM.from_pretrained(prm).save_pretrained(sharded, max_shard_size="100KB")
+    shards = sorted(p.name for p in sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (sharded / INDEX_FILE).exists()
+    out = export_for_vllm(sharded, tmp_path / "vllm")
+    index = json.loads((out / INDEX_FILE).read_text())["weight_map"]
+    original = json.loads((sharded / INDEX_FILE).read_text())["weight_map"]
+    if head == "value":
+        assert index == {**original, "score.weight": SCORE_WEIGHTS_FILE}
+    else:
+        assert (out / INDEX_FILE).is_symlink() and index == original
+    exs = examples([])
+    assert load_prm(out).score(exs) == load_prm(prm).score(exs)

@@ -59,17 +59,18 @@ def export_for_vllm(prm_dir: str | Path, out_dir: str | Path, link: bool = True)
     """Write `out_dir`: `prm_dir` as vLLM loads it for token classification.
 
     Every file of `prm_dir` is linked (`link=True`; copied otherwise) except config.json, which
-    gains the classifier (`classifier_config`); a value head's weights are written as the
-    classifier's `score.weight` / `score.bias` (and added to a sharded checkpoint's index). The
-    directory stays a PRM directory: `load_prm` reads it too.
+    gains the classifier (`classifier_config`); a value head's weight is written as the
+    classifier's, in a file that the checkpoint's index (written when there was none) names
+    beside every backbone weight. The directory stays a PRM directory: `load_prm` reads it too.
     """
     prm_dir, out = Path(prm_dir).resolve(), Path(out_dir)
     spec = read_spec(prm_dir)
     if out.resolve() == prm_dir:
         raise ValueError(f"{out}: export to a directory of its own, not over the PRM")
     out.mkdir(parents=True, exist_ok=True)
+    rewritten = {"config.json", INDEX_FILE} if spec.head == "value" else {"config.json"}
     for src in prm_dir.iterdir():
-        if src.name in ("config.json", INDEX_FILE) or src.is_dir():
+        if src.name in rewritten or src.is_dir():
             continue
         dst = out / src.name
         if dst.is_symlink() or dst.exists():
