@@ -143,7 +143,7 @@ def test_scorer_holds_inputs_one_group_at_a_time(tiny_models, tmp_path, monkeypa
     import gc
     import weakref
 
-    import mmprm.models.prm as prm_module
+    import mmprm.models.spec as spec_module  # where the scorers tokenize
 
     model, processor = _prm(tiny_models, "qwen2_vl")
     scorer = PRMScorer(model, processor, batch_size=2)
@@ -170,8 +170,8 @@ def test_scorer_holds_inputs_one_group_at_a_time(tiny_models, tmp_path, monkeypa
 
         return wrapper
 
-    monkeypatch.setattr(prm_module, "tokenize_steps", tracked(prm_module.tokenize_steps))
-    monkeypatch.setattr(prm_module, "extend_steps", tracked(prm_module.extend_steps))
+    monkeypatch.setattr(spec_module, "tokenize_steps", tracked(spec_module.tokenize_steps))
+    monkeypatch.setattr(spec_module, "extend_steps", tracked(spec_module.extend_steps))
     expected = [scorer.score([e])[0] for e in examples]
     alive.clear()
     peak[0] = 0

@@ -31,11 +31,14 @@ from mmprm.models.spec import (
     PRMSpec,
     example_field,
     example_steps,
+    group_by_prompt,
     progress_bar,
     read_spec,
     reward_token_ids,
+    tokenize_example,
+    tokenize_group,
 )
-from mmprm.steps import TokenizedSteps, extend_steps, tokenize_steps
+from mmprm.steps import TokenizedSteps
 
 if TYPE_CHECKING:
     from mmprm.models.vllm_prm import VLLMPRMScorer
@@ -144,21 +147,7 @@ class PRMScorer:
 
     def tokenize(self, ex: Any) -> TokenizedSteps:
         images = [load_image(p) for p in (example_field(ex, "images") or [])]
-        tok = tokenize_steps(
-            self.processor,
-            example_field(ex, "question"),
-            example_steps(ex),
-            images,
-            max_length=self.max_length,
-            step_token=self.spec.step_token,
-            system=self.spec.system_prompt,
-        )
-        if tok is None:
-            raise ValueError(
-                f"id={example_field(ex, 'id', '?')}: the prompt and the first step do not fit in "
-                f"max_length={self.max_length}; raise max_length or shorten the question"
-            )
-        return tok
+        return tokenize_example(self.processor, self.spec, ex, images, self.max_length)
 
     @torch.no_grad()
     def score(self, examples: Sequence[Any], share_prefix: bool = True, progress: bool = False) -> list[list[float]]:
@@ -170,15 +159,10 @@ class PRMScorer:
         What stays for the whole call is the scores, never the inputs or their pixel values.
         """
         results: list[list[float] | None] = [None] * len(examples)
-        groups: dict[Any, list[int]] = {}
-        for i, ex in enumerate(examples):
-            if not example_steps(ex):
-                results[i] = []  # nothing to score; aggregators rank an empty candidate last
-                continue
-            # PIL images are unhashable: group those by object identity, paths by value
-            imgs = tuple(x if isinstance(x, (str, Path)) else id(x) for x in (example_field(ex, "images") or ()))
-            groups.setdefault((example_field(ex, "question"), imgs) if share_prefix else i, []).append(i)
-        bar = progress_bar(sum(map(len, groups.values())), progress)
+        groups, empty = group_by_prompt(examples, share_prefix)
+        for i in empty:
+            results[i] = []  # nothing to score; aggregators rank an empty candidate last
+        bar = progress_bar(sum(map(len, groups)), progress)
         singles: list[tuple[int, TokenizedSteps]] = []
         trees: list[tuple[list[int], PackedTree]] = []  # packed groups waiting for a batch
         packed = _packs_trees(self.model.backbone)
@@ -199,23 +183,15 @@ class PRMScorer:
                     keep(idx, scores)
                 trees.clear()
 
-        for idx in groups.values():
+        for idx in groups:
             first = self.tokenize(examples[idx[0]])
             if len(idx) == 1:
                 singles.append((idx[0], first))
                 if len(singles) >= 8 * self.batch_size:
                     flush_singles()
                 continue
-            toks = [first]
-            for i in idx[1:]:  # same prompt and images as the first: tokenize only the new steps
-                ext = extend_steps(
-                    self.processor,
-                    first,
-                    example_steps(examples[i]),
-                    max_length=self.max_length,
-                    step_token=self.spec.step_token,
-                )
-                toks.append(ext if ext is not None else self.tokenize(examples[i]))
+            others = [examples[i] for i in idx[1:]]
+            toks = tokenize_group(self.processor, self.spec, first, others, self.max_length, self.tokenize)
             split = _pack_group(toks, idx) if packed else None
             if split is None:
                 keep(idx, self._score_shared(toks))

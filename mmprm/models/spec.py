@@ -1,7 +1,8 @@
-"""What a PRM directory holds besides the HF files (`PRMSpec`), and the example fields scorers read.
+"""What a PRM directory holds besides the HF files (`PRMSpec`), and how a scorer reads examples:
+their fields, their groups by shared prompt, their tokenization.
 
 Shared by the HF scorer (`mmprm.models.prm`) and the vLLM scorer (`mmprm.models.vllm_prm`), so
-that neither imports the other.
+that neither imports the other and both tokenize exactly alike.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mmprm.steps import STEP_TOKEN
+from mmprm.steps import STEP_TOKEN, TokenizedSteps, extend_steps, tokenize_steps
 
 SPEC_FILE = "mmprm_prm.json"
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -84,3 +85,57 @@ def progress_bar(total: int, enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="scoring", unit="sol")
+
+
+def group_by_prompt(examples: Sequence[Any], share_prefix: bool) -> tuple[list[list[int]], list[int]]:
+    """Indices of the examples that share a question and images (one group each when not
+    `share_prefix`), in order, and the indices of those with no steps (nothing to score)."""
+    groups: dict[Any, list[int]] = {}
+    empty: list[int] = []
+    for i, ex in enumerate(examples):
+        if not example_steps(ex):
+            empty.append(i)
+            continue
+        # PIL images are unhashable: group those by object identity, paths by value
+        imgs = tuple(x if isinstance(x, (str, Path)) else id(x) for x in (example_field(ex, "images") or ()))
+        groups.setdefault((example_field(ex, "question"), imgs) if share_prefix else i, []).append(i)
+    return list(groups.values()), empty
+
+
+def tokenize_example(
+    processor: Any, spec: PRMSpec, ex: Any, images: Sequence[Any], max_length: int | None
+) -> TokenizedSteps:
+    """`ex` as the PRM of `spec` sees it (`tokenize_steps`); a prompt whose first step does not fit
+    in `max_length` is an error naming the example."""
+    tok = tokenize_steps(
+        processor,
+        example_field(ex, "question"),
+        example_steps(ex),
+        images,
+        max_length=max_length,
+        step_token=spec.step_token,
+        system=spec.system_prompt,
+    )
+    if tok is None:
+        raise ValueError(
+            f"id={example_field(ex, 'id', '?')}: the prompt and the first step do not fit in "
+            f"max_length={max_length}; raise max_length or shorten the question"
+        )
+    return tok
+
+
+def tokenize_group(
+    processor: Any,
+    spec: PRMSpec,
+    first: TokenizedSteps,
+    others: Sequence[Any],
+    max_length: int | None,
+    tokenize: Any,
+) -> list[TokenizedSteps]:
+    """`first` and the examples `others` that share its prompt and images: only their new steps are
+    tokenized (`extend_steps`), or the whole example by `tokenize` where the prompt cannot be reused."""
+    toks = [first]
+    for ex in others:
+        ext = extend_steps(processor, first, example_steps(ex), max_length=max_length, step_token=spec.step_token)
+        toks.append(ext if ext is not None else tokenize(ex))
+    return toks

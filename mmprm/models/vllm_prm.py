@@ -21,6 +21,7 @@ Tested where vllm is installed (`pytest -m vllm`): scores equal the HF scorer's.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import tempfile
@@ -29,8 +30,17 @@ from pathlib import Path
 from typing import Any
 
 from mmprm.data.schema import load_image
-from mmprm.models.spec import VALUE_HEAD_FILE, example_field, example_steps, progress_bar, read_spec
-from mmprm.steps import TokenizedSteps, extend_steps, tokenize_steps
+from mmprm.models.spec import (
+    VALUE_HEAD_FILE,
+    example_field,
+    example_steps,
+    group_by_prompt,
+    progress_bar,
+    read_spec,
+    tokenize_example,
+    tokenize_group,
+)
+from mmprm.steps import TokenizedSteps
 
 SCORE_WEIGHTS_FILE = "mmprm_score.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -266,8 +276,10 @@ class VLLMPRMScorer:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
 
-    def tokenize(self, ex: Any) -> TokenizedSteps:
-        images = [load_image(p) for p in (example_field(ex, "images") or [])]
+    def tokenize(self, ex: Any, images: list[Any] | None = None) -> TokenizedSteps:
+        """`ex` tokenized as `PRMScorer.tokenize` does; `images`: its images, already loaded."""
+        if images is None:
+            images = [load_image(p) for p in (example_field(ex, "images") or [])]
         if images and self._server is not None:
             raise ValueError(
                 f"id={example_field(ex, 'id', '?')}: has images, and a served PRM scores text only here (vLLM's "
@@ -279,21 +291,7 @@ class VLLMPRMScorer:
                 f"id={example_field(ex, 'id', '?')}: {len(images)} images, over the vLLM scorer's limit of "
                 f"{self.max_images} per example: raise it with vllm_kwargs: {{limit_mm_per_prompt: {{image: N}}}}"
             )
-        tok = tokenize_steps(
-            self.processor,
-            example_field(ex, "question"),
-            example_steps(ex),
-            images,
-            max_length=self.max_length,
-            step_token=self.spec.step_token,
-            system=self.spec.system_prompt,
-        )
-        if tok is None:
-            raise ValueError(
-                f"id={example_field(ex, 'id', '?')}: the prompt and the first step do not fit in "
-                f"max_length={self.max_length}; raise max_length or shorten the question"
-            )
-        return tok
+        return tokenize_example(self.processor, self.spec, ex, images, self.max_length)
 
     def score(self, examples: Sequence[Any], share_prefix: bool = True, progress: bool = False) -> list[list[float]]:
         """One probability per step per example (steps cut by max_length get NaN), as `PRMScorer`.
@@ -304,28 +302,24 @@ class VLLMPRMScorer:
         """
         results: list[list[float] | None] = [None] * len(examples)
         per_call = 64 * self.batch_size
-        bar = progress_bar(len(examples), progress)
+        groups, empty = group_by_prompt(examples, share_prefix)
+        for i in empty:
+            results[i] = []  # nothing to score; aggregators rank an empty candidate last
+        bar = progress_bar(sum(map(len, groups)), progress)
         pending: list[tuple[int, TokenizedSteps, list[Any]]] = []
-        groups: dict[Any, list[int]] = {}
-        for i, ex in enumerate(examples):
-            if not example_steps(ex):
-                results[i] = []
-                continue
-            imgs = tuple(x if isinstance(x, (str, Path)) else id(x) for x in (example_field(ex, "images") or ()))
-            groups.setdefault((example_field(ex, "question"), imgs) if share_prefix else i, []).append(i)
-        for idx in groups.values():
+        for idx in groups:
             images = [load_image(p) for p in (example_field(examples[idx[0]], "images") or [])]
-            first = self.tokenize(examples[idx[0]])
-            pending.append((idx[0], first, images))
-            for i in idx[1:]:
-                ext = extend_steps(
-                    self.processor,
-                    first,
-                    example_steps(examples[i]),
-                    max_length=self.max_length,
-                    step_token=self.spec.step_token,
-                )
-                pending.append((i, ext if ext is not None else self.tokenize(examples[i]), images))
+            first = self.tokenize(examples[idx[0]], images)
+            others = [examples[i] for i in idx[1:]]
+            toks = tokenize_group(
+                self.processor,
+                self.spec,
+                first,
+                others,
+                self.max_length,
+                functools.partial(self.tokenize, images=images),
+            )
+            pending.extend((i, tok, images) for i, tok in zip(idx, toks))
             if len(pending) >= per_call:
                 self._encode(pending, examples, results, bar)
                 pending = []
