@@ -225,6 +225,27 @@ def rollout_prompt(
     )
 
 
+def request_prompt(
+    index: int,
+    req: RolloutRequest,
+    processor: Any,
+    image: ImageCache,
+    step_mode: StepMode,
+    system: str | None,
+) -> tuple[str, list[Any]]:
+    """Request `index`'s prompt text (`rollout_prompt`) and its decoded images, as every backend
+    builds them. What is the problem's own fault (an undecodable image, a placeholder mismatch)
+    is its `RolloutInputError`; a failed read is an outage that a rerun retries, so it propagates."""
+    try:
+        images = [image(p) for p in req.images]
+        text = rollout_prompt(processor, req.question, len(images), req.prefix_steps, step_mode, system)
+    except schema.ImageReadError:
+        raise
+    except (OSError, ValueError) as e:
+        raise RolloutInputError(index, f"problem {req.problem_id}: {e}") from e
+    return text, images
+
+
 def stop_strings(step_mode: StepMode) -> list[str]:
     """Text that ends a rollout early: the closing answer tag (tags mode); EOS otherwise."""
     return [ANSWER_CLOSE] if step_mode == "tags" else []

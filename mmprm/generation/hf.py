@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from mmprm.data.schema import ImageReadError
 from mmprm.generation.base import (
     Completion,
     GenerationStats,
@@ -24,8 +23,8 @@ from mmprm.generation.base import (
     RolloutRequest,
     SamplingConfig,
     StepMode,
+    request_prompt,
     request_stops,
-    rollout_prompt,
     stop_strings,
 )
 from mmprm.steps import needs_special_tokens
@@ -132,18 +131,11 @@ class HFBackend:
         return cls(model.to(device), processor, sampling, **kwargs)
 
     def _prompt(self, index: int, req: RolloutRequest) -> tuple[str, list[Any]]:
-        try:
-            if req.images and not self.multimodal:
-                raise ValueError(f"{len(req.images)} image(s) given but the model is text-only")
-            images = [self._image(p) for p in req.images]
-            text = rollout_prompt(
-                self.processor, req.question, len(images), req.prefix_steps, self.step_mode, self.system
+        if req.images and not self.multimodal:
+            raise RolloutInputError(
+                index, f"problem {req.problem_id}: {len(req.images)} image(s) given but the model is text-only"
             )
-        except ImageReadError:
-            raise  # the filesystem's fault, not the problem's: an outage that a rerun retries
-        except (OSError, ValueError) as e:
-            raise RolloutInputError(index, f"problem {req.problem_id}: {e}") from e
-        return text, images
+        return request_prompt(index, req, self.processor, self._image, self.step_mode, self.system)
 
     @torch.no_grad()
     def generate(self, requests: list[RolloutRequest]) -> list[list[Completion]]:

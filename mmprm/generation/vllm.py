@@ -30,7 +30,6 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
-from mmprm.data.schema import ImageReadError
 from mmprm.generation.base import (
     Completion,
     GenerationStats,
@@ -39,8 +38,8 @@ from mmprm.generation.base import (
     RolloutRequest,
     SamplingConfig,
     StepMode,
+    request_prompt,
     request_seeds,
-    rollout_prompt,
     stop_strings,
 )
 from mmprm.steps import needs_special_tokens
@@ -268,16 +267,7 @@ class VLLMBackend:
         built: list[tuple[str, list[Any]]] = []
         for i, req in enumerate(requests):
             check_image_count(i, req, self.max_images_per_prompt)
-            try:
-                images = [self._image(p) for p in req.images]
-                text = rollout_prompt(
-                    self.processor, req.question, len(images), req.prefix_steps, self.step_mode, self.system
-                )
-            except ImageReadError:
-                raise  # the filesystem's fault, not the problem's: an outage that a rerun retries
-            except (OSError, ValueError) as e:
-                raise RolloutInputError(i, f"problem {req.problem_id}: {e}") from e
-            built.append((text, images))
+            built.append(request_prompt(i, req, self.processor, self._image, self.step_mode, self.system))
         # A BOS only where the chat template did not write one (LLaVA-1.5's does not; Llama 3's does).
         special = bool(built) and needs_special_tokens(self._tokenizer, built[0][0])
         prompts: list[dict[str, Any]] = []
