@@ -134,6 +134,27 @@ def run_side(
     }
 
 
+def tokenized_rows(a: argparse.Namespace, processor: Any) -> list[Any]:
+    """The rows of `a.data` as the PRM trains on them (`tokenize_steps`, cut at `a.max_length`)."""
+    from mmprm.data.schema import load_examples
+    from mmprm.steps import tokenize_steps
+
+    return [
+        t
+        for ex in load_examples(a.data, require_labels=True)
+        if (t := tokenize_steps(processor, ex.question, ex.steps, labels=ex.labels, max_length=a.max_length))
+    ]
+
+
+def print_steps(step_tokens: list[int], step_seconds: list[float], final_loss: float | None, trainer: str) -> None:
+    """A side's result line: per-step tokens and seconds, its final loss, what it ran."""
+    print(
+        json.dumps(
+            {"step_tokens": step_tokens, "step_seconds": step_seconds, "final_loss": final_loss, "trainer": trainer}
+        )
+    )
+
+
 def ours_child(a: argparse.Namespace) -> None:
     """Our side: the loop of recipes/prm_train.py with its own parts, timed per optimizer step."""
     import importlib.util
@@ -142,10 +163,8 @@ def ours_child(a: argparse.Namespace) -> None:
     from accelerate import Accelerator
 
     from mmprm.collate import collate_steps, model_input_keys
-    from mmprm.data.schema import load_examples
     from mmprm.models.loading import load_backbone
     from mmprm.models.prm import PRMSpec, build_prm
-    from mmprm.steps import tokenize_steps
     from mmprm.training import BatchStream, lr_factor
 
     spec = importlib.util.spec_from_file_location("prm_train_recipe", REPO / "recipes" / "prm_train.py")
@@ -157,11 +176,7 @@ def ours_child(a: argparse.Namespace) -> None:
     accelerator = Accelerator(mixed_precision="no")
     backbone, processor = load_backbone(a.model, dtype=torch.float32)
     model = build_prm(backbone, processor, PRMSpec())
-    data = [
-        t
-        for ex in load_examples(a.data, require_labels=True)
-        if (t := tokenize_steps(processor, ex.question, ex.steps, labels=ex.labels, max_length=a.max_length))
-    ]
+    data = tokenized_rows(a, processor)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, 0, a.steps, "cosine"))
@@ -185,16 +200,12 @@ def ours_child(a: argparse.Namespace) -> None:
         loss_value = loss.item()  # syncs, as the recipe's logging does
         step_seconds.append(time.perf_counter() - t0)
         step_tokens.append(int(batch["attention_mask"].sum()))
-    print(
-        json.dumps(
-            {
-                "step_tokens": step_tokens,
-                "step_seconds": step_seconds,
-                "final_loss": loss_value,
-                "trainer": "recipes/prm_train.py loop: collate_steps + ProcessRewardModel + step_loss + "
-                "BatchStream(group_by_length) + accelerate",
-            }
-        )
+    print_steps(
+        step_tokens,
+        step_seconds,
+        loss_value,
+        "recipes/prm_train.py loop: collate_steps + ProcessRewardModel + step_loss + "
+        "BatchStream(group_by_length) + accelerate",
     )
 
 
@@ -207,19 +218,14 @@ def floor_child(a: argparse.Namespace) -> None:
     import torch
 
     from mmprm.collate import collate_steps
-    from mmprm.data.schema import load_examples
     from mmprm.models.loading import add_step_token, load_backbone
-    from mmprm.steps import STEP_TOKEN, tokenize_steps
+    from mmprm.steps import STEP_TOKEN
     from mmprm.training import BatchStream
 
     torch.manual_seed(42)
     backbone, processor = load_backbone(a.model, dtype=torch.float32)
     add_step_token(processor, backbone, STEP_TOKEN)
-    data = [
-        t
-        for ex in load_examples(a.data, require_labels=True)
-        if (t := tokenize_steps(processor, ex.question, ex.steps, labels=ex.labels, max_length=a.max_length))
-    ]
+    data = tokenized_rows(a, processor)
     optimizer = torch.optim.AdamW([p for p in backbone.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
     stream = BatchStream([len(t.input_ids) for t in data], a.batch_size, seed=42, group_by_length=True)
     pad_id = processor.pad_token_id if processor.pad_token_id is not None else 0
@@ -242,17 +248,8 @@ def floor_child(a: argparse.Namespace) -> None:
         loss_value = loss.item()
         step_seconds.append(time.perf_counter() - t0)
         step_tokens.append(int(batch["attention_mask"].sum()))
-    print(
-        json.dumps(
-            {
-                "step_tokens": step_tokens,
-                "step_seconds": step_seconds,
-                "final_loss": loss_value,
-                "trainer": "bare backbone, AdamW: "
-                + ("forward with its LM loss" if a._child == "floor_lm" else "decoder, loss at the step tokens"),
-            }
-        )
-    )
+    loss_kind = "forward with its LM loss" if a._child == "floor_lm" else "decoder, loss at the step tokens"
+    print_steps(step_tokens, step_seconds, loss_value, f"bare backbone, AdamW: {loss_kind}")
 
 
 def trl_child(a: argparse.Namespace) -> None:
@@ -345,16 +342,7 @@ def trl_child(a: argparse.Namespace) -> None:
         )
     result = trainer.train()
     secs = [b - a_ for a_, b in zip(clock.marks, clock.marks[1:])]
-    print(
-        json.dumps(
-            {
-                "step_tokens": step_tokens[: len(secs)],
-                "step_seconds": secs,
-                "final_loss": result.training_loss,
-                "trainer": name,
-            }
-        )
-    )
+    print_steps(step_tokens[: len(secs)], secs, result.training_loss, name)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
