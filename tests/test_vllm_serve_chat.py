@@ -12,14 +12,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from vllm_tier import vllm_server
 
 pytest.importorskip("openai")
 VLLM_PYTHON = os.environ.get("MMPRM_VLLM_PYTHON") or (sys.executable if importlib.util.find_spec("vllm") else None)
@@ -46,48 +44,12 @@ def test_vllm_serve_speaks_to_the_client_and_the_judge(tmp_path):
     from mmprm.treeval import JudgeScorer, from_steps
 
     model = tiny_qwen2_head_dim_64(tmp_path / "tiny")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-    log = open(tmp_path / "vllm.log", "w")
-    server = subprocess.Popen(
-        [
-            VLLM_PYTHON,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--served-model-name",
-            "tiny",
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-            "--enforce-eager",
-            "--max-model-len",
-            "512",
-            "--dtype",
-            "float32",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    try:
-        url = f"http://127.0.0.1:{port}/v1"
-        deadline = time.time() + 600
-        while True:
-            if server.poll() is not None:
-                pytest.fail("vllm serve exited:\n" + (tmp_path / "vllm.log").read_text()[-3000:])
-            try:
-                with urllib.request.urlopen(f"{url}/models", timeout=2) as resp:
-                    assert json.loads(resp.read())["data"][0]["id"] == "tiny"
-                break
-            except OSError:
-                if time.time() > deadline:
-                    pytest.fail("vllm serve did not come up in 600 s")
-                time.sleep(2)
+    args = ["--model", str(model), "--served-model-name", "tiny", "--enforce-eager"]
+    args += ["--max-model-len", "512", "--dtype", "float32"]
+    with vllm_server(VLLM_PYTHON, args, tmp_path / "vllm.log") as base:
+        url = f"{base}/v1"
+        with urllib.request.urlopen(f"{url}/models", timeout=10) as resp:
+            assert json.loads(resp.read())["data"][0]["id"] == "tiny"
 
         client = ChatClient(
             ChatConfig(url=url, model="tiny", max_tokens=8, backoff_s=0),
@@ -109,10 +71,3 @@ def test_vllm_serve_speaks_to_the_client_and_the_judge(tmp_path):
         judged = JudgeScorer(client, parse_retries=1).judge(from_steps(["2 + 2 = 4.", "So the answer is 4."]), "4")
         assert set(judged.scores) | set(judged.unparsed) == {"S0", "S1"}
         assert len(judged.replies) >= 2 and judged.tokens["completion"] > 0
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
