@@ -284,9 +284,42 @@ class StepTokenError(ValueError):
     """Text that would confuse step positions (a literal step token) or cannot fit at all."""
 
 
-def assistant_body(steps: Sequence[str], step_token: str = STEP_TOKEN) -> str:
-    """Assistant text of a PRM input: each step followed by the step token, one step per line."""
-    return "\n".join(f"{s.strip()}{step_token}" for s in steps)
+@dataclass(frozen=True)
+class StepFormat:
+    """How a PRM's input lays out the question and the steps, and where each step is read.
+
+    mmprm's own PRMs use the default. Released PRMs each have their authors' layout
+    (`mmprm.models.conventions`):
+
+    layout:
+        "assistant" - the question in the user turn of the chat template, the steps in the
+            assistant turn, each followed by `step_token` (mmprm; Qwen2.5-Math-PRM's `<extra_0>`).
+        "plain" - no chat template: question, `question_join`, then the steps (Math-Shepherd:
+            "question step 1 ки\nstep 2 ки").
+        "turns" - each step is a user turn the assistant answers with `reply` (RLHFlow's "+"); the
+            first turn holds the question, `question_join` and the first step. The step is read at
+            the last token before the reply: where the model predicts it.
+    step_token: the tag after each step ("assistant" and "plain" layouts).
+    step_join: text between a step's tag and the next step.
+    tag_prefix: text between a step and its tag (" " in Math-Shepherd's "step ки").
+    """
+
+    layout: Literal["assistant", "plain", "turns"] = "assistant"
+    step_token: str = STEP_TOKEN
+    step_join: str = "\n"
+    tag_prefix: str = ""
+    question_join: str = " "
+    reply: str = "+"
+
+
+LAYOUTS = ("assistant", "plain", "turns")
+
+
+def assistant_body(steps: Sequence[str], step_token: str = STEP_TOKEN, fmt: StepFormat | None = None) -> str:
+    """Text of the steps in a PRM input: each step followed by its tag, one step per line (or as
+    `fmt` joins them)."""
+    fmt = fmt or StepFormat(step_token=step_token)
+    return fmt.step_join.join(f"{s.strip()}{fmt.tag_prefix}{fmt.step_token}" for s in steps)
 
 
 def tokenize_steps(
@@ -298,6 +331,7 @@ def tokenize_steps(
     max_length: int | None = None,
     step_token: str = STEP_TOKEN,
     system: str | None = None,
+    fmt: StepFormat | None = None,
 ) -> TokenizedSteps | None:
     """Tokenize one example for a PRM and return the position of every step token.
 
@@ -308,7 +342,8 @@ def tokenize_steps(
     the ids, so they are right whatever the image expansion did. Truncation to `max_length`
     drops whole trailing steps together with their labels; if not even the first step fits,
     returns None (the caller counts it). A literal step token in the question or a step raises
-    StepTokenError.
+    StepTokenError. `fmt` lays out a released PRM's input the way its authors score it
+    (`StepFormat`); without it, mmprm's own format with `step_token`.
 
     Example (the tiny Qwen2 of `mmprm tiny-model --arch qwen2`, step token added as id 1024)::
 
@@ -322,25 +357,30 @@ def tokenize_steps(
     """
     if labels is not None and len(labels) != len(steps):
         raise ValueError(f"{len(steps)} steps but {len(labels)} labels")
+    fmt = fmt or StepFormat(step_token=step_token)
     tokenizer = getattr(processor, "tokenizer", processor)
-    _check_special_tokens(processor, question, steps, step_token)
-    step_id = tokenizer.convert_tokens_to_ids(step_token)
-    if step_id is None or step_id == tokenizer.unk_token_id:
-        raise StepTokenError(
-            f"tokenizer has no {step_token!r} token: call mmprm.models.add_step_token(processor, model) first"
-        )
-    prompt, lead = assistant_start(processor, question, len(images), system)
-    tail = lead + assistant_body(steps, step_token)
-    text = prompt + tail
-    special = needs_special_tokens(tokenizer, text)
-    if images:
-        enc = processor(text=[text], images=list(images), return_tensors="pt", add_special_tokens=special)
+    _check_special_tokens(processor, question, steps, fmt.step_token)
+    lead, prompt_length = "", None
+    if fmt.layout == "turns":
+        messages = turn_messages(processor, question, steps, len(images), system, fmt)
+        text = processor.apply_chat_template(messages, tokenize=False)
+        enc = _encode(processor, text, images)
+        ids = enc["input_ids"][0].tolist()
+        positions = _turn_positions(processor, messages, text, ids, fmt.reply)
     else:
-        enc = tokenizer([text], return_tensors="pt", add_special_tokens=special)
-    ids = enc["input_ids"][0].tolist()
-    tail_ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
-    prompt_length = len(ids) - len(tail_ids) if ids[len(ids) - len(tail_ids) :] == tail_ids else None
-    positions = [i for i, t in enumerate(ids) if t == step_id]
+        step_id = step_token_id(tokenizer, fmt)
+        if fmt.layout == "plain":
+            if images:
+                raise StepTokenError("the 'plain' layout has no chat template to place images in: give text only")
+            prompt = question + fmt.question_join
+        else:
+            prompt, lead = assistant_start(processor, question, len(images), system)
+        tail = lead + assistant_body(steps, fmt=fmt)
+        enc = _encode(processor, prompt + tail, images)
+        ids = enc["input_ids"][0].tolist()
+        tail_ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
+        prompt_length = len(ids) - len(tail_ids) if ids[len(ids) - len(tail_ids) :] == tail_ids else None
+        positions = [i for i, t in enumerate(ids) if t == step_id]
     if len(positions) != len(steps):
         raise StepTokenError(
             f"found {len(positions)} step tokens for {len(steps)} steps: the chat template or a step "
@@ -366,6 +406,71 @@ def tokenize_steps(
         prompt_length=prompt_length,
         lead=lead,
     )
+
+
+def _encode(processor: Any, text: str, images: Sequence[Any]) -> Any:
+    """`text` (with `images`) as the model reads it; BOS only where the template did not write it."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    special = needs_special_tokens(tokenizer, text)
+    if images:
+        return processor(text=[text], images=list(images), return_tensors="pt", add_special_tokens=special)
+    return tokenizer([text], return_tensors="pt", add_special_tokens=special)
+
+
+def step_token_id(tokenizer: Any, fmt: StepFormat) -> int:
+    """The id of `fmt`'s step tag as it follows a step (`tag_prefix` + `step_token`).
+
+    A tag that is not a single token after its prefix (mmprm's own before `add_step_token`, or a
+    released PRM's with the wrong convention) is an error: its positions would be guesses.
+    """
+    ids = tokenizer.encode(fmt.tag_prefix + fmt.step_token, add_special_tokens=False)
+    if ids and tokenizer.decode(ids[-1:]).strip() == fmt.step_token.strip():
+        return ids[-1]
+    if fmt.step_token == STEP_TOKEN:
+        raise StepTokenError(
+            f"tokenizer has no {STEP_TOKEN!r} token: call mmprm.models.add_step_token(processor, model) first"
+        )
+    raise StepTokenError(
+        f"the step tag {fmt.step_token!r} is not one token of this tokenizer: is the PRM convention the "
+        "one this checkpoint was trained with?"
+    )
+
+
+def turn_messages(
+    processor: Any, question: str, steps: Sequence[str], num_images: int, system: str | None, fmt: StepFormat
+) -> list[dict[str, Any]]:
+    """The "turns" layout: each step a user turn answered by `fmt.reply`, the question (and images)
+    opening the first."""
+    text_only = is_text_only(processor)
+    first = question + fmt.question_join + steps[0].strip() if steps else question
+    messages = build_messages(first, num_images, system, fmt.reply, text_only=text_only)
+    for step in steps[1:]:
+        for role, text in (("user", step.strip()), ("assistant", fmt.reply)):
+            messages.append({"role": role, "content": text if text_only else [{"type": "text", "text": text}]})
+    return messages
+
+
+def _turn_positions(processor: Any, messages: list[dict[str, Any]], text: str, ids: list[int], reply: str) -> list[int]:
+    """Where each step of a "turns" input is read: the last token of the prompt that asks for its
+    reply. Each turn's prompt must be a prefix of the whole conversation and the reply must start
+    right after it, else the template moves text between turns and the positions would be wrong."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+    asks = [i + 1 for i, m in enumerate(messages) if m["role"] == "user"]
+    positions = []
+    for k, end in enumerate(asks):
+        prompt = processor.apply_chat_template(messages[:end], add_generation_prompt=True, tokenize=False)
+        tail_ids = (
+            tokenizer(text[len(prompt) :], add_special_tokens=False)["input_ids"] if text.startswith(prompt) else []
+        )
+        start = len(ids) - len(tail_ids)
+        if not tail_ids or ids[start:] != tail_ids or tail_ids[: len(reply_ids)] != reply_ids:
+            raise StepTokenError(
+                f"step {k}: the chat template does not put the reply {reply!r} right after the prompt of its "
+                "turn, so the step cannot be read there; this template does not fit the 'turns' layout"
+            )
+        positions.append(start - 1)
+    return positions
 
 
 def _check_special_tokens(processor: Any, question: str, steps: Sequence[str], step_token: str) -> None:
@@ -394,6 +499,7 @@ def extend_steps(
     labels: Sequence[float] | None = None,
     max_length: int | None = None,
     step_token: str = STEP_TOKEN,
+    fmt: StepFormat | None = None,
 ) -> TokenizedSteps | None:
     """Tokenize other steps for the same prompt and images as `base`, reusing its prompt tokens.
 
@@ -406,10 +512,11 @@ def extend_steps(
         return None
     if labels is not None and len(labels) != len(steps):
         raise ValueError(f"{len(steps)} steps but {len(labels)} labels")
-    _check_special_tokens(processor, "", steps, step_token)
+    fmt = fmt or StepFormat(step_token=step_token)
+    _check_special_tokens(processor, "", steps, fmt.step_token)
     tokenizer = getattr(processor, "tokenizer", processor)
-    step_id = tokenizer.convert_tokens_to_ids(step_token)
-    body = tokenizer(base.lead + assistant_body(steps, step_token), add_special_tokens=False)["input_ids"]
+    step_id = step_token_id(tokenizer, fmt)
+    body = tokenizer(base.lead + assistant_body(steps, fmt=fmt), add_special_tokens=False)["input_ids"]
     n = base.prompt_length
     ids = base.input_ids[:n] + body
     positions = [n + i for i, t in enumerate(body) if t == step_id]

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir
 from mmprm.data.schema import DataError
+from mmprm.models.spec import ReleasedConvention
 
 
 @dataclass
@@ -103,6 +104,8 @@ class ScoringConfig:
         backend: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
             same scores, served the way large runs serve reward models)
         vllm_kwargs: backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
+        convention: a released PRM that mmprm did not write, scored as its authors do:
+            math_shepherd | qwen2_5_math_prm | rlhflow (docs/released-prms.md); null: one mmprm trained
     """
 
     batch_size: int = 16
@@ -112,6 +115,7 @@ class ScoringConfig:
     chunk_problems: int = 256
     backend: Literal["hf", "vllm"] = "hf"
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    convention: ReleasedConvention | None = None
 
     def validate(self) -> None:
         if self.chunk_problems < 1:
@@ -422,6 +426,7 @@ def main(argv: list[str]) -> None:
     # A resumed shard must come from the same PRM, candidates and scoring, or its rows would mix two runs.
     run = {
         "prm": str(Path(cfg.prm).resolve()),
+        "convention": cfg.scoring.convention,
         "candidates_file": str(cand_file.resolve()),
         "share_prefix": cfg.scoring.share_prefix,
         "max_length": cfg.scoring.max_length,
@@ -443,6 +448,7 @@ def main(argv: list[str]) -> None:
             attn_implementation=cfg.model.attn_implementation,
             backend=cfg.scoring.backend,
             vllm_kwargs=cfg.scoring.vllm_kwargs,
+            convention=cfg.scoring.convention,
         )
         t0, n_scored, n_steps, dropped, cut = time.time(), 0, 0, 0, 0
         todo = (p for p in iter_candidates(cand_file, lo, hi) if p.id not in done)

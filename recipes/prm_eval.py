@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.data.schema import DataError, StepExample, load_examples, write_jsonl
+from mmprm.models.spec import ReleasedConvention
 from mmprm.scoring.metrics import (
     auroc,
     bce,
@@ -85,6 +86,8 @@ class ScorerConfig:
         backend: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
             same scores, served the way large runs serve reward models)
         vllm_kwargs: backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
+        convention: a released PRM that mmprm did not write, scored as its authors do:
+            math_shepherd | qwen2_5_math_prm | rlhflow (docs/released-prms.md); null: one mmprm trained
     """
 
     prm_path: str = ""
@@ -94,6 +97,7 @@ class ScorerConfig:
     use_images: bool = True
     backend: Literal["hf", "vllm"] = "hf"
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    convention: ReleasedConvention | None = None
 
 
 @dataclass
@@ -320,6 +324,7 @@ def main(argv: list[str]) -> int:
         attn_implementation=cfg.model.attn_implementation,
         backend=cfg.scorer.backend,
         vllm_kwargs=cfg.scorer.vllm_kwargs,
+        convention=cfg.scorer.convention,
     )
 
     # ---- score; truncated steps come back NaN and their examples leave the metrics (counted)

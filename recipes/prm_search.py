@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir
 from mmprm.data.schema import DataError
+from mmprm.models.spec import ReleasedConvention
 from mmprm.search.core import SearchConfig
 
 
@@ -96,6 +97,8 @@ class ScoringConfig:
         backend: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
             same scores, served the way large runs serve reward models)
         vllm_kwargs: backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
+        convention: a released PRM that mmprm did not write, scored as its authors do:
+            math_shepherd | qwen2_5_math_prm | rlhflow (docs/released-prms.md); null: one mmprm trained
     """
 
     batch_size: int = 16
@@ -103,6 +106,7 @@ class ScoringConfig:
     device: str = "auto"
     backend: Literal["hf", "vllm"] = "hf"
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    convention: ReleasedConvention | None = None
 
 
 @dataclass
@@ -303,6 +307,7 @@ def main(argv: list[str]) -> None:
         attn_implementation=cfg.model.attn_implementation,
         backend=cfg.scoring.backend,
         vllm_kwargs=cfg.scoring.vllm_kwargs,
+        convention=cfg.scoring.convention,
     )
     backend = make_backend(cfg, cfg.policy.sampling.max_new_tokens)
     step_mode = backend.step_mode  # as resolved from the config and the policy's saved spec

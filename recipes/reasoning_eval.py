@@ -46,6 +46,7 @@ from mmprm.config import ConfigError, load_config, parse_cli, to_dict
 from mmprm.data.schema import read_jsonl, write_jsonl
 from mmprm.data.sft import split_solution
 from mmprm.generation.base import RolloutRequest, SamplingConfig
+from mmprm.models.spec import ReleasedConvention
 from mmprm.treeval import (
     JudgeScorer,
     RPTSJudge,
@@ -170,6 +171,8 @@ class ScorerConfig:
         prm_backend: kind=prm: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
             same scores, served the way large runs serve reward models)
         prm_vllm_kwargs: kind=prm, prm_backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
+        prm_convention: kind=prm: a released PRM that mmprm did not write, scored as its authors do:
+            math_shepherd | qwen2_5_math_prm | rlhflow (docs/released-prms.md); null: one mmprm trained
         mc_rollouts: kind=mc: rollouts per node
         constant: kind=constant: the score of every node
         device: auto | cpu | cuda
@@ -182,6 +185,7 @@ class ScorerConfig:
     prm_batch_size: int = 8
     prm_backend: Literal["hf", "vllm"] = "hf"
     prm_vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    prm_convention: ReleasedConvention | None = None
     mc_rollouts: int = 8
     constant: float = 1.0
     device: str = "auto"
@@ -529,6 +533,7 @@ def run(cfg: ReasoningEvalConfig) -> int:
             attn_implementation=cfg.model.attn_implementation,
             backend=sc.prm_backend,
             vllm_kwargs=sc.prm_vllm_kwargs,
+            convention=sc.prm_convention,
         )
         for i in scored:
             set_scores(trees[i], prm_scores(trees[i], prm))

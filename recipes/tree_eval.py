@@ -35,6 +35,7 @@ from typing import Any, Literal
 from mmprm.chat import ChatClient, ChatConfig
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.data.schema import load_examples, read_jsonl, row_id, write_jsonl
+from mmprm.models.spec import ReleasedConvention
 from mmprm.treeval import (
     JudgeScorer,
     Tree,
@@ -104,6 +105,8 @@ class ScorerConfig:
         backend: kind=prm: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
             same scores, served the way large runs serve reward models)
         vllm_kwargs: kind=prm, backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
+        convention: kind=prm: a released PRM that mmprm did not write, scored as its authors do:
+            math_shepherd | qwen2_5_math_prm | rlhflow (docs/released-prms.md); null: one mmprm trained
         judge: kind=judge: the judge (section)
     """
 
@@ -116,6 +119,7 @@ class ScorerConfig:
     use_images: bool = True
     backend: Literal["hf", "vllm"] = "hf"
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    convention: ReleasedConvention | None = None
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
@@ -311,6 +315,7 @@ def main(argv: list[str]) -> int:
             attn_implementation=cfg.model.attn_implementation,
             backend=sc.backend,
             vllm_kwargs=sc.vllm_kwargs,
+            convention=sc.convention,
         )
     elif sc.kind == "judge":
         j = sc.judge

@@ -27,6 +27,7 @@ from tokenizers import AddedToken
 from torch import nn
 from transformers import (
     AutoConfig,
+    AutoModel,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoProcessor,
@@ -313,6 +314,7 @@ def load_backbone(
     dtype: torch.dtype | str | None = None,
     attn_implementation: str = "sdpa",
     attn_key: str = "model.attn_implementation",
+    bare: bool = False,
 ) -> tuple[nn.Module, Any]:
     """Load model and processor from a checkpoint directory (or hub id) with `from_pretrained`.
 
@@ -322,15 +324,19 @@ def load_backbone(
         attn_implementation: "sdpa" (default), "flash_attention_2", "eager" or "auto"; checked by
             `resolve_attn_implementation` before loading. Vision towers get the same kernel.
         attn_key: the config key of `attn_implementation`, named in errors.
+        bare: load the decoder without an LM head (`AutoModel`), for a PRM with its own head.
 
     Returns:
         (model, processor): `AutoModelForImageTextToText` for VLMs, `AutoModelForCausalLM` for
-        text-only models; the processor as `load_processor` returns it.
+        text-only models (`AutoModel` when bare); the processor as `load_processor` returns it.
     """
     kwargs: dict[str, Any] = {"attn_implementation": resolve_attn_implementation(attn_implementation, attn_key)}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    auto_cls = AutoModelForImageTextToText if is_multimodal(str(path)) else AutoModelForCausalLM
+    if bare:
+        auto_cls = AutoModel
+    else:
+        auto_cls = AutoModelForImageTextToText if is_multimodal(str(path)) else AutoModelForCausalLM
     model = auto_cls.from_pretrained(str(path), **kwargs)
     return model, load_processor(path)
 

@@ -34,6 +34,7 @@ from mmprm.models.spec import (
     group_by_prompt,
     progress_bar,
     read_spec,
+    released_spec,
     reward_token_ids,
     tokenize_example,
     tokenize_group,
@@ -48,16 +49,23 @@ if TYPE_CHECKING:
 def _decoder(backbone: nn.Module) -> nn.Module:
     """The backbone without its LM head (vision encoder included); LoRA layers stay in place."""
     base = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone
-    return base.model
+    return getattr(base, "model", base)  # a classifier PRM loads the bare decoder (AutoModel)
 
 
 class ProcessRewardModel(nn.Module):
     """Backbone + PRM head. `forward` returns head outputs at the step tokens only.
 
-    token_pair -> (N, 2) logits [positive, negative]; value -> (N,) logits; N = step tokens in batch.
+    token_pair and classifier -> (N, 2) logits [positive, negative]; value -> (N,) logits;
+    N = step tokens in batch.
     """
 
-    def __init__(self, backbone: nn.Module, spec: PRMSpec, reward_ids: list[int] | None = None):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        spec: PRMSpec,
+        reward_ids: list[int] | None = None,
+        classifier: nn.Module | None = None,
+    ):
         super().__init__()
         spec.validate()
         self.backbone = backbone
@@ -65,6 +73,10 @@ class ProcessRewardModel(nn.Module):
         self.reward_ids = reward_ids
         if spec.head == "token_pair" and not reward_ids:
             raise ValueError("token_pair head needs reward token ids")
+        if spec.head == "classifier":
+            if classifier is None:
+                raise ValueError("classifier head needs its module (load_prm reads it from the checkpoint)")
+            self.classifier = classifier
         if spec.head == "value":
             hidden = backbone.config.get_text_config().hidden_size
             self.value_head = nn.Linear(hidden, 1)
@@ -75,6 +87,10 @@ class ProcessRewardModel(nn.Module):
         """Head outputs for hidden states (N, H) at step tokens."""
         if self.spec.head == "value":
             return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)  # (N,)
+        if self.spec.head == "classifier":
+            logits = self.classifier(hidden.to(next(self.classifier.parameters()).dtype))  # (N, 2)
+            positive = self.spec.positive_label
+            return logits[:, [positive, 1 - positive]]  # (N, 2) positive first
         base = self.backbone.get_base_model() if hasattr(self.backbone, "get_base_model") else self.backbone
         lm_head = base.get_output_embeddings()
         # Call the module, never read lm_head.weight: under ZeRO-3 the weight is partitioned and
@@ -393,8 +409,12 @@ def load_prm(
     attn_implementation: str = "sdpa",
     backend: str = "hf",
     vllm_kwargs: dict[str, Any] | None = None,
+    convention: str | None = None,
 ) -> PRMScorer | VLLMPRMScorer:
     """Restore a PRM saved by `save_prm` (or `recipes/prm_train.py`) as a scorer.
+
+    `convention` loads a released PRM that mmprm did not write (Math-Shepherd, Qwen2.5-Math-PRM,
+    RLHFlow: `mmprm.models.spec.RELEASED_CONVENTIONS`) and scores it as its authors do.
 
     backend "hf" (default): a `PRMScorer` in this process. `attn_implementation`: sdpa (default),
     flash_attention_2 (needs flash-attn and CUDA), eager or auto; checked before any weight loads.
@@ -409,6 +429,12 @@ def load_prm(
     if backend not in ("hf", "vllm"):
         raise ValueError(f"backend: {backend!r} is not one of ['hf', 'vllm']")
     path = Path(path)
+    if convention is not None and convention != "mmprm":
+        if backend != "hf":
+            raise ValueError(f"backend {backend!r} scores PRMs mmprm wrote; score the released {convention} with 'hf'")
+        return _load_released(
+            path, released_spec(convention), device, batch_size, max_length, dtype, attn_implementation
+        )
     if backend == "vllm":
         from mmprm.models.vllm_prm import VLLMPRMScorer
 
@@ -422,6 +448,75 @@ def load_prm(
     if spec.head == "value":
         model.value_head.load_state_dict(load_file(str(path / VALUE_HEAD_FILE)))
     return PRMScorer(model, processor, device=device, batch_size=batch_size, max_length=max_length)
+
+
+def _load_released(
+    path: Path,
+    spec: PRMSpec,
+    device: str | torch.device,
+    batch_size: int,
+    max_length: int | None,
+    dtype: torch.dtype | None,
+    attn_implementation: str,
+) -> PRMScorer:
+    """A released PRM as its checkpoint is: no step token added, no embedding resized; its step
+    tag (where the layout has one) must already be one token of its vocabulary."""
+    from mmprm.models.loading import load_backbone
+    from mmprm.steps import step_token_id
+
+    classifier = None
+    if spec.head == "classifier":
+        from transformers.utils import logging as hf_logging
+
+        # The decoder alone is loaded; transformers would list the head's weights as unexpected.
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            backbone, processor = load_backbone(path, dtype=dtype, attn_implementation=attn_implementation, bare=True)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        classifier = classifier_head(path, backbone.config.get_text_config().hidden_size).to(backbone.dtype)
+    else:
+        backbone, processor = load_backbone(path, dtype=dtype, attn_implementation=attn_implementation)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if spec.layout != "turns":
+        step_token_id(tokenizer, spec.step_format)
+    reward_ids = reward_token_ids(tokenizer, spec.reward_tokens) if spec.head == "token_pair" else None
+    model = ProcessRewardModel(backbone, spec, reward_ids, classifier)
+    return PRMScorer(model, processor, device=device, batch_size=batch_size, max_length=max_length)
+
+
+def classifier_head(path: Path, hidden: int, prefix: str = "score.") -> nn.Module:
+    """The two-class head a classifier PRM keeps beside its decoder (`score.*` in its checkpoint):
+    one linear layer (`score.weight`), or Qwen2.5-Math-PRM's linear-ReLU-linear (`score.0`, `score.2`)."""
+    from safetensors import safe_open
+
+    if not path.is_dir():  # a hub id: the files from_pretrained has just fetched into the cache
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(str(path), allow_patterns=["*.safetensors", "*.json"]))
+    index = path / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            weights.update({k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)})
+    if set(weights) == {"weight", "bias"} or set(weights) == {"weight"}:
+        head: nn.Module = nn.Linear(hidden, weights["weight"].shape[0], bias="bias" in weights)
+    elif {"0.weight", "2.weight"} <= set(weights):
+        head = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, weights["2.weight"].shape[0]))
+    else:
+        raise ValueError(
+            f"{path}: no classifier head found ({prefix}weight, or {prefix}0/{prefix}2 weights); "
+            f"its {prefix}* tensors are {sorted(weights) or 'absent'}: is this the convention it was trained with?"
+        )
+    head.load_state_dict(weights)
+    out = weights["weight" if "weight" in weights else "2.weight"].shape[0]
+    if out != 2:
+        raise ValueError(f"{path}: the classifier head has {out} classes; a PRM's has two (wrong, right)")
+    return head
 
 
 def iter_batches(items: Sequence[Any], batch_size: int) -> Iterable[Sequence[Any]]:

@@ -11,9 +11,9 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
-from mmprm.steps import STEP_TOKEN, TokenizedSteps, extend_steps, tokenize_steps
+from mmprm.steps import LAYOUTS, STEP_TOKEN, StepFormat, TokenizedSteps, extend_steps, tokenize_steps
 
 SPEC_FILE = "mmprm_prm.json"
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -21,18 +21,86 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 
 @dataclass
 class PRMSpec:
-    """What a PRM directory needs besides the HF files to score exactly like training did."""
+    """What a PRM directory needs besides the HF files to score exactly like training did.
+
+    head: "token_pair" (the LM's logits of two reward tokens, positive first), "value" (mmprm's
+        linear head) or "classifier" (a released PRM's class head at the step token, read from its
+        checkpoint; `positive_label` is the class that means "correct").
+    convention: "mmprm" for a PRM mmprm wrote; otherwise the released PRM family it follows
+        (`RELEASED_CONVENTIONS`), whose input is laid out as its authors score it.
+    layout, step_join, tag_prefix, question_join, reply: the input layout (`mmprm.steps.StepFormat`).
+    """
 
     head: str = "token_pair"
     step_token: str = STEP_TOKEN
     reward_tokens: list[str] = field(default_factory=lambda: ["+", "-"])
     system_prompt: str | None = None
+    convention: str = "mmprm"
+    layout: str = "assistant"
+    step_join: str = "\n"
+    tag_prefix: str = ""
+    question_join: str = " "
+    reply: str = "+"
+    positive_label: int = 0
 
     def validate(self) -> None:
-        if self.head not in ("token_pair", "value"):
-            raise ValueError(f"head: {self.head!r} is not one of ['token_pair', 'value']")
+        if self.head not in HEADS:
+            raise ValueError(f"head: {self.head!r} is not one of {list(HEADS)}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout: {self.layout!r} is not one of {list(LAYOUTS)}")
         if len(self.reward_tokens) != 2 or self.reward_tokens[0] == self.reward_tokens[1]:
             raise ValueError("reward_tokens: give two different tokens, positive first (e.g. ['+', '-'])")
+        if self.positive_label not in (0, 1):
+            raise ValueError(f"positive_label: {self.positive_label!r} is not 0 or 1 (a two-class head)")
+
+    @property
+    def step_format(self) -> StepFormat:
+        return StepFormat(
+            layout=self.layout,  # type: ignore[arg-type]
+            step_token=self.step_token,
+            step_join=self.step_join,
+            tag_prefix=self.tag_prefix,
+            question_join=self.question_join,
+            reply=self.reply,
+        )
+
+
+HEADS = ("token_pair", "value", "classifier")
+ReleasedConvention = Literal["math_shepherd", "qwen2_5_math_prm", "rlhflow"]
+
+# Released PRMs, each scored as its authors' published code scores it (tests/test_released_prms.py
+# writes each procedure out on a tiny checkpoint of the same shape; docs/released-prms.md lists
+# the checkpoints each covers).
+RELEASED_CONVENTIONS: dict[str, PRMSpec] = {
+    # Math-Shepherd: "question step 1 ки\nstep 2 ки", no chat template; "+"/"-" logits at each tag.
+    "math_shepherd": PRMSpec(convention="math_shepherd", layout="plain", step_token="ки", tag_prefix=" "),
+    # Qwen2.5-Math-PRM: the chat template with its system prompt, steps joined by <extra_0>; a
+    # two-class head at each <extra_0>, class 1 = correct.
+    "qwen2_5_math_prm": PRMSpec(
+        convention="qwen2_5_math_prm",
+        head="classifier",
+        step_token="<extra_0>",
+        step_join="",
+        positive_label=1,
+        system_prompt="Please reason step by step, and put your final answer within \\boxed{}.",
+    ),
+    # RLHFlow: each step a user turn (question + " " + step first) answered "+"; "+"/"-" logits
+    # where the assistant writes its reply.
+    "rlhflow": PRMSpec(convention="rlhflow", layout="turns"),
+}
+
+
+assert set(get_args(ReleasedConvention)) == set(RELEASED_CONVENTIONS), "one name per released convention"
+
+
+def released_spec(convention: str) -> PRMSpec:
+    """The spec of a released PRM family, by name (`RELEASED_CONVENTIONS`)."""
+    if convention not in RELEASED_CONVENTIONS:
+        raise ValueError(
+            f"convention: {convention!r} is not one of {sorted(RELEASED_CONVENTIONS)} "
+            "(a PRM mmprm trained needs none: it carries its own spec)"
+        )
+    return RELEASED_CONVENTIONS[convention]
 
 
 def reward_token_ids(tokenizer: Any, tokens: Sequence[str]) -> list[int]:
@@ -54,8 +122,9 @@ def read_spec(path: str | Path) -> PRMSpec:
     spec_file = Path(path) / SPEC_FILE
     if not spec_file.exists():
         raise FileNotFoundError(
-            f"{path}: no {SPEC_FILE}; this is not a PRM directory written by mmprm "
-            "(train one with recipes/prm_train.py, or use PRMSpec with build_prm)"
+            f"{path}: no {SPEC_FILE}; this is not a PRM directory written by mmprm: for a released PRM "
+            f"give its convention (one of {sorted(RELEASED_CONVENTIONS)}; docs/released-prms.md), or "
+            "train one with recipes/prm_train.py"
         )
     spec = PRMSpec(**json.loads(spec_file.read_text()))
     spec.validate()
@@ -113,8 +182,8 @@ def tokenize_example(
         example_steps(ex),
         images,
         max_length=max_length,
-        step_token=spec.step_token,
         system=spec.system_prompt,
+        fmt=spec.step_format,
     )
     if tok is None:
         raise ValueError(
@@ -136,6 +205,6 @@ def tokenize_group(
     tokenized (`extend_steps`), or the whole example by `tokenize` where the prompt cannot be reused."""
     toks = [first]
     for ex in others:
-        ext = extend_steps(processor, first, example_steps(ex), max_length=max_length, step_token=spec.step_token)
+        ext = extend_steps(processor, first, example_steps(ex), max_length=max_length, fmt=spec.step_format)
         toks.append(ext if ext is not None else tokenize(ex))
     return toks
