@@ -594,3 +594,23 @@ def process_group_kwargs() -> list:
     from accelerate.utils import InitProcessGroupKwargs
 
     return [InitProcessGroupKwargs(backend="gloo")]
+
+
+def leave_run(accelerator: Any) -> None:
+    """End a run once every rank's work is on disk: the ranks meet, trackers finish, the process
+    group is torn down, and a multi-process run's processes exit right away.
+
+    Exiting at once skips the interpreter's own teardown, where gloo's worker threads that another
+    library still holds (DeepSpeed keeps its groups) can abort a rank with SIGABRT ("terminate
+    called without an active exception") and fail a job whose checkpoint is already written.
+    """
+    import logging
+    import sys
+
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if accelerator.num_processes > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -49,6 +49,7 @@ from mmprm.training import (
     eval_share,
     find_checkpoint,
     launched_world_size,
+    leave_run,
     lr_factor,
     rank_share,
     resolve_grad_accum,
@@ -434,7 +435,7 @@ def main(argv: list[str]) -> None:
         if stopping:
             log(f"stopping at step {progress.step} (train.stop_at_step); resume with resume_from_checkpoint=latest")
             prefetch.close()
-            accelerator.end_training()
+            leave_run(accelerator)
             return
     prefetch.close()
     bar.close()
@@ -453,10 +454,7 @@ def main(argv: list[str]) -> None:
         # The prompt it learned, for annotation and Best-of-N (they read it unless overridden).
         save_policy_spec(out_dir, PolicySpec(system_prompt=cfg.model.system_prompt, step_mode="tags"))
         log(f"saved policy to {out_dir}")
-    # Every rank leaves together: a rank that tears the process group down while rank 0 still
-    # writes can make the job abort at exit.
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    leave_run(accelerator)  # every rank waits for rank 0's save before the group goes down
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from mmprm.training import (
     eval_share,
     find_checkpoint,
     launched_world_size,
+    leave_run,
     lr_factor,
     rank_share,
     resolve_grad_accum,
@@ -490,7 +491,7 @@ def main(argv: list[str]) -> None:
                 "resume_from_checkpoint=latest"
             )
             prefetch.close()
-            accelerator.end_training()
+            leave_run(accelerator)
             return
     prefetch.close()
     bar.close()
@@ -503,10 +504,7 @@ def main(argv: list[str]) -> None:
     if accelerator.is_main_process:
         save_prm(accelerator.unwrap_model(model), processor, out_dir, state_dict=state)
         log(f"saved PRM to {out_dir} (load with mmprm.load_prm('{out_dir}'))")
-    # Every rank leaves together: a rank that tears the process group down while rank 0 still
-    # writes can make the job abort at exit.
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    leave_run(accelerator)  # every rank waits for rank 0's save before the group goes down
 
 
 if __name__ == "__main__":
