@@ -13,14 +13,18 @@ Launch (CPU is enough for tiny models; the scorer uses the GPU when there is one
         data.path=PATH/mr-math_invalid_errors.json scorer.prm_path=runs/tiny/prm   # github:GAIR-NLP/ReasonEval
 
 Input formats (`data.format`):
-    steps       our step-labelled JSONL (mmprm.data.schema), images included
-    prmbench    PRMBench rows (prmbench/target_data.jsonl); per-category breakdown by `classification`
-    reasoneval  ReasonEval MR-MATH (invalid or redundant errors file)
+    steps               our step-labelled JSONL (mmprm.data.schema), images included
+    prmbench            PRMBench rows (prmbench/target_data.jsonl); per-category breakdown by `classification`
+    reasoneval          ReasonEval MR-MATH (invalid or redundant errors file)
+    processbench        ProcessBench (a subset's <subset>.json, or the folder of all four); per subset
+    visualprocessbench  VisualProcessBench test.jsonl (images beside it); per data_source, neutral
+                        steps left out of the step metrics as the benchmark does
 
-Threshold: with `data.dev_file` or `data.dev_fraction > 0`, the first-error threshold is the one that
-maximises first-error F1 on the dev split (`best_threshold`), and metrics are reported on the rest;
-otherwise `metrics.threshold` is used. Dev/test are split by source problem, so PRMBench's repeated
-`idx` never lands on both sides.
+Threshold: with `data.dev_file` or `data.dev_fraction > 0`, the threshold is the one that maximises
+`metrics.objective` on the dev split (first-error F1, `best_threshold`; or step macro F1,
+`best_step_threshold`, VisualProcessBench's metric), and metrics are reported on the rest only;
+otherwise `metrics.threshold` is used. The report names the split (`threshold_split`). Dev/test are
+split by source problem, so PRMBench's repeated `idx` never lands on both sides.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from mmprm.models.spec import ReleasedConvention
 from mmprm.scoring.metrics import (
     auroc,
     bce,
+    best_step_threshold,
     best_threshold,
     brier,
     first_error,
@@ -56,7 +61,8 @@ class DataConfig:
 
     Attributes:
         path: input file in data.format; required
-        format: steps (our JSONL) | prmbench (target_data.jsonl) | reasoneval (MR-MATH file)
+        format: steps (our JSONL) | prmbench (target_data.jsonl) | reasoneval (MR-MATH file) |
+            processbench (<subset>.json or their folder) | visualprocessbench (test.jsonl)
         limit: first N examples only (after reading, before the dev split); null takes all
         per_category: first N examples of each meta.category (PRMBench is sorted by it); null takes all
         dev_file: a separate dev set (same format) to choose the threshold on
@@ -65,7 +71,7 @@ class DataConfig:
     """
 
     path: str = ""
-    format: Literal["steps", "prmbench", "reasoneval"] = "steps"
+    format: Literal["steps", "prmbench", "reasoneval", "processbench", "visualprocessbench"] = "steps"
     limit: int | None = None
     per_category: int | None = None
     dev_file: str | None = None
@@ -106,9 +112,13 @@ class MetricConfig:
 
     Attributes:
         threshold: a step is predicted correct when its score >= this (used when there is no dev split)
+        objective: what the dev split's threshold maximises: first_error_f1 (ProcessBench's F1) |
+            macro_f1 (step macro F1, VisualProcessBench's) | auto (macro_f1 for visualprocessbench,
+            else first_error_f1)
     """
 
     threshold: float = 0.5
+    objective: Literal["auto", "first_error_f1", "macro_f1"] = "auto"
 
 
 @dataclass
@@ -167,15 +177,19 @@ class PRMEvalConfig:
             raise ValueError(f"metrics.threshold: {self.metrics.threshold} is outside [0, 1]")
 
 
-def read_examples(path: str, fmt: str) -> list[StepExample]:
+def read_examples(path: str, fmt: str, check_images: bool = True) -> list[StepExample]:
     """Labelled examples of one file; benchmark rows keep their category and first error in `meta`."""
     if not Path(path).exists():
         raise FileNotFoundError(f"{path}: input not found (set data.path / data.dev_file)")
     if fmt == "steps":
-        return load_examples(path, require_labels=True)
-    from mmprm.data.benchmarks import read_prmbench, read_reasoneval
+        return load_examples(path, require_labels=True, check_images=check_images)
+    from mmprm.data import benchmarks as B
 
-    rows = read_prmbench(path) if fmt == "prmbench" else read_reasoneval(path)
+    if fmt == "visualprocessbench":
+        rows = B.read_visualprocessbench(path, check_images=check_images)
+    else:
+        read = {"prmbench": B.read_prmbench, "reasoneval": B.read_reasoneval, "processbench": B.read_processbench}
+        rows = read[fmt](path)
     return [StepExample(**r) for r in rows]
 
 
@@ -205,19 +219,51 @@ def split_dev(examples: list[StepExample], fraction: float, seed: int) -> tuple[
     return dev, test
 
 
+def counted_steps(rows: list[dict[str, Any]]) -> tuple[list[list[float]], list[list[float]]]:
+    """(scores, labels) of the steps the step metrics count: all but a row's `neutral_steps`."""
+    scores, labels = [], []
+    for r in rows:
+        keep = [i for i in range(len(r["scores"])) if i not in set(r.get("neutral_steps", []))]
+        scores.append([r["scores"][i] for i in keep])
+        labels.append([r["labels"][i] for i in keep])
+    return scores, labels
+
+
 def metrics_of(rows: list[dict[str, Any]], threshold: float, soft: bool) -> dict[str, float | int]:
-    """Step metrics of scored rows; BCE/Brier only when the labels are soft (they need a target)."""
-    scores, labels = [r["scores"] for r in rows], [r["labels"] for r in rows]
-    out: dict[str, float | int] = {"examples": len(rows), "steps": sum(len(s) for s in scores)}
+    """Step metrics of scored rows; BCE/Brier only when the labels are soft (they need a target).
+
+    First-error metrics see every step; step metrics leave out neutral steps (`counted_steps`).
+    """
+    out: dict[str, float | int] = {"examples": len(rows), "steps": sum(len(r["scores"]) for r in rows)}
+    neutral = sum(len(r.get("neutral_steps", [])) for r in rows)
+    if neutral:
+        out["neutral_steps"] = neutral  # scored, but in no step metric
     # The reader's first error is the truth: PRMBench labels alone do not mark steps after an error.
-    fe = first_error_f1(scores, [r["first_error"] for r in rows], threshold)
+    fe = first_error_f1([r["scores"] for r in rows], [r["first_error"] for r in rows], threshold)
     out.update({f"first_error_{k}": v for k, v in fe.items()})
+    scores, labels = counted_steps(rows)
     out.update(step_f1(scores, labels, threshold))
     out["auroc"] = auroc(scores, labels)
     out["step_accuracy"] = step_accuracy(scores, labels, threshold)
     if soft:
         out["bce"], out["brier"] = bce(scores, labels), brier(scores, labels)
     return out
+
+
+def report_metrics(rows: list[dict[str, Any]], threshold: float, soft: bool) -> dict[str, Any]:
+    """{"metrics": over all rows, "by_category": per category (subset, source) when there are several}."""
+    cats = sorted({r["category"] for r in rows if r["category"] is not None})
+    by_category = {}
+    if len(cats) > 1:
+        by_category = {c: metrics_of([r for r in rows if r["category"] == c], threshold, soft) for c in cats}
+    return {"metrics": metrics_of(rows, threshold, soft), "by_category": by_category}
+
+
+def choose_threshold(dev_rows: list[dict[str, Any]], objective: str) -> float:
+    """The threshold that maximises `objective` (first_error_f1 | macro_f1) on scored dev rows."""
+    if objective == "macro_f1":
+        return best_step_threshold(*counted_steps(dev_rows))
+    return best_threshold([r["scores"] for r in dev_rows], [r["first_error"] for r in dev_rows])
 
 
 def fmt(v: Any) -> str:
@@ -232,6 +278,7 @@ def markdown(report: dict[str, Any]) -> str:
     keys = [
         "examples",
         "steps",
+        "neutral_steps",
         "first_error_f1",
         "first_error_error_acc",
         "first_error_correct_acc",
@@ -247,8 +294,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# PRM step-level evaluation: {report['data']}",
         "",
-        f"PRM `{report['prm']}`, threshold {report['threshold']:.4f} ({report['threshold_source']}); "
-        f"{report['excluded_truncated']} examples excluded for truncation.",
+        f"PRM `{report['prm']}`, threshold {report['threshold']:.4f} ({report['threshold_source']}; "
+        f"chosen on: {report['threshold_split']}); {report['excluded_truncated']} examples excluded for truncation.",
         "",
         "| metric | value |",
         "| --- | --- |",
@@ -275,7 +322,7 @@ def main(argv: list[str]) -> int:
     out_dir = Path(cfg.output.dir)
 
     # ---- data (every file is read and validated before the model loads)
-    examples = read_examples(cfg.data.path, cfg.data.format)
+    examples = read_examples(cfg.data.path, cfg.data.format, check_images=cfg.scorer.use_images)
     if cfg.data.per_category is not None:
         taken: dict[Any, list[StepExample]] = {}
         for ex in examples:
@@ -285,13 +332,23 @@ def main(argv: list[str]) -> int:
         examples = examples[: cfg.data.limit]
     dev: list[StepExample] = []
     if cfg.data.dev_file:
-        dev = read_examples(cfg.data.dev_file, cfg.data.format)
+        dev = read_examples(cfg.data.dev_file, cfg.data.format, check_images=cfg.scorer.use_images)
     elif cfg.data.dev_fraction > 0:
         dev, examples = split_dev(examples, cfg.data.dev_fraction, cfg.data.seed)
-    if dev and len({true_first_error(ex) is None for ex in dev}) < 2:
+    objective = cfg.metrics.objective
+    if objective == "auto":
+        objective = "macro_f1" if cfg.data.format == "visualprocessbench" else "first_error_f1"
+    # the dev split must hold both kinds its objective tells apart; checked before the model loads
+    if objective == "macro_f1":
+        neutral = lambda ex: ex.meta.get("neutral_steps", [])  # noqa: E731
+        dev_kinds = {y >= 0.5 for ex in dev for i, y in enumerate(ex.labels) if i not in neutral(ex)}
+        need = "correct and erroneous steps"
+    else:
+        dev_kinds, need = {true_first_error(ex) is None for ex in dev}, "fully correct and erroneous solutions"
+    if dev and len(dev_kinds) < 2:
         raise SystemExit(
-            f"dev split ({len(dev)} examples): needs both fully correct and erroneous solutions to "
-            "choose a threshold; raise data.dev_fraction or data.per_category, or set dev_fraction=0"
+            f"dev split ({len(dev)} examples): needs both {need} to choose a threshold; raise "
+            "data.dev_fraction or data.per_category, or set dev_fraction=0"
         )
     if not examples:
         raise SystemExit(f"{cfg.data.path}: no examples left to evaluate (check data.limit / data.dev_fraction)")
@@ -341,6 +398,7 @@ def main(argv: list[str]) -> int:
                 "scores": s,
                 "labels": [float(x) for x in ex.labels],
                 "first_error": true_first_error(ex),
+                "neutral_steps": ex.meta.get("neutral_steps", []),
             }
             for ex, s in zip(exs, scores)
         ]
@@ -350,37 +408,40 @@ def main(argv: list[str]) -> int:
     complete = lambda rows: [r for r in rows if not any(math.isnan(s) for s in r["scores"])]  # noqa: E731
     excluded = len(dev_rows) + len(test_rows) - len(complete(dev_rows)) - len(complete(test_rows))
 
-    # ---- threshold: chosen on dev, or given
-    threshold, source = cfg.metrics.threshold, "metrics.threshold"
+    # ---- threshold: chosen on dev (never on the reported rows), or given
+    threshold, source, split = cfg.metrics.threshold, "metrics.threshold", "none (given)"
     if dev_rows:
         usable = complete(dev_rows)
         try:
-            threshold = best_threshold([r["scores"] for r in usable], [r["first_error"] for r in usable])
+            threshold = choose_threshold(usable, objective)
         except ValueError as e:  # truncation can remove the last example of one kind
             raise SystemExit(f"dev split ({len(usable)} scored examples): {e}; raise scorer.max_length") from None
-        source = "best first-error F1 on dev"
-    print(f"threshold {threshold:.4f} ({source})")
+        source = "best first-error F1 on dev" if objective == "first_error_f1" else "best step macro F1 on dev"
+        if cfg.data.dev_file:
+            split = f"data.dev_file {cfg.data.dev_file} ({len(usable)} examples)"
+        else:
+            split = (
+                f"data.dev_fraction={cfg.data.dev_fraction} of {cfg.data.path}'s source problems, seed "
+                f"{cfg.data.seed} ({len(usable)} examples, none of them in the reported metrics)"
+            )
+    print(f"threshold {threshold:.4f} ({source}; chosen on: {split})")
 
     # ---- metrics overall and per category
     rows = complete(test_rows)
     if not rows:
         raise SystemExit("every example was truncated: raise scorer.max_length")
     soft = any(0.0 < y < 1.0 for r in rows for y in r["labels"])
-    by_category: dict[str, Any] = {}
-    cats = sorted({r["category"] for r in rows if r["category"] is not None})
-    if len(cats) > 1:
-        by_category = {c: metrics_of([r for r in rows if r["category"] == c], threshold, soft) for c in cats}
     report = {
         "data": cfg.data.path,
         "format": cfg.data.format,
         "prm": cfg.scorer.prm_path,
         "threshold": threshold,
         "threshold_source": source,
+        "threshold_split": split,
         "labels_soft": soft,
         "label_kind": kinds.pop(),
         "excluded_truncated": excluded,
-        "metrics": metrics_of(rows, threshold, soft),
-        "by_category": by_category,
+        **report_metrics(rows, threshold, soft),
         "dev": metrics_of(complete(dev_rows), threshold, soft) if dev_rows else None,
         "config": to_dict(cfg),
     }

@@ -8,6 +8,7 @@ import pytest
 from mmprm.scoring.metrics import (
     auroc,
     bce,
+    best_step_threshold,
     best_threshold,
     brier,
     first_error,
@@ -123,6 +124,19 @@ def test_best_threshold_beats_a_fine_grid():
     best = first_error_f1(scores, true, best_threshold(scores, true))["f1"]
     grid = max(first_error_f1(scores, true, t)["f1"] for t in np.linspace(0, 1.001, 1002))
     assert best >= grid - 1e-12
+
+
+def test_best_step_threshold_hand_values_and_grid():
+    # Candidates 0, 0.4, 0.75, 0.85, 1+: only 0.75 splits 0.9, 0.8 (correct) from 0.7, 0.1 (errors).
+    assert best_step_threshold([[0.9, 0.7], [0.8, 0.1]], [[1, 0], [1, 0]]) == pytest.approx(0.75)
+    rng = np.random.default_rng(3)
+    scores = [rng.random(rng.integers(1, 6)).round(2).tolist() for _ in range(60)]
+    labels = [(rng.random(len(s)) < 0.6).astype(float).tolist() for s in scores]
+    best = step_f1(scores, labels, best_step_threshold(scores, labels))["macro_f1"]
+    grid = max(step_f1(scores, labels, t)["macro_f1"] for t in np.linspace(0, 1.001, 1002))
+    assert best == pytest.approx(grid, abs=1e-12)
+    with pytest.raises(ValueError, match="both correct and erroneous steps"):
+        best_step_threshold([[0.3, 0.9]], [[1.0, 1.0]])
 
 
 def test_step_metrics_bundle():

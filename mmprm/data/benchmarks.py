@@ -1,4 +1,5 @@
-"""Readers for step-level PRM benchmarks: PRMBench and ReasonEval (Meta-Reasoning-MATH).
+"""Readers for step-level PRM benchmarks: PRMBench, ReasonEval (Meta-Reasoning-MATH), ProcessBench
+and VisualProcessBench.
 
 Each reader returns `StepExample`-compatible dicts (`StepExample(**row)` works, and
 `write_jsonl` writes them in the mmprm schema)::
@@ -10,15 +11,23 @@ Each reader returns `StepExample`-compatible dicts (`StepExample(**row)` works, 
 when the benchmark has one, is `meta["gold_answer"]`. `meta["first_error"]` is the 0-based
 first error step or None, ready for `mmprm.scoring.metrics.first_error_f1`.
 `meta["label_kind"]` says what a 0 means: "validity" (the step is wrong) or "redundancy"
-(the step is right but useless); do not pool the two in one metric.
+(the step is right but useless); do not pool the two in one metric. `meta["neutral_steps"]`, where
+present, lists the 0-based steps the benchmark leaves out of its step metrics (VisualProcessBench's
+neutral steps); they carry label 1 so they never count as a first error.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
 from mmprm.data.schema import DataError, iter_jsonl, row_id
+from mmprm.steps import IMAGE_PLACEHOLDER
+
+PROCESSBENCH_SUBSETS = ("gsm8k", "math", "olympiadbench", "omnimath")
+"""ProcessBench's splits, each released as `<subset>.json` (Qwen/ProcessBench on the HF Hub)."""
 
 
 def _str_list(x: Any) -> bool:
@@ -167,6 +176,169 @@ def read_reasoneval(path: str | Path) -> list[dict[str, Any]]:
                 "steps": steps,
                 "images": [],
                 "labels": labels,
+                "answer": None,
+                "meta": meta,
+            }
+        )
+    if problems:
+        raise DataError(problems)
+    return rows
+
+
+def _json_rows(path: Path) -> list[tuple[int, dict[str, Any] | None, str | None]]:
+    """(position, row, error) per row of a JSON array file (1-based element) or a JSON Lines file (line)."""
+    if path.is_dir() or path.read_bytes().lstrip()[:1] != b"[":
+        return list(iter_jsonl(path))
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return [(0, None, f"invalid JSON array: {e} (use the file as released, or JSON Lines)")]
+    return [(i, r, None) if isinstance(r, dict) else (i, None, "not a JSON object") for i, r in enumerate(data, 1)]
+
+
+def read_processbench(path: str | Path) -> list[dict[str, Any]]:
+    """ProcessBench rows (Qwen/ProcessBench) as labelled step examples.
+
+    `path` is one subset file as released (`gsm8k.json`: a JSON array; JSON Lines, as
+    `datasets.Dataset.to_json` writes, works too) or a folder holding any of `gsm8k.json`,
+    `math.json`, `olympiadbench.json`, `omnimath.json`. A row is
+    `{"id": "gsm8k-0", "generator", "problem", "steps": [str], "final_answer_correct", "label"}`
+    where `label` is the 0-based earliest wrong step, -1 when every step is right.
+
+    Labels: steps before `label` are 1, the labelled step and every later one 0 (the solution
+    does not become valid again; ProcessBench itself scores only the first error). The
+    category is the subset, the id's prefix (`gsm8k-0` -> gsm8k).
+    """
+    path = Path(path)
+    if path.is_dir():
+        files = [path / f"{s}.json" for s in PROCESSBENCH_SUBSETS if (path / f"{s}.json").is_file()]
+        if not files:
+            raise DataError([f"{path}: no ProcessBench subset file ({', '.join(PROCESSBENCH_SUBSETS)}.json)"])
+    else:
+        files = [path]
+    rows: list[dict[str, Any]] = []
+    problems: list[str] = []
+    for file in files:
+        for pos, obj, err in _json_rows(file):
+            if err:
+                problems.append(f"{file}:{pos}: id=?: row: {err}")
+                continue
+            where = f"{file}:{pos}: id={row_id(obj)}"
+            steps, label = obj.get("steps"), obj.get("label")
+            bad = False
+            for fld, ok, what in (
+                ("id", isinstance(obj.get("id"), str) and "-" in obj["id"], 'a string like "gsm8k-0"'),
+                ("problem", isinstance(obj.get("problem"), str), "the problem text"),
+                ("steps", _str_list(steps) and steps, "a non-empty list of step strings"),
+                (
+                    "label",
+                    isinstance(label, int) and not isinstance(label, bool) and -1 <= label < len(steps or []),
+                    f"the 0-based first wrong step in 0..{len(steps or []) - 1}, or -1 when all are right",
+                ),
+            ):
+                if not ok:
+                    problems.append(f"{where}: {fld}: missing or malformed (must be {what})")
+                    bad = True
+            if bad:
+                continue
+            first = None if label == -1 else label
+            rows.append(
+                {
+                    "id": obj["id"],
+                    "question": obj["problem"],
+                    "steps": list(steps),
+                    "images": [],
+                    "labels": [1.0 if first is None or i < first else 0.0 for i in range(len(steps))],
+                    "answer": None,
+                    "meta": {
+                        "source": "processbench",
+                        "category": obj["id"].rsplit("-", 1)[0],
+                        "label_kind": "validity",
+                        "source_id": obj["id"],
+                        "first_error": first,
+                        "generator": obj.get("generator"),
+                        "final_answer_correct": obj.get("final_answer_correct"),
+                    },
+                }
+            )
+    if problems:
+        raise DataError(problems)
+    return rows
+
+
+def read_visualprocessbench(path: str | Path, check_images: bool = True) -> list[dict[str, Any]]:
+    """VisualProcessBench rows (OpenGVLab/VisualProcessBench `test.jsonl`) as labelled step examples.
+
+    A row is `{"image": [path], "question", "answer", "response": {"steps": [str],
+    "process_correctness": [1 | 0 | -1]}, "policy_model", "data_source"}`; images are relative to
+    the file's folder (unzip `images.zip` beside `test.jsonl`). `process_correctness` is 1 correct,
+    -1 incorrect, 0 neutral (no reasoning in the step). Labels: 1 -> 1.0, -1 -> 0.0, neutral ->
+    1.0 and listed in `meta["neutral_steps"]`, which the benchmark's F1 leaves out. Unlike
+    ProcessBench, a step after an error keeps its own label (the benchmark asks for every wrong
+    step). The category is `data_source`; rows have no id, so the id is `vpb-<line>`, and
+    `meta["source_id"]` groups the responses to one question (for dev/test splits). Image
+    placeholders in the question that do not match the image count are dropped.
+    """
+    path = Path(path)
+    rows: list[dict[str, Any]] = []
+    problems: list[str] = []
+    for lineno, obj, err in iter_jsonl(path):
+        if err:
+            problems.append(f"{path}:{lineno}: id=?: line: {err}")
+            continue
+        rid = str(obj["id"]) if isinstance(obj.get("id"), (str, int)) else f"vpb-{lineno}"
+        where = f"{path}:{lineno}: id={rid}"
+        resp = obj.get("response") if isinstance(obj.get("response"), dict) else {}
+        steps, marks = resp.get("steps"), resp.get("process_correctness")
+        images = [obj["image"]] if isinstance(obj.get("image"), str) else obj.get("image", [])
+        bad = False
+        for fld, ok, what in (
+            ("question", isinstance(obj.get("question"), str), "the question text"),
+            ("image", _str_list(images), "a list of image paths relative to the file"),
+            ("response.steps", _str_list(steps) and steps, "a non-empty list of step strings"),
+            (
+                "response.process_correctness",
+                isinstance(marks, list)
+                and len(marks) == len(steps or [])
+                and all(m in (1, 0, -1) and not isinstance(m, bool) for m in marks),
+                f"one of 1 / 0 / -1 per step ({len(steps or [])} steps)",
+            ),
+            ("data_source", isinstance(obj.get("data_source"), str), "the benchmark the question comes from"),
+        ):
+            if not ok:
+                problems.append(f"{where}: {fld}: missing or malformed (must be {what})")
+                bad = True
+        if bad:
+            continue
+        resolved = [str(p if Path(p).is_absolute() else path.parent / p) for p in images]
+        missing = [p for p in resolved if check_images and not Path(p).is_file()]
+        if missing:
+            problems.append(f"{where}: image: not found: {missing[0]} (unzip images.zip beside {path.name})")
+            continue
+        question = obj["question"]
+        if len(IMAGE_PLACEHOLDER.findall(question)) not in (0, len(resolved)):
+            question = IMAGE_PLACEHOLDER.sub("", question).strip()
+        key = json.dumps([obj["data_source"], obj["question"], images])
+        errors = [i for i, m in enumerate(marks) if m == -1]
+        meta: dict[str, Any] = {
+            "source": "visualprocessbench",
+            "category": obj["data_source"],
+            "label_kind": "validity",
+            "source_id": hashlib.sha1(key.encode("utf-8")).hexdigest()[:12],
+            "first_error": errors[0] if errors else None,
+            "error_steps": errors,
+            "neutral_steps": [i for i, m in enumerate(marks) if m == 0],
+            "policy_model": obj.get("policy_model"),
+        }
+        if isinstance(obj.get("answer"), str):
+            meta["gold_answer"] = obj["answer"]
+        rows.append(
+            {
+                "id": rid,
+                "question": question,
+                "steps": list(steps),
+                "images": resolved,
+                "labels": [0.0 if m == -1 else 1.0 for m in marks],
                 "answer": None,
                 "meta": meta,
             }

@@ -202,6 +202,31 @@ def best_threshold(scores: Sequence[Sequence[float]], first_errors: Sequence[int
     return float(cand[best[np.argmin(np.abs(cand[best] - 0.5))]])
 
 
+def best_step_threshold(scores: Sequence[Sequence[float]], labels: Sequence[Sequence[float]]) -> float:
+    """Threshold that maximises step macro F1 (`step_f1`) on a dev split (VisualProcessBench's metric).
+
+    The candidates are those of `best_threshold`: 0, the midpoints between consecutive distinct
+    scores, and just above 1; ties go to the candidate closest to 0.5. Needs both correct and
+    erroneous steps in the split.
+    """
+    p, t = _flat(scores, labels)
+    good = t >= LABEL_THRESHOLD
+    if good.all() or not good.any():
+        raise ValueError("best_step_threshold needs both correct and erroneous steps in the dev split")
+    u = np.unique(p)
+    cand = np.r_[0.0, (u[1:] + u[:-1]) / 2, np.nextafter(1.0, 2.0)]  # (T,)
+    # Steps predicted correct at t are those scoring >= t: count them per class by binary search.
+    pos, neg = np.sort(p[good]), np.sort(p[~good])
+    tp = pos.size - np.searchsorted(pos, cand, side="left")  # correct steps predicted correct, (T,)
+    fp = neg.size - np.searchsorted(neg, cand, side="left")  # error steps predicted correct
+    fn, tn = pos.size - tp, neg.size - fp
+    f1_correct = 2 * tp / (2 * tp + fp + fn)  # denominators > 0: both classes are present
+    f1_error = 2 * tn / (2 * tn + fn + fp)
+    macro = (f1_correct + f1_error) / 2
+    best = np.flatnonzero(macro == macro.max())
+    return float(cand[best[np.argmin(np.abs(cand[best] - 0.5))]])
+
+
 def step_metrics(
     scores: Sequence[Sequence[float]], labels: Sequence[Sequence[float]], threshold: float = 0.5
 ) -> dict[str, float]:
