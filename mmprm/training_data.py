@@ -67,6 +67,8 @@ CACHE_FORMAT = 2  # bump when a cached column changes meaning (2: prompt_length)
 NEGATIVE_BELOW = 0.5
 IGNORE = -100  # label of tokens that carry no loss (cross_entropy's ignore_index)
 Kind = Literal["prm", "sft"]
+# How a row's MC values become training targets (`prm_labels`); prm_train's data.label_mode.
+LabelMode = Literal["soft", "hard", "hard_any_correct"]
 
 
 def default_cache_dir() -> Path:
@@ -301,10 +303,22 @@ def _where(source: str, row: dict[str, Any]) -> str:
     return f"{source}:{row['line']}: id={row['id']}"
 
 
-def prm_labels(labels: Sequence[float], label_mode: str, hard_threshold: float) -> list[float]:
-    """Training labels: as given (soft), or MM-PRM's hard ablation (>= threshold -> 1 else 0)."""
+def prm_labels(labels: Sequence[float], label_mode: LabelMode, hard_threshold: float) -> list[float]:
+    """Training targets from a row's MC values.
+
+    soft: the MC values as they are. hard: 1 where MC >= hard_threshold, else 0.
+    hard_any_correct: MM-PRM's hard labels, 1 where MC > 0 (some rollout from the step reached the
+    gold answer), else 0; hard_threshold plays no part.
+
+    >>> prm_labels([0.0, 0.0625, 0.5, 1.0], "hard_any_correct", 0.5)
+    [0.0, 1.0, 1.0, 1.0]
+    >>> prm_labels([0.0, 0.0625, 0.5, 1.0], "hard", 0.5)
+    [0.0, 0.0, 1.0, 1.0]
+    """
     if label_mode == "hard":
         return [1.0 if x >= hard_threshold else 0.0 for x in labels]
+    if label_mode == "hard_any_correct":
+        return [1.0 if x > 0 else 0.0 for x in labels]
     return [float(x) for x in labels]
 
 
@@ -315,7 +329,7 @@ def _tokenize_prm_row(
     max_length: int,
     step_token: str,
     system: str | None,
-    label_mode: str,
+    label_mode: LabelMode,
     hard_threshold: float,
     prompts: _BytesLRU | None = None,
 ) -> dict[str, Any]:

@@ -5,7 +5,7 @@ r"""Train a (multimodal) process reward model with soft Monte-Carlo labels.
     # 8 GPUs, DeepSpeed ZeRO-2
     accelerate launch --config_file launch/accelerate/deepspeed_zero2.yaml \
         recipes/prm_train.py --config recipes/configs/qwen2_5_vl_7b/prm_train.yaml
-    # any key can be overridden: train.lr=2e-6 data.label_mode=hard resume_from_checkpoint=latest
+    # any key can be overridden: train.lr=2e-6 data.label_mode=hard_any_correct resume_from_checkpoint=latest
 
 The head is read at the step token after every step (`mmprm.steps.tokenize_steps`) and trained
 with cross-entropy against the float label; eval metrics go to OUTPUT_DIR/metrics.jsonl and the
@@ -59,7 +59,7 @@ from mmprm.training import (
     start_run,
     wrap_padding,
 )
-from mmprm.training_data import PackedPRMCollator, PRMCollator, load_tokenized, plan_tree_packs
+from mmprm.training_data import LabelMode, PackedPRMCollator, PRMCollator, load_tokenized, plan_tree_packs
 
 
 @dataclass
@@ -108,8 +108,10 @@ class DataConfig:
         eval_file: held-out rows for eval metrics; null skips evaluation
         max_length: tokens per example; trailing steps past it are dropped, and a negative row whose
             first error step would be cut is dropped whole (both counted in the log and metrics.jsonl)
-        label_mode: soft (the MC value is the target) | hard (label >= hard_threshold -> 1 else 0)
-        hard_threshold: label_mode=hard: the cut between good and bad steps
+        label_mode: soft (the MC value is the target) | hard (MC >= hard_threshold -> 1 else 0) |
+            hard_any_correct (MM-PRM's hard labels: MC > 0 -> 1 else 0, i.e. some rollout from the step
+            reached the answer; `mmprm.training_data.prm_labels`)
+        hard_threshold: label_mode=hard only: the cut between good and bad steps
         balance: weight positive and negative steps (label >= 0.5 or not) to equal total weight
         num_proc: tokenization workers; null: the CPUs, at most 16
         cache_dir: tokenized-data cache (Arrow); null: $MMPRM_CACHE, else ~/.cache/mmprm/tokenized
@@ -125,7 +127,7 @@ class DataConfig:
     train_file: str = ""
     eval_file: str | None = None
     max_length: int = 2048
-    label_mode: str = "soft"
+    label_mode: LabelMode = "soft"
     hard_threshold: float = 0.5
     balance: bool = False
     num_proc: int | None = None
@@ -167,8 +169,6 @@ class Config:
             raise ValueError("model.name_or_path: required (a HF model directory or hub name)")
         if not self.data.train_file:
             raise ValueError("data.train_file: required (step-labelled JSONL, see README)")
-        if self.data.label_mode not in ("soft", "hard"):
-            raise ValueError(f"data.label_mode: {self.data.label_mode!r} is not one of ['soft', 'hard']")
         if self.prm.head not in ("token_pair", "value"):
             raise ValueError(f"prm.head: {self.prm.head!r} is not one of ['token_pair', 'value']")
         if self.data.pack_trees and self.data.pack_tokens < self.data.max_length:

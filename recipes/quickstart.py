@@ -503,9 +503,7 @@ def main(argv: list[str]) -> None:
             out,
             cfg.force,
             timings,
-            lambda: train(
-                mcts / "prm_data.jsonl", out / "prm_hard", "data.label_mode=hard", "data.hard_threshold=1e-6"
-            ),
+            lambda: train(mcts / "prm_data.jsonl", out / "prm_hard", "data.label_mode=hard_any_correct"),
         )
 
     def outcome_model() -> None:

@@ -467,6 +467,45 @@ def test_inverse_cdf_sampler_takes_each_rows_own_temperature():
     assert abs((drawn[:rows] == 0).float().mean().item() - 0.787) < 0.02
 
 
+def test_repetition_penalty_by_hand():
+    """A seen token's logit: positive / penalty, negative x penalty; a row's left padding is not seen."""
+    import torch
+
+    from mmprm.generation.hf import InverseCDFSampler, penalize_repeats
+
+    pad = 0
+    ids = torch.tensor([[pad, pad, 2, 3], [1, 2, 2, pad]])  # row 1 ends with the pad id: a real token
+    scores = torch.tensor([[0.5, 1.0, 2.0, -1.0], [0.5, 1.0, 2.0, -1.0]])
+    # row 0 saw 2, 3: 2.0 / 2 = 1.0, -1.0 x 2 = -2.0; token 0 (its padding) keeps 0.5
+    # row 1 saw 1, 2, 0: 0.5 / 2 = 0.25, 1.0 / 2 = 0.5, 2.0 / 2 = 1.0; token 3 keeps -1.0
+    assert penalize_repeats(ids, scores, 2.0, pad).tolist() == [[0.5, 1.0, 1.0, -2.0], [0.25, 0.5, 1.0, -1.0]]
+    assert penalize_repeats(ids, scores, 2.0, None).tolist()[0] == [0.25, 1.0, 1.0, -2.0]  # no pad id: all seen
+    # Greedy (top_k 1) after the penalty: token 2 (2.0) wins alone, and loses to token 1 (1.5) at 2.0 / 2
+    logits = torch.tensor([[0.5, 1.5, 2.0, -1.0]])
+    seen = torch.tensor([[pad, 2]])
+    assert InverseCDFSampler(1.0, 1, 1.0)(seen, logits).argmax().item() == 2
+    assert InverseCDFSampler(1.0, 1, 1.0, repetition_penalty=2.0, pad_id=pad)(seen, logits).argmax().item() == 1
+
+
+def test_hf_backend_passes_its_repetition_penalty_and_pad_id(tiny_dirs, monkeypatch):
+    from mmprm.generation import hf
+
+    made = []
+
+    class Recording(hf.InverseCDFSampler):
+        def __init__(self, *args):
+            made.append(args)
+            super().__init__(*args)
+
+    monkeypatch.setattr(hf, "InverseCDFSampler", Recording)
+    sampling = SamplingConfig(repetition_penalty=1.05, max_new_tokens=2, seed=0)
+    backend = hf.HFBackend.from_pretrained(str(tiny_dirs["qwen2"]), sampling)
+    backend.generate([RolloutRequest("a", "What is 2 + 2?", [], [], 2)])
+    assert made and all(args[3:] == (1.05, backend.tokenizer.pad_token_id) for args in made)
+    with pytest.raises(ValueError, match="sampling.repetition_penalty must be > 0"):
+        SamplingConfig(repetition_penalty=0.0).validate()
+
+
 class _TemperatureLog(SimulatedPolicy):
     """Records (prefix length, temperature) of every request it answers."""
 

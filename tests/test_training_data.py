@@ -35,6 +35,7 @@ from mmprm.training_data import (
     SFTCollator,
     collate_sft,
     load_tokenized,
+    prm_labels,
     tokenize_sft,
     truncation_keeps_row,
 )
@@ -405,6 +406,35 @@ def test_bad_rows_are_all_reported_before_tokenizing(tiny_models, tmp_path):
     with pytest.raises(DataError, match=r"rows.jsonl:3: id=r2: images: FileNotFoundError"):
         load_tokenized(path, "prm", processor, SETTINGS, cache_dir=tmp_path / "cache", num_proc=1)
     assert not list((tmp_path / "cache").glob("*"))  # a failed build leaves no cache behind
+
+
+# ---- label modes: MC values -> training targets ------------------------------------------------
+
+
+def test_label_modes_by_hand():
+    # MC values of 16 rollouts: 0/16, 1/16, 7/16, 8/16, 16/16
+    mc = [0.0, 0.0625, 0.4375, 0.5, 1.0]
+    assert prm_labels(mc, "soft", 0.5) == [0.0, 0.0625, 0.4375, 0.5, 1.0]
+    assert prm_labels(mc, "hard", 0.5) == [0.0, 0.0, 0.0, 1.0, 1.0]
+    # MM-PRM's hard labels: one correct rollout in 16 makes a step good; the threshold is not read
+    assert prm_labels(mc, "hard_any_correct", 0.5) == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert prm_labels(mc, "hard_any_correct", 0.9) == [0.0, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_label_mode_reaches_the_cached_rows(tiny_models, tmp_path):
+    """The mode is applied at tokenization: the cache holds the mapped labels and counts its
+    positive steps from them, and each mode keys its own cache."""
+    processor = prm_processor(tiny_models, "qwen2")
+    path = write_rows(tmp_path, 4, images=False)  # labels [0.25], [1, 1], [1, 1, 0.25], [1]
+    by_mode = {}
+    for mode in ("soft", "hard", "hard_any_correct"):
+        settings = {**SETTINGS, "label_mode": mode}
+        data, stats = load_tokenized(path, "prm", processor, settings, cache_dir=tmp_path / "cache", num_proc=1)
+        assert not stats["reused"], mode
+        by_mode[mode] = (data.column("labels"), sum(data.column("n_pos")))
+    assert by_mode["soft"] == ([[0.25], [1.0, 1.0], [1.0, 1.0, 0.25], [1.0]], 5)
+    assert by_mode["hard"] == ([[0.0], [1.0, 1.0], [1.0, 1.0, 0.0], [1.0]], 5)
+    assert by_mode["hard_any_correct"] == ([[1.0], [1.0, 1.0], [1.0, 1.0, 1.0], [1.0]], 7)
 
 
 # ---- truncation: a negative path never trains as a positive one -------------------------------

@@ -184,6 +184,14 @@ def test_each_request_samples_at_its_own_temperature(engines):
     assert [p.temperature for p in params] == [1.0, 0.5]
 
 
+def test_the_repetition_penalty_reaches_every_requests_sampling_params(engines):
+    """`sampling.repetition_penalty` (MM-PRM samples at 1.05) is in each request's SamplingParams."""
+    reqs = requests(engines, 2)
+    texts, _, params = vllm_outputs(fresh(engines.vllm, repetition_penalty=1.05), reqs)
+    assert [len(t) for t in texts] == [2, 2]
+    assert [p.repetition_penalty for p in params] == [1.05, 1.05]
+
+
 def test_unseeded_requests_leave_the_sampling_to_the_engines_seed(engines):
     """`seed_each_request: false` sends no per-request seed (vLLM's batched sampler), still n
     distinct samples per request; the default seeds every request."""

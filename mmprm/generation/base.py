@@ -59,6 +59,9 @@ class SamplingConfig:
         top_k: keep the k most likely tokens (0 turns it off); 50 cuts the long tail that only
             produces garbage steps.
         top_p: nucleus sampling mass; 0.9, with top_k, cuts that tail too.
+        repetition_penalty: every token already in the prompt or the rollout has its logit divided
+            by this where positive and multiplied where negative (vLLM's and transformers' rule);
+            1.0 turns it off. MM-PRM's rollouts use 1.05 (its data_pipeline/llm_utils.py).
         max_new_tokens: 4096 (MM-PRM's value), the cap per rollout. A rollout cut there is
             unfinished: it counts as not correct in MC estimates but is never searched for an
             error (`mmprm.annotate.omega`); records count such rollouts as `truncated_rollouts`.
@@ -74,6 +77,7 @@ class SamplingConfig:
     prefix_temperature: float | None = None
     top_k: int = 50
     top_p: float = 0.9
+    repetition_penalty: float = 1.0
     max_new_tokens: int = 4096
     seed: int = 0
     seed_each_request: bool = True
@@ -85,6 +89,8 @@ class SamplingConfig:
             raise ValueError("sampling.prefix_temperature must be > 0 or null (null: sampling.temperature)")
         if not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_new_tokens < 1:
             raise ValueError("sampling: need 0 < top_p <= 1, top_k >= 0 (0 = off), max_new_tokens >= 1")
+        if self.repetition_penalty <= 0:
+            raise ValueError("sampling.repetition_penalty must be > 0 (1.0 turns it off)")
 
 
 class Completion(str):

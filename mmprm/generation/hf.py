@@ -30,6 +30,24 @@ from mmprm.generation.base import (
 from mmprm.steps import needs_special_tokens
 
 
+def penalize_repeats(input_ids: torch.Tensor, scores: torch.Tensor, penalty: float, pad_id: int | None) -> torch.Tensor:
+    """Scores with every token seen in its row (prompt and rollout so far) penalized: a positive
+    logit divided by `penalty`, a negative one multiplied, as vLLM and transformers do. A row's
+    leading `pad_id` tokens are left padding, not seen tokens.
+
+    input_ids (B, S), scores (B, V) -> (B, V). With ids [[pad, 5, 7]], logits 2.0 at 5 and
+    -1.0 at 7 and penalty 2: 5 -> 1.0, 7 -> -2.0, the pad token's logit unchanged.
+    """
+    real = (
+        (input_ids != pad_id).cumsum(dim=-1) > 0 if pad_id is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    )
+    # Padding points at the row's last token (always real), so every write marks a seen token.
+    ids = torch.where(real, input_ids, input_ids[:, -1:])
+    seen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ids, True)  # (B, V)
+    penalized = torch.where(scores > 0, scores / penalty, scores * penalty)
+    return torch.where(seen, penalized, scores)
+
+
 class InverseCDFSampler:
     """A logits processor that samples: temperature, top-k and top-p as `generate` applies them,
     then one token per row by inverse CDF (one uniform draw, a cumulative sum, a binary search).
@@ -40,16 +58,28 @@ class InverseCDFSampler:
     nothing (`benchmarks/hf_sampling.py`; figures in docs/performance.md). The distribution is the
     same; the random stream is not, so the same seed draws other tokens than `do_sample=True` would.
     The draws use torch's global generator (`torch.manual_seed` makes them reproducible).
-    `temperature` is one value, or a (rows, 1) tensor of each row's own.
+    `temperature` is one value, or a (rows, 1) tensor of each row's own. `repetition_penalty`
+    (1.0: off) applies first, as in `generate`, to the tokens of each row after its left padding
+    (`pad_id`), so a row samples the same in a padded batch as alone.
     """
 
-    def __init__(self, temperature: float | torch.Tensor, top_k: int, top_p: float):
+    def __init__(
+        self,
+        temperature: float | torch.Tensor,
+        top_k: int,
+        top_p: float,
+        repetition_penalty: float = 1.0,
+        pad_id: int | None = None,
+    ):
         from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+        self.warpers = []
+        if repetition_penalty != 1.0:
+            self.warpers.append(lambda ids, scores: penalize_repeats(ids, scores, repetition_penalty, pad_id))
         if isinstance(temperature, torch.Tensor):
-            self.warpers = [lambda _ids, scores: scores / temperature.to(scores.device, scores.dtype)]
+            self.warpers.append(lambda _ids, scores: scores / temperature.to(scores.device, scores.dtype))
         else:
-            self.warpers = [TemperatureLogitsWarper(temperature)]
+            self.warpers.append(TemperatureLogitsWarper(temperature))
         if top_k > 0:
             self.warpers.append(TopKLogitsWarper(top_k))
         if top_p < 1.0:
@@ -72,7 +102,7 @@ class HFBackend:
     Args:
         model: a causal LM or image-text-to-text model (eval mode is set here).
         processor: its processor, or tokenizer for text-only models.
-        sampling: temperature / top_k / top_p / max_new_tokens / seed.
+        sampling: temperature / top_k / top_p / repetition_penalty / max_new_tokens / seed.
         step_mode: prompt and stop format ("tags" stops at `</answer>`).
         batch_size: rows (sequences) per `generate` call.
         system: optional system prompt for every rollout.
@@ -152,7 +182,13 @@ class HFBackend:
             row_t = [temperatures[i] for i, _, _ in chunk]
             # One value when the chunk shares it (always, unless requests set their own).
             t = row_t[0] if len(set(row_t)) == 1 else torch.tensor(row_t).unsqueeze(1)
-            sampler = InverseCDFSampler(t, self.sampling.top_k, self.sampling.top_p)
+            sampler = InverseCDFSampler(
+                t,
+                self.sampling.top_k,
+                self.sampling.top_p,
+                self.sampling.repetition_penalty,
+                self.tokenizer.pad_token_id,
+            )
             texts = [t for _, t, _ in chunk]
             special = needs_special_tokens(self.tokenizer, texts[0])  # one template: same for every row
             if self.multimodal and any(imgs for _, _, imgs in chunk):

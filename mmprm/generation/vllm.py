@@ -158,7 +158,7 @@ class VLLMBackend:
 
     Args:
         model_path: checkpoint directory or hub id.
-        sampling: temperature / top_k (0 = off) / top_p / max_new_tokens / seed.
+        sampling: temperature / top_k (0 = off) / top_p / repetition_penalty / max_new_tokens / seed.
         step_mode: prompt and stop format.
         system: optional system prompt.
         max_images_per_prompt: vLLM's `limit_mm_per_prompt` for images (`limit_mm_per_prompt` in
@@ -288,6 +288,7 @@ class VLLMBackend:
                 temperature=s.temperature if req.temperature is None else req.temperature,
                 top_k=s.top_k,
                 top_p=s.top_p,
+                repetition_penalty=s.repetition_penalty,
                 max_tokens=s.max_new_tokens,
                 seed=seed if s.seed_each_request else None,
                 stop=(stop_strings(self.step_mode) + (req.stop or [])) or None,
