@@ -429,19 +429,16 @@ def load_prm(
     if backend not in ("hf", "vllm"):
         raise ValueError(f"backend: {backend!r} is not one of ['hf', 'vllm']")
     path = Path(path)
-    if convention is not None and convention != "mmprm":
-        if backend != "hf":
-            raise ValueError(f"backend {backend!r} scores PRMs mmprm wrote; score the released {convention} with 'hf'")
-        return _load_released(
-            path, released_spec(convention), device, batch_size, max_length, dtype, attn_implementation
-        )
     if backend == "vllm":
         from mmprm.models.vllm_prm import VLLMPRMScorer
 
         kwargs = dict(vllm_kwargs or {})
         if dtype is not None and not kwargs.get("server_url"):  # a served PRM runs in the server's dtype
             kwargs.setdefault("dtype", str(dtype).removeprefix("torch."))
-        return VLLMPRMScorer(path, batch_size=batch_size, max_length=max_length, **kwargs)
+        return VLLMPRMScorer(path, batch_size=batch_size, max_length=max_length, convention=convention, **kwargs)
+    if convention is not None and convention != "mmprm":
+        spec = released_spec(convention)
+        return _load_released(path, spec, device, batch_size, max_length, dtype, attn_implementation)
     spec = read_spec(path)
     backbone, processor = load_backbone(path, dtype=dtype, attn_implementation=attn_implementation)
     model = build_prm(backbone, processor, spec)

@@ -16,6 +16,11 @@ weights linked, not copied); it is also what `vllm serve` takes:
     mmprm export-vllm runs/prm runs/prm-vllm
     vllm serve runs/prm-vllm --runner pooling --convert classify --pooler-config '{"task": "token_classify"}'
 
+Released PRMs (`convention=`, docs/released-prms.md): a token-pair one (Math-Shepherd, RLHFlow)
+is exported the same way; Qwen2.5-Math-PRM is an architecture vLLM runs itself
+(`Qwen2ForProcessRewardModel`), so its directory is served as it is and the scorer reads the two
+logits of every step tag.
+
 Tested where vllm is installed (`pytest -m vllm`): scores equal the HF scorer's.
 """
 
@@ -32,11 +37,13 @@ from typing import Any
 from mmprm.data.schema import load_image
 from mmprm.models.spec import (
     VALUE_HEAD_FILE,
+    PRMSpec,
     example_field,
     example_steps,
     group_by_prompt,
     progress_bar,
     read_spec,
+    released_spec,
     tokenize_example,
     tokenize_group,
 )
@@ -46,12 +53,16 @@ SCORE_WEIGHTS_FILE = "mmprm_score.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # vLLM's engine arguments that make it a token classifier over an exported PRM directory.
 POOLING_ARGS = {"runner": "pooling", "convert": "classify", "pooler_config": {"task": "token_classify"}}
+# A released classifier PRM (Qwen2.5-Math-PRM) is a pooling model of vLLM's own: every token's two
+# logits, not only its step tag's.
+CLASSIFIER_POOLING_ARGS = {"runner": "pooling", "pooler_config": {"task": "token_classify", "tok_pooling_type": "ALL"}}
 
 
-def classifier_config(prm_dir: str | Path, tokenizer: Any | None = None) -> dict[str, Any]:
-    """The config.json keys that make vLLM read `prm_dir`'s head as a one-logit token classifier."""
+def classifier_config(prm_dir: str | Path, tokenizer: Any | None = None, spec: PRMSpec | None = None) -> dict[str, Any]:
+    """The config.json keys that make vLLM read `prm_dir`'s head as a one-logit token classifier
+    (`spec`: the PRM's, read from `prm_dir` when not given)."""
     prm_dir = Path(prm_dir)
-    spec = read_spec(prm_dir)
+    spec = spec or read_spec(prm_dir)
     if spec.head == "value":
         return {"id2label": {"0": "step_correct"}, "label2id": {"step_correct": 0}}
     from mmprm.models.loading import load_processor
@@ -65,8 +76,9 @@ def classifier_config(prm_dir: str | Path, tokenizer: Any | None = None) -> dict
     return {"classifier_from_token": [negative, positive], "method": "from_2_way_softmax"}
 
 
-def export_for_vllm(prm_dir: str | Path, out_dir: str | Path, link: bool = True) -> Path:
-    """Write `out_dir`: `prm_dir` as vLLM loads it for token classification.
+def export_for_vllm(prm_dir: str | Path, out_dir: str | Path, link: bool = True, spec: PRMSpec | None = None) -> Path:
+    """Write `out_dir`: `prm_dir` as vLLM loads it for token classification (`spec`: a released
+    token-pair PRM's, `released_spec`; read from `prm_dir` when not given).
 
     Every file of `prm_dir` is linked (`link=True`; copied otherwise) except config.json, which
     gains the classifier (`classifier_config`); a value head's weight is written as the
@@ -74,7 +86,9 @@ def export_for_vllm(prm_dir: str | Path, out_dir: str | Path, link: bool = True)
     beside every backbone weight. The directory stays a PRM directory: `load_prm` reads it too.
     """
     prm_dir, out = Path(prm_dir).resolve(), Path(out_dir)
-    spec = read_spec(prm_dir)
+    spec = spec or read_spec(prm_dir)
+    if spec.head == "classifier":
+        raise ValueError(f"{prm_dir}: a classifier PRM ({spec.convention}) is served by vLLM as it is: no export")
     if out.resolve() == prm_dir:
         raise ValueError(f"{out}: export to a directory of its own, not over the PRM")
     out.mkdir(parents=True, exist_ok=True)
@@ -90,7 +104,7 @@ def export_for_vllm(prm_dir: str | Path, out_dir: str | Path, link: bool = True)
         else:
             shutil.copyfile(src, dst)
     config = json.loads((prm_dir / "config.json").read_text())
-    classifier = classifier_config(prm_dir)
+    classifier = classifier_config(prm_dir, spec=spec)
     config.update(classifier)
     text = config.get("text_config")
     if isinstance(text, dict):
@@ -202,6 +216,9 @@ class VLLMPRMScorer:
             our own (e.g. http://gpu-node:8000); the PRM directory still gives the tokenizer, the
             spec and the value head's bias. Text only: vLLM's pooling endpoint takes token ids
             without images.
+        convention: a released PRM (`mmprm.models.spec.RELEASED_CONVENTIONS`): a token-pair one is
+            exported as mmprm's are; a classifier one (Qwen2.5-Math-PRM) runs as vLLM's own pooling
+            model of that architecture, each step's two logits read at its tag.
         **llm_kwargs: passed to `vllm.LLM` (dtype, gpu_memory_utilization, max_model_len,
             tensor_parallel_size, enforce_eager, ...).
     """
@@ -213,12 +230,13 @@ class VLLMPRMScorer:
         max_length: int | None = None,
         export_dir: str | Path | None = None,
         server_url: str | None = None,
+        convention: str | None = None,
         **llm_kwargs: Any,
     ):
         from mmprm.models.loading import load_processor
 
         prm_path = Path(prm_path)
-        self.spec = read_spec(prm_path)
+        self.spec = released_spec(convention) if convention and convention != "mmprm" else read_spec(prm_path)
         self.processor = load_processor(str(prm_path))
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.batch_size = batch_size
@@ -245,11 +263,15 @@ class VLLMPRMScorer:
             from mmprm.generation.vllm import _independent_engine
 
             self._vllm = vllm
-            self._tmp = None if export_dir is not None else tempfile.mkdtemp(prefix="mmprm-vllm-prm-")
-            self.export_dir = export_for_vllm(prm_path, export_dir or self._tmp)
+            if self.spec.head == "classifier":
+                self.export_dir, engine_args = prm_path, CLASSIFIER_POOLING_ARGS
+            else:
+                self._tmp = None if export_dir is not None else tempfile.mkdtemp(prefix="mmprm-vllm-prm-")
+                self.export_dir = export_for_vllm(prm_path, export_dir or self._tmp, spec=self.spec)
+                engine_args = POOLING_ARGS
             with _independent_engine():
                 self.llm = vllm.LLM(
-                    model=str(self.export_dir), limit_mm_per_prompt=limit or None, **{**POOLING_ARGS, **llm_kwargs}
+                    model=str(self.export_dir), limit_mm_per_prompt=limit or None, **{**engine_args, **llm_kwargs}
                 )
             self.max_model_len = self.llm.model_config.max_model_len
         if max_length is not None and max_length > self.max_model_len:
@@ -360,8 +382,11 @@ class VLLMPRMScorer:
                     "give the engine the processor's image settings (vllm_kwargs: {mm_processor_kwargs: "
                     "{min_pixels: N, max_pixels: N}})"
                 )
-            logits = data.reshape(len(tok.input_ids), -1)[tok.step_positions, 0]
-            probs = torch.sigmoid(logits.float() + self._bias).tolist()
+            logits = data.reshape(len(tok.input_ids), -1)[tok.step_positions].float()  # (steps, 1 or 2)
+            if self.spec.head == "classifier":
+                probs = torch.softmax(logits, dim=-1)[:, self.spec.positive_label].tolist()
+            else:
+                probs = torch.sigmoid(logits[:, 0] + self._bias).tolist()
             results[i] = probs + [float("nan")] * (len(example_steps(examples[i])) - len(probs))
             self.dropped_steps += tok.dropped_steps
         bar.update(len(pending))
@@ -406,7 +431,7 @@ class PoolingServer:
                 if attempt == self.attempts - 1:
                     raise ConnectionError(
                         f"server_url: {self.url}{route} did not answer after {self.attempts} tries ({e}); is "
-                        "`vllm serve` running there with --runner pooling --convert classify?"
+                        "`vllm serve` running there with --runner pooling (docs/serving.md)?"
                     ) from None
                 time.sleep(2**attempt)
         raise AssertionError("unreachable")
@@ -436,9 +461,13 @@ def cli_export_vllm(argv: list[str]) -> int:
     parser.add_argument("prm_dir", help="a PRM directory written by mmprm (recipes/prm_train.py)")
     parser.add_argument("out_dir", help="where to write the vLLM view of it")
     parser.add_argument("--copy", action="store_true", help="copy the weights instead of linking them")
+    parser.add_argument(
+        "--convention", help="a released token-pair PRM's convention (math_shepherd, rlhflow); docs/released-prms.md"
+    )
     args = parser.parse_args(argv)
     try:
-        out = export_for_vllm(args.prm_dir, args.out_dir, link=not args.copy)
+        spec = released_spec(args.convention) if args.convention else None
+        out = export_for_vllm(args.prm_dir, args.out_dir, link=not args.copy, spec=spec)
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f"mmprm export-vllm: {e}\n")
     served = {"task": "token_classify"}
