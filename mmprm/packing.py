@@ -13,13 +13,15 @@ of the rows themselves.
     collate_packed(trees, ..)  PackedTrees -> a batch for ProcessRewardModel (4D mask, row_positions)
     packed_position_ids(..)    row positions -> the backbone's position ids (M-RoPE included)
     tree_attention(..)         a context in which sdpa attends on CPU by blocks of the tree mask
+    tree_block_mask(..)        the tree mask as FlexAttention's block mask (attn_implementation=flex_attention)
     plan_packs(rows, ..)       cached rows -> packs of row indices under a token budget, with lengths
 
 Attention over a pack costs its length squared, yet a token sees only its own path, a small part
 of the pack. On CPU, `tree_attention` cuts the queries into blocks of 64 and runs each block
 against only the keys some query in it sees: the same numbers (up to float rounding), far fewer
-of them computed (`benchmarks/prm_packing.py`; figures in docs/tree-packing.md). On a GPU the
-masked kernel is kept: many small kernels may cost more in launches than they save.
+of them computed (`benchmarks/prm_packing.py`; figures in docs/tree-packing.md). On a GPU, sdpa
+keeps the masked kernel (many small kernels may cost more in launches than they save);
+`attn_implementation=flex_attention` runs FlexAttention with the tree as a block mask instead.
 """
 
 from __future__ import annotations
@@ -215,15 +217,36 @@ def packed_position_ids(decoder: Any, input_ids: torch.Tensor, row_positions: to
     return linear - shift.unsqueeze(0)
 
 
-def packed_attention_mask(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
-    """The packed bool mask as the additive float mask both kernels take (sdpa would convert a bool
-    mask in every layer)."""
+def packed_attention_mask(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> Any:
+    """The packed bool mask as the kernel takes it: the additive float mask of sdpa and eager (sdpa
+    would convert a bool mask in every layer), or FlexAttention's block mask (`tree_block_mask`)."""
     if attn_implementation in ("sdpa", "eager"):
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    if attn_implementation == "flex_attention":
+        return tree_block_mask(mask)
     raise ValueError(
-        f"tree packing (data.pack_trees) needs attention that takes a 4D mask (sdpa or eager), not "
-        f"{attn_implementation!r}: set model.attn_implementation=sdpa or data.pack_trees=false"
+        f"tree packing (data.pack_trees) needs attention that takes a tree mask (sdpa, eager or "
+        f"flex_attention), not {attn_implementation!r}: set model.attn_implementation or data.pack_trees=false"
     )
+
+
+def tree_block_mask(sees: torch.Tensor) -> Any:
+    """A (B, 1, L, L) bool tree mask as FlexAttention's `BlockMask`.
+
+    The kernel skips every block of queries x keys where no query sees a key, and applies the mask
+    only inside the blocks that are partly seen: a pack's attention costs the blocks along its
+    paths, not L x L, and the mask is never an L x L float tensor (a dense mask also turns off
+    SDPA's grouped-query kernels on GPU).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seen = sees[:, 0]  # (B, L, L)
+
+    def tree_mask(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return seen[b, q, kv]
+
+    length = sees.shape[-1]
+    return create_block_mask(tree_mask, sees.shape[0], None, length, length, device=sees.device)
 
 
 TREE_ATTENTION = "mmprm_tree_sdpa"  # the name `tree_attention` registers with transformers

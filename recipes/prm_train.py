@@ -68,7 +68,8 @@ class ModelConfig:
 
     Attributes:
         name_or_path: backbone: a Hugging Face model directory (or hub id where the hub is reachable); required
-        attn_implementation: attention kernel: sdpa | flash_attention_2 (mmprm[flash], CUDA) | eager | auto
+        attn_implementation: attention kernel: sdpa | flash_attention_2 (mmprm[flash], CUDA) | flex_attention
+            (FlexAttention; with data.pack_trees the tree is a block mask) | eager | auto
             (flash-attn when installed and a GPU is visible, else sdpa)
         dtype: weights dtype at load (float32, bfloat16, float16); use train.bf16 for mixed precision
         freeze_vision_tower: keep the vision encoder frozen (MM-PRM trains only the language model)
@@ -159,12 +160,17 @@ class Config:
     resume_from_checkpoint: str | None = None
 
     def validate(self) -> None:
-        if self.data.pack_trees and self.model.attn_implementation not in ("sdpa", "eager", "auto"):
+        if self.data.pack_trees and self.model.attn_implementation == "flash_attention_2":
             raise ValueError(
-                f"data.pack_trees needs attention that takes a tree mask: model.attn_implementation=sdpa or "
-                f"eager, not {self.model.attn_implementation!r} (or set data.pack_trees=false)"
+                "data.pack_trees needs attention that takes a tree mask: model.attn_implementation=sdpa, "
+                "flex_attention or eager, not 'flash_attention_2' (or set data.pack_trees=false)"
             )
         resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
+        if self.model.attn_implementation == "flex_attention" and not torch.cuda.is_available():
+            raise ValueError(
+                "model.attn_implementation=flex_attention trains on a GPU only (torch's FlexAttention has no "
+                "backward on CPU): use sdpa here"
+            )
         if not self.model.name_or_path:
             raise ValueError("model.name_or_path: required (a HF model directory or hub name)")
         if not self.data.train_file:

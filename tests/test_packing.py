@@ -244,3 +244,56 @@ def test_packed_logits_equal_row_logits_on_real_chat_templates(tmp_path, family,
     assert len(made) == 2, family  # the training forward above, then the scorer's tree
     flat = torch.tensor([x for row in scored for x in row])
     assert torch.allclose(flat, torch.sigmoid(plain), atol=1e-5), family
+
+
+def test_tree_block_mask_skips_the_blocks_no_path_sees():
+    """A 128-token prompt and two 256-token branches (five 128-token blocks): branch B's queries
+    never visit branch A's key blocks, so 11 of the 25 blocks run (a causal mask runs 15)."""
+    from mmprm.packing import tree_block_mask
+
+    tree = packing.PackedTree(
+        input_ids=[0] * 640,
+        row_positions=list(range(384)) + list(range(128, 384)),
+        node_of_token=[0] * 128 + [1] * 256 + [2] * 256,
+        parents=[-1, 0, 0],
+        step_positions=[383, 639],
+        targets=[1.0, 0.0],
+        weights=[1.0, 1.0],
+        row_steps=[[0], [1]],
+    )
+    mask = tree.attention_mask()[None, None]
+    blocks = tree_block_mask(mask)
+    per_query_block = (blocks.kv_num_blocks + blocks.full_kv_num_blocks)[0, 0].tolist()
+    assert per_query_block == [1, 2, 3, 2, 3]
+    assert blocks.to_dense()[0, 0].tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 0, 0, 1, 0],
+        [1, 0, 0, 1, 1],
+    ]
+
+
+@pytest.mark.slow  # FlexAttention compiles its kernel (torch.compile) on first use
+@pytest.mark.parametrize("arch", ["qwen2", "internvl"])
+def test_flex_attention_with_the_tree_block_mask_gives_the_row_logits(tiny_models, arch):
+    """`attn_implementation=flex_attention`: the packed batch through FlexAttention and the tree
+    block mask gives each step the logit its row gets with sdpa."""
+    model, processor = _prm(tiny_models, arch)
+    flex, _ = _prm(tiny_models, arch, attn="flex_attention")
+    rows = _rows(processor, arch)
+    pad = _pad(processor)
+    with torch.no_grad():
+        plain = model(**_inputs(collate_steps(rows, pad)))
+        other = pack_rows(_rows(processor, arch, "Multiply the two tiles, then add one."))
+        tree = pack_rows(rows)
+        packed = flex(**_inputs(collate_packed([tree, other], pad)))[: len(tree.step_positions)]
+    for i, node in enumerate(ROW_STEP_NODES):
+        assert torch.allclose(packed[node], plain[i], atol=1e-5), f"{arch}: node {node} vs row step {i}"
+
+
+def test_flex_attention_on_an_architecture_without_it_is_refused_naming_the_key(tiny_models):
+    from mmprm.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.attn_implementation=flex_attention: .*Qwen2VL.*set model.attn"):
+        load_backbone(tiny_models("qwen2_vl"), attn_implementation="flex_attention")

@@ -198,6 +198,19 @@ def test_tree_packing_refuses_flash_attention(tiny_models, toy, tmp_path):
     assert "data.pack_trees needs attention that takes a tree mask" in res.stderr
 
 
+def test_flex_attention_training_without_a_gpu_is_refused(tiny_models, toy, tmp_path):
+    """torch's FlexAttention has no backward on CPU: training with it stops before loading."""
+    train, ev = toy
+    res = subprocess.run(
+        [sys.executable, str(RECIPE), *common(tiny_models("internvl"), train, ev, tmp_path / "x")]
+        + ["data.pack_trees=true", "model.attn_implementation=flex_attention"],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 2
+    assert "flex_attention trains on a GPU only" in res.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("head", ["token_pair", "value", "value+packed"])
 def test_two_process_ddp(tiny_models, toy, tmp_path, head):

@@ -235,7 +235,7 @@ def load_processor(path: str | Path) -> Any:
 
 # Attention kernels a recipe may name in `model.attn_implementation`; "auto" picks flash-attn
 # when it is installed and a GPU is present, else PyTorch's SDPA (which runs everywhere).
-ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager", "auto")
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flex_attention", "eager", "auto")
 
 
 _SAID: set[str] = set()
@@ -337,7 +337,17 @@ def load_backbone(
         auto_cls = AutoModel
     else:
         auto_cls = AutoModelForImageTextToText if is_multimodal(str(path)) else AutoModelForCausalLM
-    model = auto_cls.from_pretrained(str(path), **kwargs)
+    try:
+        model = auto_cls.from_pretrained(str(path), **kwargs)
+    except ValueError as e:
+        if kwargs["attn_implementation"] == "flex_attention" and "flex_attention" in str(e):
+            from mmprm.config import ConfigError
+
+            raise ConfigError(
+                f"{attn_key}=flex_attention: this architecture has no FlexAttention in the installed transformers "
+                f"({str(e).split(' does not support')[0]}): set {attn_key}=sdpa"
+            ) from None
+        raise
     return model, load_processor(path)
 
 
