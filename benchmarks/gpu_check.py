@@ -11,7 +11,9 @@ On tiny random-init models (nothing is downloaded), with every visible GPU unles
   ZeRO-3's persistence threshold, so ZeRO-3 really partitions them across the processes: the loss
   falls and stays finite; ZeRO-3 runs with gradient checkpointing, as the 7B configs do;
 - the same under ZeRO-3 with tree packing (`data.pack_trees=true`, sdpa: packing takes no flash
-  kernel) on rows that share their prompt and first step;
+  kernel) on rows that share their prompt and first step; and once more with FlexAttention and the
+  tree as a block mask (`model.attn_implementation=flex_attention`) on a tiny InternVL (the Qwen2-VL
+  family has no FlexAttention in transformers), whose backward runs on a GPU only;
 - the saved PRM, loaded with `mmprm.load_prm` in bf16 on the GPU, scores the eval rows as the
   trained model did in memory, and returns float32 probabilities; scorer steps per second;
 - one tiny vLLM engine per GPU under torchrun (`mmprm.generation.vllm.pin_local_gpu`):
@@ -416,6 +418,14 @@ def main(argv: list[str]) -> int:
     result["zero3"] = train(3, model, train_file, eval_file, root / "zero3", args, attn, checkpointing)
     packed = ("data.pack_trees=true", *checkpointing)
     result["zero3_packed"] = train(3, model, tree_file, eval_file, root / "packed", args, "sdpa", packed)
+    if device == "cuda":
+        internvl = build_tiny_model("internvl", root / "internvl", seed=0, hidden_size=args.hidden_size, num_layers=4)
+        flex = ("data.pack_trees=true", *checkpointing)
+        result["zero3_packed_flex"] = train(
+            3, internvl, tree_file, eval_file, root / "packed_flex", args, "flex_attention", flex
+        )
+    else:
+        result["zero3_packed_flex"] = {"ok": True, "skipped": "no GPU: FlexAttention has no backward on CPU"}
     if result["zero3"]["ok"]:
         result["scorer"] = score(root / "zero3", eval_file, device, attn, repeats=3)
     result["vllm"] = (
@@ -432,7 +442,7 @@ def main(argv: list[str]) -> int:
     width = {"hidden": 3584 // divisor, "mlp": 18944 // divisor, "heads": 28, "kv_heads": 4}
     result["memory_7b_layer"] = layer_memory(args.probe_tokens, device, width)
     result["seconds"] = round(time.time() - t_start, 1)
-    checks = ("zero2", "zero3", "zero3_packed", "scorer", "vllm", "vllm_scorer", "memory_7b_layer")
+    checks = ("zero2", "zero3", "zero3_packed", "zero3_packed_flex", "scorer", "vllm", "vllm_scorer", "memory_7b_layer")
     result["ok"] = all(result.get(k, {"ok": False})["ok"] for k in checks)
     print(json.dumps(result))
     return 0 if result["ok"] else 1

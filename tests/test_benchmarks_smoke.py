@@ -118,6 +118,7 @@ def test_gpu_check_logic_on_cpu():
     assert packed["finite"] and packed["rows_in_packs"][0] > packed["rows_in_packs"][1] > 0, packed
     assert res["vllm"]["skipped"].startswith("no GPU")
     assert res["vllm_scorer"]["skipped"].startswith("no GPU")
+    assert res["zero3_packed_flex"]["skipped"].startswith("no GPU")
     assert res["memory_7b_layer"]["tokens"] == 64 and res["memory_7b_layer"]["seconds_2_layers"] > 0
 
 
