@@ -36,11 +36,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 __all__ = ["extract_answer", "answers_match", "verify_solution", "normalize_answer", "choice_letter"]
 
@@ -303,15 +305,19 @@ class _DropNoTimeoutWarning(logging.Filter):
 _mv_ready = False
 
 
-def _math_verify_raw(pred: str, gold: str) -> bool:
-    """math-verify on two answer strings, no timeout of its own (the caller provides one)."""
+def _quiet_math_verify() -> None:
     global _mv_ready
-    from math_verify import parse, verify
-
     if not _mv_ready:
         for name in ("math_verify.parser", "math_verify.grader"):
             logging.getLogger(name).addFilter(_DropNoTimeoutWarning())
         _mv_ready = True
+
+
+def _math_verify_raw(pred: str, gold: str) -> bool:
+    """math-verify on two answer strings, no timeout of its own (the caller provides one)."""
+    from math_verify import parse, verify
+
+    _quiet_math_verify()
     gold_p = parse(f"${gold}$", parsing_timeout=None)
     pred_p = parse(f"${pred}$", parsing_timeout=None)
     if not gold_p or not pred_p:
@@ -426,6 +432,35 @@ def math_verify_equal(pred: str, gold: str, timeout_s: float = VERIFY_TIMEOUT_S)
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         return _math_verify_off_main_thread(pred, gold, timeout_s)
     return _math_verify_main_thread(pred, gold, timeout_s)
+
+
+def call_with_timeout(fn: Callable[[], T], default: T, timeout_s: float = VERIFY_TIMEOUT_S) -> T:
+    """`fn()` under a wall-clock limit; `default` on timeout, on any error, or off the main thread.
+
+    For sympy work on answers (benchmark judges that evaluate or simplify expressions): sympy can
+    run for minutes on odd input and only a signal can stop it, which works on the main thread.
+    """
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        return default
+    try:
+        with _alarm(timeout_s):
+            return fn()
+    except _VerifyTimeout:
+        return default
+    except Exception:  # noqa: BLE001 - sympy raises anything on odd input
+        return default
+
+
+def sympy_answer(ans: str) -> Any | None:
+    """The sympy object math-verify parses from an answer (`x^2=1` -> Eq(x**2, 1)), or None.
+
+    Call it inside `call_with_timeout`: parsing has no limit of its own here.
+    """
+    from math_verify import parse
+
+    _quiet_math_verify()
+    parsed = parse(f"${ans}$", parsing_timeout=None)
+    return parsed[0] if parsed and not isinstance(parsed[0], str) else None
 
 
 # ---------------------------------------------------------------- matching

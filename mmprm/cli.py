@@ -30,6 +30,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "cli_convert_sft",
         "build SFT data (tagged steps) from GSM8K or MATH-V worked solutions",
     ),
+    "eval-set": (
+        "mmprm.data.eval_sets",
+        "cli_eval_set",
+        "write MathVista, MathVerse, MATH-V, OlympiadBench or MM-K12 as problems.jsonl",
+    ),
     "bon-report": ("mmprm.rerank.report", "cli_bon_report", "Best-of-N report from a scored candidates file"),
     "synthetic": ("mmprm.data.synthetic", "cli_synthetic", "write the colour-tile demo task (train/test splits)"),
     "merge-bon": ("mmprm.rerank.shards", "cli_merge_bon", "merge sharded Best-of-N scores and write the report"),
