@@ -435,14 +435,16 @@ def math_verify_equal(pred: str, gold: str, timeout_s: float = VERIFY_TIMEOUT_S)
 
 
 def call_with_timeout(fn: Callable[[], T], default: T, timeout_s: float = VERIFY_TIMEOUT_S) -> T:
-    """`fn()` under a wall-clock limit; `default` on timeout, on any error, or off the main thread.
+    """`fn()` under a wall-clock limit; `default` on timeout or on any error.
 
     For sympy work on answers (benchmark judges that evaluate or simplify expressions): sympy can
     run for minutes on odd input and only a signal can stop it, which works on the main thread.
+    Off it, `fn()` runs without the limit: a slow verdict beats a correct answer graded wrong.
     """
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        return default
+    guarded = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
     try:
+        if not guarded:
+            return fn()
         with _alarm(timeout_s):
             return fn()
     except _VerifyTimeout:

@@ -347,3 +347,15 @@ def test_a_letter_on_the_first_line_followed_by_an_explanation_is_read(text, let
 def test_a_first_line_that_is_not_a_letter_is_not_an_answer():
     assert extract_answer("I\nthink it is hard to say without the figure.") is None
     assert extract_answer("Let us look at the figure.\nThe shape has 4 sides.") is None
+
+
+def test_call_with_timeout_gives_the_verdict_off_the_main_thread():
+    """A judge run from a worker thread gets the answer, not the default (no signal there)."""
+    from mmprm.answers import call_with_timeout
+
+    out = []
+    t = threading.Thread(target=lambda: out.append(call_with_timeout(lambda: True, default=False)))
+    t.start()
+    t.join()
+    assert out == [True]
+    assert call_with_timeout(lambda: 1 / 0, default="err") == "err"  # an error gives the default
