@@ -38,6 +38,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bon-report": ("mmprm.rerank.report", "cli_bon_report", "Best-of-N report from a scored candidates file"),
     "synthetic": ("mmprm.data.synthetic", "cli_synthetic", "write the colour-tile demo task (train/test splits)"),
     "merge-bon": ("mmprm.rerank.shards", "cli_merge_bon", "merge sharded Best-of-N scores and write the report"),
+    "bon-table": ("mmprm.rerank.shards", "cli_bon_table", "one Best-of-N table over runs, one per benchmark"),
     "export-vllm": ("mmprm.models.vllm_prm", "cli_export_vllm", "write a PRM directory as vLLM serves it"),
 }
 

@@ -61,13 +61,39 @@ class SamplingConfig:
 
 
 @dataclass
+class BenchmarkConfig:
+    """An answer benchmark as the problems to sample for (instead of generate.problems_file).
+
+    Attributes:
+        name: mathvista | mathverse | mathvision | olympiadbench | mmk12; null: none
+            (mmprm.data.eval_sets: each read in its released format, judged by its own answer rule)
+        source: the released file or folder, a save_to_disk / parquet copy, or a Hub dataset id;
+            null: the benchmark's Hub id
+        split: null: the benchmark's evaluation split (testmini, test, ...)
+        subset: OlympiadBench's subset; null: OE_MM_maths_en_COMP (MM-PRM's)
+        image_root: where the rows' relative image paths start; null: the source file's folder
+        limit: the first N problems only; null: all
+    """
+
+    name: Literal["mathvista", "mathverse", "mathvision", "olympiadbench", "mmk12"] | None = None
+    source: str | None = None
+    split: str | None = None
+    subset: str | None = None
+    image_root: str | None = None
+    limit: int | None = None
+
+
+@dataclass
 class GenerateConfig:
     """Generate candidates from a policy first (else read candidates_file).
 
     Attributes:
         enabled: sample N candidates per problem before scoring
         policy: the policy model directory (required when enabled)
-        problems_file: JSONL of {id, images, question, answer, choices?} (required when enabled)
+        problems_file: JSONL of {id, images, question, answer, choices?} (required when enabled,
+            unless generate.benchmark names one)
+        benchmark: an answer benchmark as the problems (section); its report breaks accuracy down by
+            the benchmark's own columns
         n: candidates per problem
         backend: hf (transformers generate) | vllm
         batch_size: hf: sequences per generate call (vllm sends 8192 per call and schedules them itself)
@@ -81,6 +107,7 @@ class GenerateConfig:
     enabled: bool = False
     policy: str = ""
     problems_file: str = ""
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
     n: int = 8
     backend: Literal["hf", "vllm"] = "hf"
     batch_size: int = 64
@@ -198,8 +225,14 @@ class Config:
         resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
         if not self.generate.enabled and not self.candidates_file:
             raise ValueError("candidates_file: required unless generate.enabled=true")
-        if self.generate.enabled and not (self.generate.policy and self.generate.problems_file):
-            raise ValueError("generate.policy and generate.problems_file: required when generate.enabled=true")
+        g = self.generate
+        if g.enabled and not (g.policy and (g.problems_file or g.benchmark.name)):
+            raise ValueError(
+                "generate.policy and generate.problems_file (or generate.benchmark.name): required when "
+                "generate.enabled=true"
+            )
+        if g.problems_file and g.benchmark.name:
+            raise ValueError("generate.problems_file and generate.benchmark.name: give one, not both")
         if self.generate.n < 1 or self.generate.batch_size < 1:
             raise ValueError("generate.n and generate.batch_size: must be >= 1")
         if not 0 <= self.shard.index < self.shard.count:
@@ -224,21 +257,22 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
     from mmprm.rerank.shards import shard_bounds, take_shard
 
     g = cfg.generate
+    problems_file = Path(g.problems_file) if g.problems_file else benchmark_problems(g.benchmark, out_dir)
     name = (
         f"candidates.shard{cfg.shard.index}-of-{cfg.shard.count}.jsonl" if cfg.shard.count > 1 else "candidates.jsonl"
     )
     final = out_dir / name
     partial = final.with_name(name + ".partial")
-    run = {"policy": str(Path(g.policy).resolve()), "problems_file": str(Path(g.problems_file).resolve()), "n": g.n}
+    run = {"policy": str(Path(g.policy).resolve()), "problems_file": str(problems_file.resolve()), "n": g.n}
     run["sampling"] = asdict(g.sampling)
     check_same_run(final.with_name(name + ".run.json"), run, final, partial)
     if final.exists():
         print(f"candidates already generated ({final}); delete it to sample again")
         return final
     done = store.resume(partial)
-    lo, hi = shard_bounds(count_rows(g.problems_file), cfg.shard.index, cfg.shard.count)
+    lo, hi = shard_bounds(count_rows(problems_file), cfg.shard.index, cfg.shard.count)
     problems = take_shard(
-        load_problems(g.problems_file, check_rows=lambda i: lo <= i < hi), cfg.shard.index, cfg.shard.count
+        load_problems(problems_file, check_rows=lambda i: lo <= i < hi), cfg.shard.index, cfg.shard.count
     )
     todo = [p for p in problems if p.id not in done]
     if done:
@@ -254,10 +288,36 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
     return final
 
 
+def benchmark_problems(bench: BenchmarkConfig, out_dir: Path) -> Path:
+    """OUT_DIR/problems.jsonl: the benchmark's problems (images beside it where the rows hold them).
+
+    Written once, atomically (shards that start together write the same rows); a rerun reuses it.
+    """
+    from mmprm.data.eval_sets import READERS, write_problems
+
+    path = out_dir / "problems.jsonl"
+    if path.exists():
+        return path
+    reader, split, hub = READERS[bench.name]
+    kwargs: dict[str, Any] = {"split": bench.split or split, "image_dir": out_dir / "images"}
+    kwargs["image_root"] = bench.image_root
+    if bench.subset:
+        kwargs["subset"] = bench.subset
+    rows = reader(bench.source or hub, **kwargs)[: bench.limit]
+    tmp = path.with_name(f"problems.jsonl.{os.getpid()}.tmp")
+    write_problems(rows, tmp)
+    os.replace(tmp, path)
+    print(f"{bench.name}: {len(rows)} problems from {bench.source or hub} ({bench.split or split}) in {path}")
+    return path
+
+
 def sample_into(partial: Path, backend: Any, todo: list[Any], cfg: Config, n_done: int, n_problems: int) -> None:
-    """Sample and verify `todo`'s solutions, appending each problem's row to `partial`."""
-    from mmprm.answers import answers_match
+    """Sample and verify `todo`'s solutions, appending each problem's row to `partial`.
+
+    A candidate is judged by the rule of its problem's benchmark (`mmprm.data.eval_sets.answer_correct`;
+    `mmprm.answers.answers_match` for other problems)."""
     from mmprm.data import store
+    from mmprm.data.eval_sets import answer_correct
     from mmprm.generation.base import RolloutRequest, problems_per_call
     from mmprm.rerank.candidates import Candidate
     from mmprm.steps import parse_solution, prm_steps
@@ -272,7 +332,7 @@ def sample_into(partial: Path, backend: Any, todo: list[Any], cfg: Config, n_don
             for p, outs in zip(chunk, texts):
                 for text in outs:
                     parsed = parse_solution(text, backend.step_mode)
-                    correct = answers_match(parsed.answer, p.answer, p.choices)  # None answer -> False
+                    correct = answer_correct(parsed.answer, p)  # None answer -> False
                     p.candidates.append(
                         Candidate(
                             text=text,
@@ -388,7 +448,8 @@ def score_chunk(scorer: Any, problems: list[Any], share_prefix: bool, cand_file:
                 stats["dropped_steps"] += len(step_probs) - len(kept)
                 stats["cut"] += 1
             cands.append(row)
-        rows.append({"id": p.id, "candidates": cands})
+        # a benchmark's category columns go with the scores: the report breaks accuracy down by them
+        rows.append({"id": p.id, **({"meta": p.meta} if p.meta else {}), "candidates": cands})
     return rows, stats
 
 

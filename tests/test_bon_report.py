@@ -281,3 +281,32 @@ def test_percentile_interval_by_hand():
 
     assert percentile_interval(np.arange(101.0)) == [2.5, 97.5]
     assert percentile_interval(np.array([3.0, 3.0, 3.0])) == [3.0, 3.0]
+
+
+def test_category_breakdown_by_hand():
+    """Three problems, N=2. MathVerse-style single column and a MathVista-style list column (a
+    problem counts under each of its skills)."""
+    import numpy as np
+
+    from mmprm.rerank.report import BonCurve, category_breakdown
+
+    per_problem = {
+        "oracle": {1: np.array([0.5, 1.0, 0.0]), 2: np.array([1.0, 1.0, 0.0])},
+        "random": {1: np.array([0.5, 0.5, 0.0]), 2: np.array([0.5, 0.5, 0.0])},
+    }
+    curve = BonCurve(num_problems=3, n_max=2, ns=[1, 2], per_problem=per_problem)
+    metas = [
+        {"breakdown": ["version", "skills"], "version": "Vision Only", "skills": ["algebra", "geometry"]},
+        {"breakdown": ["version", "skills"], "version": "Text Lite", "skills": ["geometry"]},
+        {"breakdown": ["version", "skills"], "version": "Vision Only", "skills": []},
+    ]
+    got = category_breakdown(curve, metas)
+    assert got["version"] == {
+        "Text Lite": {"problems": 1, "oracle": 1.0, "random": 0.5},
+        "Vision Only": {"problems": 2, "oracle": 0.5, "random": 0.25},
+    }
+    assert got["skills"] == {
+        "algebra": {"problems": 1, "oracle": 1.0, "random": 0.5},
+        "geometry": {"problems": 2, "oracle": 1.0, "random": 0.5},
+    }
+    assert category_breakdown(curve, [{}, {}, {}]) == {}

@@ -343,19 +343,71 @@ def _atomic_write(path: Path, text: str) -> None:
         f.write(text)
 
 
+def category_breakdown(curve: BonCurve, metas: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Accuracy at n_max of every method per value of each column the problems' benchmark breaks
+    its results down by (`meta["breakdown"]`, e.g. MathVerse's problem version).
+
+    metas: per problem of `curve`, in order, its `meta`. A list-valued column (MathVista's skills)
+    counts a problem under each of its values. Returns {column: {value: {"problems": k,
+    method: accuracy}}}; empty when no problem names a breakdown.
+    """
+    if len(metas) != curve.num_problems:
+        raise ValueError(f"{len(metas)} metas for {curve.num_problems} problems")
+    groups: dict[str, dict[str, list[int]]] = {}
+    for i, meta in enumerate(metas):
+        for col in meta.get("breakdown") or []:
+            values = meta.get(col)
+            for v in values if isinstance(values, list) else [values]:
+                groups.setdefault(col, {}).setdefault(str(v), []).append(i)
+    n = curve.n_max
+    return {
+        col: {
+            v: {"problems": len(idx), **{m: float(acc[n][idx].mean()) for m, acc in curve.per_problem.items()}}
+            for v, idx in sorted(values.items())
+        }
+        for col, values in groups.items()
+    }
+
+
+def _breakdown_markdown(report: dict[str, Any]) -> list[str]:
+    lines = []
+    methods = list(report["methods"])
+    for col, values in report.get("by_category", {}).items():
+        lines += [
+            f"## By {col} (N={report['n_max']})",
+            "",
+            f"| {col} | problems | " + " | ".join(methods) + " |",
+            "|---|---|" + "---|" * len(methods),
+        ]
+        lines += [
+            f"| {v} | {row['problems']} | " + " | ".join(f"{row[m]:.3f}" for m in methods) + " |"
+            for v, row in values.items()
+        ]
+        lines.append("")
+    return lines
+
+
 def write_report(
     curve: BonCurve,
     out_dir: str | Path,
     title: str = "Best-of-N accuracy",
     n_resamples: int = 1000,
     seed: int = 0,
+    metas: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Write report.json, report.md and bon_curve.png to `out_dir`; return the JSON dict."""
+    """Write report.json, report.md and bon_curve.png to `out_dir`; return the JSON dict.
+
+    With `metas` (each problem's `meta`), the report adds accuracy by each column the benchmark
+    breaks its results down by (`category_breakdown`).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report = summarize(curve, n_resamples, seed)
+    breakdown = category_breakdown(curve, metas) if metas is not None else {}
+    if breakdown:
+        report["by_category"] = breakdown
     _atomic_write(out / "report.json", json.dumps(report, indent=2) + "\n")
-    _atomic_write(out / "report.md", _markdown(report, title))
+    _atomic_write(out / "report.md", "\n".join([_markdown(report, title), *_breakdown_markdown(report)]))
     _plot(report, out / "bon_curve.png", title)
     return report
 

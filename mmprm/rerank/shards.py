@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -117,13 +118,15 @@ def report_from_scored(
     Votes group answers with `mmprm.answers.answers_match` (so "1/2" and "0.5" agree).
     """
     from mmprm.answers import answers_match
+    from mmprm.data.schema import iter_jsonl
     from mmprm.rerank.report import bon_curve, read_candidates, write_report
 
     problems = read_candidates(scored)  # every row checked first; DataError names the line
     curve = bon_curve(
         problems, n_subsets=n_subsets, seed=seed, weighted_by=weighted_by, same=lambda a, b: answers_match(a, b)
     )
-    return write_report(curve, out_dir, title=title, n_resamples=resamples, seed=seed)
+    metas = [row.get("meta") or {} for _, row, _ in iter_jsonl(scored)]  # a benchmark's category columns
+    return write_report(curve, out_dir, title=title, n_resamples=resamples, seed=seed, metas=metas)
 
 
 def cli_merge_bon(argv: list[str]) -> int:
@@ -151,4 +154,85 @@ def cli_merge_bon(argv: list[str]) -> int:
         print(f"mmprm merge-bon: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"merged": str(merged), "num_problems": report["num_problems"], "n_max": report["n_max"]}))
+    return 0
+
+
+def benchmark_table(reports: dict[str, dict[str, Any]], n: int | None = None) -> dict[str, Any]:
+    """MM-PRM's table from Best-of-N reports, one per benchmark: every method's accuracy at N with
+    its 95% interval, per benchmark, and the mean over benchmarks.
+
+    reports: benchmark name -> its report.json (`report_from_scored`). n: the N to tabulate;
+    default the largest N every report has.
+    """
+    if not reports:
+        raise ValueError("no reports to tabulate")
+    n = n or min(int(r["n_max"]) for r in reports.values())
+    methods = list(next(iter(reports.values()))["methods"])
+    rows: dict[str, Any] = {}
+    for name, report in reports.items():
+        if str(n) not in report["methods"][methods[0]]:
+            raise ValueError(
+                f"{name}: its report has no N={n} (N up to {report['n_max']}, settings.ns {report['settings']['ns']})"
+            )
+        rows[name] = {"problems": report["num_problems"], **{m: report["methods"][m][str(n)] for m in methods}}
+    mean = {m: sum(r[m]["mean"] for r in rows.values()) / len(rows) for m in methods}
+    return {"n": n, "methods": methods, "benchmarks": rows, "mean_over_benchmarks": mean}
+
+
+def benchmark_table_markdown(table: dict[str, Any], links: dict[str, str] | None = None) -> str:
+    """The table as markdown: benchmarks as rows, methods as columns, mean [95% CI]."""
+    methods, links = table["methods"], links or {}
+    lines = [
+        f"# Best-of-{table['n']} by benchmark",
+        "",
+        f"Accuracy with N={table['n']} candidates per problem, mean over problems [95% bootstrap CI]. "
+        "random is a single sample; oracle counts a problem solved when any candidate is correct. "
+        "Each benchmark's own report has the whole N curve and its breakdown by category.",
+        "",
+        "| benchmark | problems | " + " | ".join(methods) + " |",
+        "|---|---|" + "---|" * len(methods),
+    ]
+    for name, row in table["benchmarks"].items():
+        cells = [f"{row[m]['mean']:.3f} [{row[m]['ci95'][0]:.3f}, {row[m]['ci95'][1]:.3f}]" for m in methods]
+        label = f"[{name}]({links[name]})" if name in links else name
+        lines.append(f"| {label} | {row['problems']} | " + " | ".join(cells) + " |")
+    mean = table["mean_over_benchmarks"]
+    lines.append("| mean over benchmarks | | " + " | ".join(f"{mean[m]:.3f}" for m in methods) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def cli_bon_table(argv: list[str]) -> int:
+    """`mmprm bon-table RUN_DIR... [--n N] [--out DIR]`: one table over Best-of-N runs, one per benchmark."""
+    ap = argparse.ArgumentParser(prog="mmprm bon-table", description=cli_bon_table.__doc__)
+    ap.add_argument("runs", nargs="+", help="Best-of-N output dirs (each with report.json); the dir name names the row")
+    ap.add_argument("--n", type=int, help="N to tabulate (default: the largest N every run has)")
+    ap.add_argument("--out", help="where table.md and table.json go (default: the runs' common parent)")
+    args = ap.parse_args(argv)
+    runs = [Path(r) for r in args.runs]
+    missing = [str(r) for r in runs if not (r / "report.json").exists()]
+    if missing:
+        print(
+            f"mmprm bon-table: no report.json in {', '.join(missing)} (finish or merge those runs first)",
+            file=sys.stderr,
+        )
+        return 2
+    reports = {r.name: json.loads((r / "report.json").read_text()) for r in runs}
+    if len(reports) != len(runs):
+        print(
+            "mmprm bon-table: two runs share a folder name; name each run's folder after its benchmark", file=sys.stderr
+        )
+        return 2
+    out = Path(args.out) if args.out else Path(os.path.commonpath([r.resolve() for r in runs]))
+    try:
+        table = benchmark_table(reports, args.n)
+    except ValueError as e:
+        print(f"mmprm bon-table: {e}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    links = {r.name: os.path.relpath(r.resolve() / "report.md", out.resolve()) for r in runs}
+    with atomic_write(out / "table.json") as f:
+        f.write(json.dumps(table, indent=2) + "\n")
+    with atomic_write(out / "table.md") as f:
+        f.write(benchmark_table_markdown(table, links))
+    print(f"wrote {out / 'table.md'} and {out / 'table.json'} ({len(reports)} benchmarks, N={table['n']})")
     return 0
