@@ -29,35 +29,15 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir
+from mmprm.config_sections import ModelLoadConfig, ShardConfig
 from mmprm.data.schema import DataError
+from mmprm.generation.base import SamplingConfig
 from mmprm.models.spec import ReleasedConvention
-
-
-@dataclass
-class SamplingConfig:
-    """Sampling of the N candidates.
-
-    Attributes:
-        temperature: sampling temperature (> 0: candidates must differ)
-        top_k: keep the k most likely tokens (0 turns it off)
-        top_p: nucleus sampling mass
-        max_new_tokens: token cap per candidate
-        seed: base seed; shard I samples with seed + I
-        seed_each_request: seed every vLLM request (a rerun repeats each sample); false is vLLM's faster
-            batched sampler (see mmprm.generation.base.SamplingConfig)
-    """
-
-    temperature: float = 1.0
-    top_k: int = 50
-    top_p: float = 0.9
-    max_new_tokens: int = 4096  # MM-PRM's cap, as in annotation
-    seed: int = 0
-    seed_each_request: bool = True
 
 
 @dataclass
@@ -169,31 +149,6 @@ class ReportConfig:
 
 
 @dataclass
-class ShardConfig:
-    """This process's share of the problems (contiguous blocks).
-
-    Attributes:
-        index: this shard, 0 <= index < count
-        count: number of shards; `mmprm merge-bon OUTPUT_DIR` joins them
-    """
-
-    index: int = 0
-    count: int = 1
-
-
-@dataclass
-class ModelConfig:
-    """Model loading.
-
-    Attributes:
-        attn_implementation: attention kernel of every model this recipe loads: sdpa | flash_attention_2
-            (mmprm[flash], CUDA) | eager | auto (flash-attn when installed and a GPU is visible, else sdpa)
-    """
-
-    attn_implementation: str = "sdpa"
-
-
-@dataclass
 class Config:
     """bon_rerank settings.
 
@@ -210,7 +165,7 @@ class Config:
 
     prm: str = ""
     candidates_file: str | None = None
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
@@ -235,8 +190,6 @@ class Config:
             raise ValueError("generate.problems_file and generate.benchmark.name: give one, not both")
         if self.generate.n < 1 or self.generate.batch_size < 1:
             raise ValueError("generate.n and generate.batch_size: must be >= 1")
-        if not 0 <= self.shard.index < self.shard.count:
-            raise ValueError(f"shard.index={self.shard.index} must be in [0, shard.count={self.shard.count})")
         from mmprm.scoring.aggregators import AGGREGATORS
 
         vote_weights = [m for m in AGGREGATORS if m not in ("sum_logpr", "sum_logodds")]  # must be >= 0
@@ -372,20 +325,12 @@ def make_backend(cfg: Config):
     """The generation backend, prompting the policy as its SFT saved it (`mmprm_policy.json`)
     unless `generate.system_prompt` / `generate.step_mode` say otherwise (then with a warning)."""
     from mmprm.generation import make_rollout_backend
-    from mmprm.generation.base import SamplingConfig as BackendSampling
     from mmprm.generation.base import worker_seed
     from mmprm.generation.policy import resolve_prompt_format
 
     s = cfg.generate.sampling
     # Each shard samples its own stream; a rerun of the same shard samples the same candidates.
-    sampling = BackendSampling(
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        max_new_tokens=s.max_new_tokens,
-        seed=worker_seed(s.seed, cfg.shard.index),
-        seed_each_request=s.seed_each_request,
-    )
+    sampling = replace(s, seed=worker_seed(s.seed, cfg.shard.index))
     try:
         system, step_mode = resolve_prompt_format(
             cfg.generate.policy, cfg.generate.system_prompt, cfg.generate.step_mode, where="bon_rerank generate"

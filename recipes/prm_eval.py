@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
+from mmprm.config_sections import ModelLoadConfig
 from mmprm.data.schema import DataError, StepExample, load_examples, write_jsonl
 from mmprm.models.spec import ReleasedConvention
 from mmprm.scoring.metrics import (
@@ -133,18 +134,6 @@ class OutputConfig:
 
 
 @dataclass
-class ModelConfig:
-    """Model loading.
-
-    Attributes:
-        attn_implementation: attention kernel of every model this recipe loads: sdpa | flash_attention_2 (mmprm[flash],
-            CUDA) | eager | auto (flash-attn when installed and a GPU is visible, else sdpa)
-    """
-
-    attn_implementation: str = "sdpa"
-
-
-@dataclass
 class PRMEvalConfig:
     """prm_eval settings.
 
@@ -157,7 +146,7 @@ class PRMEvalConfig:
 
     data: DataConfig = field(default_factory=DataConfig)
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
     metrics: MetricConfig = field(default_factory=MetricConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 

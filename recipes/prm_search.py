@@ -23,36 +23,16 @@ import math
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir
+from mmprm.config_sections import ModelLoadConfig, ShardConfig
 from mmprm.data.schema import DataError
+from mmprm.generation.base import SamplingConfig
 from mmprm.models.spec import ReleasedConvention
 from mmprm.search.core import SearchConfig
-
-
-@dataclass
-class SamplingConfig:
-    """How the policy samples, for the search's steps and Best-of-N's solutions alike.
-
-    Attributes:
-        temperature: sampling temperature (> 0: the expansions of a node must differ)
-        top_k: keep the k most likely tokens (0 turns it off)
-        top_p: nucleus sampling mass
-        max_new_tokens: token cap of ONE step in the search (Best-of-N's whole solutions: bon.max_new_tokens)
-        seed: base seed; each shard samples its own stream (worker_seed(seed, shard.index))
-        seed_each_request: seed every vLLM request (a rerun repeats each sample); false is vLLM's faster
-            batched sampler (see mmprm.generation.base.SamplingConfig)
-    """
-
-    temperature: float = 1.0
-    top_k: int = 50
-    top_p: float = 0.9
-    max_new_tokens: int = 128
-    seed: int = 0
-    seed_each_request: bool = True
 
 
 @dataclass
@@ -71,7 +51,8 @@ class PolicyConfig:
         gpu_memory_utilization: vllm: share of GPU memory the engine may take (leave room for the PRM)
         max_model_len: vllm: context length (prompt + generated); null takes the model's
         vllm_kwargs: vllm: more vllm.LLM arguments, e.g. {enforce_eager: true}
-        sampling: sampling (section)
+        sampling: sampling (section); its max_new_tokens caps ONE step of the search (Best-of-N's whole
+            solutions: bon.max_new_tokens)
     """
 
     path: str = ""
@@ -142,32 +123,6 @@ class ReportConfig:
 
 
 @dataclass
-class ShardConfig:
-    """This process's share of the problems (contiguous blocks).
-
-    Attributes:
-        index: this shard, 0 <= index < count
-        count: number of shards; the last one to finish writes the report
-    """
-
-    index: int = 0
-    count: int = 1
-
-
-@dataclass
-class ModelConfig:
-    """Model loading.
-
-    Attributes:
-        attn_implementation: attention kernel of the PRM and of an hf policy: sdpa | flash_attention_2
-            (mmprm[flash], CUDA) | eager | auto (flash-attn when installed and a GPU is visible, else sdpa);
-            vllm chooses its own kernels
-    """
-
-    attn_implementation: str = "sdpa"
-
-
-@dataclass
 class Config:
     """prm_search settings.
 
@@ -193,7 +148,7 @@ class Config:
     searches: list[SearchConfig] = field(default_factory=lambda: [SearchConfig()])
     batch_problems: int = 8
     output_dir: str = "runs/prm_search"
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     bon: BonConfig = field(default_factory=BonConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
@@ -213,8 +168,6 @@ class Config:
             raise ValueError(f"searches: two settings are the same ({labels}): drop one")
         if self.bon.enabled and (not self.bon.n or min(self.bon.n) < 1):
             raise ValueError("bon.n: a list of sizes >= 1, e.g. [4, 8, 16]")
-        if not 0 <= self.shard.index < self.shard.count:
-            raise ValueError(f"shard.index={self.shard.index} must be in [0, shard.count={self.shard.count})")
         if self.batch_problems < 1:
             raise ValueError("batch_problems: must be >= 1")
 
@@ -227,20 +180,12 @@ def make_backend(cfg: Config, max_new_tokens: int):
     """The policy's rollout backend, prompting it as its SFT saved it (`mmprm_policy.json`)
     unless `policy.system_prompt` / `policy.step_mode` say otherwise (then with a warning)."""
     from mmprm.generation import make_rollout_backend
-    from mmprm.generation.base import SamplingConfig as BackendSampling
     from mmprm.generation.base import worker_seed
     from mmprm.generation.policy import resolve_prompt_format
 
     s = cfg.policy.sampling
     # Each shard samples its own stream; a rerun of the same shard samples the same steps.
-    sampling = BackendSampling(
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        max_new_tokens=max_new_tokens,
-        seed=worker_seed(s.seed, cfg.shard.index),
-        seed_each_request=s.seed_each_request,
-    )
+    sampling = replace(s, max_new_tokens=max_new_tokens, seed=worker_seed(s.seed, cfg.shard.index))
     try:
         system, step_mode = resolve_prompt_format(
             cfg.policy.path, cfg.policy.system_prompt, cfg.policy.step_mode, where="prm_search policy"

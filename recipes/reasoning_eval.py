@@ -43,6 +43,7 @@ from typing import Any, Literal
 from mmprm.answers import answers_match, extract_answer
 from mmprm.chat import ChatClient, ChatConfig, ChatError
 from mmprm.config import ConfigError, load_config, parse_cli, to_dict
+from mmprm.config_sections import ModelLoadConfig
 from mmprm.data.schema import read_jsonl, write_jsonl
 from mmprm.data.sft import split_solution
 from mmprm.generation.base import RolloutRequest, SamplingConfig
@@ -222,19 +223,6 @@ class OutputConfig:
 
 
 @dataclass
-class ModelConfig:
-    """Model loading.
-
-    Attributes:
-        attn_implementation: attention kernel of every model this recipe loads (the model under test
-            with answers.source=hf or scorer.kind=mc, the PRM): sdpa | flash_attention_2 (mmprm[flash], CUDA) |
-            eager | auto (flash-attn when installed and a GPU is visible, else sdpa)
-    """
-
-    attn_implementation: str = "sdpa"
-
-
-@dataclass
 class ReasoningEvalConfig:
     """Evaluate a model's own reasoning: problems -> answers -> trees -> node scores -> report.
 
@@ -252,7 +240,7 @@ class ReasoningEvalConfig:
     answers: AnswersConfig = field(default_factory=AnswersConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 

@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from mmprm.chat import ChatClient, ChatConfig
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
+from mmprm.config_sections import ModelLoadConfig
 from mmprm.data.schema import load_examples, read_jsonl, row_id, write_jsonl
 from mmprm.models.spec import ReleasedConvention
 from mmprm.treeval import (
@@ -156,18 +157,6 @@ class OutputConfig:
 
 
 @dataclass
-class ModelConfig:
-    """Model loading.
-
-    Attributes:
-        attn_implementation: attention kernel of the PRM (scorer.kind=prm): sdpa | flash_attention_2 (mmprm[flash],
-            CUDA) | eager | auto (flash-attn when installed and a GPU is visible, else sdpa)
-    """
-
-    attn_implementation: str = "sdpa"
-
-
-@dataclass
 class TreeEvalConfig:
     """tree_eval settings.
 
@@ -180,7 +169,7 @@ class TreeEvalConfig:
 
     data: DataConfig = field(default_factory=DataConfig)
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
     metrics: MetricConfig = field(default_factory=MetricConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 

@@ -96,3 +96,53 @@ def test_the_library_never_imports_the_recipes():
         for p in LIBRARY.rglob("*.py")
     }
     assert {m: names for m, names in offenders.items() if names} == {}
+
+
+def config_dataclasses() -> list[type]:
+    """Every dataclass named *Config defined in the library or a recipe (recipes loaded by path:
+    their package refuses imports)."""
+    import dataclasses
+    import importlib
+    import importlib.util
+    import sys
+
+    modules = [importlib.import_module(module_name(p)) for p in sorted(LIBRARY.rglob("*.py"))]
+    for path in sorted((REPO / "recipes").glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        key = f"_layout_recipe_{path.stem}"
+        if key not in sys.modules:
+            spec = importlib.util.spec_from_file_location(key, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[key] = module  # dataclasses resolve string annotations through sys.modules
+            spec.loader.exec_module(module)
+        modules.append(sys.modules[key])
+    return [
+        obj
+        for m in modules
+        for name, obj in vars(m).items()
+        if isinstance(obj, type)
+        and dataclasses.is_dataclass(obj)
+        and obj.__module__ == m.__name__
+        and name.endswith("Config")
+    ]
+
+
+def test_each_config_section_is_defined_once():
+    """No two config dataclasses have the same fields of the same types: a section several
+    recipes need is written once (`mmprm.config_sections`, the generation backends' sampling) and
+    each recipe composes it, so the copies cannot drift apart."""
+    import dataclasses
+    import typing
+
+    seen: dict[tuple, str] = {}
+    twins = []
+    for cls in config_dataclasses():
+        hints = typing.get_type_hints(cls)
+        key = tuple(sorted((f.name, repr(hints[f.name])) for f in dataclasses.fields(cls)))
+        where = f"{cls.__module__}.{cls.__qualname__}"
+        if key in seen:
+            twins.append(f"{seen[key]} and {where}")
+        seen.setdefault(key, where)
+    assert len(seen) > 20  # the scan found the sections
+    assert not twins, "config sections defined twice: " + "; ".join(twins)

@@ -20,7 +20,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from tokenizers import AddedToken
@@ -39,6 +39,7 @@ from transformers import (
     Qwen2VLProcessor,
 )
 
+from mmprm.config_sections import AttnImplementation
 from mmprm.models.sharding import full_shape
 from mmprm.steps import STEP_TOKEN
 
@@ -235,7 +236,7 @@ def load_processor(path: str | Path) -> Any:
 
 # Attention kernels a recipe may name in `model.attn_implementation`; "auto" picks flash-attn
 # when it is installed and a GPU is present, else PyTorch's SDPA (which runs everywhere).
-ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flex_attention", "eager", "auto")
+ATTN_IMPLEMENTATIONS = get_args(AttnImplementation)
 
 
 _SAID: set[str] = set()
