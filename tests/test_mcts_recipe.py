@@ -48,6 +48,10 @@ def test_shipped_tiny_yaml_parses_with_overrides():
         load_config(mod.AnnotateConfig, YAML, ["search.max_rollouts=4"])
     with pytest.raises(ConfigError, match="unknown key"):
         load_config(mod.AnnotateConfig, YAML, ["search.cpuct=1"])
+    assert mod.AnnotateConfig().engine.continuous is None  # null: on for vllm, off for hf
+    assert load_config(mod.AnnotateConfig, YAML, ["model.backend=vllm", "engine.continuous=true"]).engine.continuous
+    with pytest.raises(ConfigError, match="engine.continuous=true needs model.backend=vllm"):
+        load_config(mod.AnnotateConfig, YAML, ["model.backend=hf", "engine.continuous=true"])
 
 
 def test_bad_inputs_fail_before_any_model_loads(tmp_path, capsys):

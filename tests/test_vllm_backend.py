@@ -286,6 +286,37 @@ def test_annotation_records_have_one_schema_across_engines(engines):
     assert schema_differences(records["vllm"], records["hf"]) == []
 
 
+def test_continuous_annotation_writes_the_records_of_rounds(engines):
+    """Probes submitted one by one into the running engine (`submit` / `poll`) draw the rollouts
+    that rounds of `generate` draw (each probe is seeded by its problem and place in the search),
+    so the records are the same; an abandoned run leaves no request in the engine."""
+    from mmprm.annotate.engine import AnnotationEngine, rule_verifier
+    from mmprm.annotate.omega import OmegaConfig
+    from mmprm.generation.base import RolloutInputError, RolloutRequest
+
+    search = OmegaConfig(rollouts_per_estimate=4, max_searches=4, max_rollouts=24)
+    records: dict[bool, dict[str, dict]] = {}
+    for continuous in (False, True):
+        out: list[dict] = []
+        backend = fresh(engines.vllm)
+        stats = AnnotationEngine(backend, search, rule_verifier, "tags", concurrency=2, continuous=continuous).run(
+            engines.problems, out.append
+        )
+        records[continuous] = {r["id"]: {k: v for k, v in r.items() if k != "seconds"} for r in out}
+        assert stats.rollouts == backend.stats.sequences and backend.stats.generated_tokens > 0
+    assert records[True] == records[False]
+    assert {r["status"] for r in records[True].values()} <= {"annotated", "screened_all_correct", "screened_all_wrong"}
+
+    backend = fresh(engines.vllm)
+    tickets = [backend.submit(r) for r in requests(engines, 2)]
+    assert tickets == [0, 1] and backend.poll() == []  # one step: no rollout of 64 tokens is done yet
+    backend.cancel()
+    assert not backend.llm.llm_engine.has_unfinished_requests()
+    assert [len(t) for t in backend.generate(requests(engines, 2))] == [2, 2]
+    with pytest.raises(RolloutInputError, match="too-long"):
+        backend.submit(RolloutRequest("too-long", too_long(engines).question, engines.problems[2].images, [], 2))
+
+
 def too_long(e: Engines) -> Any:
     """A problem whose prompt alone is longer than the engine's max_model_len (1024 tokens)."""
     question = " ".join(["The bar shows 2 and then 3 more."] * 150) + " What is the total?"

@@ -88,6 +88,7 @@ def test_mcts_annotate_with_vllm_writes_the_hf_runs_records(vllm_toy_policy, tmp
         assert {r["status"] for r in recs} <= VALID_STATUSES, [(r["status"], r.get("error")) for r in recs]
         summary = json.loads((outs[backend] / "summary.rank0-of-1.json").read_text())
         assert summary["generated_tokens"] > 0 and summary["engine"]["rollouts"] > 0
+        assert summary["continuous"] == (backend == "vllm")  # engine.continuous: null, on for vllm only
     # Mixed rollouts somewhere: a search ran and located a first error.
     annotated = [r for r in trees["vllm"] if r["status"] == "annotated"]
     assert annotated and all(r["first_errors"] for r in annotated), [r["status"] for r in trees["vllm"]]

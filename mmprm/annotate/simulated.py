@@ -78,13 +78,16 @@ class SimulatedPolicy:
 
     Args:
         problems: problem id -> SimProblem.
-        seed: base seed; each `generate` call draws from `Random((seed, call number))`.
+        seed: base seed; each `generate` call draws from `Random((seed, call number))`, a request
+            that carries its own `seed` from `Random((seed, request seed))`.
         step_mode: "tags" writes `<step>`/`<answer>`; "blank_lines" writes plain paragraphs, the
             last one ending in a `\\boxed{}` answer.
         delay_s: sleep per call (to make a subprocess slow enough to kill mid-run).
         unparsable: problem ids for which the policy writes prose with no steps at all.
 
     A request's `temperature` is ignored: the error rates are the policy's, at any temperature.
+    It also takes requests continuously (`submit`, `poll`): a request finishes after one poll per
+    4 steps of its longest rollout, so short probes come back before long ones, as on an engine.
     """
 
     def __init__(
@@ -101,6 +104,8 @@ class SimulatedPolicy:
         self.delay_s = delay_s
         self.unparsable = set(unparsable)
         self.stats = GenerationStats()
+        self._pending: list[tuple[int, int, list[str]]] = []  # (polls left, ticket, texts)
+        self._next_ticket = 0
 
     def sample(self, problem: SimProblem, prefix: Sequence[str], rng: random.Random) -> tuple[list[str], str]:
         """One continuation of `prefix`: (new steps, final answer)."""
@@ -113,9 +118,10 @@ class SimulatedPolicy:
 
     def generate(self, requests: list[RolloutRequest]) -> list[list[str]]:
         start = time.perf_counter()
-        rng = random.Random(f"{self.seed}:{self.stats.calls}")
+        call_rng = random.Random(f"{self.seed}:{self.stats.calls}")
         out = []
         for req in requests:
+            rng = call_rng if req.seed is None else random.Random(f"{self.seed}:request:{req.seed}")
             problem = self.problems.get(req.problem_id)
             if problem is None:
                 raise KeyError(f"simulated policy has no problem {req.problem_id!r}")
@@ -139,6 +145,27 @@ class SimulatedPolicy:
         self.stats.calls += 1
         self.stats.seconds += time.perf_counter() - start
         return out
+
+    def submit(self, request: RolloutRequest) -> int:
+        """Queue one request (`ContinuousBackend`); its rollouts are drawn now, returned by `poll`."""
+        (texts,) = self.generate([request])
+        polls = 1 + max((t.count("<step>") or t.count("\n\n") + 1 for t in texts), default=0) // 4
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        self._pending.append((polls, ticket, texts))
+        return ticket
+
+    def poll(self) -> list[tuple[int, list[str]]]:
+        """One simulated engine step: the requests whose time is up, in submission order."""
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        left = [(polls - 1, ticket, texts) for polls, ticket, texts in self._pending]
+        self._pending = [x for x in left if x[0] > 0]
+        return [(ticket, texts) for polls, ticket, texts in left if polls <= 0]
+
+    def cancel(self) -> None:
+        """Drop every submitted request not yet returned."""
+        self._pending.clear()
 
 
 # -- a toy real policy -------------------------------------------------------------------------

@@ -11,6 +11,7 @@ requests into one call).
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,10 @@ class RolloutRequest:
     `generate` call must share them.
     temperature: this request's sampling temperature; None samples at the backend's
         `sampling.temperature` (the annotation engine sets `sampling.prefix_temperature` here).
+    seed: this request's seed offset: sample j is seeded `sampling.seed + seed + j` however the
+        request is batched (the annotation engine keys it on the problem and its probe, see
+        `probe_seed`); None: derived from the call (`request_seeds`). vLLM and the simulated
+        policy honour it; the HF backend seeds each call.
     """
 
     problem_id: str
@@ -40,6 +45,7 @@ class RolloutRequest:
     n: int
     stop: list[str] | None = None
     temperature: float | None = None
+    seed: int | None = None
 
 
 @dataclass
@@ -147,6 +153,21 @@ def request_seeds(base: int, call: int, ns: Sequence[int]) -> list[int]:
     return seeds
 
 
+def probe_seed(problem_id: str, rollouts_before: int) -> int:
+    """Seed offset of a search's probe: a 56-bit hash of the problem id plus the rollouts its
+    search drew before it, so a probe samples the same rollouts whether it went out alone, in a
+    round with other problems' probes, or continuously, and after a resume.
+
+    A probe's n samples take offsets `rollouts_before .. rollouts_before + n - 1`, the next probe
+    starts after them; two problems' ranges overlap with odds of about (rollouts / 2**56) per pair.
+
+    >>> probe_seed("p1", 16) - probe_seed("p1", 0)
+    16
+    """
+    digest = hashlib.blake2b(problem_id.encode("utf-8"), digest_size=7).digest()
+    return int.from_bytes(digest, "big") + rollouts_before
+
+
 @dataclass
 class GenerationStats:
     """Running totals a backend keeps, for progress bars and the throughput benchmark."""
@@ -209,6 +230,35 @@ class RolloutBackend(Protocol):
     def generate(self, requests: list[RolloutRequest]) -> list[list[str]]:
         """Return, per request, its `n` sampled continuations (text after the prefix)."""
         ...
+
+
+class ContinuousBackend(RolloutBackend, Protocol):
+    """A backend that also takes requests one at a time while others are still generating.
+
+        ticket = backend.submit(request)        # queued; the engine keeps decoding the others
+        for ticket, texts in backend.poll():    # one engine step; the requests it finished
+            ...
+
+    The annotation engine uses it (`engine.continuous`) so that a search whose probe returns
+    sends its next probe at once, instead of waiting for the longest rollout of a round.
+    """
+
+    def submit(self, request: RolloutRequest) -> int:
+        """Queue one request; its prompt errors raise `RolloutInputError` (index 0) here."""
+        ...
+
+    def poll(self) -> list[tuple[int, list[str]]]:
+        """Advance generation; return (ticket, n continuations) of each request that finished."""
+        ...
+
+    def cancel(self) -> None:
+        """Drop every submitted request still in flight (the caller stops midway)."""
+        ...
+
+
+def is_continuous(backend: Any) -> bool:
+    """Whether `backend` takes requests continuously (`ContinuousBackend`)."""
+    return all(callable(getattr(backend, name, None)) for name in ("submit", "poll", "cancel"))
 
 
 def rollout_prompt(

