@@ -145,16 +145,23 @@ def test_export_of_a_real_search_is_valid_training_data(tmp_path):
     write_jsonl(tmp_path / "prm.jsonl", rows)
     examples = load_examples(tmp_path / "prm.jsonl", require_labels=True)
     assert len(examples) == len(rows)
-    # every binary search kept its wrong rollout, so every negative path is a whole solution
-    assert stats["completed_negative_paths"] == stats["negative_paths"]
+    # A binary search keeps the wrong rollout it searched, so its negative path runs on to that
+    # rollout's answer; a node whose MC came out 0 with no kept wrong rollout below it ends at its
+    # first error. Most negatives are whole solutions (here 13 of 15; the share moves with the draws).
+    assert stats["completed_negative_paths"] >= 0.8 * stats["negative_paths"]
+    whole = 0
     for ex in examples:
-        # a negative path: MC > 0 up to its first error, 0.0 from there to its wrong answer
         if ex.meta["kind"] == "negative":
+            # MC > 0 up to its first error, 0.0 from there to its wrong answer (or the error alone)
             first = ex.labels.index(0.0)
             assert all(x > 0 for x in ex.labels[:first]) and set(ex.labels[first:]) == {0.0}
-            assert "<answer>" in ex.steps[-1]
+            if "<answer>" in ex.steps[-1]:
+                whole += 1
+            else:
+                assert first == len(ex.labels) - 1
         else:
             assert all(x > 0 for x in ex.labels)
+    assert whole == stats["completed_negative_paths"]
     write_report(stats, tmp_path / "r.json", tmp_path / "r.png")
     assert json.loads((tmp_path / "r.json").read_text())["paths"] == len(rows)
     assert (tmp_path / "r.png").stat().st_size > 1000
