@@ -246,20 +246,18 @@ def benchmark_problems(bench: BenchmarkConfig, out_dir: Path) -> Path:
 
     Written once, atomically (shards that start together write the same rows); a rerun reuses it.
     """
-    from mmprm.data.eval_sets import READERS, write_problems
+    from mmprm.data.eval_sets import READERS, read_eval_set, write_problems
 
     path = out_dir / "problems.jsonl"
     if path.exists():
         return path
-    reader, split, hub = READERS[bench.name]
-    kwargs: dict[str, Any] = {"split": bench.split or split, "image_dir": out_dir / "images"}
-    kwargs["image_root"] = bench.image_root
-    if bench.subset:
-        kwargs["subset"] = bench.subset
-    rows = reader(bench.source or hub, **kwargs)[: bench.limit]
+    rows = read_eval_set(bench.name, bench.source, bench.split, bench.subset, bench.image_root, out_dir / "images")[
+        : bench.limit
+    ]
     tmp = path.with_name(f"problems.jsonl.{os.getpid()}.tmp")
     write_problems(rows, tmp)
     os.replace(tmp, path)
+    _, split, hub = READERS[bench.name]
     print(f"{bench.name}: {len(rows)} problems from {bench.source or hub} ({bench.split or split}) in {path}")
     return path
 

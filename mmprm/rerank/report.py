@@ -351,21 +351,17 @@ def category_breakdown(curve: BonCurve, metas: Sequence[Mapping[str, Any]]) -> d
     counts a problem under each of its values. Returns {column: {value: {"problems": k,
     method: accuracy}}}; empty when no problem names a breakdown.
     """
+    from mmprm.data.eval_sets import breakdown_groups
+
     if len(metas) != curve.num_problems:
         raise ValueError(f"{len(metas)} metas for {curve.num_problems} problems")
-    groups: dict[str, dict[str, list[int]]] = {}
-    for i, meta in enumerate(metas):
-        for col in meta.get("breakdown") or []:
-            values = meta.get(col)
-            for v in values if isinstance(values, list) else [values]:
-                groups.setdefault(col, {}).setdefault(str(v), []).append(i)
     n = curve.n_max
     return {
         col: {
             v: {"problems": len(idx), **{m: float(acc[n][idx].mean()) for m, acc in curve.per_problem.items()}}
-            for v, idx in sorted(values.items())
+            for v, idx in values.items()
         }
-        for col, values in groups.items()
+        for col, values in breakdown_groups(metas).items()
     }
 
 

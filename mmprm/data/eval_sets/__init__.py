@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,38 @@ def answer_correct(pred: str | None, problem: Any) -> bool:
     return rule(pred, str(get("answer")), get("choices"), meta)
 
 
+def read_eval_set(
+    name: str,
+    source: str | Path | None = None,
+    split: str | None = None,
+    subset: str | None = None,
+    image_root: str | Path | None = None,
+    image_dir: str | Path | None = None,
+) -> list[dict[str, Any]]:
+    """The problems rows of benchmark `name` (`READERS`) from `source` (default its Hub id), in its
+    evaluation split unless `split` says otherwise. `subset` is OlympiadBench's only."""
+    reader, default_split, hub = READERS[name]
+    kwargs: dict[str, Any] = {"split": split or default_split, "image_root": image_root, "image_dir": image_dir}
+    if subset:
+        if name != "olympiadbench":
+            raise ValueError(f"subset={subset!r}: only OlympiadBench has subsets, not {name}")
+        kwargs["subset"] = subset
+    return reader(source or hub, **kwargs)
+
+
+def breakdown_groups(metas: Sequence[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:
+    """{column: {value: indices of the problems with that value}} for each column a problem's
+    benchmark breaks its results down by (`meta["breakdown"]`). A list-valued column (MathVista's
+    `skills`) puts the problem under each of its values, as MathVista's own report does."""
+    groups: dict[str, dict[str, list[int]]] = {}
+    for i, meta in enumerate(metas):
+        for col in meta.get("breakdown") or []:
+            values = meta.get(col)
+            for v in values if isinstance(values, list) else [values]:
+                groups.setdefault(col, {}).setdefault(str(v), []).append(i)
+    return {col: dict(sorted(values.items())) for col, values in groups.items()}
+
+
 def accuracy_breakdown(metas: list[dict[str, Any]], correct: list[bool]) -> dict[str, Any]:
     """Accuracy overall and per value of each column the benchmark breaks down by (`meta["breakdown"]`).
 
@@ -79,15 +111,13 @@ def accuracy_breakdown(metas: list[dict[str, Any]], correct: list[bool]) -> dict
     def acc(hits: list[bool]) -> dict[str, Any]:
         return {"correct": sum(hits), "total": len(hits), "accuracy": sum(hits) / len(hits) if hits else 0.0}
 
-    groups: dict[str, dict[str, list[bool]]] = {}
-    for meta, ok in zip(metas, correct):
-        for col in meta.get("breakdown") or []:
-            values = meta.get(col)
-            for v in values if isinstance(values, list) else [values]:
-                groups.setdefault(col, {}).setdefault(str(v), []).append(bool(ok))
+    hits = [bool(c) for c in correct]
     return {
-        "overall": acc([bool(c) for c in correct]),
-        "by": {col: {v: acc(h) for v, h in sorted(vals.items())} for col, vals in groups.items()},
+        "overall": acc(hits),
+        "by": {
+            col: {v: acc([hits[i] for i in idx]) for v, idx in values.items()}
+            for col, values in breakdown_groups(metas).items()
+        },
     }
 
 
@@ -118,15 +148,11 @@ def cli_eval_set(argv: list[str]) -> int:
     ap.add_argument("--subset", help="OlympiadBench's subset (default OE_MM_maths_en_COMP)")
     ap.add_argument("--image-root", help="where the rows' relative image paths start (default: the file's folder)")
     args = ap.parse_args(argv)
-    reader, split, hub = READERS[args.name]
-    kwargs: dict[str, Any] = {"split": args.split or split, "image_root": args.image_root}
-    if args.subset:
-        if args.name != "olympiadbench":
-            ap.error("--subset is OlympiadBench's")
-        kwargs["subset"] = args.subset
+    if args.subset and args.name != "olympiadbench":
+        ap.error("--subset is OlympiadBench's")
     out = Path(args.out)
     try:
-        rows = reader(args.source or hub, image_dir=out / "images", **kwargs)
+        rows = read_eval_set(args.name, args.source, args.split, args.subset, args.image_root, out / "images")
     except (FileNotFoundError, ValueError) as e:
         print(f"mmprm eval-set: {e}", file=sys.stderr)
         return 1
@@ -141,6 +167,8 @@ __all__ = [
     "RULES",
     "answer_correct",
     "accuracy_breakdown",
+    "breakdown_groups",
+    "read_eval_set",
     "write_problems",
     "read_mathvista",
     "read_mathverse",
