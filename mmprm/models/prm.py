@@ -38,6 +38,7 @@ from mmprm.models.spec import (
     reward_token_ids,
     tokenize_example,
     tokenize_group,
+    weight_files,
 )
 from mmprm.steps import TokenizedSteps
 
@@ -492,12 +493,9 @@ def classifier_head(path: Path, hidden: int, prefix: str = "score.") -> nn.Modul
         from huggingface_hub import snapshot_download
 
         path = Path(snapshot_download(str(path), allow_patterns=["*.safetensors", "*.json"]))
-    index = path / "model.safetensors.index.json"
-    files = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
-    )
     weights: dict[str, torch.Tensor] = {}
-    for name in files:
+    holding = sorted({file for name, file in weight_files(path).items() if name.startswith(prefix)})
+    for name in holding:
         with safe_open(str(path / name), framework="pt") as f:
             weights.update({k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)})
     if set(weights) == {"weight", "bias"} or set(weights) == {"weight"}:

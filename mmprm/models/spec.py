@@ -17,6 +17,7 @@ from mmprm.steps import LAYOUTS, STEP_TOKEN, StepFormat, TokenizedSteps, extend_
 
 SPEC_FILE = "mmprm_prm.json"
 VALUE_HEAD_FILE = "value_head.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass
@@ -101,6 +102,22 @@ def released_spec(convention: str) -> PRMSpec:
             "(a PRM mmprm trained needs none: it carries its own spec)"
         )
     return RELEASED_CONVENTIONS[convention]
+
+
+def weight_files(model_dir: Path) -> dict[str, str]:
+    """Weight name -> safetensors file of the checkpoint in `model_dir`: its index, else every
+    safetensors file's header but the value head's (headers only are read)."""
+    from safetensors import safe_open
+
+    index = model_dir / INDEX_FILE
+    if index.exists():
+        return dict(json.loads(index.read_text())["weight_map"])
+    names: dict[str, str] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        if f.name != VALUE_HEAD_FILE:
+            with safe_open(str(f), framework="pt") as st:
+                names.update({k: f.name for k in st.keys()})
+    return names
 
 
 def reward_token_ids(tokenizer: Any, tokens: Sequence[str]) -> list[int]:

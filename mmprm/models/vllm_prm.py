@@ -36,6 +36,7 @@ from typing import Any
 
 from mmprm.data.schema import load_image
 from mmprm.models.spec import (
+    INDEX_FILE,
     VALUE_HEAD_FILE,
     PRMSpec,
     example_field,
@@ -46,11 +47,11 @@ from mmprm.models.spec import (
     released_spec,
     tokenize_example,
     tokenize_group,
+    weight_files,
 )
 from mmprm.steps import TokenizedSteps
 
 SCORE_WEIGHTS_FILE = "mmprm_score.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # vLLM's engine arguments that make it a token classifier over an exported PRM directory.
 POOLING_ARGS = {"runner": "pooling", "convert": "classify", "pooler_config": {"task": "token_classify"}}
 # A released classifier PRM (Qwen2.5-Math-PRM) is a pooling model of vLLM's own: every token's two
@@ -120,23 +121,8 @@ def export_for_vllm(prm_dir: str | Path, out_dir: str | Path, link: bool = True,
     return out
 
 
-def _weight_names(prm_dir: Path) -> dict[str, str]:
-    """Weight name -> safetensors file of the checkpoint in `prm_dir` (headers only are read)."""
-    from safetensors import safe_open
-
-    index = prm_dir / INDEX_FILE
-    if index.exists():
-        return dict(json.loads(index.read_text())["weight_map"])
-    names: dict[str, str] = {}
-    for f in sorted(prm_dir.glob("*.safetensors")):
-        if f.name != VALUE_HEAD_FILE:
-            with safe_open(str(f), framework="pt") as st:
-                names.update({k: f.name for k in st.keys()})
-    return names
-
-
 def _saves_lm_head(prm_dir: Path) -> bool:
-    return any(name.endswith("lm_head.weight") for name in _weight_names(prm_dir))
+    return any(name.endswith("lm_head.weight") for name in weight_files(prm_dir))
 
 
 def _export_value_head(prm_dir: Path, out: Path, config: dict[str, Any]) -> None:
@@ -153,7 +139,7 @@ def _export_value_head(prm_dir: Path, out: Path, config: dict[str, Any]) -> None
     head = load_file(str(prm_dir / VALUE_HEAD_FILE))
     save_file({name: head["weight"].float().contiguous()}, str(out / SCORE_WEIGHTS_FILE))
     index = prm_dir / INDEX_FILE
-    data = json.loads(index.read_text()) if index.exists() else {"metadata": {}, "weight_map": _weight_names(prm_dir)}
+    data = json.loads(index.read_text()) if index.exists() else {"metadata": {}, "weight_map": weight_files(prm_dir)}
     data["weight_map"][name] = SCORE_WEIGHTS_FILE
     (out / INDEX_FILE).write_text(json.dumps(data, indent=2) + "\n")
 
