@@ -1,14 +1,17 @@
 """Run a recipe the way a user does - its own process, from the repository root - and read what
-it wrote. One copy for every recipe test, so they all see the same environment."""
+it wrote; or load it in this process (`load_recipe`). One copy for every recipe test, so they all
+see the same environment."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,3 +65,14 @@ def read_metrics(out: Path | str, split: str | None = None) -> list[dict[str, An
     """The rows of `out/metrics.jsonl`, only those of `split` when given."""
     rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r for r in rows if split is None or r["split"] == split]
+
+
+def load_recipe(name: str) -> ModuleType:
+    """recipes/<name>.py loaded by path (the `recipes` package refuses imports), once per process."""
+    key = f"_recipe_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, REPO / "recipes" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module  # dataclasses resolve string annotations through sys.modules
+        spec.loader.exec_module(module)
+    return sys.modules[key]

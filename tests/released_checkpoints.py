@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 import torch
-from template_families import family_tokenizer
+from template_families import family_tokenizer, text_model
 from torch import nn
 
 from mmprm.models.tiny import _corpus
@@ -41,32 +41,9 @@ def examples() -> list[dict]:
     return [*rows, {"id": "b", "question": OTHER[0], "steps": OTHER[1]}]
 
 
-def text_model(arch: str, tok, head_dim: int):
-    """A tiny random-init decoder of `arch` (2 layers, 2 heads of `head_dim`, 1 KV head)."""
-    import transformers as tf
-
-    config_cls, model_cls = {
-        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-    }[arch]
-    config = config_cls(
-        vocab_size=len(tok),
-        hidden_size=2 * head_dim,
-        intermediate_size=4 * head_dim,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=head_dim,
-        max_position_embeddings=4096,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return model_cls(config)
+def released_model(arch: str, tok, head_dim: int):
+    """A tiny decoder of `arch` with two heads of `head_dim` and one KV head (vLLM takes head_dim 64)."""
+    return text_model(arch, tok, hidden_size=2 * head_dim, heads=2, kv_heads=1)
 
 
 # ---- Math-Shepherd ---------------------------------------------------------------------------
@@ -97,7 +74,7 @@ def sentencepiece_style_tokenizer():
 
 def build_math_shepherd(out: Path, head_dim: int = 16) -> Path:
     tok = sentencepiece_style_tokenizer()
-    text_model("mistral", tok, head_dim).save_pretrained(out)
+    released_model("mistral", tok, head_dim).save_pretrained(out)
     tok.save_pretrained(out)
     return out
 
@@ -146,7 +123,7 @@ def build_qwen_math_prm(out: Path, head_dim: int = 16) -> tuple[Path, nn.Module]
     """The directory and the model in memory (the authors' procedure runs their class)."""
     tok = family_tokenizer("qwen2_5_instruct")
     tok.add_tokens(["<extra_0>"], special_tokens=True)
-    lm = text_model("qwen2", tok, head_dim)
+    lm = released_model("qwen2", tok, head_dim)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
         model = qwen_process_reward_model_class()(lm.config).eval()
@@ -186,7 +163,7 @@ def qwen_math_authors(model, path, question: str, steps: list[str]) -> list[floa
 
 def build_rlhflow(out: Path, head_dim: int = 16) -> Path:
     tok = family_tokenizer("llama3_1_instruct")
-    text_model("llama", tok, head_dim).save_pretrained(out)
+    released_model("llama", tok, head_dim).save_pretrained(out)
     tok.save_pretrained(out)
     return out
 

@@ -56,7 +56,8 @@ def family_tokenizer(name: str):
     )
 
 
-def _text_model(arch: str, tok, tie: bool):
+def text_model(arch: str, tok, tie: bool = False, hidden_size: int = 64, heads: int = 4, kv_heads: int = 2):
+    """A tiny random-init decoder of `arch` for `tok` (2 layers, MLP twice as wide, seed 0)."""
     import transformers as tf
 
     config_cls, model_cls = {
@@ -66,11 +67,11 @@ def _text_model(arch: str, tok, tie: bool):
     }[arch]
     config = config_cls(
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
@@ -171,7 +172,7 @@ def build_family_checkpoint(name: str, out: Path, hidden_size: int = 64, num_lay
     fam = FAMILIES[name]
     tok = family_tokenizer(name)
     if fam["arch"] in TEXT_ARCHS:
-        _text_model(fam["arch"], tok, fam["tie_word_embeddings"]).save_pretrained(out)
+        text_model(fam["arch"], tok, fam["tie_word_embeddings"]).save_pretrained(out)
         tok.save_pretrained(out)
     elif fam["arch"] in ("llava_next", "llava_onevision"):
         model, processor = _llava_anyres_model(fam["arch"], tok)

@@ -7,13 +7,11 @@ answer rule, the breakdown and the table from the per-problem candidates.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from recipe_runs import REPO
+from recipe_runs import REPO, load_recipe
 
 from mmprm.data.eval_sets import answer_correct
 from mmprm.data.schema import read_jsonl
@@ -31,14 +29,6 @@ SOURCES = {
 }
 
 
-def recipe():
-    spec = importlib.util.spec_from_file_location("bon_rerank_benchmarks", REPO / "recipes" / "bon_rerank.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def runs(tiny_models, tmp_path_factory) -> dict[str, Path]:
     """Best-of-2 on four problems of each benchmark: a tiny Qwen2-VL policy, a tiny PRM."""
@@ -50,7 +40,7 @@ def runs(tiny_models, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bon_benchmarks")
     backbone, processor = load_backbone(tiny_models("qwen2_vl"))
     prm = save_prm(build_prm(backbone, processor, PRMSpec()), processor, root / "prm")
-    mod, out = recipe(), {}
+    mod, out = load_recipe("bon_rerank"), {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -103,20 +103,11 @@ def config_dataclasses() -> list[type]:
     their package refuses imports)."""
     import dataclasses
     import importlib
-    import importlib.util
-    import sys
+
+    from recipe_runs import load_recipe
 
     modules = [importlib.import_module(module_name(p)) for p in sorted(LIBRARY.rglob("*.py"))]
-    for path in sorted((REPO / "recipes").glob("*.py")):
-        if path.name == "__init__.py":
-            continue
-        key = f"_layout_recipe_{path.stem}"
-        if key not in sys.modules:
-            spec = importlib.util.spec_from_file_location(key, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[key] = module  # dataclasses resolve string annotations through sys.modules
-            spec.loader.exec_module(module)
-        modules.append(sys.modules[key])
+    modules += [load_recipe(p.stem) for p in sorted((REPO / "recipes").glob("*.py")) if p.name != "__init__.py"]
     return [
         obj
         for m in modules

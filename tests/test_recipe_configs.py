@@ -2,7 +2,6 @@
 every accelerate config a YAML or a recipe docstring points at exists."""
 
 import dataclasses
-import importlib.util
 import re
 import shlex
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from recipe_runs import load_recipe
 
 from mmprm.config import load_config
 from mmprm.training import resolve_grad_accum
@@ -40,13 +40,7 @@ def recipe_module(name: str):
     path = REPO / "recipes" / f"{name}.py"
     if not path.exists():
         pytest.skip(f"recipe {rel(path)} does not exist yet")
-    key = f"_recipe_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module  # dataclasses resolve string annotations through sys.modules
-        spec.loader.exec_module(module)
-    return sys.modules[key]
+    return load_recipe(name)
 
 
 def header(path: Path) -> list[str]:

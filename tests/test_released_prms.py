@@ -117,10 +117,8 @@ def test_a_wrong_convention_is_refused_before_scoring(rlhflow_dir, math_shepherd
 
 def test_bon_rerank_scores_candidates_with_a_released_prm(qwen_math_prm, tmp_path):
     """`scoring.convention` reaches the recipe's scorer: the step scores it writes are the authors'."""
-    import importlib.util
-    import sys
 
-    from recipe_runs import REPO
+    from recipe_runs import REPO, load_recipe
 
     from mmprm.data.schema import read_jsonl
     from mmprm.rerank.candidates import Candidate, Problem, write_candidates
@@ -138,11 +136,7 @@ def test_bon_rerank_scores_candidates_with_a_released_prm(qwen_math_prm, tmp_pat
         )
     ]
     write_candidates(tmp_path / "c.jsonl", problems)
-    spec = importlib.util.spec_from_file_location("bon_rerank_released", REPO / "recipes" / "bon_rerank.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    mod.main(
+    load_recipe("bon_rerank").main(
         [
             "--config",
             str(REPO / "recipes" / "configs" / "tiny" / "bon_rerank.yaml"),
