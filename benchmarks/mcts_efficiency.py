@@ -318,6 +318,7 @@ def part_vllm(arch: str, n_problems: int, k: int, max_rollouts: int, max_new_tok
                 runs[name].append(mcts(continuous=name == "mcts_continuous"))
                 if name == "mcts":
                     recorded = list(calls)
+    backend.close()  # the engine stops now, not in the interpreter's exit (its threads can abort there)
     med = {name: statistics.median(x["tokens_per_s"] for x in xs) for name, xs in runs.items()}
     import vllm
 

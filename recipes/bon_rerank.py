@@ -235,8 +235,7 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
         sample_into(partial, backend, todo, cfg, len(done), len(problems))
     finally:
         # The PRM loads next on the same GPU: stop the engine now (the memory it took), not at exit.
-        if close := getattr(backend, "close", None):
-            close()
+        backend.close()
     os.replace(partial, final)
     return final
 
@@ -454,23 +453,27 @@ def main(argv: list[str]) -> None:
             vllm_kwargs=cfg.scoring.vllm_kwargs,
             convention=cfg.scoring.convention,
         )
-        t0, n_scored, n_steps, dropped, cut = time.time(), 0, 0, 0, 0
-        todo = (p for p in iter_candidates(cand_file, lo, hi) if p.id not in done)
-        with store.open_append(partial) as f:
-            for chunk in batched(todo, cfg.scoring.chunk_problems):
-                rows, stats = score_chunk(scorer, chunk, cfg.scoring.share_prefix, cand_file)
-                for row in rows:
-                    store.append_row(f, row)
-                n_scored += len(chunk)
-                n_steps += stats["steps"]
-                dropped += stats["dropped_steps"]
-                cut += stats["cut"]
-                elapsed, left = time.time() - t0, n_problems - len(done) - n_scored
-                print(
-                    f"scored {len(done) + n_scored}/{n_problems} problems ({n_steps / max(elapsed, 1e-9):.1f} steps/s, "
-                    f"ETA {elapsed / n_scored * left:.0f}s)",
-                    flush=True,
-                )
+        try:
+            t0, n_scored, n_steps, dropped, cut = time.time(), 0, 0, 0, 0
+            todo = (p for p in iter_candidates(cand_file, lo, hi) if p.id not in done)
+            with store.open_append(partial) as f:
+                for chunk in batched(todo, cfg.scoring.chunk_problems):
+                    rows, stats = score_chunk(scorer, chunk, cfg.scoring.share_prefix, cand_file)
+                    for row in rows:
+                        store.append_row(f, row)
+                    n_scored += len(chunk)
+                    n_steps += stats["steps"]
+                    dropped += stats["dropped_steps"]
+                    cut += stats["cut"]
+                    elapsed, left = time.time() - t0, n_problems - len(done) - n_scored
+                    print(
+                        f"scored {len(done) + n_scored}/{n_problems} problems ({n_steps / max(elapsed, 1e-9):.1f} steps/s, "
+                        f"ETA {elapsed / n_scored * left:.0f}s)",
+                        flush=True,
+                    )
+        finally:
+            # a vLLM engine stopped here, not by the interpreter's exit, where its threads can abort the process
+            scorer.close()
         os.replace(partial, final)
         if cut:
             print(

@@ -295,6 +295,7 @@ def main(argv: list[str]) -> int:
     finally:
         bar.close()
         trees.close()
+        backend.close()  # a vLLM engine stops now, not in the interpreter's exit (its threads can abort there)
     summary = {
         "rank": rank,
         "world_size": world,

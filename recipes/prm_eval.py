@@ -392,8 +392,11 @@ def main(argv: list[str]) -> int:
             for ex, s in zip(exs, scores)
         ]
 
-    dev_rows = score("dev", dev) if dev else []
-    test_rows = score("test", examples)
+    try:
+        dev_rows = score("dev", dev) if dev else []
+        test_rows = score("test", examples)
+    finally:
+        scorer.close()  # a vLLM engine stops now, not in the interpreter's exit (its threads can abort there)
     complete = lambda rows: [r for r in rows if not any(math.isnan(s) for s in r["scores"])]  # noqa: E731
     excluded = len(dev_rows) + len(test_rows) - len(complete(dev_rows)) - len(complete(test_rows))
 

@@ -213,52 +213,15 @@ def progress(what: str, done: int, total: int, t0: float, already: int) -> None:
     print(f"{what}: {done}/{total} problems, {time.time() - t0:.0f}s (ETA {eta:.0f}s)", flush=True)
 
 
-def main(argv: list[str]) -> None:
-    config_path, overrides = parse_cli(argv, Config)
-    cfg = load_config(Config, config_path, overrides)
-    # The search runs for hours: a typo in either path must fail now, before anything is written.
-    require_model_dir(cfg, "policy.path")
-    require_model_dir(cfg, "prm", hub=False)
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    sh = cfg.shard
-
-    # ---- problems of this shard ------------------------------------------------------------
+def run_searches(cfg: Config, problems: list[Any], proposer: Any, scorer: Any, out: Path) -> None:
+    """Each search setting over this shard's problems, in lockstep batches: one row per finished
+    problem, appended as it finishes, so a rerun resumes where this one stopped."""
     from mmprm.answers import answers_match
     from mmprm.data import store
-    from mmprm.rerank.candidates import count_rows, load_problems
-    from mmprm.rerank.shards import shard_bounds, take_shard
-
-    n = count_rows(cfg.problems_file)
-    n = n if cfg.limit is None else min(cfg.limit, n)
-    lo, hi = shard_bounds(n, sh.index, sh.count)  # only this shard's images are opened to check them
-    problems = take_shard(load_problems(cfg.problems_file, check_rows=lambda i: lo <= i < hi)[:n], sh.index, sh.count)
-    print(f"shard {sh.index}/{sh.count}: {len(problems)} problems")
-
-    # ---- models: the policy behind a rollout backend, the PRM scorer -------------------------
-    from mmprm.generation.base import problems_per_call
-    from mmprm.models.loading import resolve_device
-    from mmprm.models.prm import load_prm
     from mmprm.search.core import run_search
-    from mmprm.search.policy import BackendProposer, sample_solutions
     from mmprm.treeval import think360_depth, think360_width
 
-    device = resolve_device(cfg.scoring.device)
-    scorer = load_prm(
-        cfg.prm,
-        device=device,
-        batch_size=cfg.scoring.batch_size,
-        max_length=cfg.scoring.max_length,
-        attn_implementation=cfg.model.attn_implementation,
-        backend=cfg.scoring.backend,
-        vllm_kwargs=cfg.scoring.vllm_kwargs,
-        convention=cfg.scoring.convention,
-    )
-    backend = make_backend(cfg, cfg.policy.sampling.max_new_tokens)
-    step_mode = backend.step_mode  # as resolved from the config and the policy's saved spec
-    proposer = BackendProposer(backend, step_mode)
-
-    # ---- each search setting: problems in lockstep batches, one row per finished problem -----
+    sh = cfg.shard
     for search in cfg.searches:
         path = store.shard_file(out / slug(search.label()), "results", sh.index, sh.count)
         done = store.resume(path)
@@ -295,52 +258,64 @@ def main(argv: list[str]) -> None:
                 progress(f"[{search.label()}]", len(done) + lo + len(chunk), len(problems), t0, len(done))
         store.mark_done(path)
 
-    # ---- Best-of-N at the largest budget, same policy and PRM -----------------------------
-    if cfg.bon.enabled:
-        path = store.shard_file(out / "bon", "candidates", sh.index, sh.count)
-        done = store.resume(path)
-        todo = [p for p in problems if p.id not in done]
-        n_max = max(cfg.bon.n)
-        print(f"[Best-of-N] {len(done)} problems already done, {len(todo)} to sample x {n_max}", flush=True)
-        backend.sampling.max_new_tokens = cfg.bon.max_new_tokens  # whole solutions now, not one step
-        t0 = time.time()
-        per_call = problems_per_call(backend, n_max, cfg.policy.batch_size)
-        with store.open_append(path) as f:
-            for lo in range(0, len(todo), per_call):
-                chunk = todo[lo : lo + per_call]
-                cands = sample_solutions(backend, chunk, n_max, step_mode, cfg.policy.batch_size)
-                examples = [
-                    {"question": p.question, "images": p.images, "steps": c["steps"]}
-                    for p, cs in zip(chunk, cands)
-                    for c in cs
-                    if c["steps"]
-                ]
-                probs = iter(scorer.score(examples))
-                for p, cs in zip(chunk, cands):
-                    rows = []
-                    for c in cs:
-                        step_probs = next(probs) if c["steps"] else []
-                        kept = [q for q in step_probs if not math.isnan(q)]  # NaN: past scoring.max_length
-                        rows.append(
-                            {
-                                "steps": c["steps"],
-                                "step_probs": kept,
-                                "truncated": len(kept) < len(step_probs),
-                                "answer": c["answer"],
-                                "correct": answers_match(c["answer"], p.answer, p.choices),
-                                "tokens": c["tokens"],
-                                "complete": c["complete"],
-                            }
-                        )
-                    store.append_row(f, {"id": p.id, "candidates": rows})
-                progress("[Best-of-N]", len(done) + lo + len(chunk), len(problems), t0, len(done))
-        store.mark_done(path)
 
-    # ---- report once every shard of every setting is in -----------------------------------
+def run_best_of_n(cfg: Config, problems: list[Any], backend: Any, step_mode: str, scorer: Any, out: Path) -> None:
+    """Best-of-N at the largest budget with the same policy and PRM: whole solutions sampled,
+    every step scored, one row of candidates per problem."""
+    from mmprm.answers import answers_match
+    from mmprm.data import store
+    from mmprm.generation.base import problems_per_call
+    from mmprm.search.policy import sample_solutions
+
+    sh = cfg.shard
+    path = store.shard_file(out / "bon", "candidates", sh.index, sh.count)
+    done = store.resume(path)
+    todo = [p for p in problems if p.id not in done]
+    n_max = max(cfg.bon.n)
+    print(f"[Best-of-N] {len(done)} problems already done, {len(todo)} to sample x {n_max}", flush=True)
+    backend.sampling.max_new_tokens = cfg.bon.max_new_tokens  # whole solutions now, not one step
+    t0 = time.time()
+    per_call = problems_per_call(backend, n_max, cfg.policy.batch_size)
+    with store.open_append(path) as f:
+        for lo in range(0, len(todo), per_call):
+            chunk = todo[lo : lo + per_call]
+            cands = sample_solutions(backend, chunk, n_max, step_mode, cfg.policy.batch_size)
+            examples = [
+                {"question": p.question, "images": p.images, "steps": c["steps"]}
+                for p, cs in zip(chunk, cands)
+                for c in cs
+                if c["steps"]
+            ]
+            probs = iter(scorer.score(examples))
+            for p, cs in zip(chunk, cands):
+                rows = []
+                for c in cs:
+                    step_probs = next(probs) if c["steps"] else []
+                    kept = [q for q in step_probs if not math.isnan(q)]  # NaN: past scoring.max_length
+                    rows.append(
+                        {
+                            "steps": c["steps"],
+                            "step_probs": kept,
+                            "truncated": len(kept) < len(step_probs),
+                            "answer": c["answer"],
+                            "correct": answers_match(c["answer"], p.answer, p.choices),
+                            "tokens": c["tokens"],
+                            "complete": c["complete"],
+                        }
+                    )
+                store.append_row(f, {"id": p.id, "candidates": rows})
+            progress("[Best-of-N]", len(done) + lo + len(chunk), len(problems), t0, len(done))
+    store.mark_done(path)
+
+
+def write_report(cfg: Config, out: Path) -> None:
+    """The search-vs-Best-of-N report, once every shard of every setting is in."""
+    from mmprm.data import store
     from mmprm.search.core import SearchTree
     from mmprm.search.report import search_report, write_search_report
     from mmprm.treeval import render_tree
 
+    sh = cfg.shard
     ready = all(store.all_done(out / slug(s.label()), "results", sh.count) for s in cfg.searches)
     if not ready or (cfg.bon.enabled and not store.all_done(out / "bon", "candidates", sh.count)):
         print(f"shard {sh.index} done; the report is written when all {sh.count} shards are (rerun any shard then)")
@@ -373,6 +348,54 @@ def main(argv: list[str]) -> None:
             f"{m['search_acc']:.3f} vs {m['bon_acc']:.3f}, diff {m['diff']:+.3f} {m['ci95']}"
         )
     print(f"wrote {md} and {out / 'search_vs_bon.png'}")
+
+
+def main(argv: list[str]) -> None:
+    config_path, overrides = parse_cli(argv, Config)
+    cfg = load_config(Config, config_path, overrides)
+    # The search runs for hours: a typo in either path must fail now, before anything is written.
+    require_model_dir(cfg, "policy.path")
+    require_model_dir(cfg, "prm", hub=False)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sh = cfg.shard
+
+    # ---- problems of this shard ------------------------------------------------------------
+    from mmprm.rerank.candidates import count_rows, load_problems
+    from mmprm.rerank.shards import shard_bounds, take_shard
+
+    n = count_rows(cfg.problems_file)
+    n = n if cfg.limit is None else min(cfg.limit, n)
+    lo, hi = shard_bounds(n, sh.index, sh.count)  # only this shard's images are opened to check them
+    problems = take_shard(load_problems(cfg.problems_file, check_rows=lambda i: lo <= i < hi)[:n], sh.index, sh.count)
+    print(f"shard {sh.index}/{sh.count}: {len(problems)} problems")
+
+    # ---- models: the policy behind a rollout backend, the PRM scorer -------------------------
+    from mmprm.models.loading import resolve_device
+    from mmprm.models.prm import load_prm
+    from mmprm.search.policy import BackendProposer
+
+    scorer = load_prm(
+        cfg.prm,
+        device=resolve_device(cfg.scoring.device),
+        batch_size=cfg.scoring.batch_size,
+        max_length=cfg.scoring.max_length,
+        attn_implementation=cfg.model.attn_implementation,
+        backend=cfg.scoring.backend,
+        vllm_kwargs=cfg.scoring.vllm_kwargs,
+        convention=cfg.scoring.convention,
+    )
+    backend = make_backend(cfg, cfg.policy.sampling.max_new_tokens)
+    try:
+        step_mode = backend.step_mode  # as resolved from the config and the policy's saved spec
+        run_searches(cfg, problems, BackendProposer(backend, step_mode), scorer, out)
+        if cfg.bon.enabled:
+            run_best_of_n(cfg, problems, backend, step_mode, scorer, out)
+    finally:
+        # vLLM engines stop here, not in the interpreter's exit, where their threads can abort the process
+        backend.close()
+        scorer.close()
+    write_report(cfg, out)
 
 
 if __name__ == "__main__":

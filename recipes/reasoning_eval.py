@@ -491,6 +491,8 @@ def run(cfg: ReasoningEvalConfig) -> int:
     print(f"{len(ids)} answers, {len(trees)} trees, {len(tree_failures)} without a usable tree")
 
     # ---- node scores
+    if backend is not None and sc.kind != "mc":  # its last use: a PRM may load next on the same GPU
+        backend.close()
     scored = [i for i in ids if i in trees and i not in tree_failures]
     unjudged: dict[str, list[str]] = {}
     if sc.kind == "judge":
@@ -523,8 +525,11 @@ def run(cfg: ReasoningEvalConfig) -> int:
             vllm_kwargs=sc.prm_vllm_kwargs,
             convention=sc.prm_convention,
         )
-        for i in scored:
-            set_scores(trees[i], prm_scores(trees[i], prm))
+        try:
+            for i in scored:
+                set_scores(trees[i], prm_scores(trees[i], prm))
+        finally:
+            prm.close()  # a vLLM engine stops now, not in the interpreter's exit (its threads can abort there)
     elif sc.kind == "mc":
         for i in scored:
             p = by_id[i]
@@ -534,6 +539,7 @@ def run(cfg: ReasoningEvalConfig) -> int:
                 else (lambda text, p=p: answers_match(extract_answer(text), p["answer"], p["choices"]))
             )
             set_scores(trees[i], rollout_mc_scores(trees[i], backend, verify, sc.mc_rollouts, problem_id=i))
+        backend.close()
     else:
         for i in scored:
             set_scores(trees[i], constant_scores(trees[i], sc.constant))

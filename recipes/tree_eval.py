@@ -252,6 +252,65 @@ def mean(values: list[float | None]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def score_trees(items: list[dict[str, Any]], sc: Any, m: Any, prm: Any, judge: Any, aggregate: Any) -> list[dict]:
+    """Each item's tree scored by the configured scorer, with its metrics: one row per item (an
+    item the judge could not fully score gets a row that says so, and no metrics)."""
+    rows = []
+    start = time.time()
+    for k, it in enumerate(items):
+        tree = it["tree"]
+        if sc.kind == "constant":
+            scores = constant_scores(tree, sc.constant)
+        elif sc.kind == "mc":
+            scores = mc_scores(tree)
+        elif sc.kind == "prm":
+            scores = prm_scores(tree, prm)
+        else:
+            judged = judge.judge(tree, reference=it["reference"])
+            scores = judged.scores
+            if judged.unparsed:  # not fully scored: reported, kept out of every average
+                rows.append(
+                    {
+                        "id": it["id"],
+                        "nodes": len(tree.conclusions()),
+                        "unjudged_nodes": judged.unparsed,
+                        "correct": it["correct"],
+                        "warnings": tree.warnings,
+                    }
+                )
+                continue
+        set_scores(tree, scores)
+        score_rpts = rpts(tree, lam=m.rpts_lambda, h_f=m.rpts_h_f)
+        passed = None if it["correct"] is None else bool(it["correct"]) and score_rpts >= m.filter_threshold
+        # As the Think360 reference: a tree with an invalid structure gets no width/depth.
+        valid, why = think360_valid(tree)
+        row = {
+            "id": it["id"],
+            "nodes": len(tree.conclusions()),
+            "width": think360_width(tree, m.threshold) if valid else None,
+            "depth": think360_depth(tree, m.threshold) if valid else None,
+            "width_soft": think360_width(tree, soft=True) if valid else None,
+            "depth_soft": think360_depth(tree, soft=True) if valid else None,
+            "rpts": score_rpts,
+            "correct": it["correct"],
+            "filtered_correct": passed,
+            "warnings": tree.warnings,
+        }
+        if not valid:
+            row["invalid_structure"] = why
+        if aggregate is not None:
+            row["path_score"] = mean(list(path_scores(tree, aggregate).values()))
+        rows.append(row)
+        done = k + 1
+        if done % 50 == 0 or done == len(items):
+            eta = (time.time() - start) / done * (len(items) - done)
+            print(
+                f"  {done}/{len(items)} scored, mean RPTS {mean([r.get('rpts') for r in rows]) or 0:.4f}, "
+                f"ETA {eta:.0f}s"
+            )
+    return rows
+
+
 def main(argv: list[str]) -> int:
     # ---- config
     try:
@@ -322,59 +381,11 @@ def main(argv: list[str]) -> int:
 
     # ---- score every tree and compute its metrics
     m = cfg.metrics
-    rows = []
-    start = time.time()
-    for k, it in enumerate(items):
-        tree = it["tree"]
-        if sc.kind == "constant":
-            scores = constant_scores(tree, sc.constant)
-        elif sc.kind == "mc":
-            scores = mc_scores(tree)
-        elif sc.kind == "prm":
-            scores = prm_scores(tree, prm)
-        else:
-            judged = judge.judge(tree, reference=it["reference"])
-            scores = judged.scores
-            if judged.unparsed:  # not fully scored: reported, kept out of every average
-                rows.append(
-                    {
-                        "id": it["id"],
-                        "nodes": len(tree.conclusions()),
-                        "unjudged_nodes": judged.unparsed,
-                        "correct": it["correct"],
-                        "warnings": tree.warnings,
-                    }
-                )
-                continue
-        set_scores(tree, scores)
-        score_rpts = rpts(tree, lam=m.rpts_lambda, h_f=m.rpts_h_f)
-        passed = None if it["correct"] is None else bool(it["correct"]) and score_rpts >= m.filter_threshold
-        # As the Think360 reference: a tree with an invalid structure gets no width/depth.
-        valid, why = think360_valid(tree)
-        row = {
-            "id": it["id"],
-            "nodes": len(tree.conclusions()),
-            "width": think360_width(tree, m.threshold) if valid else None,
-            "depth": think360_depth(tree, m.threshold) if valid else None,
-            "width_soft": think360_width(tree, soft=True) if valid else None,
-            "depth_soft": think360_depth(tree, soft=True) if valid else None,
-            "rpts": score_rpts,
-            "correct": it["correct"],
-            "filtered_correct": passed,
-            "warnings": tree.warnings,
-        }
-        if not valid:
-            row["invalid_structure"] = why
-        if aggregate is not None:
-            row["path_score"] = mean(list(path_scores(tree, aggregate).values()))
-        rows.append(row)
-        done = k + 1
-        if done % 50 == 0 or done == len(items):
-            eta = (time.time() - start) / done * (len(items) - done)
-            print(
-                f"  {done}/{len(items)} scored, mean RPTS {mean([r.get('rpts') for r in rows]) or 0:.4f}, "
-                f"ETA {eta:.0f}s"
-            )
+    try:
+        rows = score_trees(items, sc, m, prm, judge, aggregate)
+    finally:
+        if prm is not None:  # a vLLM engine stops now, not in the interpreter's exit (its threads can abort there)
+            prm.close()
 
     # ---- report (items the judge could not fully score are counted, not averaged)
     unjudged = [r["id"] for r in rows if "unjudged_nodes" in r]

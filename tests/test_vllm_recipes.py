@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from json_schema import schema_differences
-from vllm_tier import VLLM_TIER
+from vllm_tier import ENGINE_CLOSED, VLLM_TIER
 
 pytestmark = VLLM_TIER
 
@@ -46,6 +46,8 @@ def run(recipe: str, *args: str) -> subprocess.CompletedProcess:
         check=False,
     )
     assert res.returncode == 0, f"{recipe} {' '.join(args)}\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    if any(a.endswith("backend=vllm") for a in args):
+        assert ENGINE_CLOSED in res.stdout + res.stderr, f"{recipe} left its vLLM engine to the interpreter's exit"
     return res
 
 

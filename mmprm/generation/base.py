@@ -231,6 +231,10 @@ class RolloutBackend(Protocol):
         """Return, per request, its `n` sampled continuations (text after the prefix)."""
         ...
 
+    def close(self) -> None:
+        """Free the model and the memory it holds; generating afterwards is an error."""
+        ...
+
 
 class ContinuousBackend(RolloutBackend, Protocol):
     """A backend that also takes requests one at a time while others are still generating.

@@ -137,6 +137,14 @@ class HFBackend:
         self._stop_ids.add(self.tokenizer.eos_token_id)
         self._image = ImageCache()
 
+    def close(self) -> None:
+        """Release the model (and the accelerator memory it held) for the next one this process
+        loads, as `VLLMBackend.close` does; generating afterwards is an error."""
+        if self.__dict__.pop("model", None) is not None:
+            from mmprm.models.loading import release_accelerator_memory
+
+            release_accelerator_memory()
+
     @classmethod
     def from_pretrained(
         cls,

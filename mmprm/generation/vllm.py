@@ -26,7 +26,6 @@ vllm is installed (`pytest -m vllm`).
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import time
 from collections import OrderedDict
@@ -246,11 +245,9 @@ class VLLMBackend:
         shutdown = getattr(llm, "shutdown", None) or llm.llm_engine.engine_core.shutdown
         shutdown()
         del llm
-        gc.collect()
-        import torch
+        from mmprm.models.loading import release_accelerator_memory
 
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_accelerator_memory()
 
     def _prompt_length(self, req: RolloutRequest, text: str, images: list[Any], special: bool) -> int:
         """Tokens of the prompt vLLM builds from `text` and `images`: the text's, plus what the

@@ -310,6 +310,16 @@ def resolve_device(device: str = "auto") -> str:
     return f"cuda:{local}"
 
 
+def release_accelerator_memory() -> None:
+    """Return the memory of models this process dropped to the device, so that the next model it
+    loads (Best-of-N's PRM after its policy) finds it free."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def load_backbone(
     path: str | Path,
     dtype: torch.dtype | str | None = None,

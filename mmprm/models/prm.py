@@ -162,6 +162,15 @@ class PRMScorer:
         self.spec = model.spec
         self.dropped_steps = 0
 
+    def close(self) -> None:
+        """Release the model (and the accelerator memory it held) for the next one this process
+        loads; scoring afterwards is an error. Every scorer has `close`, so a recipe frees either
+        backend alike; closing twice is a no-op."""
+        if self.__dict__.pop("model", None) is not None:
+            from mmprm.models.loading import release_accelerator_memory
+
+            release_accelerator_memory()
+
     def tokenize(self, ex: Any) -> TokenizedSteps:
         images = [load_image(p) for p in (example_field(ex, "images") or [])]
         return tokenize_example(self.processor, self.spec, ex, images, self.max_length)
