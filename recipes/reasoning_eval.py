@@ -12,7 +12,7 @@ scores -> accuracy, Think360 width/depth, RPTS and RPTS-filtered accuracy.
     python recipes/reasoning_eval.py --config recipes/configs/tiny/reasoning_eval.yaml \\
         answers.source=vllm answers.model=Qwen/Qwen2.5-VL-7B-Instruct scorer.judge.model=JUDGE
 
-Stages (each a plain block of `main`):
+Stages (each a step of `run`):
     problems  rpts (RPTS-Eval texts JSON), mathv (MATH-V folder), jsonl (mmprm problems file)
     answers   file (JSONL {id, response, [correct]}, e.g. MATH-V's CoT files), gold (the benchmark's
               own reasoning, a sanity check of the judge), hf or vllm (the model answers now;
@@ -361,9 +361,9 @@ def main(argv: list[str]) -> int:
 
 
 def run(cfg: ReasoningEvalConfig) -> int:
+    """The evaluation in its order: problems, answers, trees, node scores, report."""
     out_dir = Path(cfg.output.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    a, tc, sc, m = cfg.answers, cfg.tree, cfg.scorer, cfg.metrics
     start = time.time()
 
     # ---- problems
@@ -373,59 +373,117 @@ def run(cfg: ReasoningEvalConfig) -> int:
     by_id = {p["id"]: p for p in problems}
     print(f"{len(problems)} problems from {cfg.problems.path} ({cfg.problems.format})")
 
-    # ---- answers: {id: {"response", ["correct"]}}
-    answers: dict[str, dict[str, Any]] = {}
-    backend = tokenizer = None
-    if a.source == "file":
-        for i, r in enumerate(read_jsonl(a.path)):
-            if not isinstance(r.get(a.response_field), str):
-                raise SystemExit(
-                    f"{a.path}:{i + 1}: id={r.get('id')}: {a.response_field}: missing or not text "
-                    "(set answers.response_field)"
-                )
-            if str(r.get("id")) in by_id:
-                answers[str(r["id"])] = {
-                    "response": r[a.response_field],
-                    **({"correct": bool(r["correct"])} if "correct" in r else {}),
-                }
-    elif a.source == "gold":
-        # the benchmark's own reasoning reaches its own answer
-        answers = {p["id"]: {"response": p["gold"], "correct": True} for p in problems if p["gold"]}
-    if a.source in ("hf", "vllm") or sc.kind == "mc":
-        backend = make_backend(a, cfg.model.attn_implementation)
-        proc = getattr(backend, "processor", None)  # vLLM keeps the processor, HF the tokenizer too
-        tokenizer = getattr(backend, "tokenizer", None) or getattr(proc, "tokenizer", proc)
-    if a.source in ("hf", "vllm"):
-        # Each chunk is appended to answers.jsonl as it is generated (the last line of an id wins),
-        # so a rerun after a crash only generates what is missing.
-        answers_file = out_dir / "answers.jsonl"
-        if answers_file.exists():
-            answers = {r["id"]: {"response": r["response"]} for r in read_jsonl(answers_file) if r["id"] in by_id}
-        todo = [p for p in problems if p["id"] not in answers and all(Path(i).exists() for i in p["images"])]
-        no_images = sorted(set(by_id) - set(answers) - {p["id"] for p in todo})
-        for attempt in range(tc.retries + 1 if tc.kind == "rpts" else 1):
-            # An RPTS answer with no premise lines has no tree: ask the model again (tree.retries).
-            if attempt:
-                todo = [by_id[i] for i, r in answers.items() if not rpts_lines(r["response"])]
-            for lo in range(0, len(todo), a.batch_size):
-                chunk = todo[lo : lo + a.batch_size]
-                texts = backend.generate([RolloutRequest(p["id"], p["question"], p["images"], [], 1) for p in chunk])
-                with open(answers_file, "a", encoding="utf-8") as f:
-                    for p, t in zip(chunk, texts):
-                        answers[p["id"]] = {"response": t[0]}
-                        f.write(json.dumps({"id": p["id"], "response": t[0]}, ensure_ascii=False) + "\n")
-                print(f"  answered {min(lo + a.batch_size, len(todo))}/{len(todo)} (try {attempt + 1})")
-        if no_images:
-            print(f"  {len(no_images)} problems skipped: their images are missing (e.g. id {no_images[0]})")
-    if a.tokenizer:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(a.tokenizer)
+    # ---- answers, their length and correctness
+    answers, backend, tokenizer = collect_answers(cfg, problems, by_id, out_dir)
     ids = [p["id"] for p in problems if p["id"] in answers]
     unanswered = [p["id"] for p in problems if p["id"] not in answers]
     token_counts, token_method = count_tokens([answers[i]["response"] for i in ids], tokenizer)
+    grade_answers(ids, by_id, answers)
 
-    # ---- correctness of the final answers (a response file's own verdict wins: MATH-V ships one)
+    # ---- trees
+    chat_clients: dict[str, ChatClient] = {}
+    trees, tree_failures = build_trees(cfg.tree, ids, by_id, answers, out_dir, chat_clients)
+    print(f"{len(ids)} answers, {len(trees)} trees, {len(tree_failures)} without a usable tree")
+
+    # ---- node scores
+    if backend is not None and cfg.scorer.kind != "mc":  # its last use: a PRM may load next on the same GPU
+        backend.close()
+    scored = [i for i in ids if i in trees and i not in tree_failures]
+    unjudged = score_nodes(cfg, trees, scored, by_id, backend, out_dir, chat_clients)
+
+    # ---- metrics and report
+    rows = item_rows(ids, answers, trees, tree_failures, unjudged, token_counts, cfg.metrics)
+    summary = summarize(
+        cfg.metrics, len(problems), unanswered, rows, tree_failures, unjudged, token_method, chat_clients, start
+    )
+    write_report(cfg, out_dir, summary, rows, unanswered, trees)
+    return 0
+
+
+def collect_answers(
+    cfg: ReasoningEvalConfig, problems: list[dict[str, Any]], by_id: dict[str, dict[str, Any]], out_dir: Path
+) -> tuple[dict[str, dict[str, Any]], Any, Any]:
+    """({id: {"response", ["correct"]}}, the rollout backend or None, the tokenizer that counts
+    answer tokens or None): answers read from a file or the benchmark, or written by the model now.
+    The backend stays open when the mc scorer rolls it out later."""
+    answers_cfg = cfg.answers
+    answers: dict[str, dict[str, Any]] = {}
+    backend = tokenizer = None
+    if answers_cfg.source == "file":
+        answers = read_answer_file(answers_cfg, by_id)
+    elif answers_cfg.source == "gold":
+        # the benchmark's own reasoning reaches its own answer
+        answers = {p["id"]: {"response": p["gold"], "correct": True} for p in problems if p["gold"]}
+    if answers_cfg.source in ("hf", "vllm") or cfg.scorer.kind == "mc":
+        backend = make_backend(answers_cfg, cfg.model.attn_implementation)
+        proc = getattr(backend, "processor", None)  # vLLM keeps the processor, HF the tokenizer too
+        tokenizer = getattr(backend, "tokenizer", None) or getattr(proc, "tokenizer", proc)
+    if answers_cfg.source in ("hf", "vllm"):
+        answers = generate_answers(answers_cfg, cfg.tree, backend, problems, by_id, out_dir)
+    if answers_cfg.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(answers_cfg.tokenizer)
+    return answers, backend, tokenizer
+
+
+def read_answer_file(answers_cfg: AnswersConfig, by_id: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """{id: {"response", ["correct"]}} of the problems in `by_id`, from answers.path; a row without
+    response text stops the run with its line number."""
+    answers: dict[str, dict[str, Any]] = {}
+    field_name = answers_cfg.response_field
+    for i, r in enumerate(read_jsonl(answers_cfg.path)):
+        if not isinstance(r.get(field_name), str):
+            raise SystemExit(
+                f"{answers_cfg.path}:{i + 1}: id={r.get('id')}: {field_name}: missing or not text "
+                "(set answers.response_field)"
+            )
+        if str(r.get("id")) in by_id:
+            answers[str(r["id"])] = {
+                "response": r[field_name],
+                **({"correct": bool(r["correct"])} if "correct" in r else {}),
+            }
+    return answers
+
+
+def generate_answers(
+    answers_cfg: AnswersConfig,
+    tree_cfg: TreeConfig,
+    backend: Any,
+    problems: list[dict[str, Any]],
+    by_id: dict[str, dict[str, Any]],
+    out_dir: Path,
+) -> dict[str, dict[str, Any]]:
+    """{id: {"response"}} written by the model under test. Each chunk is appended to answers.jsonl as
+    it is generated (the last line of an id wins), so a rerun after a crash only generates what is
+    missing."""
+    answers: dict[str, dict[str, Any]] = {}
+    answers_file = out_dir / "answers.jsonl"
+    if answers_file.exists():
+        answers = {r["id"]: {"response": r["response"]} for r in read_jsonl(answers_file) if r["id"] in by_id}
+    todo = [p for p in problems if p["id"] not in answers and all(Path(i).exists() for i in p["images"])]
+    no_images = sorted(set(by_id) - set(answers) - {p["id"] for p in todo})
+    batch_size = answers_cfg.batch_size
+    for attempt in range(tree_cfg.retries + 1 if tree_cfg.kind == "rpts" else 1):
+        # An RPTS answer with no premise lines has no tree: ask the model again (tree.retries).
+        if attempt:
+            todo = [by_id[i] for i, r in answers.items() if not rpts_lines(r["response"])]
+        for lo in range(0, len(todo), batch_size):
+            chunk = todo[lo : lo + batch_size]
+            texts = backend.generate([RolloutRequest(p["id"], p["question"], p["images"], [], 1) for p in chunk])
+            with open(answers_file, "a", encoding="utf-8") as f:
+                for p, t in zip(chunk, texts):
+                    answers[p["id"]] = {"response": t[0]}
+                    f.write(json.dumps({"id": p["id"], "response": t[0]}, ensure_ascii=False) + "\n")
+            print(f"  answered {min(lo + batch_size, len(todo))}/{len(todo)} (try {attempt + 1})")
+    if no_images:
+        print(f"  {len(no_images)} problems skipped: their images are missing (e.g. id {no_images[0]})")
+    return answers
+
+
+def grade_answers(ids: list[str], by_id: dict[str, dict[str, Any]], answers: dict[str, dict[str, Any]]) -> None:
+    """Set each answer's "prediction" and "correct"; a response file's own verdict wins (MATH-V
+    ships one)."""
     for i in ids:
         p, r = by_id[i], answers[i]
         if "correct" in r:
@@ -437,33 +495,25 @@ def run(cfg: ReasoningEvalConfig) -> int:
             r["prediction"] = extract_answer(r["response"])
             r["correct"] = answers_match(r["prediction"], p["answer"], p["choices"])
 
-    # ---- trees
-    chat_clients: dict[str, ChatClient] = {}
+
+def build_trees(
+    tree_cfg: TreeConfig,
+    ids: list[str],
+    by_id: dict[str, dict[str, Any]],
+    answers: dict[str, dict[str, Any]],
+    out_dir: Path,
+    chat_clients: dict[str, ChatClient],
+) -> tuple[dict[str, Tree], dict[str, str]]:
+    """({id: tree}, {id: why it has no usable tree}) of the answers, as tree.kind says. An invalid
+    Think360 extraction keeps its tree (it is saved) and is listed as a failure."""
     trees: dict[str, Tree] = {}
-    tree_failures: dict[str, str] = {}  # id -> why no usable tree
-    if tc.kind == "think360":
-        extractor = chat_clients["extractor"] = ChatClient(tc.extractor, "tree.extractor", out_dir / "chat_cache.jsonl")
-        extractions = extractor.map(
-            lambda i: extract_think360(
-                extractor,
-                by_id[i]["question"],
-                answers[i]["response"],
-                by_id[i]["answer"],
-                by_id[i]["images"],
-                tc.send_images,
-                tc.retries,
-                tc.retry_temperature,
-                source=f"id={i}",
-            ),
-            ids,
-            desc="extract trees",
+    tree_failures: dict[str, str] = {}
+    if tree_cfg.kind == "think360":
+        extractor = chat_clients["extractor"] = ChatClient(
+            tree_cfg.extractor, "tree.extractor", out_dir / "chat_cache.jsonl"
         )
-        for i, ex in zip(ids, extractions):
-            trees[i] = ex.tree
-            ex.tree.meta["extraction"] = {"attempts": ex.attempts, **ex.tokens}
-            if not ex.valid:
-                tree_failures[i] = f"invalid tree: {ex.reason}"
-    elif tc.kind == "rpts":
+        trees, tree_failures = extract_trees(extractor, tree_cfg, ids, by_id, answers)
+    elif tree_cfg.kind == "rpts":
         for i in ids:
             r = by_id[i]["record"]
             lines = rpts_lines(answers[i]["response"])
@@ -488,49 +538,79 @@ def run(cfg: ReasoningEvalConfig) -> int:
             trees[i] = from_steps(steps, question=by_id[i]["question"], images=by_id[i]["images"])
     for _i, t in trees.items():
         t.images = [im for im in t.images if Path(im).exists()]  # RPTS-Eval ships only some images
-    print(f"{len(ids)} answers, {len(trees)} trees, {len(tree_failures)} without a usable tree")
+    return trees, tree_failures
 
-    # ---- node scores
-    if backend is not None and sc.kind != "mc":  # its last use: a PRM may load next on the same GPU
-        backend.close()
-    scored = [i for i in ids if i in trees and i not in tree_failures]
+
+def extract_trees(
+    extractor: ChatClient,
+    tree_cfg: TreeConfig,
+    ids: list[str],
+    by_id: dict[str, dict[str, Any]],
+    answers: dict[str, dict[str, Any]],
+) -> tuple[dict[str, Tree], dict[str, str]]:
+    """({id: tree}, {id: why invalid}): the Think360 trees an LLM extracts from the answers, each
+    with its extraction's attempts and tokens in its meta."""
+    trees: dict[str, Tree] = {}
+    tree_failures: dict[str, str] = {}
+    extractions = extractor.map(
+        lambda i: extract_think360(
+            extractor,
+            by_id[i]["question"],
+            answers[i]["response"],
+            by_id[i]["answer"],
+            by_id[i]["images"],
+            tree_cfg.send_images,
+            tree_cfg.retries,
+            tree_cfg.retry_temperature,
+            source=f"id={i}",
+        ),
+        ids,
+        desc="extract trees",
+    )
+    for i, ex in zip(ids, extractions):
+        trees[i] = ex.tree
+        ex.tree.meta["extraction"] = {"attempts": ex.attempts, **ex.tokens}
+        if not ex.valid:
+            tree_failures[i] = f"invalid tree: {ex.reason}"
+    return trees, tree_failures
+
+
+def score_nodes(
+    cfg: ReasoningEvalConfig,
+    trees: dict[str, Tree],
+    scored: list[str],
+    by_id: dict[str, dict[str, Any]],
+    backend: Any,
+    out_dir: Path,
+    chat_clients: dict[str, ChatClient],
+) -> dict[str, list[str]]:
+    """Score every node of the `scored` trees with scorer.kind; returns {id: nodes the judge gave no
+    verdict for} (those trees keep no scores). The mc scorer closes `backend` once it is done."""
+    scorer_cfg = cfg.scorer
     unjudged: dict[str, list[str]] = {}
-    if sc.kind == "judge":
-        j = sc.judge
-        client = chat_clients["judge"] = ChatClient(j, "scorer.judge", out_dir / "chat_cache.jsonl")
-        if (j.protocol == "auto" and tc.kind == "rpts") or j.protocol == "rpts":
-            judge: Any = RPTSJudge(client, sc.rpts)
-            results = client.map(lambda i: judge.judge(trees[i], by_id[i]["record"]), scored, desc="judge")
-        else:
-            mode = "graded" if j.protocol == "graded" else "binary"
-            judge = JudgeScorer(client, mode, j.send_images, j.parse_retries)
-            results = client.map(lambda i: judge.judge(trees[i], by_id[i]["answer"]), scored, desc="judge")
-        for i, res in zip(scored, results):
-            trees[i].meta["judge"] = {"details": res.details, "corrected": res.corrected, **res.tokens}
-            if res.unparsed:
-                unjudged[i] = res.unparsed
-            else:
-                set_scores(trees[i], res.scores)
-    elif sc.kind == "prm":
+    if scorer_cfg.kind == "judge":
+        client = chat_clients["judge"] = ChatClient(scorer_cfg.judge, "scorer.judge", out_dir / "chat_cache.jsonl")
+        unjudged = judge_trees(client, scorer_cfg, cfg.tree.kind, trees, scored, by_id)
+    elif scorer_cfg.kind == "prm":
         from mmprm import load_prm
         from mmprm.models.loading import resolve_device
 
-        device = resolve_device(sc.device)
+        device = resolve_device(scorer_cfg.device)
         prm = load_prm(
-            sc.prm_path,
+            scorer_cfg.prm_path,
             device=device,
-            batch_size=sc.prm_batch_size,
+            batch_size=scorer_cfg.prm_batch_size,
             attn_implementation=cfg.model.attn_implementation,
-            backend=sc.prm_backend,
-            vllm_kwargs=sc.prm_vllm_kwargs,
-            convention=sc.prm_convention,
+            backend=scorer_cfg.prm_backend,
+            vllm_kwargs=scorer_cfg.prm_vllm_kwargs,
+            convention=scorer_cfg.prm_convention,
         )
         try:
             for i in scored:
                 set_scores(trees[i], prm_scores(trees[i], prm))
         finally:
             prm.close()  # a vLLM engine stops now, not in the interpreter's exit (its threads can abort there)
-    elif sc.kind == "mc":
+    elif scorer_cfg.kind == "mc":
         for i in scored:
             p = by_id[i]
             verify = (
@@ -538,14 +618,59 @@ def run(cfg: ReasoningEvalConfig) -> int:
                 if p["record"] is not None
                 else (lambda text, p=p: answers_match(extract_answer(text), p["answer"], p["choices"]))
             )
-            set_scores(trees[i], rollout_mc_scores(trees[i], backend, verify, sc.mc_rollouts, problem_id=i))
+            set_scores(trees[i], rollout_mc_scores(trees[i], backend, verify, scorer_cfg.mc_rollouts, problem_id=i))
         backend.close()
     else:
         for i in scored:
-            set_scores(trees[i], constant_scores(trees[i], sc.constant))
+            set_scores(trees[i], constant_scores(trees[i], scorer_cfg.constant))
+    return unjudged
 
-    # ---- per-item metrics (only fully scored trees enter the tree metrics)
-    grid = [(lam, h_f) for lam in m.rpts_lambdas for h_f in m.rpts_h_fs]
+
+def judge_trees(
+    client: ChatClient,
+    scorer_cfg: ScorerConfig,
+    tree_kind: str,
+    trees: dict[str, Tree],
+    scored: list[str],
+    by_id: dict[str, dict[str, Any]],
+) -> dict[str, list[str]]:
+    """Node scores from the LLM judge (the RPTS protocol for premise trees, else Think360 binary or
+    graded); returns {id: nodes without a verdict}. Every tree keeps the judge's details."""
+    judge_cfg = scorer_cfg.judge
+    if (judge_cfg.protocol == "auto" and tree_kind == "rpts") or judge_cfg.protocol == "rpts":
+        judge: Any = RPTSJudge(client, scorer_cfg.rpts)
+        results = client.map(lambda i: judge.judge(trees[i], by_id[i]["record"]), scored, desc="judge")
+    else:
+        mode = "graded" if judge_cfg.protocol == "graded" else "binary"
+        judge = JudgeScorer(client, mode, judge_cfg.send_images, judge_cfg.parse_retries)
+        results = client.map(lambda i: judge.judge(trees[i], by_id[i]["answer"]), scored, desc="judge")
+    unjudged: dict[str, list[str]] = {}
+    for i, res in zip(scored, results):
+        trees[i].meta["judge"] = {"details": res.details, "corrected": res.corrected, **res.tokens}
+        if res.unparsed:
+            unjudged[i] = res.unparsed
+        else:
+            set_scores(trees[i], res.scores)
+    return unjudged
+
+
+def rpts_keys(metrics: MetricsConfig) -> list[str]:
+    """The "lambda,h_f" keys of every RPTS setting reported, lambdas outermost."""
+    return [f"{lam},{h_f}" for lam in metrics.rpts_lambdas for h_f in metrics.rpts_h_fs]
+
+
+def item_rows(
+    ids: list[str],
+    answers: dict[str, dict[str, Any]],
+    trees: dict[str, Tree],
+    tree_failures: dict[str, str],
+    unjudged: dict[str, list[str]],
+    token_counts: list[int],
+    metrics: MetricsConfig,
+) -> list[dict[str, Any]]:
+    """One report row per answer: its correctness and length, and its tree metrics when the tree was
+    fully scored, else its status and why."""
+    grid = [(lam, h_f) for lam in metrics.rpts_lambdas for h_f in metrics.rpts_h_fs]
     rows = []
     for k, i in enumerate(ids):
         t = trees.get(i)
@@ -564,21 +689,35 @@ def run(cfg: ReasoningEvalConfig) -> int:
         else:
             row.update(
                 {
-                    "width": think360_width(t, m.threshold),
-                    "depth": think360_depth(t, m.threshold),
+                    "width": think360_width(t, metrics.threshold),
+                    "depth": think360_depth(t, metrics.threshold),
                     "width_soft": think360_width(t, soft=True),
                     "depth_soft": think360_depth(t, soft=True),
                     "rpts": {f"{lam},{h_f}": rpts(t, lam, h_f) for lam, h_f in grid},
                 }
             )
         rows.append(row)
+    return rows
 
-    # ---- summary and report
+
+def summarize(
+    metrics: MetricsConfig,
+    n_problems: int,
+    unanswered: list[str],
+    rows: list[dict[str, Any]],
+    tree_failures: dict[str, str],
+    unjudged: dict[str, list[str]],
+    token_method: str,
+    chat_clients: dict[str, ChatClient],
+    start: float,
+) -> dict[str, Any]:
+    """The report's summary: counts of what was left out and why, accuracy, and the tree metrics
+    averaged over the fully scored trees only."""
     ok = [r for r in rows if r["status"] == "scored"]
     tok = [r["answer_tokens"] for r in rows]
-    summary: dict[str, Any] = {
-        "problems": len(problems),
-        "answered": len(ids),
+    return {
+        "problems": n_problems,
+        "answered": len(rows),
         "unanswered": len(unanswered),
         "accuracy": mean([float(r["correct"]) for r in rows]),
         "trees_scored": len(ok),
@@ -590,62 +729,73 @@ def run(cfg: ReasoningEvalConfig) -> int:
         "depth": mean([r["depth"] for r in ok]),
         "width_soft": mean([r["width_soft"] for r in ok]),
         "depth_soft": mean([r["depth_soft"] for r in ok]),
-        "rpts": {key: mean([r["rpts"][key] for r in ok]) for key in (f"{lam},{h_f}" for lam, h_f in grid)},
+        "rpts": {key: mean([r["rpts"][key] for r in ok]) for key in rpts_keys(metrics)},
         "filtered_accuracy": {
-            key: filtered_accuracy([bool(r["correct"]) for r in ok], [r["rpts"][key] for r in ok], m.filter_threshold)
+            key: filtered_accuracy(
+                [bool(r["correct"]) for r in ok], [r["rpts"][key] for r in ok], metrics.filter_threshold
+            )
             if ok
             else None
-            for key in (f"{lam},{h_f}" for lam, h_f in grid)
+            for key in rpts_keys(metrics)
         },
         "answer_tokens": {"mean": mean(tok), "total": sum(tok), "counted_by": token_method},
         "chat": {name: c.stats.to_json() for name, c in chat_clients.items()},
         "seconds": round(time.time() - start, 1),
     }
+
+
+def write_report(
+    cfg: ReasoningEvalConfig,
+    out_dir: Path,
+    summary: dict[str, Any],
+    rows: list[dict[str, Any]],
+    unanswered: list[str],
+    trees: dict[str, Tree],
+) -> None:
+    """report.json, trees.jsonl, the tree PNGs (output.plots) and report.md; prints the headline
+    numbers and what was written."""
     report = {"config": to_dict(cfg), "summary": summary, "unanswered": unanswered, "items": rows}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     write_jsonl(out_dir / "trees.jsonl", ({"id": i, **t.to_json()} for i, t in trees.items()))
-    pngs = []
-    if cfg.output.plots:
-        for r in rows:
-            if r["id"] in trees:
-                first = next(iter(r.get("rpts", {}).values()), None)
-                title = f"{r['id']} - {r['status']} - RPTS {'n/a' if first is None else f'{first:.3f}'}"
-                name = re.sub(r"[^\w.-]", "_", r["id"])
-                pngs.append(
-                    render_tree(trees[r["id"]], out_dir / "trees" / f"{name}.png", title=title, threshold=m.threshold)
-                )
+    pngs = render_trees(rows, trees, out_dir, cfg.metrics.threshold) if cfg.output.plots else []
     title = (
-        f"Reasoning evaluation: {cfg.problems.format} problems, answers from {a.source}, {tc.kind} trees, "
-        f"{sc.kind} scores"
+        f"Reasoning evaluation: {cfg.problems.format} problems, answers from {cfg.answers.source}, "
+        f"{cfg.tree.kind} trees, {cfg.scorer.kind} scores"
     )
     (out_dir / "report.md").write_text(
-        reasoning_report_md(title, summary, rows, m.filter_threshold, [p.relative_to(out_dir) for p in pngs]),
+        reasoning_report_md(title, summary, rows, cfg.metrics.filter_threshold, [p.relative_to(out_dir) for p in pngs]),
         encoding="utf-8",
     )
-    print(
-        json.dumps(
-            {
-                k: summary[k]
-                for k in (
-                    "answered",
-                    "accuracy",
-                    "trees_scored",
-                    "trees_missing",
-                    "trees_unjudged",
-                    "width",
-                    "depth",
-                    "rpts",
-                    "filtered_accuracy",
-                )
-            },
-            indent=2,
-        )
+    headline = (
+        "answered",
+        "accuracy",
+        "trees_scored",
+        "trees_missing",
+        "trees_unjudged",
+        "width",
+        "depth",
+        "rpts",
+        "filtered_accuracy",
     )
+    print(json.dumps({k: summary[k] for k in headline}, indent=2))
     print(
         f"wrote {out_dir / 'report.json'}, {out_dir / 'report.md'}, {out_dir / 'trees.jsonl'}"
         + (f" and {len(pngs)} PNGs under {out_dir / 'trees'}" if pngs else "")
     )
-    return 0
+
+
+def render_trees(rows: list[dict[str, Any]], trees: dict[str, Tree], out_dir: Path, threshold: float) -> list[Path]:
+    """One PNG per tree under trees/, titled with its id, status and first RPTS; their paths."""
+    pngs = []
+    for r in rows:
+        if r["id"] in trees:
+            first = next(iter(r.get("rpts", {}).values()), None)
+            title = f"{r['id']} - {r['status']} - RPTS {'n/a' if first is None else f'{first:.3f}'}"
+            name = re.sub(r"[^\w.-]", "_", r["id"])
+            pngs.append(
+                render_tree(trees[r["id"]], out_dir / "trees" / f"{name}.png", title=title, threshold=threshold)
+            )
+    return pngs
 
 
 if __name__ == "__main__":
