@@ -305,13 +305,46 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    """Read and check the data, score it with the PRM, choose the threshold, write the report."""
     # ---- config
     config_path, overrides = parse_cli(argv, PRMEvalConfig)
     cfg = load_config(PRMEvalConfig, config_path, overrides)
-    out_dir = Path(cfg.output.dir)
 
     # ---- data (every file is read and validated before the model loads)
-    examples = read_examples(cfg.data.path, cfg.data.format, check_images=cfg.scorer.use_images)
+    objective = resolve_objective(cfg)
+    dev, examples, label_kind = load_data(cfg, objective)
+
+    # ---- score; truncated steps come back NaN and their examples leave the metrics (counted)
+    require_model_dir(cfg, "scorer.prm_path", hub=False)  # named here, not in a traceback from the loader
+    scorer = load_scorer(cfg)
+    try:
+        dev_rows = score_split(scorer, "dev", dev) if dev else []
+        test_rows = score_split(scorer, "test", examples)
+    finally:
+        scorer.close()  # a vLLM engine stops now, not in the interpreter's exit (its threads can abort there)
+    excluded = len(dev_rows) + len(test_rows) - len(complete(dev_rows)) - len(complete(test_rows))
+
+    # ---- threshold, metrics, report
+    threshold, source, split = threshold_of(cfg, dev_rows, objective)
+    print(f"threshold {threshold:.4f} ({source}; chosen on: {split})")
+    report = make_report(cfg, dev_rows, test_rows, (threshold, source, split), label_kind, excluded)
+    write_report(Path(cfg.output.dir), report, dev_rows + test_rows)
+    return 0
+
+
+def resolve_objective(cfg: PRMEvalConfig) -> str:
+    """metrics.objective with auto resolved: step macro F1 for VisualProcessBench (its metric), else
+    first-error F1."""
+    if cfg.metrics.objective == "auto":
+        return "macro_f1" if cfg.data.format == "visualprocessbench" else "first_error_f1"
+    return cfg.metrics.objective
+
+
+def load_data(cfg: PRMEvalConfig, objective: str) -> tuple[list[StepExample], list[StepExample], str]:
+    """(dev examples, test examples, their label kind), read and checked: a dev split that cannot
+    choose a threshold, an empty test split or mixed label kinds stop the run here."""
+    use_images = cfg.scorer.use_images
+    examples = read_examples(cfg.data.path, cfg.data.format, check_images=use_images)
     if cfg.data.per_category is not None:
         taken: dict[Any, list[StepExample]] = {}
         for ex in examples:
@@ -321,27 +354,13 @@ def main(argv: list[str]) -> int:
         examples = examples[: cfg.data.limit]
     dev: list[StepExample] = []
     if cfg.data.dev_file:
-        dev = read_examples(cfg.data.dev_file, cfg.data.format, check_images=cfg.scorer.use_images)
+        dev = read_examples(cfg.data.dev_file, cfg.data.format, check_images=use_images)
     elif cfg.data.dev_fraction > 0:
         dev, examples = split_dev(examples, cfg.data.dev_fraction, cfg.data.seed)
-    objective = cfg.metrics.objective
-    if objective == "auto":
-        objective = "macro_f1" if cfg.data.format == "visualprocessbench" else "first_error_f1"
-    # the dev split must hold both kinds its objective tells apart; checked before the model loads
-    if objective == "macro_f1":
-        neutral = lambda ex: ex.meta.get("neutral_steps", [])  # noqa: E731
-        dev_kinds = {y >= 0.5 for ex in dev for i, y in enumerate(ex.labels) if i not in neutral(ex)}
-        need = "correct and erroneous steps"
-    else:
-        dev_kinds, need = {true_first_error(ex) is None for ex in dev}, "fully correct and erroneous solutions"
-    if dev and len(dev_kinds) < 2:
-        raise SystemExit(
-            f"dev split ({len(dev)} examples): needs both {need} to choose a threshold; raise "
-            "data.dev_fraction or data.per_category, or set dev_fraction=0"
-        )
+    check_dev(dev, objective)
     if not examples:
         raise SystemExit(f"{cfg.data.path}: no examples left to evaluate (check data.limit / data.dev_fraction)")
-    if not cfg.scorer.use_images:
+    if not use_images:
         for ex in dev + examples:
             ex.images = []
     kinds = {ex.meta.get("label_kind", "validity") for ex in examples}
@@ -354,15 +373,31 @@ def main(argv: list[str]) -> int:
         f"{len(examples)} examples from {cfg.data.path} ({cfg.data.format})"
         + (f", {len(dev)} dev examples for the threshold" if dev else "")
     )
+    return dev, examples, kinds.pop()
 
-    # ---- scorer
-    require_model_dir(cfg, "scorer.prm_path", hub=False)  # named here, not in a traceback from the loader
 
+def check_dev(dev: list[StepExample], objective: str) -> None:
+    """Stop unless the dev split (when there is one) holds both kinds its objective tells apart."""
+    if objective == "macro_f1":
+        neutral = lambda ex: ex.meta.get("neutral_steps", [])  # noqa: E731
+        dev_kinds = {y >= 0.5 for ex in dev for i, y in enumerate(ex.labels) if i not in neutral(ex)}
+        need = "correct and erroneous steps"
+    else:
+        dev_kinds, need = {true_first_error(ex) is None for ex in dev}, "fully correct and erroneous solutions"
+    if dev and len(dev_kinds) < 2:
+        raise SystemExit(
+            f"dev split ({len(dev)} examples): needs both {need} to choose a threshold; raise "
+            "data.dev_fraction or data.per_category, or set dev_fraction=0"
+        )
+
+
+def load_scorer(cfg: PRMEvalConfig) -> Any:
+    """The PRM under evaluation behind `mmprm.load_prm` (HF in this process, or a vLLM engine)."""
     from mmprm import load_prm
     from mmprm.models.loading import resolve_device
 
     device = resolve_device(cfg.scorer.device)
-    scorer = load_prm(
+    return load_prm(
         cfg.scorer.prm_path,
         device=device,
         batch_size=cfg.scorer.batch_size,
@@ -373,34 +408,35 @@ def main(argv: list[str]) -> int:
         convention=cfg.scorer.convention,
     )
 
-    # ---- score; truncated steps come back NaN and their examples leave the metrics (counted)
-    def score(split: str, exs: list[StepExample]) -> list[dict[str, Any]]:
-        start = time.time()
-        scores = scorer.score(exs, progress=True)
-        n_steps = sum(len(s) for s in scores)
-        print(f"{split}: scored {len(exs)} examples / {n_steps} steps in {time.time() - start:.1f}s")
-        return [
-            {
-                "id": ex.id,
-                "split": split,
-                "category": ex.meta.get("category"),
-                "scores": s,
-                "labels": [float(x) for x in ex.labels],
-                "first_error": true_first_error(ex),
-                "neutral_steps": ex.meta.get("neutral_steps", []),
-            }
-            for ex, s in zip(exs, scores)
-        ]
 
-    try:
-        dev_rows = score("dev", dev) if dev else []
-        test_rows = score("test", examples)
-    finally:
-        scorer.close()  # a vLLM engine stops now, not in the interpreter's exit (its threads can abort there)
-    complete = lambda rows: [r for r in rows if not any(math.isnan(s) for s in r["scores"])]  # noqa: E731
-    excluded = len(dev_rows) + len(test_rows) - len(complete(dev_rows)) - len(complete(test_rows))
+def score_split(scorer: Any, split: str, exs: list[StepExample]) -> list[dict[str, Any]]:
+    """One row per example of `split`: its step scores (NaN past scorer.max_length) beside its labels."""
+    start = time.time()
+    scores = scorer.score(exs, progress=True)
+    n_steps = sum(len(s) for s in scores)
+    print(f"{split}: scored {len(exs)} examples / {n_steps} steps in {time.time() - start:.1f}s")
+    return [
+        {
+            "id": ex.id,
+            "split": split,
+            "category": ex.meta.get("category"),
+            "scores": s,
+            "labels": [float(x) for x in ex.labels],
+            "first_error": true_first_error(ex),
+            "neutral_steps": ex.meta.get("neutral_steps", []),
+        }
+        for ex, s in zip(exs, scores)
+    ]
 
-    # ---- threshold: chosen on dev (never on the reported rows), or given
+
+def complete(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows every step of which was scored (none cut by truncation)."""
+    return [r for r in rows if not any(math.isnan(s) for s in r["scores"])]
+
+
+def threshold_of(cfg: PRMEvalConfig, dev_rows: list[dict[str, Any]], objective: str) -> tuple[float, str, str]:
+    """(threshold, where it came from, the split it was chosen on): chosen on dev (never on the
+    reported rows), or metrics.threshold when there is no dev split."""
     threshold, source, split = cfg.metrics.threshold, "metrics.threshold", "none (given)"
     if dev_rows:
         usable = complete(dev_rows)
@@ -416,14 +452,25 @@ def main(argv: list[str]) -> int:
                 f"data.dev_fraction={cfg.data.dev_fraction} of {cfg.data.path}'s source problems, seed "
                 f"{cfg.data.seed} ({len(usable)} examples, none of them in the reported metrics)"
             )
-    print(f"threshold {threshold:.4f} ({source}; chosen on: {split})")
+    return threshold, source, split
 
-    # ---- metrics overall and per category
+
+def make_report(
+    cfg: PRMEvalConfig,
+    dev_rows: list[dict[str, Any]],
+    test_rows: list[dict[str, Any]],
+    chosen: tuple[float, str, str],
+    label_kind: str,
+    excluded: int,
+) -> dict[str, Any]:
+    """report.json's content: metrics over the fully scored test rows, overall and per category,
+    and the dev split's at the same threshold (`chosen`: threshold, source, split)."""
+    threshold, source, split = chosen
     rows = complete(test_rows)
     if not rows:
         raise SystemExit("every example was truncated: raise scorer.max_length")
     soft = any(0.0 < y < 1.0 for r in rows for y in r["labels"])
-    report = {
+    return {
         "data": cfg.data.path,
         "format": cfg.data.format,
         "prm": cfg.scorer.prm_path,
@@ -431,18 +478,21 @@ def main(argv: list[str]) -> int:
         "threshold_source": source,
         "threshold_split": split,
         "labels_soft": soft,
-        "label_kind": kinds.pop(),
+        "label_kind": label_kind,
         "excluded_truncated": excluded,
         **report_metrics(rows, threshold, soft),
         "dev": metrics_of(complete(dev_rows), threshold, soft) if dev_rows else None,
         "config": to_dict(cfg),
     }
 
-    # ---- write
+
+def write_report(out_dir: Path, report: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """scores.jsonl (every scored row with its predicted first error), report.json and report.md;
+    prints the headline metrics."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    for r in dev_rows + test_rows:
-        r["predicted_first_error"] = predicted_first_error(r["scores"], threshold)
-    write_jsonl(out_dir / "scores.jsonl", dev_rows + test_rows)
+    for r in rows:
+        r["predicted_first_error"] = predicted_first_error(r["scores"], report["threshold"])
+    write_jsonl(out_dir / "scores.jsonl", rows)
     # NaN is not JSON: write null so any JSON reader opens the report
     clean = json.loads(json.dumps(report), parse_constant=lambda c: None)
     (out_dir / "report.json").write_text(json.dumps(clean, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -450,7 +500,6 @@ def main(argv: list[str]) -> int:
     m = report["metrics"]
     print(" ".join(f"{k}={fmt(m[k])}" for k in ("first_error_f1", "macro_f1", "auroc", "step_accuracy")))
     print(f"wrote {out_dir / 'report.json'}, {out_dir / 'report.md'} and {out_dir / 'scores.jsonl'}")
-    return 0
 
 
 if __name__ == "__main__":
