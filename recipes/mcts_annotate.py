@@ -209,20 +209,14 @@ def make_backend(cfg: AnnotateConfig, rank: int = 0):
 
 
 def main(argv: list[str]) -> int:
+    """Annotate this rank's unfinished problems, then merge and export once every rank is done.
+    Exit 0: done, 1: transient failures to retry, 2: a config or data error, 3: stopped (rank busy,
+    or an outage)."""
     try:
-        config_path, overrides = parse_cli(argv, AnnotateConfig)
-        cfg = load_config(AnnotateConfig, config_path, overrides)
-        rank, world = resolve_rank_world(cfg.rank, cfg.world_size)
-        limit = cfg.data.limit
-        # Only this rank's rows (shard: every world-th) get their images opened here.
-        mine_only = lambda i: (limit is None or i < limit) and i % world == rank  # noqa: E731
-        problems = load_problems(cfg.data.problems_file, cfg.data.check_images, check_rows=mine_only)
-        require_model_dir(cfg, "model.name_or_path")  # named here, not in a traceback from the loader
+        cfg, rank, world, problems = load_inputs(argv)
     except (ConfigError, DataError, ValueError) as e:
         print(f"mcts_annotate: {e}", file=sys.stderr)
         return 2
-    if cfg.data.limit is not None:
-        problems = problems[: cfg.data.limit]
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if rank == 0:
@@ -252,18 +246,52 @@ def main(argv: list[str]) -> int:
     print(
         f"rank {rank}: prompt format: step_mode={backend.step_mode}, system prompt={backend.system!r}", file=sys.stderr
     )
-    verify = rule_verifier
-    if cfg.verify.judge:
-        from mmprm.annotate.judge import LLMJudge, judged_verifier
+    engine = make_engine(cfg, backend, make_verifier(cfg, out_dir, rank))
+    try:
+        stats = annotate(engine, todo, trees, rank)
+    except AnnotationOutage as e:
+        print(f"mcts_annotate: rank {rank}: {e}", file=sys.stderr)
+        return 3
+    finally:
+        trees.close()
+        backend.close()  # a vLLM engine stops now, not in the interpreter's exit (its threads can abort there)
+    write_summary(out_dir, rank, world, stats, engine, backend)
+    return merge_when_complete(cfg, out_dir, problems, todo, stats, trees, rank)
 
-        client = ChatClient(
-            cfg.verify.judge_chat, config_key="verify.judge_chat", cache_path=out_dir / f"judge_cache.rank{rank}.jsonl"
-        )
-        verify = judged_verifier(LLMJudge(client))
 
-    # The loop: the engine keeps `concurrency` searches in flight; each finished problem is
-    # committed to the tree file at once, so a kill loses at most the problems in flight.
-    engine = AnnotationEngine(
+def load_inputs(argv: list[str]) -> tuple[AnnotateConfig, int, int, list[Any]]:
+    """(config, rank, world size, problems up to data.limit): the rows of this rank's shard have
+    their images checked; the policy's directory must exist."""
+    config_path, overrides = parse_cli(argv, AnnotateConfig)
+    cfg = load_config(AnnotateConfig, config_path, overrides)
+    rank, world = resolve_rank_world(cfg.rank, cfg.world_size)
+    limit = cfg.data.limit
+    # Only this rank's rows (shard: every world-th) get their images opened here.
+    mine_only = lambda i: (limit is None or i < limit) and i % world == rank  # noqa: E731
+    problems = load_problems(cfg.data.problems_file, cfg.data.check_images, check_rows=mine_only)
+    require_model_dir(cfg, "model.name_or_path")  # named here, not in a traceback from the loader
+    if cfg.data.limit is not None:
+        problems = problems[: cfg.data.limit]
+    return cfg, rank, world, problems
+
+
+def make_verifier(cfg: AnnotateConfig, out_dir: Path, rank: int) -> Any:
+    """What decides a rollout's answer is right: the rule matcher, or an LLM judge behind it
+    (verify.judge), whose replies this rank caches in the output folder."""
+    if not cfg.verify.judge:
+        return rule_verifier
+    from mmprm.annotate.judge import LLMJudge, judged_verifier
+
+    client = ChatClient(
+        cfg.verify.judge_chat, config_key="verify.judge_chat", cache_path=out_dir / f"judge_cache.rank{rank}.jsonl"
+    )
+    return judged_verifier(LLMJudge(client))
+
+
+def make_engine(cfg: AnnotateConfig, backend: Any, verify: Any) -> AnnotationEngine:
+    """The engine that keeps engine.concurrency searches in flight over `backend` (continuous
+    batching by default on vLLM)."""
+    return AnnotationEngine(
         backend,
         cfg.search,
         verify,
@@ -273,6 +301,11 @@ def main(argv: list[str]) -> int:
         prefix_temperature=cfg.sampling.prefix_temperature,
         continuous=cfg.model.backend == "vllm" if cfg.engine.continuous is None else cfg.engine.continuous,
     )
+
+
+def annotate(engine: AnnotationEngine, todo: list[Any], trees: TreeFile, rank: int) -> Any:
+    """Run the search over `todo` with a progress bar; returns the engine's stats. Each finished
+    problem is committed to the tree file at once, so a kill loses at most the problems in flight."""
     bar = tqdm(total=len(todo), unit="problem", desc=f"rank {rank}", dynamic_ncols=True)
     start = time.perf_counter()
 
@@ -288,14 +321,13 @@ def main(argv: list[str]) -> int:
         )
 
     try:
-        stats = engine.run(todo, on_record, on_batch)
-    except AnnotationOutage as e:
-        print(f"mcts_annotate: rank {rank}: {e}", file=sys.stderr)
-        return 3
+        return engine.run(todo, on_record, on_batch)
     finally:
         bar.close()
-        trees.close()
-        backend.close()  # a vLLM engine stops now, not in the interpreter's exit (its threads can abort there)
+
+
+def write_summary(out_dir: Path, rank: int, world: int, stats: Any, engine: AnnotationEngine, backend: Any) -> None:
+    """summary.rank{r}-of-{w}.json (this rank's throughput and statuses), also printed."""
     summary = {
         "rank": rank,
         "world_size": world,
@@ -306,8 +338,12 @@ def main(argv: list[str]) -> int:
     (out_dir / f"summary.rank{rank}-of-{world}.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary), file=sys.stderr)
 
-    # Merge and export once every problem has a record; the last rank to finish does it (a tie
-    # writes the same files twice, atomically, which is harmless).
+
+def merge_when_complete(
+    cfg: AnnotateConfig, out_dir: Path, problems: list[Any], todo: list[Any], stats: Any, trees: TreeFile, rank: int
+) -> int:
+    """Merge and export once every problem has a record; the exit code. The last rank to finish
+    does it (a tie writes the same files twice, atomically, which is harmless)."""
     missing = {p.id for p in problems} - finished_ids(out_dir)
     retry = stats.by_status.get("error", 0) and {p.id for p in todo} & missing
     if retry:
@@ -324,6 +360,13 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 0
+    export_prm_data(cfg, out_dir)
+    return 0
+
+
+def export_prm_data(cfg: AnnotateConfig, out_dir: Path) -> None:
+    """trees.jsonl merged from every rank, prm_data.jsonl (step-labelled rows for prm_train) and the
+    export report."""
     merged = merge_annotations(out_dir)
     export_stats: dict[str, Any] = {}  # filled while the rows stream to disk, one tree at a time
     write_jsonl(
@@ -345,7 +388,6 @@ def main(argv: list[str]) -> int:
             "those problems to export them whole",
             file=sys.stderr,
         )
-    return 0
 
 
 if __name__ == "__main__":
