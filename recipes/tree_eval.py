@@ -252,18 +252,25 @@ def mean(values: list[float | None]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def score_trees(items: list[dict[str, Any]], sc: Any, m: Any, prm: Any, judge: Any, aggregate: Any) -> list[dict]:
+def score_trees(
+    items: list[dict[str, Any]],
+    scorer_cfg: ScorerConfig,
+    metrics: MetricConfig,
+    prm: Any,
+    judge: JudgeScorer | None,
+    aggregate: Any,
+) -> list[dict]:
     """Each item's tree scored by the configured scorer, with its metrics: one row per item (an
     item the judge could not fully score gets a row that says so, and no metrics)."""
     rows = []
     start = time.time()
     for k, it in enumerate(items):
         tree = it["tree"]
-        if sc.kind == "constant":
-            scores = constant_scores(tree, sc.constant)
-        elif sc.kind == "mc":
+        if scorer_cfg.kind == "constant":
+            scores = constant_scores(tree, scorer_cfg.constant)
+        elif scorer_cfg.kind == "mc":
             scores = mc_scores(tree)
-        elif sc.kind == "prm":
+        elif scorer_cfg.kind == "prm":
             scores = prm_scores(tree, prm)
         else:
             judged = judge.judge(tree, reference=it["reference"])
@@ -280,27 +287,7 @@ def score_trees(items: list[dict[str, Any]], sc: Any, m: Any, prm: Any, judge: A
                 )
                 continue
         set_scores(tree, scores)
-        score_rpts = rpts(tree, lam=m.rpts_lambda, h_f=m.rpts_h_f)
-        passed = None if it["correct"] is None else bool(it["correct"]) and score_rpts >= m.filter_threshold
-        # As the Think360 reference: a tree with an invalid structure gets no width/depth.
-        valid, why = think360_valid(tree)
-        row = {
-            "id": it["id"],
-            "nodes": len(tree.conclusions()),
-            "width": think360_width(tree, m.threshold) if valid else None,
-            "depth": think360_depth(tree, m.threshold) if valid else None,
-            "width_soft": think360_width(tree, soft=True) if valid else None,
-            "depth_soft": think360_depth(tree, soft=True) if valid else None,
-            "rpts": score_rpts,
-            "correct": it["correct"],
-            "filtered_correct": passed,
-            "warnings": tree.warnings,
-        }
-        if not valid:
-            row["invalid_structure"] = why
-        if aggregate is not None:
-            row["path_score"] = mean(list(path_scores(tree, aggregate).values()))
-        rows.append(row)
+        rows.append(tree_row(it, metrics, aggregate))
         done = k + 1
         if done % 50 == 0 or done == len(items):
             eta = (time.time() - start) / done * (len(items) - done)
@@ -311,7 +298,35 @@ def score_trees(items: list[dict[str, Any]], sc: Any, m: Any, prm: Any, judge: A
     return rows
 
 
+def tree_row(it: dict[str, Any], metrics: MetricConfig, aggregate: Any) -> dict[str, Any]:
+    """The report row of an item whose tree is scored: RPTS, RPTS-filtered correctness, Think360
+    width/depth, and the final path's aggregated score when metrics.path_aggregator is set."""
+    tree = it["tree"]
+    score_rpts = rpts(tree, lam=metrics.rpts_lambda, h_f=metrics.rpts_h_f)
+    passed = None if it["correct"] is None else bool(it["correct"]) and score_rpts >= metrics.filter_threshold
+    # As the Think360 reference: a tree with an invalid structure gets no width/depth.
+    valid, why = think360_valid(tree)
+    row = {
+        "id": it["id"],
+        "nodes": len(tree.conclusions()),
+        "width": think360_width(tree, metrics.threshold) if valid else None,
+        "depth": think360_depth(tree, metrics.threshold) if valid else None,
+        "width_soft": think360_width(tree, soft=True) if valid else None,
+        "depth_soft": think360_depth(tree, soft=True) if valid else None,
+        "rpts": score_rpts,
+        "correct": it["correct"],
+        "filtered_correct": passed,
+        "warnings": tree.warnings,
+    }
+    if not valid:
+        row["invalid_structure"] = why
+    if aggregate is not None:
+        row["path_score"] = mean(list(path_scores(tree, aggregate).values()))
+    return row
+
+
 def main(argv: list[str]) -> int:
+    """Read the trees, score every node, write report.json, trees.jsonl and one tree's picture."""
     # ---- config
     try:
         config_path, overrides = parse_cli(argv, TreeEvalConfig)
@@ -325,72 +340,114 @@ def main(argv: list[str]) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     # ---- data
+    items, pick, n_warn = read_items(cfg)
+    missing_images = keep_images(items, cfg.scorer.use_images)
+
+    # ---- scorer
+    prm, judge = make_scorer(cfg, out_dir)
+    aggregate = path_aggregator(cfg.metrics)
+
+    # ---- score every tree and compute its metrics
+    try:
+        rows = score_trees(items, cfg.scorer, cfg.metrics, prm, judge, aggregate)
+    finally:
+        if prm is not None:  # a vLLM engine stops now, not in the interpreter's exit (its threads can abort there)
+            prm.close()
+
+    # ---- report, and a picture of one tree
+    summary = summarize(rows, cfg.metrics, n_warn, missing_images, aggregate, judge)
+    report = {"config": to_dict(cfg), "summary": summary, "items": rows}
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_jsonl(out_dir / "trees.jsonl", ({"id": it["id"], **it["tree"].to_json()} for it in items))
+    png = draw_tree(rows[pick], items[pick]["tree"], cfg, out_dir)
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {out_dir / 'report.json'}, {out_dir / 'trees.jsonl'} and {png}")
+    return 0
+
+
+def read_items(cfg: TreeEvalConfig) -> tuple[list[dict[str, Any]], int, int]:
+    """(items, index of the item to draw, data quirks tolerated while reading): a missing
+    output.plot_item stops the run here, before any scoring work."""
     items = load_items(cfg.data)
     if not items:
         raise SystemExit(f"{cfg.data.path}: no items to evaluate")
     ids = [it["id"] for it in items]
     pick = ids.index(cfg.output.plot_item) if cfg.output.plot_item in ids else (None if cfg.output.plot_item else 0)
-    if pick is None:  # checked before any scoring work
+    if pick is None:
         raise SystemExit(
             f"output.plot_item: no item with id {cfg.output.plot_item!r} in {cfg.data.path} (first ids: "
             f"{', '.join(ids[:5])}); set output.plot_item=null to draw the first item"
         )
     n_warn = sum(len(it["tree"].warnings) for it in items)
     print(f"{len(items)} items from {cfg.data.path} ({cfg.data.format}); {n_warn} tolerated data quirks")
+    return items, pick, n_warn
+
+
+def keep_images(items: list[dict[str, Any]], use_images: bool) -> int:
+    """Drop every tree's images (scorer.use_images=false) or only those missing on disk; returns how
+    many were missing. RPTS-Eval ships only some of its images: those items are scored text-only."""
     missing_images = 0
     for it in items:
         tree: Tree = it["tree"]
-        if not cfg.scorer.use_images:
+        if not use_images:
             tree.images = []
-        else:  # RPTS-Eval ships only some of its images: score those items text-only
+        else:
             kept = [p for p in tree.images if Path(p).exists()]
             missing_images += len(tree.images) - len(kept)
             tree.images = kept
+    return missing_images
 
-    # ---- scorer
-    sc = cfg.scorer
+
+def make_scorer(cfg: TreeEvalConfig, out_dir: Path) -> tuple[Any, JudgeScorer | None]:
+    """(the PRM, the LLM judge): the one scorer.kind needs, the other None (both for constant and mc)."""
+    scorer_cfg = cfg.scorer
     prm = judge = None
-    if sc.kind == "prm":
+    if scorer_cfg.kind == "prm":
         from mmprm import load_prm
         from mmprm.models.loading import resolve_device
 
-        device = resolve_device(sc.device)
+        device = resolve_device(scorer_cfg.device)
         prm = load_prm(
-            sc.prm_path,
+            scorer_cfg.prm_path,
             device=device,
-            batch_size=sc.batch_size,
-            max_length=sc.max_length,
+            batch_size=scorer_cfg.batch_size,
+            max_length=scorer_cfg.max_length,
             attn_implementation=cfg.model.attn_implementation,
-            backend=sc.backend,
-            vllm_kwargs=sc.vllm_kwargs,
-            convention=sc.convention,
+            backend=scorer_cfg.backend,
+            vllm_kwargs=scorer_cfg.vllm_kwargs,
+            convention=scorer_cfg.convention,
         )
-    elif sc.kind == "judge":
-        j = sc.judge
-        client = ChatClient(j, config_key="scorer.judge", cache_path=out_dir / "judge_cache.jsonl")
-        judge = JudgeScorer(client, mode=j.mode, send_images=j.send_images)
-    aggregate = None
-    if cfg.metrics.path_aggregator:
-        from mmprm.scoring.aggregators import AGGREGATORS
+    elif scorer_cfg.kind == "judge":
+        judge_cfg = scorer_cfg.judge
+        client = ChatClient(judge_cfg, config_key="scorer.judge", cache_path=out_dir / "judge_cache.jsonl")
+        judge = JudgeScorer(client, mode=judge_cfg.mode, send_images=judge_cfg.send_images)
+    return prm, judge
 
-        if cfg.metrics.path_aggregator not in AGGREGATORS:
-            raise SystemExit(
-                f"metrics.path_aggregator: {cfg.metrics.path_aggregator!r} is not one of {', '.join(AGGREGATORS)}"
-            )
-        aggregate = AGGREGATORS[cfg.metrics.path_aggregator]
 
-    # ---- score every tree and compute its metrics
-    m = cfg.metrics
-    try:
-        rows = score_trees(items, sc, m, prm, judge, aggregate)
-    finally:
-        if prm is not None:  # a vLLM engine stops now, not in the interpreter's exit (its threads can abort there)
-            prm.close()
+def path_aggregator(metrics: MetricConfig) -> Any:
+    """The aggregator metrics.path_aggregator names (`mmprm.scoring.aggregators`), or None."""
+    if not metrics.path_aggregator:
+        return None
+    from mmprm.scoring.aggregators import AGGREGATORS
 
-    # ---- report (items the judge could not fully score are counted, not averaged)
-    unjudged = [r["id"] for r in rows if "unjudged_nodes" in r]
-    invalid = [r["id"] for r in rows if "invalid_structure" in r]
-    all_rows, rows = rows, [r for r in rows if "unjudged_nodes" not in r]
+    if metrics.path_aggregator not in AGGREGATORS:
+        raise SystemExit(f"metrics.path_aggregator: {metrics.path_aggregator!r} is not one of {', '.join(AGGREGATORS)}")
+    return AGGREGATORS[metrics.path_aggregator]
+
+
+def summarize(
+    all_rows: list[dict[str, Any]],
+    metrics: MetricConfig,
+    n_warn: int,
+    missing_images: int,
+    aggregate: Any,
+    judge: JudgeScorer | None,
+) -> dict[str, Any]:
+    """The report's summary: means over the fully scored items (those the judge could not fully
+    score are counted, not averaged); accuracies over the items with an answer check."""
+    unjudged = [r["id"] for r in all_rows if "unjudged_nodes" in r]
+    invalid = [r["id"] for r in all_rows if "invalid_structure" in r]
+    rows = [r for r in all_rows if "unjudged_nodes" not in r]
     judged = [r for r in rows if r["correct"] is not None]
     summary = {
         "items": len(all_rows),
@@ -404,7 +461,7 @@ def main(argv: list[str]) -> int:
         "rpts": mean([r["rpts"] for r in rows]),
         "accuracy": mean([float(bool(r["correct"])) for r in judged]),
         "filtered_accuracy": filtered_accuracy(
-            [bool(r["correct"]) for r in judged], [r["rpts"] for r in judged], m.filter_threshold
+            [bool(r["correct"]) for r in judged], [r["rpts"] for r in judged], metrics.filter_threshold
         )
         if judged
         else None,
@@ -416,23 +473,18 @@ def main(argv: list[str]) -> int:
         summary["path_score"] = mean([r["path_score"] for r in rows])
     if judge is not None:
         summary["judge"] = judge.client.stats.to_json()
-    report = {"config": to_dict(cfg), "summary": summary, "items": all_rows}
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    write_jsonl(out_dir / "trees.jsonl", ({"id": it["id"], **it["tree"].to_json()} for it in items))
+    return summary
 
-    # ---- picture of one tree
-    prow = all_rows[pick]
+
+def draw_tree(row: dict[str, Any], tree: Tree, cfg: TreeEvalConfig, out_dir: Path) -> Path:
+    """tree_<id>.png: the chosen item's tree, nodes coloured by score, its metrics in the title."""
     fmt = lambda v: "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"  # noqa: E731
     title = (
-        f"item {prow['id']} - scorer {sc.kind} - RPTS {fmt(prow.get('rpts'))}, width {fmt(prow.get('width'))}, "
-        f"depth {fmt(prow.get('depth'))}"
+        f"item {row['id']} - scorer {cfg.scorer.kind} - RPTS {fmt(row.get('rpts'))}, width {fmt(row.get('width'))}, "
+        f"depth {fmt(row.get('depth'))}"
     )
-    name = re.sub(r"[^\w.-]", "_", prow["id"])  # ids like "a/b#3" make no good file names
-    png = render_tree(items[pick]["tree"], out_dir / f"tree_{name}.png", title=title, threshold=m.threshold)
-
-    print(json.dumps(summary, indent=2))
-    print(f"wrote {out_dir / 'report.json'}, {out_dir / 'trees.jsonl'} and {png}")
-    return 0
+    name = re.sub(r"[^\w.-]", "_", row["id"])  # ids like "a/b#3" make no good file names
+    return render_tree(tree, out_dir / f"tree_{name}.png", title=title, threshold=cfg.metrics.threshold)
 
 
 if __name__ == "__main__":
