@@ -396,6 +396,8 @@ def score_chunk(scorer: Any, problems: list[Any], share_prefix: bool, cand_file:
 
 
 def main(argv: list[str]) -> None:
+    """Candidates of this shard (generated or read), scored by the PRM, then the report once the
+    run is complete."""
     config_path, overrides = parse_cli(argv, Config)
     cfg = load_config(Config, config_path, overrides)
     if cfg.generate.enabled:  # generation can take hours: a typo in either path must not wait for it
@@ -404,9 +406,16 @@ def main(argv: list[str]) -> None:
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    # ---- candidates: this shard's block, validated before any scoring, then streamed --------
-    from mmprm.rerank.candidates import check_candidates, count_rows, iter_candidates
-    from mmprm.rerank.shards import SETTINGS_FILE, merge_scored, report_from_scored, shard_bounds, shard_path
+    cand_file, lo, hi, n_problems = shard_candidates(cfg, out_dir)
+    score_shard(cfg, out_dir, cand_file, lo, hi, n_problems)
+    write_report(cfg, out_dir)
+
+
+def shard_candidates(cfg: Config, out_dir: Path) -> tuple[Path, int, int | None, int]:
+    """(candidates file, first row, end row (None: to the end), problems): this shard's block of
+    the candidates, generated first when generate.enabled, and checked before any scoring."""
+    from mmprm.rerank.candidates import check_candidates, count_rows
+    from mmprm.rerank.shards import shard_bounds
 
     if cfg.generate.enabled:
         cand_file, lo, hi = generate_candidates(cfg, out_dir), 0, None  # the file is this shard's block
@@ -418,11 +427,17 @@ def main(argv: list[str]) -> None:
     # Every report number needs each candidate's verdict: refuse before any scoring.
     n_problems, n_cands = check_candidates(cand_file, lo, hi, need_correct=True)
     print(f"shard {cfg.shard.index}/{cfg.shard.count}: {n_problems} problems, {n_cands} candidates")
+    return cand_file, lo, hi, n_problems
 
-    # ---- scoring, chunk by chunk: each chunk's rows reach the shard file before the next -------
+
+def score_shard(cfg: Config, out_dir: Path, cand_file: Path, lo: int, hi: int | None, n_problems: int) -> None:
+    """The shard's scored file: rows appended chunk by chunk to `<file>.partial` (a killed run
+    resumes after the last chunk written), renamed into place once every problem is scored."""
     from mmprm.data import store
     from mmprm.models.loading import resolve_device
     from mmprm.models.prm import load_prm
+    from mmprm.rerank.candidates import iter_candidates
+    from mmprm.rerank.shards import shard_path
 
     final = shard_path(out_dir, cfg.shard.index, cfg.shard.count)
     partial = final.with_name(final.name + ".partial")
@@ -437,58 +452,80 @@ def main(argv: list[str]) -> None:
     check_same_run(final.with_name(final.name + ".run.json"), run, final, partial)
     if final.exists():
         print(f"shard {cfg.shard.index} already scored ({final}); delete it to rescore")
-    else:
-        done = store.resume(partial)
-        if done:
-            print(f"resuming: {len(done)} problems already scored in {partial}")
-        device = resolve_device(cfg.scoring.device)
-        require_model_dir(cfg, "prm", hub=False)
-        scorer = load_prm(
-            cfg.prm,
-            device=device,
-            batch_size=cfg.scoring.batch_size,
-            max_length=cfg.scoring.max_length,
-            attn_implementation=cfg.model.attn_implementation,
-            backend=cfg.scoring.backend,
-            vllm_kwargs=cfg.scoring.vllm_kwargs,
-            convention=cfg.scoring.convention,
+        return
+    done = store.resume(partial)
+    if done:
+        print(f"resuming: {len(done)} problems already scored in {partial}")
+    device = resolve_device(cfg.scoring.device)
+    require_model_dir(cfg, "prm", hub=False)
+    scorer = load_prm(
+        cfg.prm,
+        device=device,
+        batch_size=cfg.scoring.batch_size,
+        max_length=cfg.scoring.max_length,
+        attn_implementation=cfg.model.attn_implementation,
+        backend=cfg.scoring.backend,
+        vllm_kwargs=cfg.scoring.vllm_kwargs,
+        convention=cfg.scoring.convention,
+    )
+    try:
+        todo = (p for p in iter_candidates(cand_file, lo, hi) if p.id not in done)
+        dropped, cut = score_into(partial, scorer, todo, cfg.scoring, cand_file, len(done), n_problems)
+    finally:
+        # a vLLM engine stopped here, not by the interpreter's exit, where its threads can abort the process
+        scorer.close()
+    os.replace(partial, final)
+    if cut:
+        print(
+            f"warning: {cut} candidates ({dropped} steps) did not fit scoring.max_length={cfg.scoring.max_length}: "
+            "they are ranked last by every aggregator; raise scoring.max_length to score them fully"
         )
-        try:
-            t0, n_scored, n_steps, dropped, cut = time.time(), 0, 0, 0, 0
-            todo = (p for p in iter_candidates(cand_file, lo, hi) if p.id not in done)
-            with store.open_append(partial) as f:
-                for chunk in batched(todo, cfg.scoring.chunk_problems):
-                    rows, stats = score_chunk(scorer, chunk, cfg.scoring.share_prefix, cand_file)
-                    for row in rows:
-                        store.append_row(f, row)
-                    n_scored += len(chunk)
-                    n_steps += stats["steps"]
-                    dropped += stats["dropped_steps"]
-                    cut += stats["cut"]
-                    elapsed, left = time.time() - t0, n_problems - len(done) - n_scored
-                    print(
-                        f"scored {len(done) + n_scored}/{n_problems} problems ({n_steps / max(elapsed, 1e-9):.1f} steps/s, "
-                        f"ETA {elapsed / n_scored * left:.0f}s)",
-                        flush=True,
-                    )
-        finally:
-            # a vLLM engine stopped here, not by the interpreter's exit, where its threads can abort the process
-            scorer.close()
-        os.replace(partial, final)
-        if cut:
-            print(
-                f"warning: {cut} candidates ({dropped} steps) did not fit scoring.max_length={cfg.scoring.max_length}: "
-                "they are ranked last by every aggregator; raise scoring.max_length to score them fully"
-            )
 
-    # ---- write this shard; report when the run is complete --------------------------------
+
+def score_into(
+    partial: Path,
+    scorer: Any,
+    todo: Iterable[Any],
+    scoring: ScoringConfig,
+    cand_file: Path,
+    n_done: int,
+    n_problems: int,
+) -> tuple[int, int]:
+    """Score `todo` chunk by chunk, each chunk's rows appended to `partial` before the next, with
+    progress and an ETA; returns (steps dropped, candidates cut) by scoring.max_length."""
+    from mmprm.data import store
+
+    t0, n_scored, n_steps, dropped, cut = time.time(), 0, 0, 0, 0
+    with store.open_append(partial) as f:
+        for chunk in batched(todo, scoring.chunk_problems):
+            rows, stats = score_chunk(scorer, chunk, scoring.share_prefix, cand_file)
+            for row in rows:
+                store.append_row(f, row)
+            n_scored += len(chunk)
+            n_steps += stats["steps"]
+            dropped += stats["dropped_steps"]
+            cut += stats["cut"]
+            elapsed, left = time.time() - t0, n_problems - n_done - n_scored
+            print(
+                f"scored {n_done + n_scored}/{n_problems} problems ({n_steps / max(elapsed, 1e-9):.1f} steps/s, "
+                f"ETA {elapsed / n_scored * left:.0f}s)",
+                flush=True,
+            )
+    return dropped, cut
+
+
+def write_report(cfg: Config, out_dir: Path) -> None:
+    """This shard's report settings; with one shard, the merged scores and the report (report.json,
+    report.md, bon_curve.png) now, else after `mmprm merge-bon` once every shard is in."""
+    from mmprm.rerank.shards import SETTINGS_FILE, merge_scored, report_from_scored
+
     (out_dir / SETTINGS_FILE).write_text(json.dumps(asdict(cfg.report), indent=2) + "\n")
     if cfg.shard.count == 1:
         merged = merge_scored(out_dir, count=1)
-        r = cfg.report
-        report = report_from_scored(merged, out_dir, r.n_subsets, r.resamples, r.seed, r.weighted_by, r.title)
+        rc = cfg.report
+        report = report_from_scored(merged, out_dir, rc.n_subsets, rc.resamples, rc.seed, rc.weighted_by, rc.title)
         n = str(report["n_max"])
-        summary = {m: round(v[n]["mean"], 4) for m, v in report["methods"].items()}
+        summary = {method: round(v[n]["mean"], 4) for method, v in report["methods"].items()}
         print(json.dumps({"n_max": report["n_max"], "accuracy_at_n_max": summary}))
         print(f"wrote {out_dir / 'report.md'} and {out_dir / 'bon_curve.png'}")
     else:
