@@ -375,21 +375,25 @@ def run(cfg: ReasoningEvalConfig) -> int:
 
     # ---- answers, their length and correctness
     answers, backend, tokenizer = collect_answers(cfg, problems, by_id, out_dir)
-    ids = [p["id"] for p in problems if p["id"] in answers]
-    unanswered = [p["id"] for p in problems if p["id"] not in answers]
-    token_counts, token_method = count_tokens([answers[i]["response"] for i in ids], tokenizer)
-    grade_answers(ids, by_id, answers)
+    try:
+        ids = [p["id"] for p in problems if p["id"] in answers]
+        unanswered = [p["id"] for p in problems if p["id"] not in answers]
+        token_counts, token_method = count_tokens([answers[i]["response"] for i in ids], tokenizer)
+        grade_answers(ids, by_id, answers)
 
-    # ---- trees
-    chat_clients: dict[str, ChatClient] = {}
-    trees, tree_failures = build_trees(cfg.tree, ids, by_id, answers, out_dir, chat_clients)
-    print(f"{len(ids)} answers, {len(trees)} trees, {len(tree_failures)} without a usable tree")
+        # ---- trees
+        chat_clients: dict[str, ChatClient] = {}
+        trees, tree_failures = build_trees(cfg.tree, ids, by_id, answers, out_dir, chat_clients)
+        print(f"{len(ids)} answers, {len(trees)} trees, {len(tree_failures)} without a usable tree")
 
-    # ---- node scores
-    if backend is not None and cfg.scorer.kind != "mc":  # its last use: a PRM may load next on the same GPU
-        backend.close()
-    scored = [i for i in ids if i in trees and i not in tree_failures]
-    unjudged = score_nodes(cfg, trees, scored, by_id, backend, out_dir, chat_clients)
+        # ---- node scores
+        if backend is not None and cfg.scorer.kind != "mc":  # its last use: a PRM may load next on the same GPU
+            backend.close()
+        scored = [i for i in ids if i in trees and i not in tree_failures]
+        unjudged = score_nodes(cfg, trees, scored, by_id, backend, out_dir, chat_clients)
+    finally:
+        if backend is not None:  # a vLLM engine stops now, not in the interpreter's exit (its threads can abort there)
+            backend.close()
 
     # ---- metrics and report
     rows = item_rows(ids, answers, trees, tree_failures, unjudged, token_counts, cfg.metrics)
@@ -619,7 +623,6 @@ def score_nodes(
                 else (lambda text, p=p: answers_match(extract_answer(text), p["answer"], p["choices"]))
             )
             set_scores(trees[i], rollout_mc_scores(trees[i], backend, verify, scorer_cfg.mc_rollouts, problem_id=i))
-        backend.close()
     else:
         for i in scored:
             set_scores(trees[i], constant_scores(trees[i], scorer_cfg.constant))

@@ -344,8 +344,8 @@ def main(argv: list[str]) -> int:
     missing_images = keep_images(items, cfg.scorer.use_images)
 
     # ---- scorer
+    aggregate = path_aggregator(cfg.metrics)  # a bad name stops the run before a model loads
     prm, judge = make_scorer(cfg, out_dir)
-    aggregate = path_aggregator(cfg.metrics)
 
     # ---- score every tree and compute its metrics
     try:
