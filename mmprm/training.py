@@ -1,4 +1,5 @@
-"""Small pieces the training recipes share: deterministic batch order, LR schedule, resume state.
+"""What the training recipes share: deterministic batch order, LR schedule, resume state, and the
+run itself (`TrainingRun`: accelerator, checkpoints, metrics and the training loop).
 
 Batch order is a pure function of (seed, epoch, step), so a resumed run sees exactly the batches
 an uninterrupted run would have seen, on any number of processes.
@@ -10,6 +11,7 @@ import json
 import math
 import os
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +105,8 @@ class TrainConfig:
                 f"train.keep_checkpoints: {self.keep_checkpoints} would delete the checkpoint just written "
                 "(use 1 or more, or null to keep every one)"
             )
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise ValueError(f"train.schedule: {self.schedule!r} is not one of ['cosine', 'linear', 'constant']")
 
 
 def check_gpu(train: TrainConfig) -> None:
@@ -614,3 +618,267 @@ def leave_run(accelerator: Any) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def adapt_backbone(model: Any, freeze_vision_tower: bool, lora: LoraConfig, gradient_checkpointing: bool) -> Any:
+    """Ready a loaded backbone for training: freeze its vision tower, wrap it in LoRA adapters
+    (peft), turn on gradient checkpointing, each as configured; returns the (possibly wrapped) model."""
+    from mmprm.models.loading import vision_tower_parameters
+
+    if freeze_vision_tower:
+        for p in vision_tower_parameters(model):
+            p.requires_grad_(False)
+    if lora.enabled:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        model = get_peft_model(
+            model,
+            PeftLoraConfig(
+                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules
+            ),
+        )
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+class TrainingRun:
+    """One run of a training recipe (prm_train, policy_sft): what they share, in the order they use it.
+
+        run = TrainingRun("prm_train", cfg.train, cfg.output_dir, cfg.resume_from_checkpoint)
+        model = ...                     # built after the seed is set
+        model = run.prepare(model)      # AdamW, LR schedule, DDP / DeepSpeed / FSDP
+        run.batch_order(unit_lengths)   # the global batches, a pure function of (seed, epoch, step)
+        run.resume(cfg)                 # the checkpoint, output_dir, config.resolved.json, trackers
+        stopped = run.fit(collate, unit_weights, micro_step, evaluate)
+        ...                             # the recipe's final save, unless stopped
+        leave_run(run.accelerator)
+
+    The recipe brings what differs: its model and data, the loss of a micro-batch (`fit`), its
+    evaluation and its final save. Metrics go to OUTPUT_DIR/metrics.jsonl and the trackers.
+    """
+
+    def __init__(self, name: str, train: TrainConfig, output_dir: str | Path, resume: str | None):
+        """Check the run's settings against the launch, build the Accelerator, set the seed and find
+        the checkpoint to resume (raising ConfigError / FileExistsError before anything loads)."""
+        import torch
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        from mmprm.config import ConfigError
+
+        self.name, self.train, self.output_dir = name, train, Path(output_dir)
+        self.log_with = None if train.report_to == "none" else train.report_to
+        if self.log_with == "wandb":
+            try:
+                import wandb  # noqa: F401
+            except ImportError:
+                raise ConfigError(
+                    "train.report_to=wandb but wandb is not installed: pip install 'mmprm[wandb]'"
+                ) from None
+        use_bf16 = train.bf16 and (not torch.cuda.is_available() or torch.cuda.is_bf16_supported())
+        # Our LR schedule counts optimizer steps: accelerate's default steps it once per process.
+        # gradient_accumulation_steps tells DeepSpeed which micro-batch closes a step (see `fit`).
+        # The world size comes from the launcher: the Accelerator needs grad_accum when it is built.
+        try:
+            check_gpu(train)
+            world_size = launched_world_size()
+            resolve_grad_accum(train, world_size)
+        except (RuntimeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+        self.accelerator = Accelerator(
+            mixed_precision="bf16" if use_bf16 else "no",
+            log_with=self.log_with,
+            project_dir=str(self.output_dir),
+            gradient_accumulation_steps=train.grad_accum,
+            step_scheduler_with_optimizer=False,
+            kwargs_handlers=accelerator_kwargs(),
+        )
+        try:
+            check_world_size(self.accelerator, world_size)
+        except RuntimeError as e:
+            raise ConfigError(str(e)) from None
+        set_seed(train.seed)
+        self.log = self.accelerator.print
+        # before loading anything: a fresh start over another run's checkpoints is refused here
+        self.resume_from = find_checkpoint(self.output_dir, resume, log=self.log, overwrite=train.overwrite_output_dir)
+        self.progress = TrainProgress()
+
+    def prepare(self, model: Any) -> Any:
+        """AdamW over the trainable weights and the LR schedule, handed with the model to accelerate
+        (DDP, DeepSpeed or FSDP); returns the prepared model (also `self.model`)."""
+        import torch
+
+        from mmprm.models.sharding import log_zero3_partitions
+
+        train, accelerator = self.train, self.accelerator
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(self.trainable, lr=train.lr, weight_decay=train.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(s, train.warmup_steps, train.max_steps, train.schedule)
+        )
+        ds = accelerator.state.deepspeed_plugin
+        if ds is not None:
+            # No dataloader goes through prepare(), so DeepSpeed cannot infer these "auto" values itself.
+            ds.deepspeed_config["train_micro_batch_size_per_gpu"] = train.batch_size
+            ds.deepspeed_config["gradient_clipping"] = train.max_grad_norm
+        self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)
+        log_zero3_partitions(accelerator, self.model, self.output_dir, self.log)
+        return self.model
+
+    def batch_order(self, unit_lengths: Sequence[int], unit: str = "rows") -> None:
+        """The stream of global batches over the training units (rows, or packs of rows), logged."""
+        train, processes = self.train, self.accelerator.num_processes
+        self.global_batch = train.batch_size * processes
+        self.stream = BatchStream(unit_lengths, self.global_batch, train.seed, train.group_by_length)
+        self.log(
+            f"global batch: {train.batch_size} {unit} x {train.grad_accum} micro-step(s) x "
+            f"{processes} process(es) = {self.global_batch * train.grad_accum} {unit} per optimizer step"
+        )
+
+    def resume(self, cfg: Any) -> None:
+        """Load the checkpoint found at start (weights, optimizer, batch order, RNG, counters), ready
+        output_dir for this run (`start_run`), save the resolved `cfg` and start the trackers."""
+        from mmprm.config import to_dict
+
+        accelerator = self.accelerator
+        accelerator.register_for_checkpointing(self.stream, self.progress)
+        if self.resume_from is not None:
+            accelerator.load_state(str(self.resume_from))
+            self.log(f"resumed from {self.resume_from} at step {self.progress.step}")
+        self.run_id = start_run(
+            accelerator,
+            self.output_dir,
+            self.resume_from,
+            self.progress.step,
+            self.train.overwrite_output_dir,
+            self.log,
+        )
+        if accelerator.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.resolved.json").write_text(
+                json.dumps({**to_dict(cfg), "num_processes": accelerator.num_processes}, indent=2)
+            )
+        if self.log_with:
+            accelerator.init_trackers(self.name, config={k: str(v) for k, v in to_dict(cfg).items()})
+
+    def write_metrics(self, row: dict) -> None:
+        """One row (split, step, numbers) to metrics.jsonl (rank 0) and to the trackers."""
+        if self.accelerator.is_main_process:
+            with open(self.output_dir / METRICS_FILE, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        self.accelerator.log(
+            {f"{row['split']}/{k}": v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"]
+        )
+
+    def fit(
+        self,
+        collate: Callable[[Sequence[int]], Any],
+        unit_weights: Sequence[int],
+        micro_step: Callable[[dict, Any, int, int], float],
+        evaluate: Callable[[], None] | None = None,
+        count_tokens: bool = False,
+    ) -> bool:
+        """Train from the current step to train.max_steps, logging, evaluating and checkpointing as
+        configured; True when it stopped at train.stop_at_step instead (its checkpoint written).
+
+        `collate(indices)` gives (batch, items) of training units; `unit_weights[i]`: the loss terms
+        (step tokens, assistant tokens) of unit i. `micro_step(batch, items, k, n_window)` runs the
+        forward and backward of micro-batch k of a window whose ranks hold `n_window` loss terms in
+        all, and returns its share of the window's mean loss. `evaluate()` runs at train.eval_every
+        and at the end. `count_tokens` adds tokens_per_s to the train rows of metrics.jsonl.
+        """
+        from tqdm.auto import tqdm
+
+        from mmprm.packing import run_tokens
+
+        train, accelerator, progress = self.train, self.accelerator, self.progress
+        self.model.train()
+        bar = tqdm(
+            total=train.max_steps, initial=progress.step, desc=self.name, disable=not accelerator.is_main_process
+        )
+        t0, tokens_seen, running = time.time(), 0, []
+        prefetch = Prefetcher(collate, enabled=train.prefetch_batches)
+        while progress.step < train.max_steps:
+            global_batches, micro_batches = self._next_window(prefetch)
+            # The loss is a mean over the loss terms of the whole window on all ranks, so a term
+            # weighs the same whichever rank and micro-batch run it. Every rank holds the global
+            # batches, so each counts them all without a collective.
+            n_window = sum(unit_weights[i] for b in global_batches for i in b)
+            window_loss = 0.0
+            for k, idx in enumerate(micro_batches):
+                batch, items = prefetch.get(idx)
+                batch = {key: v.to(accelerator.device) for key, v in batch.items()}
+                # accumulate() syncs (DDP all-reduce, DeepSpeed step) on the last of grad_accum micro-batches only
+                with accelerator.accumulate(self.model):
+                    window_loss += micro_step(batch, items, k, n_window)
+                if count_tokens:
+                    tokens_seen += run_tokens(batch)
+            window_loss = self._optimizer_step(window_loss)
+            running.append(window_loss)
+            bar.update(1)
+            bar.set_postfix(loss=f"{window_loss:.4f}")
+            if progress.step % train.log_every == 0 or progress.step == train.max_steps:
+                self._log_train(running, time.time() - t0, tokens_seen if count_tokens else None)
+                running = []
+            if evaluate is not None and (progress.step % train.eval_every == 0 or progress.step == train.max_steps):
+                prefetch.wait()  # evaluation tokenizes with the same processor
+                evaluate()
+            stopping = progress.step == train.stop_at_step
+            if progress.step % train.save_every == 0 or progress.step == train.max_steps or stopping:
+                save_checkpoint(
+                    accelerator, self.output_dir, progress.step, run_id=self.run_id, keep=train.keep_checkpoints
+                )
+            if stopping:
+                prefetch.close()
+                return True
+        prefetch.close()
+        bar.close()
+        return False
+
+    def _next_window(self, prefetch: Prefetcher) -> tuple[list[list[int]], list[list[int]]]:
+        """The next optimizer step's global batches and this rank's micro-batches of them; queues
+        those and the following step's for collation."""
+        accelerator = self.accelerator
+        global_batches = [self.stream.next() for _ in range(self.train.grad_accum)]
+        micro_batches = [rank_share(b, accelerator.process_index, accelerator.num_processes) for b in global_batches]
+        # the next step's micro-batches collate on a background thread while this step trains
+        prefetch.submit(micro_batches)
+        prefetch.submit(
+            [
+                rank_share(b, accelerator.process_index, accelerator.num_processes)
+                for b in self.stream.peek(len(global_batches))
+            ]
+        )
+        return global_batches, micro_batches
+
+    def _optimizer_step(self, window_loss: float) -> float:
+        """Clip, step the optimizer and the schedule, count the step; returns the window's mean loss
+        over all ranks (`window_loss`: this rank's share of it)."""
+        import torch
+
+        accelerator, train = self.accelerator, self.train
+        # this rank's share of the window's mean; the ranks' shares add up to the loss trained on
+        window_loss = accelerator.reduce(torch.tensor(window_loss, device=accelerator.device), "sum").item()
+        if train.max_grad_norm > 0:
+            accelerator.clip_grad_norm_(self.trainable, train.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.progress.step += 1
+        self.progress.examples_seen += self.global_batch * train.grad_accum  # rows, or packs
+        return window_loss
+
+    def _log_train(self, losses: list[float], elapsed: float, tokens_seen: int | None) -> None:
+        """A train row of metrics.jsonl: the mean loss since the last one, the LR, the throughput."""
+        row = {
+            "split": "train",
+            "step": self.progress.step,
+            "loss": sum(losses) / len(losses),
+            "lr": self.scheduler.get_last_lr()[0],
+        }
+        if tokens_seen is not None:
+            row["tokens_per_s"] = tokens_seen / max(elapsed, 1e-9)
+        row["seconds"] = elapsed
+        self.write_metrics(row)

@@ -18,45 +18,22 @@ exactly as it was trained.
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import partial
+from typing import Any
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
-from tqdm.auto import tqdm
+from accelerate.utils import gather_object
 
-from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
+from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir
 from mmprm.data.schema import DataError, load_image
 from mmprm.generation.policy import PolicySpec, save_policy_spec
-from mmprm.models.loading import load_backbone, resolve_attn_implementation, vision_tower_parameters
-from mmprm.models.sharding import log_zero3_partitions, merge_lora_copy
+from mmprm.models.loading import load_backbone, resolve_attn_implementation
+from mmprm.models.sharding import merge_lora_copy
 from mmprm.models.vision_sync import vision_sync
 from mmprm.steps import parse_solution, prompt_text
-from mmprm.training import (
-    METRICS_FILE,
-    BatchStream,
-    LoraConfig,
-    Prefetcher,
-    TrainConfig,
-    TrainProgress,
-    accelerator_kwargs,
-    check_gpu,
-    check_world_size,
-    eval_share,
-    find_checkpoint,
-    launched_world_size,
-    leave_run,
-    lr_factor,
-    rank_share,
-    resolve_grad_accum,
-    save_checkpoint,
-    start_run,
-    wrap_padding,
-)
+from mmprm.training import LoraConfig, TrainConfig, TrainingRun, adapt_backbone, eval_share, leave_run, wrap_padding
 from mmprm.training_data import IGNORE, SFTCollator, load_tokenized
 
 
@@ -226,235 +203,121 @@ def eval_loss(model, collate: SFTCollator, batch_size, accelerator, sync) -> flo
     return (total / count.clamp_min(1)).item()
 
 
-def main(argv: list[str]) -> None:
-    config_path, overrides = parse_cli(argv, Config)
-    cfg = load_config(Config, config_path, overrides)
-    require_model_dir(cfg, "model.name_or_path")
-    out_dir = Path(cfg.output_dir)
-    log_with = None if cfg.train.report_to == "none" else cfg.train.report_to
-    use_bf16 = cfg.train.bf16 and (not torch.cuda.is_available() or torch.cuda.is_bf16_supported())
-    # Our LR schedule counts optimizer steps: accelerate's default steps it once per process.
-    # gradient_accumulation_steps tells DeepSpeed which micro-batch closes a step (see the loop).
-    # The world size comes from the launcher: the Accelerator needs grad_accum when it is built.
-    try:
-        check_gpu(cfg.train)
-        world_size = launched_world_size()
-        resolve_grad_accum(cfg.train, world_size)
-    except (RuntimeError, ValueError) as e:
-        raise ConfigError(str(e)) from None
-    accelerator = Accelerator(
-        mixed_precision="bf16" if use_bf16 else "no",
-        log_with=log_with,
-        project_dir=str(out_dir),
-        gradient_accumulation_steps=cfg.train.grad_accum,
-        step_scheduler_with_optimizer=False,
-        kwargs_handlers=accelerator_kwargs(),
-    )
-    try:
-        check_world_size(accelerator, world_size)
-    except RuntimeError as e:
-        raise ConfigError(str(e)) from None
-    set_seed(cfg.train.seed)
-    log = accelerator.print
-    # before loading anything: a fresh start over another run's checkpoints is refused here
-    ckpt = find_checkpoint(out_dir, cfg.resume_from_checkpoint, log=log, overwrite=cfg.train.overwrite_output_dir)
-
-    # ---- model and data -------------------------------------------------------------------
+def build_model(cfg: Config) -> tuple[Any, Any]:
+    """The policy (vision tower frozen, LoRA, gradient checkpointing as configured) and its processor."""
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
     model, processor = load_backbone(
         cfg.model.name_or_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation
     )
-    if cfg.model.freeze_vision_tower:
-        for p in vision_tower_parameters(model):
-            p.requires_grad_(False)
-    if cfg.model.lora.enabled:
-        from peft import LoraConfig as PeftLoraConfig
-        from peft import get_peft_model
+    m = cfg.model
+    return adapt_backbone(model, m.freeze_vision_tower, m.lora, m.gradient_checkpointing), processor
 
-        lora = cfg.model.lora
-        model = get_peft_model(
-            model,
-            PeftLoraConfig(
-                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules
-            ),
-        )
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # ZeRO-3 / FSDP: a batch without images still runs the vision tower, or the ranks' collectives part
-    sync = vision_sync(accelerator, model, processor)
+
+def load_data(cfg: Config, processor, run: TrainingRun) -> tuple[SFTCollator, SFTCollator | None]:
+    """The tokenized train and eval rows (eval None without data.eval_file).
+
+    Text is tokenized once into an on-disk cache (one rank builds, the others wait on its lock);
+    images are opened per micro-batch by the collator, so memory does not grow with the data.
+    """
     tokenizer = getattr(processor, "tokenizer", processor)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-
-    # Text tokenized once into an on-disk cache (one rank builds, the others wait on its lock);
-    # images are opened per micro-batch by the collator, so memory does not grow with the data.
     settings = {"max_length": cfg.data.max_length, "system": cfg.model.system_prompt}
 
     def tokenized(path: str) -> tuple[SFTCollator, dict]:
         data, stats = load_tokenized(
-            path, "sft", processor, settings, cfg.data.cache_dir, cfg.data.num_proc, accelerator
+            path, "sft", processor, settings, cfg.data.cache_dir, cfg.data.num_proc, run.accelerator
         )
         return SFTCollator(data, processor, pad_id, source=path, **settings), stats
 
-    collate, train_stats = tokenized(cfg.data.train_file)
-    train_data = collate.data
-    log(
-        f"train: {train_stats['kept']} examples kept, {train_stats['dropped_examples']} dropped (no assistant token "
-        f"left within max_length={cfg.data.max_length}); {'reused' if train_stats['reused'] else 'built'} cache "
-        f"{train_stats['cache']}"
+    collate, stats = tokenized(cfg.data.train_file)
+    run.log(
+        f"train: {stats['kept']} examples kept, {stats['dropped_examples']} dropped (no assistant token "
+        f"left within max_length={cfg.data.max_length}); {'reused' if stats['reused'] else 'built'} cache "
+        f"{stats['cache']}"
     )
-    eval_collate = tokenized(cfg.data.eval_file)[0] if cfg.data.eval_file else None
-    n_targets = train_data.column("n_targets")  # loss tokens per row, for the loss normaliser
+    return collate, tokenized(cfg.data.eval_file)[0] if cfg.data.eval_file else None
 
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.schedule)
+
+def train_micro_batch(run: TrainingRun, sync, batch: dict, items: list, k: int, n_window: int) -> float:
+    """Forward and backward of micro-batch k of a window holding `n_window` assistant tokens on all
+    ranks; returns its share of the window's mean loss. `sync`: `mmprm.models.vision_sync.vision_sync`."""
+    accelerator = run.accelerator
+    with accelerator.autocast(), sync(batch):
+        loss_sum, _ = token_loss_sum(run.model, batch)
+    if not torch.isfinite(loss_sum):
+        raise FloatingPointError(
+            f"non-finite loss at step {run.progress.step}, micro-batch {k}, example ids "
+            f"{[t['id'] for t in items]}: lower train.lr or check these rows"
+        )
+    # backward() divides by grad_accum and DDP / DeepSpeed average the ranks' gradients:
+    # both undone, the window's gradient is that of the mean over its tokens
+    accelerator.backward(loss_sum * run.train.grad_accum * accelerator.num_processes / max(1, n_window))
+    return loss_sum.item() / max(1, n_window)
+
+
+def run_eval(run: TrainingRun, processor, collate: SFTCollator, cfg: Config, sync) -> None:
+    """Evaluate at the current step: loss and, with train.eval_generations, format compliance and
+    accuracy of greedy generations, to metrics.jsonl and the log."""
+    row = {
+        "split": "eval",
+        "step": run.progress.step,
+        "loss": eval_loss(run.model, collate, cfg.train.eval_batch_size, run.accelerator, sync),
+    }
+    if cfg.train.eval_generations > 0:
+        row.update(generate_eval(run.model, processor, collate.data, cfg, run.accelerator, sync))
+    run.write_metrics(row)
+    run.log(
+        f"step {run.progress.step} eval: " + " ".join(f"{k}={v:.4f}" for k, v in row.items() if isinstance(v, float))
     )
-    ds = accelerator.state.deepspeed_plugin
-    if ds is not None:
-        # No dataloader goes through prepare(), so DeepSpeed cannot infer these "auto" values itself.
-        ds.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
-        ds.deepspeed_config["gradient_clipping"] = cfg.train.max_grad_norm
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    log_zero3_partitions(accelerator, model, out_dir, log)
-    global_batch = cfg.train.batch_size * accelerator.num_processes
-    stream = BatchStream(train_data.column("length"), global_batch, cfg.train.seed, cfg.train.group_by_length)
-    log(
-        f"global batch: {cfg.train.batch_size} rows x {cfg.train.grad_accum} micro-step(s) x "
-        f"{accelerator.num_processes} process(es) = {global_batch * cfg.train.grad_accum} rows per optimizer step"
-    )
-    if padded := wrap_padding(len(train_data), global_batch):
-        log(
-            f"{len(train_data)} rows do not fill whole global batches of {global_batch}: each epoch's last batch "
-            f"repeats {padded} rows from the epoch's start, so every process gets {cfg.train.batch_size} rows"
-        )
-    progress = TrainProgress()
-    accelerator.register_for_checkpointing(stream, progress)
-    if ckpt is not None:
-        accelerator.load_state(str(ckpt))
-        log(f"resumed from {ckpt} at step {progress.step}")
-    run_id = start_run(accelerator, out_dir, ckpt, progress.step, cfg.train.overwrite_output_dir, log)
-    if accelerator.is_main_process:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.resolved.json").write_text(
-            json.dumps({**to_dict(cfg), "num_processes": accelerator.num_processes}, indent=2)
-        )
-    if log_with:
-        accelerator.init_trackers("policy_sft", config={k: str(v) for k, v in to_dict(cfg).items()})
 
-    def write_metrics(row: dict) -> None:
-        if accelerator.is_main_process:
-            with open(out_dir / METRICS_FILE, "a") as f:
-                f.write(json.dumps(row) + "\n")
-        accelerator.log(
-            {f"{row['split']}/{k}": v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"]
-        )
 
-    def run_eval() -> None:
-        row = {
-            "split": "eval",
-            "step": progress.step,
-            "loss": eval_loss(model, eval_collate, cfg.train.eval_batch_size, accelerator, sync),
-        }
-        if cfg.train.eval_generations > 0:
-            row.update(generate_eval(model, processor, eval_collate.data, cfg, accelerator, sync))
-        write_metrics(row)
-        log(f"step {progress.step} eval: " + " ".join(f"{k}={v:.4f}" for k, v in row.items() if isinstance(v, float)))
-
-    if eval_collate and progress.step == 0:
-        run_eval()  # the untrained policy's numbers, to compare against
-
-    # ---- training loop --------------------------------------------------------------------
-    model.train()
-    bar = tqdm(
-        total=cfg.train.max_steps, initial=progress.step, desc="policy_sft", disable=not accelerator.is_main_process
-    )
-    t0, running = time.time(), []
-    prefetch = Prefetcher(collate, enabled=cfg.train.prefetch_batches)
-    while progress.step < cfg.train.max_steps:
-        global_batches = [stream.next() for _ in range(cfg.train.grad_accum)]
-        micro_batches = [rank_share(b, accelerator.process_index, accelerator.num_processes) for b in global_batches]
-        # the next step's micro-batches collate on a background thread while this step trains
-        prefetch.submit(micro_batches)
-        prefetch.submit(
-            [
-                rank_share(b, accelerator.process_index, accelerator.num_processes)
-                for b in stream.peek(len(global_batches))
-            ]
-        )
-        # The loss is a mean over the assistant tokens of the whole window on all ranks, so a token
-        # weighs the same whichever rank and micro-batch run it. Every rank holds the global batches,
-        # so each counts them all without a collective.
-        n_tokens = sum(n_targets[i] for b in global_batches for i in b)
-        step_loss = 0.0
-        for k, idx in enumerate(micro_batches):
-            batch, items = prefetch.get(idx)
-            batch = {key: v.to(accelerator.device) for key, v in batch.items()}
-            # accumulate() syncs (DDP all-reduce, DeepSpeed step) on the last of grad_accum micro-batches only
-            with accelerator.accumulate(model):
-                with accelerator.autocast(), sync(batch):
-                    loss_sum, _ = token_loss_sum(model, batch)
-                if not torch.isfinite(loss_sum):
-                    raise FloatingPointError(
-                        f"non-finite loss at step {progress.step}, micro-batch {k}, example ids "
-                        f"{[t['id'] for t in items]}: lower train.lr or check these rows"
-                    )
-                # backward() divides by grad_accum and DDP / DeepSpeed average the ranks' gradients:
-                # both undone, the window's gradient is that of the mean over its tokens
-                accelerator.backward(loss_sum * cfg.train.grad_accum * accelerator.num_processes / max(1, n_tokens))
-            step_loss += loss_sum.item() / max(1, n_tokens)
-        # this rank's share of the window's mean; the ranks' shares add up to the loss trained on
-        step_loss = accelerator.reduce(torch.tensor(step_loss, device=accelerator.device), "sum").item()
-        if cfg.train.max_grad_norm > 0:
-            accelerator.clip_grad_norm_(trainable, cfg.train.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        progress.step += 1
-        progress.examples_seen += global_batch * cfg.train.grad_accum
-        running.append(step_loss)
-        bar.update(1)
-        bar.set_postfix(loss=f"{step_loss:.4f}")
-        if progress.step % cfg.train.log_every == 0 or progress.step == cfg.train.max_steps:
-            write_metrics(
-                {
-                    "split": "train",
-                    "step": progress.step,
-                    "loss": sum(running) / len(running),
-                    "lr": scheduler.get_last_lr()[0],
-                    "seconds": time.time() - t0,
-                }
-            )
-            running = []
-        if eval_collate and (progress.step % cfg.train.eval_every == 0 or progress.step == cfg.train.max_steps):
-            prefetch.wait()  # evaluation tokenizes with the same processor
-            run_eval()
-        stopping = progress.step == cfg.train.stop_at_step
-        if progress.step % cfg.train.save_every == 0 or progress.step == cfg.train.max_steps or stopping:
-            save_checkpoint(accelerator, out_dir, progress.step, run_id=run_id, keep=cfg.train.keep_checkpoints)
-        if stopping:
-            log(f"stopping at step {progress.step} (train.stop_at_step); resume with resume_from_checkpoint=latest")
-            prefetch.close()
-            leave_run(accelerator)
-            return
-    prefetch.close()
-    bar.close()
-
-    # ---- save -----------------------------------------------------------------------------
+def save_final(run: TrainingRun, processor, cfg: Config) -> None:
+    """The trained policy in output_dir (LoRA merged), its processor and the prompt it learned."""
+    accelerator = run.accelerator
     accelerator.wait_for_everyone()
     # ZeRO-3 shards every weight, LoRA's base weights and adapters included: all ranks gather the
     # full state dict, then rank 0 writes it (merging LoRA into a copy that holds these weights).
-    state = accelerator.get_state_dict(model)
+    state = accelerator.get_state_dict(run.model)
     if accelerator.is_main_process:
-        final = accelerator.unwrap_model(model)
+        final = accelerator.unwrap_model(run.model)
         if cfg.model.lora.enabled:
             final, state = merge_lora_copy(final, state), None  # the merged weights are its own
-        final.save_pretrained(out_dir, state_dict=state)
-        processor.save_pretrained(out_dir)
+        final.save_pretrained(run.output_dir, state_dict=state)
+        processor.save_pretrained(run.output_dir)
         # The prompt it learned, for annotation and Best-of-N (they read it unless overridden).
-        save_policy_spec(out_dir, PolicySpec(system_prompt=cfg.model.system_prompt, step_mode="tags"))
-        log(f"saved policy to {out_dir}")
-    leave_run(accelerator)  # every rank waits for rank 0's save before the group goes down
+        save_policy_spec(run.output_dir, PolicySpec(system_prompt=cfg.model.system_prompt, step_mode="tags"))
+        run.log(f"saved policy to {run.output_dir}")
+
+
+def main(argv: list[str]) -> None:
+    """Set up (config, run, model, data, optimizer, resume), train, save the policy, leave the run."""
+    config_path, overrides = parse_cli(argv, Config)
+    cfg = load_config(Config, config_path, overrides)
+    require_model_dir(cfg, "model.name_or_path")
+    run = TrainingRun("policy_sft", cfg.train, cfg.output_dir, cfg.resume_from_checkpoint)
+    model, processor = build_model(cfg)
+    # ZeRO-3 / FSDP: a batch without images still runs the vision tower, or the ranks' collectives part
+    sync = vision_sync(run.accelerator, model, processor)
+    collate, eval_collate = load_data(cfg, processor, run)
+    run.prepare(model)
+    run.batch_order(collate.data.column("length"))
+    n_rows, global_batch = len(collate.data), run.global_batch
+    if padded := wrap_padding(n_rows, global_batch):
+        run.log(
+            f"{n_rows} rows do not fill whole global batches of {global_batch}: each epoch's last batch "
+            f"repeats {padded} rows from the epoch's start, so every process gets {cfg.train.batch_size} rows"
+        )
+    run.resume(cfg)
+    evaluate_now = partial(run_eval, run, processor, eval_collate, cfg, sync) if eval_collate else None
+    if evaluate_now and run.progress.step == 0:
+        evaluate_now()  # the untrained policy's numbers, to compare against
+
+    n_targets = collate.data.column("n_targets")  # assistant tokens per row, for the loss normaliser
+    if run.fit(collate, n_targets, partial(train_micro_batch, run, sync), evaluate_now):
+        run.log(f"stopping at step {run.progress.step} (train.stop_at_step); resume with resume_from_checkpoint=latest")
+    else:
+        save_final(run, processor, cfg)
+    leave_run(run.accelerator)  # every rank waits for rank 0's save before the group goes down
 
 
 if __name__ == "__main__":
