@@ -33,6 +33,7 @@ test candidate exactly (`mmprm.data.synthetic.check_steps`), so step-level AUROC
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import json
 import os
 import shutil
@@ -42,6 +43,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 
@@ -126,15 +130,18 @@ class Config:
             batch, so `train.batch_size` in `sft` is per rank: one per core here, one per GPU on a node
         annotate_ranks: annotation processes side by side, each on its share of the problems (the last
             to finish merges): one per core here, one per GPU on a node
-        sft: extra key=value overrides for the policy_sft stage
-        annotate: extra key=value overrides for the mcts_annotate stage
-        prm: extra key=value overrides for prm_train, shared by the soft PRM, the hard PRM and the outcome model
-        orm: extra key=value overrides for the outcome model only, after `prm` (its rows share only
-            their prompt, so tree packing may cost it more than it saves)
-        bon: extra key=value overrides for the bon_rerank stage
+        sft: settings of the policy_sft stage over recipes/configs/tiny/policy_sft.yaml: its config keys,
+            nested (`train: {lr: 2e-3}`) or dotted (`train.lr: 2e-3`); on the command line
+            `sft.train.lr=2e-3` sets one, `sft={...}` replaces them all. Checked against
+            recipes/policy_sft.py's config before any stage runs, passed to it as key=value overrides
+        annotate: settings of the mcts_annotate stage (as `sft`)
+        prm: settings of prm_train, shared by the soft PRM, the hard PRM and the outcome model (as `sft`)
+        orm: settings of the outcome model only, after `prm` (its rows share only their prompt, so
+            tree packing may cost it more than it saves)
+        bon: settings of the bon_rerank stage (as `sft`)
         search_problems: test problems (the first ones) that PRM-guided search and its Best-of-N baseline
             run on at equal generated tokens; 0 skips the search stage
-        search: extra key=value overrides for the prm_search stage (its `searches` and `bon.n`)
+        search: settings of the prm_search stage (as `sft`; e.g. its `searches` and `bon.n`)
         publish: copy the report, its JSON and plots to docs/demo/ (the README only links there)
     """
 
@@ -151,13 +158,13 @@ class Config:
     threads: int = 1
     sft_ranks: int = 1
     annotate_ranks: int = 2
-    sft: list[str] = field(default_factory=list)
-    annotate: list[str] = field(default_factory=list)
-    prm: list[str] = field(default_factory=list)
-    orm: list[str] = field(default_factory=list)
-    bon: list[str] = field(default_factory=list)
+    sft: dict[str, Any] = field(default_factory=dict)
+    annotate: dict[str, Any] = field(default_factory=dict)
+    prm: dict[str, Any] = field(default_factory=dict)
+    orm: dict[str, Any] = field(default_factory=dict)
+    bon: dict[str, Any] = field(default_factory=dict)
     search_problems: int = 150
-    search: list[str] = field(default_factory=list)
+    search: dict[str, Any] = field(default_factory=dict)
     publish: bool = False
 
     def validate(self) -> None:
@@ -173,44 +180,157 @@ MODELS = {  # report key -> (training output, Best-of-N output, name in the repo
 }
 
 
-_lane = threading.local()  # per lane: CPU seconds of its finished stage commands, its log file
-_times_lock = threading.Lock()
+# Each stage's settings: the recipe it configures, that recipe's config class, the tiny config the
+# demo starts it from. The outcome model is prm_train again, with `prm` then `orm`.
+STAGES = {
+    "sft": ("policy_sft", "Config", "recipes/configs/tiny/policy_sft.yaml"),
+    "annotate": ("mcts_annotate", "AnnotateConfig", "recipes/configs/tiny/mcts_annotate.yaml"),
+    "prm": ("prm_train", "Config", "recipes/configs/tiny/prm_train.yaml"),
+    "orm": ("prm_train", "Config", "recipes/configs/tiny/prm_train.yaml"),
+    "bon": ("bon_rerank", "Config", "recipes/configs/tiny/bon_rerank.yaml"),
+    "search": ("prm_search", "Config", "recipes/configs/tiny/prm_search.yaml"),
+}
 
 
-def _child_cpu() -> float:
-    return getattr(_lane, "cpu", 0.0)
+def stage_overrides(settings: dict[str, Any], prefix: str = "") -> list[str]:
+    """A stage's settings (nested or dotted keys) as the `key=value` overrides its command line gets.
+
+    A value is written as YAML reads it back: `{train: {lr: 2e-3}}` -> `["train.lr=2e-3"]`,
+    `{"bon.n": [4, 8]}` -> `["bon.n=[4, 8]"]`, in the order the settings list them.
+    """
+    overrides = []
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            overrides += stage_overrides(value, f"{prefix}{key}.")
+            continue
+        if isinstance(value, str) and yaml.safe_load(value) == value:
+            text = value  # plain text reads back as itself: no quotes, as a user types it
+        else:
+            text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=float("inf"))
+            text = text.removesuffix("\n...\n").strip()  # a scalar's document end marker
+        overrides.append(f"{prefix}{key}={text}")
+    return overrides
 
 
-def stage(name: str, done: Path, out: Path, force: bool, timings: list, fn) -> None:
+def stage_config_class(recipe: str, name: str) -> type:
+    """The config dataclass of recipes/RECIPE.py (imported as a module, its `main` not run)."""
+    module_name = f"quickstart_stage_{recipe}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, REPO / "recipes" / f"{recipe}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # dataclasses resolve their annotations through it
+        spec.loader.exec_module(module)
+    return getattr(sys.modules[module_name], name)
+
+
+def check_stage_settings(cfg: Config) -> dict[str, list[str]]:
+    """Each stage's settings as its overrides, each checked against the stage recipe's own config.
+
+    The stage's tiny config plus its settings go through `load_config` as the recipe loads them,
+    so a misspelt key or a wrong type fails here, before any stage runs, naming the stage.
+    """
+    overrides = {name: stage_overrides(getattr(cfg, name)) for name in STAGES}
+    for name, (recipe, cls_name, tiny_config) in STAGES.items():
+        checked = overrides["prm"] + overrides["orm"] if name == "orm" else overrides[name]
+        try:
+            load_config(stage_config_class(recipe, cls_name), REPO / tiny_config, checked)
+        except ConfigError as e:
+            raise ConfigError(f"{name} (settings of recipes/{recipe}.py): {e}") from None
+    return overrides
+
+
+@dataclass
+class Lane:
+    """Where one lane's stage commands write their output, and the CPU seconds they took.
+
+    Attributes:
+        log_dir: where each stage's log goes (OUTPUT_DIR/logs); None: commands write to the terminal
+        log: the log of the stage running now (None: the terminal)
+        cpu: CPU seconds of the lane's finished commands
+    """
+
+    log_dir: Path | None = None
+    log: Path | None = None
+    cpu: float = 0.0
+
+
+@dataclass
+class Demo:
+    """What every stage reads: the settings, where outputs go, and the time each stage took.
+
+    Attributes:
+        cfg: the quickstart settings
+        out: OUTPUT_DIR, absolute
+        overrides: each stage's settings as the key=value overrides its command line gets
+        started: when the run started (time.time())
+        timings: (stage, wall seconds, CPU seconds, status) of every stage so far
+        times_lock: held while a lane reads or writes OUTPUT_DIR/stage_times.json
+    """
+
+    cfg: Config
+    out: Path
+    overrides: dict[str, list[str]]
+    started: float
+    timings: list[tuple[str, float, float, str]] = field(default_factory=list)
+    times_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def data(self) -> Path:
+        return self.out / "data"
+
+    @property
+    def policy(self) -> Path:
+        return self.out / "policy"
+
+    @property
+    def mcts(self) -> Path:
+        return self.out / "mcts"
+
+    @property
+    def bon(self) -> Path:
+        return self.out / "bon"
+
+    @property
+    def model_dir(self) -> Path | str:
+        return self.cfg.model.name_or_path or self.out / "tiny_model"
+
+    @property
+    def attn(self) -> str:
+        """The override every stage loads its models with (one attention kernel for the whole demo)."""
+        return f"model.attn_implementation={self.cfg.model.attn_implementation}"
+
+
+def stage(demo: Demo, lane: Lane, name: str, done: Path, fn) -> None:
     """Run one stage unless its output exists; time it (wall and CPU); one line before and after.
 
     Each stage's times are kept in OUTPUT_DIR/stage_times.json, so a rerun that skips it still
     reports the time it took when it ran. CPU time counts this thread and the stage's own
     commands only, so it stays right when two lanes run side by side.
     """
-    times_file = out / "stage_times.json"
-    with _times_lock:
+    times_file = demo.out / "stage_times.json"
+    with demo.times_lock:
         recorded = json.loads(times_file.read_text()) if times_file.exists() else {}
-    if done.exists() and not force:
+    if done.exists() and not demo.cfg.force:
         print(f"==> [{name}] already done ({done}), skipping", flush=True)
         prev = recorded.get(name, {})
-        timings.append((name, prev.get("wall", float("nan")), prev.get("cpu", float("nan")), "done in an earlier run"))
+        demo.timings.append(
+            (name, prev.get("wall", float("nan")), prev.get("cpu", float("nan")), "done in an earlier run")
+        )
         return
-    log = getattr(_lane, "log_dir", None)
-    _lane.log = log / f"{name}.log" if log else None
-    print(f"==> [{name}] ..." + (f" (output: {_lane.log})" if _lane.log else ""), flush=True)
-    t0, c0, k0 = time.time(), time.thread_time(), _child_cpu()
+    lane.log = lane.log_dir / f"{name}.log" if lane.log_dir else None
+    print(f"==> [{name}] ..." + (f" (output: {lane.log})" if lane.log else ""), flush=True)
+    t0, c0, k0 = time.time(), time.thread_time(), lane.cpu
     fn()
-    wall, cpu = time.time() - t0, time.thread_time() - c0 + _child_cpu() - k0
-    timings.append((name, wall, cpu, "ran"))
-    with _times_lock:
+    wall, cpu = time.time() - t0, time.thread_time() - c0 + lane.cpu - k0
+    demo.timings.append((name, wall, cpu, "ran"))
+    with demo.times_lock:
         recorded = json.loads(times_file.read_text()) if times_file.exists() else {}
         recorded[name] = {"wall": round(wall, 1), "cpu": round(cpu, 1)}
         times_file.write_text(json.dumps(recorded, indent=2) + "\n")
     print(f"==> [{name}] done in {wall:.1f}s (CPU {cpu:.1f}s)", flush=True)
 
 
-def run(*args: str, env_extra: dict[str, str] | None = None) -> None:
+def run(lane: Lane, *args: str, env_extra: dict[str, str] | None = None) -> None:
     """A recipe or CLI as a subprocess; failure stops the demo.
 
     In a lane its output goes to the stage's log (two lanes' progress bars would interleave), and
@@ -218,7 +338,7 @@ def run(*args: str, env_extra: dict[str, str] | None = None) -> None:
     """
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env_extra or {})}
     env.setdefault("OMP_NUM_THREADS", os.environ.get("MMPRM_THREADS", "1"))
-    log = getattr(_lane, "log", None)
+    log = lane.log
     sink = open(log, "a") if log else None  # closed below, after the child exits
     try:
         child = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=sink, stderr=sink)
@@ -227,7 +347,7 @@ def run(*args: str, env_extra: dict[str, str] | None = None) -> None:
     finally:
         if sink:
             sink.close()
-    _lane.cpu = _child_cpu() + usage.ru_utime + usage.ru_stime
+    lane.cpu += usage.ru_utime + usage.ru_stime
     if child.returncode != 0:
         if log:
             tail = "".join(Path(log).read_text(errors="replace").splitlines(keepends=True)[-30:])
@@ -235,51 +355,51 @@ def run(*args: str, env_extra: dict[str, str] | None = None) -> None:
         raise SystemExit(f"quickstart: stage command failed (exit {child.returncode}): python {' '.join(args)}")
 
 
-def run_ddp(ranks: int, script: str, *args: str) -> None:
+def run_ddp(lane: Lane, ranks: int, script: str, *args: str) -> None:
     """A training recipe as `ranks` DDP processes under torchrun (one process: plain python).
 
     Without a GPU, ACCELERATE_USE_CPU makes accelerate join the processes over gloo; without it
     each process would find no GPU and train alone on the whole data."""
     if ranks == 1:
-        run(script, *args)
+        run(lane, script, *args)
         return
     import torch
 
     # --standalone: a rendezvous on this machine at a port torchrun picks free itself
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
-    run(*launcher, script, *args, env_extra=None if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "true"})
+    run(lane, *launcher, script, *args, env_extra=None if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "true"})
 
 
-def run_ranks(ranks: int, logs: Path, *args: str) -> None:
+def run_ranks(lane: Lane, ranks: int, logs: Path, *args: str) -> None:
     """One command as `ranks` processes side by side (`rank=K world_size=ranks` appended), as a
     multi-GPU user runs it with one process per GPU. With more than one, rank K's output goes to
-    `logs`.rankK.log (two progress bars would interleave). Their CPU time is added to the caller's."""
+    `logs`.rankK.log (two progress bars would interleave). Their CPU time is added to LANE's."""
 
-    if ranks == 1:  # in this thread, so the output goes where the stage's would
-        run(*args, "rank=0", "world_size=1")
+    if ranks == 1:  # in this lane, so the output goes where the stage's would
+        run(lane, *args, "rank=0", "world_size=1")
         return
 
     def one(rank: int) -> float:
-        _lane.log = logs.with_name(f"{logs.name}.rank{rank}.log")
-        run(*args, f"rank={rank}", f"world_size={ranks}")
-        return _child_cpu()
+        rank_lane = Lane(log=logs.with_name(f"{logs.name}.rank{rank}.log"))
+        run(rank_lane, *args, f"rank={rank}", f"world_size={ranks}")
+        return rank_lane.cpu
 
     logs.parent.mkdir(parents=True, exist_ok=True)
     print(f"    {ranks} ranks side by side, output in {logs}.rank*.log", flush=True)
     with concurrent.futures.ThreadPoolExecutor(ranks) as pool:
         cpu = sum(pool.map(one, range(ranks)))  # re-raises a rank's failure
-    _lane.cpu = _child_cpu() + cpu
+    lane.cpu += cpu
 
 
 def in_lanes(out: Path, *lanes) -> None:
-    """Run each lane (a function running stages one after another) in its own thread: on two
-    cores, two one-thread stages side by side halve the wait. Stage output goes to OUTPUT_DIR/logs/.
-    A failed lane stops the demo once the others finish."""
+    """Run each lane (a function of its `Lane`, running stages one after another) in its own thread:
+    on two cores, two one-thread stages side by side halve the wait. Stage output goes to
+    OUTPUT_DIR/logs/. A failed lane stops the demo once the others finish."""
 
     def lane(fn) -> None:
-        _lane.log_dir = out / "logs"
-        _lane.log_dir.mkdir(exist_ok=True)
-        fn()
+        log_dir = out / "logs"
+        log_dir.mkdir(exist_ok=True)
+        fn(Lane(log_dir=log_dir))
 
     with concurrent.futures.ThreadPoolExecutor(len(lanes)) as pool:
         futures = [pool.submit(lane, fn) for fn in lanes]
@@ -338,7 +458,8 @@ def write_outcome_candidates(cand_file: Path, out_file: Path) -> None:
     write_jsonl(out_file, rows)
 
 
-def main(argv: list[str]) -> None:
+def setup(argv: list[str]) -> Demo:
+    """Read and check every setting (the stages' too), then make OUTPUT_DIR: nothing runs before."""
     config_path, overrides = parse_cli(argv, Config)
     cfg = load_config(Config, config_path, overrides)
     if cfg.model.name_or_path:
@@ -346,6 +467,7 @@ def main(argv: list[str]) -> None:
     from mmprm.models.loading import resolve_attn_implementation
 
     resolve_attn_implementation(cfg.model.attn_implementation)  # fail before the first stage, not in it
+    stage_settings = check_stage_settings(cfg)
     started = time.time()
     os.environ.setdefault("MMPRM_THREADS", str(cfg.threads))
     import torch
@@ -355,314 +477,337 @@ def main(argv: list[str]) -> None:
     if not out.is_absolute():
         out = REPO / out
     out.mkdir(parents=True, exist_ok=True)
-    data, policy, mcts = out / "data", out / "policy", out / "mcts"
-    model_dir = cfg.model.name_or_path or out / "tiny_model"
-    timings: list[tuple[str, float, float, str]] = []
-    attn = f"model.attn_implementation={cfg.model.attn_implementation}"  # every stage loads with this kernel
+    return Demo(cfg, out, stage_settings, started)
 
-    # ---- 1. data ---------------------------------------------------------------------------
-    def make_data() -> None:
-        from mmprm.data.synthetic import (
-            SyntheticConfig,
-            add_slips,
-            generate,
-            problem_key,
-            text_only_accuracy,
-            write_split,
-        )
 
-        t = cfg.task
-        common = dict(
-            min_tiles=t.min_tiles,
-            max_tiles=t.max_tiles,
-            ops=tuple(t.ops.split(",")),
-            max_ops=t.max_ops,
-            digits=(0, t.max_digit),
-            templates=tuple(t.templates.split(",")) if t.templates else None,
-            marks=t.marks,
-        )
-        splits, seen = {}, set()
-        # Disjoint splits: no (template, tiles) pair is in two of them.
-        for k, (name, size) in enumerate(
-            (("train", t.train), ("annotate", t.annotate), ("dev", t.dev), ("test", t.test))
-        ):
-            prefix = "ann" if name == "annotate" else name
-            try:
-                splits[name] = generate(
-                    SyntheticConfig(num_problems=size, seed=cfg.seed + k, id_prefix=prefix, **common), exclude=seen
-                )
-            except ValueError as e:  # too few distinct problems for the splits asked for
-                raise SystemExit(f"quickstart: task.{name}={size}: {e}") from None
-            seen |= {problem_key(p.meta["template"], p.meta["cells"]) for p in splits[name]}
-        write_split(add_slips(splits["train"], t.slip_rate, seed=cfg.seed), data, "train")
-        write_split(splits["annotate"], data, "annotate")
-        write_split(splits["dev"] + splits["test"], data, "heldout")  # one Best-of-N run, split by id prefix
-        (data / "task.json").write_text(
-            json.dumps(
-                {"text_only_accuracy": text_only_accuracy(splits["train"], splits["test"]), **to_dict(cfg.task)},
-                indent=2,
-            )
-        )
-
-    stage("data", data / "task.json", out, cfg.force, timings, make_data)
-
-    # ---- 2. tiny model (unless the user names a checkpoint to start from) ---------------------
-    if cfg.model.name_or_path:
-        print(f"==> [model] starting from {model_dir}", flush=True)
-    else:
-        tiny_model = [
-            "-m", "mmprm.cli", "tiny-model", "--arch", cfg.arch, "--out", str(model_dir), "--seed", str(cfg.seed),
-            "--hidden-size", str(cfg.hidden_size), "--layers", str(cfg.num_layers),
-            *(["--corpus", str(data / "train_sft.jsonl")] if cfg.tokenizer_corpus else []),
-        ]  # fmt: skip
-        stage("model", Path(model_dir) / "config.json", out, cfg.force, timings, lambda: run(*tiny_model))
-
-    # ---- 3. policy SFT ---------------------------------------------------------------------
-    stage(
-        "policy",
-        policy / "model.safetensors",
-        out,
-        cfg.force,
-        timings,
-        lambda: run_ddp(
-            cfg.sft_ranks,
-            "recipes/policy_sft.py",
-            "--config",
-            "recipes/configs/tiny/policy_sft.yaml",
-            f"model.name_or_path={model_dir}",
-            f"data.train_file={data / 'train_sft.jsonl'}",
-            f"data.eval_file={data / 'heldout_sft.jsonl'}",
-            f"output_dir={policy}",
-            f"train.seed={cfg.seed}",
-            "train.report_to=none",
-            "train.overwrite_output_dir=true",  # a stage that runs again starts over (see stage())
-            attn,
-            *cfg.sft,
-        ),
+# ---- 1. data ---------------------------------------------------------------------------------
+def make_data(cfg: Config, data: Path) -> None:
+    """The task's four disjoint splits: SFT train (with slips), annotation, and dev + test held out."""
+    from mmprm.data.synthetic import (
+        SyntheticConfig,
+        add_slips,
+        generate,
+        problem_key,
+        text_only_accuracy,
+        write_split,
     )
 
-    # ---- 4. MCTS annotation ----------------------------------------------------------------
-    stage(
-        "annotate",
-        mcts / "prm_data.jsonl",
-        out,
-        cfg.force,
-        timings,
-        lambda: run_ranks(
-            cfg.annotate_ranks,
-            out / "logs" / "annotate",
-            "recipes/mcts_annotate.py",
-            "--config",
-            "recipes/configs/tiny/mcts_annotate.yaml",
-            f"model.name_or_path={policy}",
-            f"data.problems_file={data / 'annotate_problems.jsonl'}",
-            f"output_dir={mcts}",
-            f"sampling.seed={cfg.seed}",
-            attn,
-            *cfg.annotate,
-        ),
+    t = cfg.task
+    common = dict(
+        min_tiles=t.min_tiles,
+        max_tiles=t.max_tiles,
+        ops=tuple(t.ops.split(",")),
+        max_ops=t.max_ops,
+        digits=(0, t.max_digit),
+        templates=tuple(t.templates.split(",")) if t.templates else None,
+        marks=t.marks,
     )
-
-    # ---- 5. three reward models on the same rollouts (initialised from the policy, as MM-PRM
-    # does from its base): soft MC labels, hard labels, and outcome labels only -----------------
-    def train(train_file: Path, model_out: Path, *extra: str) -> None:
-        run(
-            "recipes/prm_train.py",
-            "--config",
-            "recipes/configs/tiny/prm_train.yaml",
-            f"model.name_or_path={policy}",
-            f"data.train_file={train_file}",
-            "data.eval_file=null",
-            f"output_dir={model_out}",
-            f"train.seed={cfg.seed}",
-            "train.report_to=none",
-            "train.overwrite_output_dir=true",  # a stage that runs again starts over (see stage())
-            attn,
-            *cfg.prm,
-            *extra,
-        )
-
-    orm_file = mcts / "outcome_data.jsonl"
-    bon, search = out / "bon", out / "search"
-
-    def soft_prm() -> None:
-        stage(
-            "prm",
-            out / "prm" / "mmprm_prm.json",
-            out,
-            cfg.force,
-            timings,
-            lambda: train(mcts / "prm_data.jsonl", out / "prm", "data.label_mode=soft"),
-        )
-
-    def hard_prm() -> None:
-        # MC > 0 -> 1: a step from which any rollout reached the gold answer counts as right.
-        stage(
-            "prm_hard",
-            out / "prm_hard" / "mmprm_prm.json",
-            out,
-            cfg.force,
-            timings,
-            lambda: train(mcts / "prm_data.jsonl", out / "prm_hard", "data.label_mode=hard_any_correct"),
-        )
-
-    def outcome_model() -> None:
-        stage(
-            "orm",
-            out / "orm" / "mmprm_prm.json",
-            out,
-            cfg.force,
-            timings,
-            lambda: (
-                print(f"outcome data: {write_outcome_data(mcts / 'prm_data.jsonl', orm_file)}"),
-                train(orm_file, out / "orm", "data.label_mode=soft", *cfg.orm),
-            ),
-        )
-
-    # ---- 6. Best-of-N on held-out problems: one set of candidates, three scorers -------------
-    def best_of_n() -> None:
-        stage(
-            "bon",
-            bon / "report.json",
-            out,
-            cfg.force,
-            timings,
-            lambda: run(
-                "recipes/bon_rerank.py",
-                "--config",
-                "recipes/configs/tiny/bon_rerank.yaml",
-                f"prm={out / 'prm'}",
-                "candidates_file=null",
-                "generate.enabled=true",
-                f"generate.policy={policy}",
-                f"generate.problems_file={data / 'heldout_problems.jsonl'}",
-                f"generate.n={cfg.n}",
-                f"generate.sampling.seed={cfg.seed}",
-                f"output_dir={bon}",
-                f"report.seed={cfg.seed}",
-                attn,
-                *cfg.bon,
-            ),
-        )
-
-    def rescore(model: str, cand_file: Path) -> None:
-        run(
-            "recipes/bon_rerank.py",
-            "--config",
-            "recipes/configs/tiny/bon_rerank.yaml",
-            f"prm={out / MODELS[model][0]}",
-            f"candidates_file={cand_file}",
-            "generate.enabled=false",
-            f"output_dir={out / MODELS[model][1]}",
-            f"report.seed={cfg.seed}",
-            attn,
-            *[o for o in cfg.bon if not o.startswith("generate.")],
-        )
-
-    def rescore_hard() -> None:
-        stage(
-            "bon_hard",
-            out / "bon_hard" / "report.json",
-            out,
-            cfg.force,
-            timings,
-            lambda: rescore("hard", bon / "candidates.jsonl"),
-        )
-
-    def rescore_outcome() -> None:
-        def run_it() -> None:
-            from mmprm.rerank.ablation import PREFIX_SCORES, write_outcome_prefix_scores
-
-            write_outcome_candidates(bon / "candidates.jsonl", bon / "candidates_outcome.jsonl")
-            rescore("outcome", bon / "candidates_outcome.jsonl")
-            # The outcome model's score of every prefix of every candidate (its step scores in the
-            # report): the slowest part of the evaluation, done in this lane so the report need not wait.
-            write_outcome_prefix_scores(
-                out / "orm",
-                bon / "candidates.jsonl",
-                out / "bon_orm" / PREFIX_SCORES,
-                cfg.model.attn_implementation,
-                progress=False,  # in-process: its bar would land in the main log between the lanes' lines
-            )
-
-        stage("bon_orm", out / "bon_orm" / "report.json", out, cfg.force, timings, run_it)
-
-    # ---- 7. PRM-guided search vs Best-of-N at the same generated tokens (soft PRM) ------------
-    def guided_search() -> None:
-        if cfg.search_problems <= 0:
-            return
-        stage(
-            "search",
-            search / "report.json",
-            out,
-            cfg.force,
-            timings,
-            lambda: run(
-                "recipes/prm_search.py",
-                "--config",
-                "recipes/configs/tiny/prm_search.yaml",
-                f"policy.path={policy}",
-                f"prm={out / 'prm'}",
-                f"problems_file={search_problems_file(data, cfg.search_problems)}",
-                "limit=null",
-                f"policy.sampling.seed={cfg.seed}",
-                f"report.seed={cfg.seed}",
-                f"output_dir={search}",
-                attn,
-                *cfg.search,
-            ),
-        )
-
-    # Two lanes, one per core, each about 2 reward models' training long. Lane 1: the soft PRM,
-    # the hard PRM, then the hard PRM's rescoring of the candidates. Lane 2: the outcome model,
-    # then (once the soft PRM is there) the Best-of-N candidates, the search, the outcome model's
-    # rescoring. Each waits only for what it reads; a failed lane sets its events so that the
-    # other one does not hang.
-    soft_ready, candidates_ready = threading.Event(), threading.Event()
-
-    def lane_prms() -> None:
+    splits, seen = {}, set()
+    # Disjoint splits: no (template, tiles) pair is in two of them.
+    for k, (name, size) in enumerate((("train", t.train), ("annotate", t.annotate), ("dev", t.dev), ("test", t.test))):
+        prefix = "ann" if name == "annotate" else name
         try:
-            soft_prm()
+            splits[name] = generate(
+                SyntheticConfig(num_problems=size, seed=cfg.seed + k, id_prefix=prefix, **common), exclude=seen
+            )
+        except ValueError as e:  # too few distinct problems for the splits asked for
+            raise SystemExit(f"quickstart: task.{name}={size}: {e}") from None
+        seen |= {problem_key(p.meta["template"], p.meta["cells"]) for p in splits[name]}
+    write_split(add_slips(splits["train"], t.slip_rate, seed=cfg.seed), data, "train")
+    write_split(splits["annotate"], data, "annotate")
+    write_split(splits["dev"] + splits["test"], data, "heldout")  # one Best-of-N run, split by id prefix
+    (data / "task.json").write_text(
+        json.dumps(
+            {"text_only_accuracy": text_only_accuracy(splits["train"], splits["test"]), **to_dict(cfg.task)},
+            indent=2,
+        )
+    )
+
+
+# ---- 2. tiny model (unless the user names a checkpoint to start from) -------------------------
+def make_model(demo: Demo, lane: Lane) -> None:
+    """`mmprm tiny-model`, or nothing when model.name_or_path names the checkpoint to start from."""
+    cfg = demo.cfg
+    if cfg.model.name_or_path:
+        print(f"==> [model] starting from {demo.model_dir}", flush=True)
+        return
+    tiny_model = [
+        "-m", "mmprm.cli", "tiny-model", "--arch", cfg.arch, "--out", str(demo.model_dir), "--seed", str(cfg.seed),
+        "--hidden-size", str(cfg.hidden_size), "--layers", str(cfg.num_layers),
+        *(["--corpus", str(demo.data / "train_sft.jsonl")] if cfg.tokenizer_corpus else []),
+    ]  # fmt: skip
+    stage(demo, lane, "model", Path(demo.model_dir) / "config.json", lambda: run(lane, *tiny_model))
+
+
+# ---- 3. policy SFT ---------------------------------------------------------------------------
+def train_policy(demo: Demo, lane: Lane) -> None:
+    """recipes/policy_sft.py as `sft_ranks` DDP processes, with the `sft` settings."""
+    args = [
+        "recipes/policy_sft.py",
+        "--config",
+        "recipes/configs/tiny/policy_sft.yaml",
+        f"model.name_or_path={demo.model_dir}",
+        f"data.train_file={demo.data / 'train_sft.jsonl'}",
+        f"data.eval_file={demo.data / 'heldout_sft.jsonl'}",
+        f"output_dir={demo.policy}",
+        f"train.seed={demo.cfg.seed}",
+        "train.report_to=none",
+        "train.overwrite_output_dir=true",  # a stage that runs again starts over (see stage())
+        demo.attn,
+        *demo.overrides["sft"],
+    ]
+    stage(demo, lane, "policy", demo.policy / "model.safetensors", lambda: run_ddp(lane, demo.cfg.sft_ranks, *args))
+
+
+# ---- 4. MCTS annotation ----------------------------------------------------------------------
+def annotate(demo: Demo, lane: Lane) -> None:
+    """recipes/mcts_annotate.py as `annotate_ranks` processes, with the `annotate` settings."""
+    args = [
+        "recipes/mcts_annotate.py",
+        "--config",
+        "recipes/configs/tiny/mcts_annotate.yaml",
+        f"model.name_or_path={demo.policy}",
+        f"data.problems_file={demo.data / 'annotate_problems.jsonl'}",
+        f"output_dir={demo.mcts}",
+        f"sampling.seed={demo.cfg.seed}",
+        demo.attn,
+        *demo.overrides["annotate"],
+    ]
+    logs = demo.out / "logs" / "annotate"
+    stage(
+        demo,
+        lane,
+        "annotate",
+        demo.mcts / "prm_data.jsonl",
+        lambda: run_ranks(lane, demo.cfg.annotate_ranks, logs, *args),
+    )
+
+
+# ---- 5. three reward models on the same rollouts (initialised from the policy, as MM-PRM does
+# from its base): soft MC labels, hard labels, and outcome labels only ----------------------------
+def train_reward_model(demo: Demo, lane: Lane, train_file: Path, model_out: Path, *extra: str) -> None:
+    """recipes/prm_train.py from the policy on TRAIN_FILE, with the `prm` settings, then EXTRA."""
+    run(
+        lane,
+        "recipes/prm_train.py",
+        "--config",
+        "recipes/configs/tiny/prm_train.yaml",
+        f"model.name_or_path={demo.policy}",
+        f"data.train_file={train_file}",
+        "data.eval_file=null",
+        f"output_dir={model_out}",
+        f"train.seed={demo.cfg.seed}",
+        "train.report_to=none",
+        "train.overwrite_output_dir=true",  # a stage that runs again starts over (see stage())
+        demo.attn,
+        *demo.overrides["prm"],
+        *extra,
+    )
+
+
+def soft_prm(demo: Demo, lane: Lane) -> None:
+    """The PRM on the MC values as soft labels."""
+
+    def train() -> None:
+        train_reward_model(demo, lane, demo.mcts / "prm_data.jsonl", demo.out / "prm", "data.label_mode=soft")
+
+    stage(demo, lane, "prm", demo.out / "prm" / "mmprm_prm.json", train)
+
+
+def hard_prm(demo: Demo, lane: Lane) -> None:
+    """The PRM on hard labels. MC > 0 -> 1: a step from which any rollout reached the gold answer counts as right."""
+
+    def train() -> None:
+        labels = "data.label_mode=hard_any_correct"
+        train_reward_model(demo, lane, demo.mcts / "prm_data.jsonl", demo.out / "prm_hard", labels)
+
+    stage(demo, lane, "prm_hard", demo.out / "prm_hard" / "mmprm_prm.json", train)
+
+
+def outcome_model(demo: Demo, lane: Lane) -> None:
+    """The outcome model: one label per solution from its final answer, with `prm` then `orm` settings."""
+    orm_file = demo.mcts / "outcome_data.jsonl"
+
+    def train() -> None:
+        print(f"outcome data: {write_outcome_data(demo.mcts / 'prm_data.jsonl', orm_file)}")
+        train_reward_model(demo, lane, orm_file, demo.out / "orm", "data.label_mode=soft", *demo.overrides["orm"])
+
+    stage(demo, lane, "orm", demo.out / "orm" / "mmprm_prm.json", train)
+
+
+# ---- 6. Best-of-N on held-out problems: one set of candidates, three scorers -------------------
+def best_of_n(demo: Demo, lane: Lane) -> None:
+    """recipes/bon_rerank.py: N candidates per held-out problem, scored by the soft PRM (`bon` settings)."""
+    args = [
+        "recipes/bon_rerank.py",
+        "--config",
+        "recipes/configs/tiny/bon_rerank.yaml",
+        f"prm={demo.out / 'prm'}",
+        "candidates_file=null",
+        "generate.enabled=true",
+        f"generate.policy={demo.policy}",
+        f"generate.problems_file={demo.data / 'heldout_problems.jsonl'}",
+        f"generate.n={demo.cfg.n}",
+        f"generate.sampling.seed={demo.cfg.seed}",
+        f"output_dir={demo.bon}",
+        f"report.seed={demo.cfg.seed}",
+        demo.attn,
+        *demo.overrides["bon"],
+    ]
+    stage(demo, lane, "bon", demo.bon / "report.json", lambda: run(lane, *args))
+
+
+def rescore(demo: Demo, lane: Lane, model: str, cand_file: Path) -> None:
+    """recipes/bon_rerank.py on CAND_FILE with MODEL's scores (the `bon` settings but generation's)."""
+    run(
+        lane,
+        "recipes/bon_rerank.py",
+        "--config",
+        "recipes/configs/tiny/bon_rerank.yaml",
+        f"prm={demo.out / MODELS[model][0]}",
+        f"candidates_file={cand_file}",
+        "generate.enabled=false",
+        f"output_dir={demo.out / MODELS[model][1]}",
+        f"report.seed={demo.cfg.seed}",
+        demo.attn,
+        *[o for o in demo.overrides["bon"] if not o.startswith("generate.")],
+    )
+
+
+def rescore_hard(demo: Demo, lane: Lane) -> None:
+    """The hard-label PRM's scores of the same candidates."""
+
+    def run_it() -> None:
+        rescore(demo, lane, "hard", demo.bon / "candidates.jsonl")
+
+    stage(demo, lane, "bon_hard", demo.out / "bon_hard" / "report.json", run_it)
+
+
+def rescore_outcome(demo: Demo, lane: Lane) -> None:
+    """The outcome model's scores of the same candidates, whole and of every prefix."""
+
+    def run_it() -> None:
+        from mmprm.rerank.ablation import PREFIX_SCORES, write_outcome_prefix_scores
+
+        write_outcome_candidates(demo.bon / "candidates.jsonl", demo.bon / "candidates_outcome.jsonl")
+        rescore(demo, lane, "outcome", demo.bon / "candidates_outcome.jsonl")
+        # The outcome model's score of every prefix of every candidate (its step scores in the
+        # report): the slowest part of the evaluation, done in this lane so the report need not wait.
+        write_outcome_prefix_scores(
+            demo.out / "orm",
+            demo.bon / "candidates.jsonl",
+            demo.out / "bon_orm" / PREFIX_SCORES,
+            demo.cfg.model.attn_implementation,
+            progress=False,  # in-process: its bar would land in the main log between the lanes' lines
+        )
+
+    stage(demo, lane, "bon_orm", demo.out / "bon_orm" / "report.json", run_it)
+
+
+# ---- 7. PRM-guided search vs Best-of-N at the same generated tokens (soft PRM) -----------------
+def guided_search(demo: Demo, lane: Lane) -> None:
+    """recipes/prm_search.py on the first `search_problems` test problems (`search` settings)."""
+    cfg, search = demo.cfg, demo.out / "search"
+    if cfg.search_problems <= 0:
+        return
+
+    def run_it() -> None:
+        run(
+            lane,
+            "recipes/prm_search.py",
+            "--config",
+            "recipes/configs/tiny/prm_search.yaml",
+            f"policy.path={demo.policy}",
+            f"prm={demo.out / 'prm'}",
+            f"problems_file={search_problems_file(demo.data, cfg.search_problems)}",
+            "limit=null",
+            f"policy.sampling.seed={cfg.seed}",
+            f"report.seed={cfg.seed}",
+            f"output_dir={search}",
+            demo.attn,
+            *demo.overrides["search"],
+        )
+
+    stage(demo, lane, "search", search / "report.json", run_it)
+
+
+def reward_models_and_sampling(demo: Demo) -> None:
+    """Stages 5-7 in two lanes, one per core, each about 2 reward models' training long.
+
+    Lane 1: the soft PRM, the hard PRM, then the hard PRM's rescoring of the candidates. Lane 2:
+    the outcome model, then (once the soft PRM is there) the Best-of-N candidates, the search, the
+    outcome model's rescoring. Each waits only for what it reads; a failed lane sets its events so
+    that the other one does not hang.
+    """
+    soft_ready, candidates_ready = threading.Event(), threading.Event()
+    bon_report = demo.bon / "report.json"
+
+    def lane_prms(lane: Lane) -> None:
+        try:
+            soft_prm(demo, lane)
         finally:
             soft_ready.set()
-        hard_prm()
+        hard_prm(demo, lane)
         candidates_ready.wait()
-        if (bon / "report.json").exists():  # else lane 2 failed and says why
-            rescore_hard()
+        if bon_report.exists():  # else lane 2 failed and says why
+            rescore_hard(demo, lane)
 
-    def lane_outcome_and_sampling() -> None:
+    def lane_outcome_and_sampling(lane: Lane) -> None:
         try:
-            outcome_model()
+            outcome_model(demo, lane)
             soft_ready.wait()
-            if (out / "prm" / "mmprm_prm.json").exists():  # else lane 1 failed and says why
-                best_of_n()
+            if (demo.out / "prm" / "mmprm_prm.json").exists():  # else lane 1 failed and says why
+                best_of_n(demo, lane)
         finally:
             candidates_ready.set()
-        if (bon / "report.json").exists():
-            guided_search()
-            rescore_outcome()
+        if bon_report.exists():
+            guided_search(demo, lane)
+            rescore_outcome(demo, lane)
 
-    in_lanes(out, lane_prms, lane_outcome_and_sampling)
+    in_lanes(demo.out, lane_prms, lane_outcome_and_sampling)
 
-    # ---- 8. ground-truth step evaluation and the report -------------------------------------
+
+# ---- 8. ground-truth step evaluation and the report -------------------------------------------
+def report(demo: Demo) -> None:
+    """Check every test step against its exact label, then write OUTPUT_DIR/report.md and its JSON."""
+    cfg, out = demo.cfg, demo.out
     print("==> [report] ...", flush=True)
     t0, c0 = time.time(), time.thread_time()
     from mmprm.rerank.ablation import evaluate, write_report
 
     results = evaluate(
-        out, data, policy, MODELS, n_resamples=1000, seed=cfg.seed, attn_implementation=cfg.model.attn_implementation
+        out,
+        demo.data,
+        demo.policy,
+        MODELS,
+        n_resamples=1000,
+        seed=cfg.seed,
+        attn_implementation=cfg.model.attn_implementation,
     )
-    timings.append(("step eval + report", time.time() - t0, time.thread_time() - c0, "ran"))
+    demo.timings.append(("step eval + report", time.time() - t0, time.thread_time() - c0, "ran"))
     # The whole run's wall time, when this run made every output; a rerun reports the run that did.
     times_file = out / "stage_times.json"
     recorded = json.loads(times_file.read_text())
-    if all(status == "ran" for *_, status in timings):
-        recorded["whole run"] = {"wall": round(time.time() - started, 1)}
+    if all(status == "ran" for *_, status in demo.timings):
+        recorded["whole run"] = {"wall": round(time.time() - demo.started, 1)}
         times_file.write_text(json.dumps(recorded, indent=2) + "\n")
-    write_report(out, to_dict(cfg), results, timings, recorded.get("whole run", {}).get("wall"))
+    # The report shows each stage's settings as the overrides its command line got.
+    config = {**to_dict(cfg), **demo.overrides}
+    write_report(out, config, results, demo.timings, recorded.get("whole run", {}).get("wall"))
     print(f"==> [report] {out / 'report.md'}", flush=True)
-    if cfg.publish:
-        publish(out)
+
+
+def main(argv: list[str]) -> None:
+    demo = setup(argv)
+    lane = Lane()  # stages 1-4 run here, their commands' output on the terminal
+    stage(demo, lane, "data", demo.data / "task.json", lambda: make_data(demo.cfg, demo.data))
+    make_model(demo, lane)
+    train_policy(demo, lane)
+    annotate(demo, lane)
+    reward_models_and_sampling(demo)
+    report(demo)
+    if demo.cfg.publish:
+        publish(demo.out)
 
 
 def publish(out: Path) -> None:

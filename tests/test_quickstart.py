@@ -27,6 +27,37 @@ def test_a_bad_task_setting_is_refused_before_any_stage_runs(tmp_path):
     assert not out.exists()
 
 
+def test_a_misspelt_stage_setting_is_refused_before_any_stage_runs(tmp_path):
+    out = tmp_path / "demo"
+    cmd = [sys.executable, "recipes/quickstart.py", "--config", "recipes/configs/tiny/quickstart.yaml"]
+    res = subprocess.run([*cmd, f"output_dir={out}", "sft.train.max_stepz=5"], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "sft (settings of recipes/policy_sft.py)" in res.stderr and "train.max_stepz" in res.stderr
+    assert not out.exists()
+    res = subprocess.run([*cmd, f"output_dir={out}", "search={bon.n: many}"], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "search (settings of recipes/prm_search.py)" in res.stderr and "bon.n" in res.stderr
+    assert not out.exists()
+
+
+def test_stage_settings_become_the_overrides_each_stage_gets(monkeypatch):
+    spec = importlib.util.spec_from_file_location("quickstart_recipe", REPO / "recipes" / "quickstart.py")
+    quickstart = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, quickstart)  # dataclasses resolve annotations through it
+    spec.loader.exec_module(quickstart)
+    settings = {"train": {"max_steps": 300}, "train.lr": "3e-3", "model.freeze_vision_tower": False, "bon.n": [2, 4]}
+    settings["searches"] = [{"method": "beam", "width": 2}]
+    settings["report.title"] = "Best-of-N (tiny PRM)"
+    assert quickstart.stage_overrides(settings) == [
+        "train.max_steps=300",
+        "train.lr=3e-3",
+        "model.freeze_vision_tower=false",
+        "bon.n=[2, 4]",
+        "searches=[{method: beam, width: 2}]",
+        "report.title=Best-of-N (tiny PRM)",
+    ]
+
+
 def test_publish_copies_the_report_to_docs_and_leaves_the_readme_alone(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("quickstart_recipe", REPO / "recipes" / "quickstart.py")
     quickstart = importlib.util.module_from_spec(spec)
@@ -70,15 +101,15 @@ def test_reduced_demo_pipeline(tmp_path):
         "task.dev=16",
         "task.test=24",
         "n=4",
-        "sft=[train.max_steps=300, train.lr=3e-3, train.warmup_steps=20, model.freeze_vision_tower=false, "
-        "train.eval_every=300, train.save_every=300, train.eval_generations=16, train.max_new_tokens=80]",
-        "annotate=[sampling.max_new_tokens=80, sampling.prefix_temperature=0.5, engine.concurrency=32, "
-        "search.max_rollouts=48, search.max_searches=8, export.edges=step]",
-        "prm=[train.max_steps=60, train.save_every=60, train.lr=1e-3, data.pack_trees=true, train.batch_size=4]",
-        "bon=[generate.sampling.max_new_tokens=80, generate.batch_size=64, report.resamples=200]",
+        "sft={train.max_steps: 300, train.lr: 3e-3, train.warmup_steps: 20, "
+        "model.freeze_vision_tower: false, train.eval_every: 300, train.save_every: 300, train.eval_generations: 16, train.max_new_tokens: 80}",
+        "annotate={sampling.max_new_tokens: 80, sampling.prefix_temperature: 0.5, engine.concurrency: 32, "
+        "search.max_rollouts: 48, search.max_searches: 8, export.edges: step}",
+        "prm={train.max_steps: 60, train.save_every: 60, train.lr: 1e-3, data.pack_trees: true, train.batch_size: 4}",
+        "bon={generate.sampling.max_new_tokens: 80, generate.batch_size: 64, report.resamples: 200}",
         "search_problems=8",
-        "search=[policy.sampling.max_new_tokens=40, bon.max_new_tokens=80, 'bon.n=[2, 4]', report.resamples=100, "
-        "'searches=[{method: beam, width: 2, expansions: 2, max_steps: 6, aggregator: min}]']",
+        "search={policy.sampling.max_new_tokens: 40, bon.max_new_tokens: 80, bon.n: [2, 4], "
+        "report.resamples: 100, searches: [{method: beam, width: 2, expansions: 2, max_steps: 6, aggregator: min}]}",
     ]
     res = subprocess.run(
         cmd, cwd=REPO, capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -214,15 +245,15 @@ def test_pipeline_on_a_real_chat_template(tmp_path, family):
         "task.dev=8",
         "task.test=8",
         "n=2",
-        "sft=[train.max_steps=300, train.lr=3e-3, train.warmup_steps=10, model.freeze_vision_tower=false, "
-        "train.eval_every=300, train.save_every=300, train.eval_generations=8, train.max_new_tokens=100]",
-        "annotate=[sampling.max_new_tokens=100, sampling.prefix_temperature=0.5, engine.concurrency=8, "
-        "search.max_rollouts=32, search.max_searches=4, export.edges=step]",  # as the demo
-        "prm=[train.max_steps=4, train.save_every=4, data.pack_trees=true, train.batch_size=4]",  # as the demo
-        "bon=[generate.sampling.max_new_tokens=100, generate.batch_size=16, report.resamples=50]",
+        "sft={train.max_steps: 300, train.lr: 3e-3, train.warmup_steps: 10, "
+        "model.freeze_vision_tower: false, train.eval_every: 300, train.save_every: 300, train.eval_generations: 8, train.max_new_tokens: 100}",
+        "annotate={sampling.max_new_tokens: 100, sampling.prefix_temperature: 0.5, engine.concurrency: 8, "
+        "search.max_rollouts: 32, search.max_searches: 4, export.edges: step}",  # as the demo
+        "prm={train.max_steps: 4, train.save_every: 4, data.pack_trees: true, train.batch_size: 4}",  # as the demo
+        "bon={generate.sampling.max_new_tokens: 100, generate.batch_size: 16, report.resamples: 50}",
         "search_problems=4",
-        "search=[policy.sampling.max_new_tokens=30, bon.max_new_tokens=100, 'bon.n=[2]', report.resamples=50, "
-        "'searches=[{method: beam, width: 2, expansions: 2, max_steps: 4, aggregator: min}]']",
+        "search={policy.sampling.max_new_tokens: 30, bon.max_new_tokens: 100, bon.n: [2], "
+        "report.resamples: 50, searches: [{method: beam, width: 2, expansions: 2, max_steps: 4, aggregator: min}]}",
     ]
     res = subprocess.run(
         cmd, cwd=REPO, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONUNBUFFERED": "1"}
