@@ -129,17 +129,23 @@ def render_tree(
         transform=side.transAxes,
     )
 
-    sm = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
-    cax = fig.add_axes((0.06, 0.55 / fig_h, graph_w * 0.7, 0.15 / fig_h))
-    cb = fig.colorbar(sm, cax=cax, orientation="horizontal")
-    cb.set_label(f"node score (thick edge: below {threshold})", fontsize=8)
-    cb.ax.tick_params(labelsize=7)
+    _add_colorbar(fig, cmap, norm, (0.06, 0.55 / fig_h, graph_w * 0.7, 0.15 / fig_h), threshold)
     fig.suptitle(title or "reasoning tree", fontsize=10, x=0.02, y=1 - 0.15 / fig_h, ha="left", va="top")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _add_colorbar(fig: Any, cmap: Any, norm: Any, rect: tuple[float, float, float, float], threshold: float) -> None:
+    """Horizontal score colorbar in `rect` (figure fractions) under the graph."""
+    import matplotlib.pyplot as plt
+
+    sm = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
+    cb = fig.colorbar(sm, cax=fig.add_axes(rect), orientation="horizontal")
+    cb.set_label(f"node score (thick edge: below {threshold})", fontsize=8)
+    cb.ax.tick_params(labelsize=7)
 
 
 def _draw_graph(
