@@ -358,29 +358,12 @@ def tokenize_steps(
     if labels is not None and len(labels) != len(steps):
         raise ValueError(f"{len(steps)} steps but {len(labels)} labels")
     fmt = fmt or StepFormat(step_token=step_token)
-    tokenizer = getattr(processor, "tokenizer", processor)
     _check_special_tokens(processor, question, steps, fmt.step_token)
-    lead, prompt_length = "", None
     if fmt.layout == "turns":
-        messages = turn_messages(processor, question, steps, len(images), system, fmt)
-        text = processor.apply_chat_template(messages, tokenize=False)
-        enc = _encode(processor, text, images)
-        ids = enc["input_ids"][0].tolist()
-        positions = _turn_positions(processor, messages, text, ids, fmt.reply)
+        enc, ids, positions = _encode_turns(processor, question, steps, images, system, fmt)
+        lead, prompt_length = "", None
     else:
-        step_id = step_token_id(tokenizer, fmt)
-        if fmt.layout == "plain":
-            if images:
-                raise StepTokenError("the 'plain' layout has no chat template to place images in: give text only")
-            prompt = question + fmt.question_join
-        else:
-            prompt, lead = assistant_start(processor, question, len(images), system)
-        tail = lead + assistant_body(steps, fmt=fmt)
-        enc = _encode(processor, prompt + tail, images)
-        ids = enc["input_ids"][0].tolist()
-        tail_ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
-        prompt_length = len(ids) - len(tail_ids) if ids[len(ids) - len(tail_ids) :] == tail_ids else None
-        positions = [i for i, t in enumerate(ids) if t == step_id]
+        enc, ids, positions, lead, prompt_length = _encode_tagged(processor, question, steps, images, system, fmt)
     if len(positions) != len(steps):
         raise StepTokenError(
             f"found {len(positions)} step tokens for {len(steps)} steps: the chat template or a step "
@@ -392,20 +375,65 @@ def tokenize_steps(
         if kept == 0:
             return None
     end = positions[kept - 1] + 1 if kept else len(ids)
-    model_inputs = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
-    if "mm_token_type_ids" in model_inputs:
-        model_inputs["mm_token_type_ids"] = model_inputs["mm_token_type_ids"][:, :end]
-    if "token_type_ids" in model_inputs:
-        model_inputs["token_type_ids"] = model_inputs["token_type_ids"][:, :end]
     return TokenizedSteps(
         input_ids=ids[:end],
         step_positions=positions[:kept],
         labels=[float(x) for x in labels[:kept]] if labels is not None else None,
         dropped_steps=len(steps) - kept,
-        model_inputs=model_inputs,
+        model_inputs=_cut_model_inputs(enc, end),
         prompt_length=prompt_length,
         lead=lead,
     )
+
+
+def _encode_turns(
+    processor: Any, question: str, steps: Sequence[str], images: Sequence[Any], system: str | None, fmt: StepFormat
+) -> tuple[Any, list[int], list[int]]:
+    """(encoding, ids, step positions) of the "turns" layout: each step a user turn, read at the
+    last token before the assistant's reply."""
+    messages = turn_messages(processor, question, steps, len(images), system, fmt)
+    text = processor.apply_chat_template(messages, tokenize=False)
+    enc = _encode(processor, text, images)
+    ids = enc["input_ids"][0].tolist()
+    return enc, ids, _turn_positions(processor, messages, text, ids, fmt.reply)
+
+
+def _encode_tagged(
+    processor: Any, question: str, steps: Sequence[str], images: Sequence[Any], system: str | None, fmt: StepFormat
+) -> tuple[Any, list[int], list[int], str, int | None]:
+    """(encoding, ids, step positions, lead, prompt_length) of the "assistant" and "plain"
+    layouts: the prompt, then each step followed by its step token, read where that token sits.
+
+    prompt_length counts the tokens before the lead when lead + steps tokenize the same alone
+    (`extend_steps` then reuses the prompt's tokens); None otherwise.
+    """
+    tokenizer = getattr(processor, "tokenizer", processor)
+    step_id = step_token_id(tokenizer, fmt)
+    lead = ""
+    if fmt.layout == "plain":
+        if images:
+            raise StepTokenError("the 'plain' layout has no chat template to place images in: give text only")
+        prompt = question + fmt.question_join
+    else:
+        prompt, lead = assistant_start(processor, question, len(images), system)
+    tail = lead + assistant_body(steps, fmt=fmt)
+    enc = _encode(processor, prompt + tail, images)
+    ids = enc["input_ids"][0].tolist()
+    tail_ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
+    prompt_length = len(ids) - len(tail_ids) if ids[len(ids) - len(tail_ids) :] == tail_ids else None
+    positions = [i for i, t in enumerate(ids) if t == step_id]
+    return enc, ids, positions, lead, prompt_length
+
+
+def _cut_model_inputs(enc: Any, end: int) -> dict[str, Any]:
+    """The processor's extra outputs (pixels, grids, ...) without ids and mask, per-token ones cut
+    to the first `end` tokens like the ids."""
+    model_inputs = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+    if "mm_token_type_ids" in model_inputs:
+        model_inputs["mm_token_type_ids"] = model_inputs["mm_token_type_ids"][:, :end]
+    if "token_type_ids" in model_inputs:
+        model_inputs["token_type_ids"] = model_inputs["token_type_ids"][:, :end]
+    return model_inputs
 
 
 def _encode(processor: Any, text: str, images: Sequence[Any]) -> Any:

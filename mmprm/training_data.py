@@ -602,64 +602,16 @@ class CachedRows:
 
 
 def _build(path: str | Path, kind: Kind, processor: Any, settings: dict[str, Any], folder: Path, num_proc: int) -> None:
-    import datasets
-
-    source = str(path)
+    """Tokenize every row of `path` into the cache `folder`: the kept rows (`data/`) and their
+    counts (`stats.json`). The build goes to a temporary folder renamed into place, so a reader
+    or a concurrent builder never sees half a cache."""
     tmp = folder.with_name(f"{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         allow_images = hasattr(processor, "image_processor")
         check_file(path, kind, allow_images)  # every problem of the file, before any work
-        row_features = {
-            "id": datasets.Value("string"),
-            "line": datasets.Value("int64"),
-            "question": datasets.Value("string"),
-            "steps": datasets.List(datasets.Value("string")),
-            "images": datasets.List(datasets.Value("string")),
-            "labels": datasets.List(datasets.Value("float64")),
-            "answer": datasets.Value("string"),
-        }
-        raw = datasets.Dataset.from_generator(
-            iter_rows,
-            gen_kwargs={"path": str(path), "kind": kind},
-            features=datasets.Features(row_features),
-            cache_dir=str(tmp / "raw"),
-        )
-        n_rows = len(raw)
-        num_proc = max(1, min(num_proc, n_rows // 64 or 1))  # a worker per few rows only costs start-up
-        ids = datasets.List(datasets.Value("int32"))
-        common = {
-            "input_ids": ids,
-            "length": datasets.Value("int32"),
-            "drop": datasets.Value("string"),
-            "error": datasets.Value("string"),
-        }
-        args = {k: v for k, v in settings.items() if k != "kind"}
-        if kind == "prm":
-            # Each worker gets its own copy: the prompts of the problems it has just seen.
-            args["prompts"] = _BytesLRU(64 * 2**20)
-            fn, extra = (
-                _tokenize_prm_row,
-                {
-                    "step_positions": ids,
-                    "n_steps": datasets.Value("int32"),
-                    "n_pos": datasets.Value("int32"),
-                    "dropped_steps": datasets.Value("int32"),
-                    "prompt_length": datasets.Value("int32"),
-                },
-            )
-        else:
-            fn, extra = _tokenize_sft_row, {"n_prompt": datasets.Value("int32"), "n_targets": datasets.Value("int32")}
-        mapped = raw.map(
-            fn,
-            fn_kwargs={"processor": _blank_image_processor(processor), "source": source, **args},
-            num_proc=num_proc if num_proc > 1 else None,
-            features=datasets.Features({**row_features, **common, **extra}),
-            cache_file_name=str(tmp / "map" / "rows.arrow"),
-            new_fingerprint=folder.name,
-            desc=f"tokenizing {Path(path).name}",
-        )
+        mapped, n_rows = _tokenize_file(path, kind, processor, settings, folder, tmp, num_proc)
         errors = [e for e in mapped["error"] if e]
         if errors:
             raise DataError(errors)
@@ -688,6 +640,66 @@ def _build(path: str | Path, kind: Kind, processor: Any, settings: dict[str, Any
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _tokenize_file(
+    path: str | Path, kind: Kind, processor: Any, settings: dict[str, Any], folder: Path, tmp: Path, num_proc: int
+) -> tuple[Any, int]:
+    """(every row of `path` tokenized by `datasets.map`, number of rows): the rows keep their
+    fields and gain input_ids, length, drop and error plus the kind's own columns. Arrow files go
+    under `tmp`; the map is fingerprinted by the cache folder's name."""
+    import datasets
+
+    row_features = {
+        "id": datasets.Value("string"),
+        "line": datasets.Value("int64"),
+        "question": datasets.Value("string"),
+        "steps": datasets.List(datasets.Value("string")),
+        "images": datasets.List(datasets.Value("string")),
+        "labels": datasets.List(datasets.Value("float64")),
+        "answer": datasets.Value("string"),
+    }
+    raw = datasets.Dataset.from_generator(
+        iter_rows,
+        gen_kwargs={"path": str(path), "kind": kind},
+        features=datasets.Features(row_features),
+        cache_dir=str(tmp / "raw"),
+    )
+    n_rows = len(raw)
+    num_proc = max(1, min(num_proc, n_rows // 64 or 1))  # a worker per few rows only costs start-up
+    ids = datasets.List(datasets.Value("int32"))
+    common = {
+        "input_ids": ids,
+        "length": datasets.Value("int32"),
+        "drop": datasets.Value("string"),
+        "error": datasets.Value("string"),
+    }
+    args = {k: v for k, v in settings.items() if k != "kind"}
+    if kind == "prm":
+        # Each worker gets its own copy: the prompts of the problems it has just seen.
+        args["prompts"] = _BytesLRU(64 * 2**20)
+        fn, extra = (
+            _tokenize_prm_row,
+            {
+                "step_positions": ids,
+                "n_steps": datasets.Value("int32"),
+                "n_pos": datasets.Value("int32"),
+                "dropped_steps": datasets.Value("int32"),
+                "prompt_length": datasets.Value("int32"),
+            },
+        )
+    else:
+        fn, extra = _tokenize_sft_row, {"n_prompt": datasets.Value("int32"), "n_targets": datasets.Value("int32")}
+    mapped = raw.map(
+        fn,
+        fn_kwargs={"processor": _blank_image_processor(processor), "source": str(path), **args},
+        num_proc=num_proc if num_proc > 1 else None,
+        features=datasets.Features({**row_features, **common, **extra}),
+        cache_file_name=str(tmp / "map" / "rows.arrow"),
+        new_fingerprint=folder.name,
+        desc=f"tokenizing {Path(path).name}",
+    )
+    return mapped, n_rows
 
 
 # ---------------------------------------------------------------- per-batch collators

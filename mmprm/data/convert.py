@@ -472,22 +472,7 @@ def convert_prm800k(
         rid = _row_id(row, "prm800k", n)
         where = f"{source}:{n}"
         try:
-            q, label = row.get("question"), row.get("label")
-            if not isinstance(q, dict) or not isinstance(label, dict):
-                raise RowError(
-                    "question" if not isinstance(q, dict) else "label",
-                    "not a PRM800K row",
-                    "missing or not an object (expected raw PRM800K phase rows)",
-                )
-            question = _text(q, ("problem",))
-            finish = label.get("finish_reason")
-            if finish not in PRM800K_FINISH:
-                raise RowError(
-                    "label.finish_reason",
-                    f"finish_reason {finish!r}",
-                    f"{finish!r} is not one of {', '.join(PRM800K_FINISH)} "
-                    "(e.g. bad_problem: the labeler flagged the problem; no usable labels)",
-                )
+            q, label, question, finish = _prm800k_parts(row)
             pre = q.get("pre_generated_steps")
             path, others, ended = prm800k_path(label, neutral, pre if isinstance(pre, list) else None, alternatives)
             if not path:
@@ -511,27 +496,60 @@ def convert_prm800k(
         made.append(
             (where, StepExample(id=ids(rid), question=question, steps=steps, labels=labels, answer=answer, meta=meta))
         )
-        counts = Counter[int]()
-        for i, text, y in others:
-            if not text.strip():
-                result.notes["empty alternative dropped"] += 1
-                continue
-            prefix = [(t.strip(), yy) for t, yy in path[:i] if t.strip()]
-            counts[i] += 1
-            made.append(
-                (
-                    where,
-                    StepExample(
-                        id=ids(f"{rid}-alt{i}-{counts[i] - 1}"),
-                        question=question,
-                        steps=[t for t, _ in prefix] + [text.strip()],
-                        labels=[yy for _, yy in prefix] + [y],
-                        answer=answer,
-                        meta=meta | {"alternative_of_step": i},
-                    ),
-                )
-            )
+        for example in _prm800k_alternatives(rid, question, answer, meta, path, others, ids, result.notes):
+            made.append((where, example))
     return _finish(result, made, check_images)
+
+
+def _prm800k_parts(row: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str, Any]:
+    """(question object, label object, problem text, finish_reason) of a raw PRM800K row; a row
+    that is not one, or whose finish_reason carries no usable labels, is a RowError."""
+    q, label = row.get("question"), row.get("label")
+    if not isinstance(q, dict) or not isinstance(label, dict):
+        raise RowError(
+            "question" if not isinstance(q, dict) else "label",
+            "not a PRM800K row",
+            "missing or not an object (expected raw PRM800K phase rows)",
+        )
+    question = _text(q, ("problem",))
+    finish = label.get("finish_reason")
+    if finish not in PRM800K_FINISH:
+        raise RowError(
+            "label.finish_reason",
+            f"finish_reason {finish!r}",
+            f"{finish!r} is not one of {', '.join(PRM800K_FINISH)} "
+            "(e.g. bad_problem: the labeler flagged the problem; no usable labels)",
+        )
+    return q, label, question, finish
+
+
+def _prm800k_alternatives(
+    rid: str,
+    question: str,
+    answer: str | None,
+    meta: dict[str, Any],
+    path: list[tuple[str, float]],
+    others: list[tuple[int, str, float]],
+    ids: _Ids,
+    notes: Counter,
+) -> Iterator[StepExample]:
+    """One example per rated completion not taken: the followed steps before it, then it (id
+    `<rid>-alt<step>-<k>`); empty completions are counted in `notes` and dropped."""
+    counts = Counter[int]()
+    for i, text, y in others:
+        if not text.strip():
+            notes["empty alternative dropped"] += 1
+            continue
+        prefix = [(t.strip(), yy) for t, yy in path[:i] if t.strip()]
+        counts[i] += 1
+        yield StepExample(
+            id=ids(f"{rid}-alt{i}-{counts[i] - 1}"),
+            question=question,
+            steps=[t for t, _ in prefix] + [text.strip()],
+            labels=[yy for _, yy in prefix] + [y],
+            answer=answer,
+            meta=meta | {"alternative_of_step": i},
+        )
 
 
 def _mc(node: Any, where: str) -> float:

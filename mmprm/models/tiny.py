@@ -222,123 +222,162 @@ def _build(
 ) -> tuple[Any, Any]:
     """(model, processor) of `arch` with every special-token id taken from `tok`.
 
-    vllm_ready: the standard processor with its video processor (vLLM loads nothing less);
-    otherwise the image-only subclass, which needs no torchvision.
+    The model is built first, then the processor, so weight init draws the same random numbers
+    for every arch. vllm_ready: the standard processor with its video processor (vLLM loads
+    nothing less); otherwise the image-only subclass, which needs no torchvision.
     """
     import transformers as tf
 
-    from mmprm.models.loading import IMAGE_ONLY_PROCESSORS
-
-    tid = tok.convert_tokens_to_ids
     template = tok.chat_template or chat_template(arch)
     if arch == "qwen2":
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**_text_config(tok, hidden_size, num_layers, head_dim))), tok
     if arch in ("qwen2_vl", "qwen2_5_vl"):
-        rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": _mrope_section(head_dim)}
-        text = _text_config(tok, hidden_size, num_layers, head_dim, rope_parameters=rope)
-        ids = dict(
-            image_token_id=tid("<|image_pad|>"),
-            video_token_id=tid("<|video_pad|>"),
-            vision_start_token_id=tid("<|vision_start|>"),
-            vision_end_token_id=tid("<|vision_end|>"),
-        )
-        vision = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
-        if arch == "qwen2_vl":
-            vision.update(embed_dim=32, mlp_ratio=2, hidden_size=hidden_size)
-            model = tf.Qwen2VLForConditionalGeneration(tf.Qwen2VLConfig(text_config=text, vision_config=vision, **ids))
-        else:
-            # window_size is in pixels (2 merged patches = 56 px); block 1 attends to the full image.
-            vision.update(
-                hidden_size=32,
-                intermediate_size=64,
-                out_hidden_size=hidden_size,
-                window_size=56,
-                fullatt_block_indexes=[1],
-                tokens_per_second=2,
-            )
-            model = tf.Qwen2_5_VLForConditionalGeneration(
-                tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
-            )
-        # Images are resized to 28*28..56*56 px (multiples of 28): 1-4 merged 28 px patches, 1-4 tokens.
-        sizes = dict(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2)
-        image_processor = tf.Qwen2VLImageProcessorPil(**sizes)
-        if vllm_ready:
-            full = tf.Qwen2VLProcessor if arch == "qwen2_vl" else tf.Qwen2_5_VLProcessor
-            return model, full(
-                image_processor=image_processor,
-                tokenizer=tok,
-                chat_template=template,
-                video_processor=tf.Qwen2VLVideoProcessor(**sizes),
-            )
-        processor = IMAGE_ONLY_PROCESSORS[arch](image_processor=image_processor, tokenizer=tok, chat_template=template)
-        return model, processor
+        model = _qwen_vl_model(arch, tok, hidden_size, num_layers, head_dim)
+        return model, _qwen_vl_processor(arch, tok, template, vllm_ready)
     if arch == "internvl":
-        # 56 px tile = 4x4 patches of 14 px; pixel shuffle (0.5) leaves 2x2 = 4 tokens per tile.
-        vision = dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=[56, 56],
-            patch_size=[14, 14],
-        )
-        config = tf.InternVLConfig(
-            text_config={"model_type": "qwen2", **_text_config(tok, hidden_size, num_layers, head_dim)},
-            vision_config=vision,
-            image_token_id=tid("<IMG_CONTEXT>"),
-            image_seq_length=4,
-            downsample_ratio=0.5,
-        )
-        model = tf.InternVLForConditionalGeneration(config)
-        image_processor = tf.GotOcr2ImageProcessorPil(
-            size={"height": 56, "width": 56}, crop_to_patches=True, min_patches=1, max_patches=4
-        )
-        if vllm_ready:
-            video_processor = tf.InternVLVideoProcessor(size={"height": 56, "width": 56})
-            return model, tf.InternVLProcessor(
-                image_processor=image_processor,
-                tokenizer=tok,
-                image_seq_length=4,
-                video_processor=video_processor,
-                chat_template=template,
-            )
-        processor = IMAGE_ONLY_PROCESSORS[arch](
-            image_processor=image_processor, tokenizer=tok, image_seq_length=4, chat_template=template
-        )
-        return model, processor
+        model = _internvl_model(tok, hidden_size, num_layers, head_dim)
+        return model, _internvl_processor(tok, template, vllm_ready)
     if arch == "llava":
-        # CLIP at 56 px: 4x4 patches + CLS; the "default" strategy drops CLS -> 16 image tokens.
-        vision = dict(
-            model_type="clip_vision_model",
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=56,
-            patch_size=14,
-            projection_dim=32,
-        )
-        config = tf.LlavaConfig(
-            text_config={"model_type": "llama", **_text_config(tok, hidden_size, num_layers, head_dim)},
-            vision_config=vision,
-            image_token_index=tid("<image>"),
-            image_seq_length=16,
-            vision_feature_layer=-2,
-            vision_feature_select_strategy="default",
-        )
-        model = tf.LlavaForConditionalGeneration(config)
-        image_processor = tf.LlavaImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
-        processor = tf.LlavaProcessor(
+        model = _llava_model(tok, hidden_size, num_layers, head_dim)
+        return model, _llava_processor(tok, template)
+    raise AssertionError(arch)  # unreachable: build_tiny_model validated arch
+
+
+def _qwen_vl_model(arch: str, tok: Any, hidden_size: int, num_layers: int, head_dim: int) -> Any:
+    """Random-init Qwen2-VL or Qwen2.5-VL: M-RoPE text model and a 2-block vision tower."""
+    import transformers as tf
+
+    tid = tok.convert_tokens_to_ids
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": _mrope_section(head_dim)}
+    text = _text_config(tok, hidden_size, num_layers, head_dim, rope_parameters=rope)
+    ids = dict(
+        image_token_id=tid("<|image_pad|>"),
+        video_token_id=tid("<|video_pad|>"),
+        vision_start_token_id=tid("<|vision_start|>"),
+        vision_end_token_id=tid("<|vision_end|>"),
+    )
+    vision = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    if arch == "qwen2_vl":
+        vision.update(embed_dim=32, mlp_ratio=2, hidden_size=hidden_size)
+        return tf.Qwen2VLForConditionalGeneration(tf.Qwen2VLConfig(text_config=text, vision_config=vision, **ids))
+    # window_size is in pixels (2 merged patches = 56 px); block 1 attends to the full image.
+    vision.update(
+        hidden_size=32,
+        intermediate_size=64,
+        out_hidden_size=hidden_size,
+        window_size=56,
+        fullatt_block_indexes=[1],
+        tokens_per_second=2,
+    )
+    return tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
+
+
+def _qwen_vl_processor(arch: str, tok: Any, template: str, vllm_ready: bool) -> Any:
+    """Qwen2-VL / Qwen2.5-VL processor: the standard one with video when vllm_ready, else image-only."""
+    import transformers as tf
+
+    from mmprm.models.loading import IMAGE_ONLY_PROCESSORS
+
+    # Images are resized to 28*28..56*56 px (multiples of 28): 1-4 merged 28 px patches, 1-4 tokens.
+    sizes = dict(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2)
+    image_processor = tf.Qwen2VLImageProcessorPil(**sizes)
+    if vllm_ready:
+        full = tf.Qwen2VLProcessor if arch == "qwen2_vl" else tf.Qwen2_5_VLProcessor
+        return full(
             image_processor=image_processor,
             tokenizer=tok,
-            patch_size=14,
-            vision_feature_select_strategy="default",
-            num_additional_image_tokens=1,
-            image_token="<image>",
+            chat_template=template,
+            video_processor=tf.Qwen2VLVideoProcessor(**sizes),
+        )
+    return IMAGE_ONLY_PROCESSORS[arch](image_processor=image_processor, tokenizer=tok, chat_template=template)
+
+
+def _internvl_model(tok: Any, hidden_size: int, num_layers: int, head_dim: int) -> Any:
+    """Random-init InternVL: a Qwen2 text model and a 2-layer vision tower on 56 px tiles."""
+    import transformers as tf
+
+    # 56 px tile = 4x4 patches of 14 px; pixel shuffle (0.5) leaves 2x2 = 4 tokens per tile.
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=[56, 56],
+        patch_size=[14, 14],
+    )
+    config = tf.InternVLConfig(
+        text_config={"model_type": "qwen2", **_text_config(tok, hidden_size, num_layers, head_dim)},
+        vision_config=vision,
+        image_token_id=tok.convert_tokens_to_ids("<IMG_CONTEXT>"),
+        image_seq_length=4,
+        downsample_ratio=0.5,
+    )
+    return tf.InternVLForConditionalGeneration(config)
+
+
+def _internvl_processor(tok: Any, template: str, vllm_ready: bool) -> Any:
+    """InternVL processor, 1-4 tiles of 56 px: the standard one with video when vllm_ready, else image-only."""
+    import transformers as tf
+
+    from mmprm.models.loading import IMAGE_ONLY_PROCESSORS
+
+    image_processor = tf.GotOcr2ImageProcessorPil(
+        size={"height": 56, "width": 56}, crop_to_patches=True, min_patches=1, max_patches=4
+    )
+    if vllm_ready:
+        video_processor = tf.InternVLVideoProcessor(size={"height": 56, "width": 56})
+        return tf.InternVLProcessor(
+            image_processor=image_processor,
+            tokenizer=tok,
+            image_seq_length=4,
+            video_processor=video_processor,
             chat_template=template,
         )
-        return model, processor
-    raise AssertionError(arch)  # unreachable: build_tiny_model validated arch
+    return IMAGE_ONLY_PROCESSORS["internvl"](
+        image_processor=image_processor, tokenizer=tok, image_seq_length=4, chat_template=template
+    )
+
+
+def _llava_model(tok: Any, hidden_size: int, num_layers: int, head_dim: int) -> Any:
+    """Random-init LLaVA: a Llama text model and a 2-layer CLIP vision tower at 56 px."""
+    import transformers as tf
+
+    # CLIP at 56 px: 4x4 patches + CLS; the "default" strategy drops CLS -> 16 image tokens.
+    vision = dict(
+        model_type="clip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=56,
+        patch_size=14,
+        projection_dim=32,
+    )
+    config = tf.LlavaConfig(
+        text_config={"model_type": "llama", **_text_config(tok, hidden_size, num_layers, head_dim)},
+        vision_config=vision,
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        image_seq_length=16,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    return tf.LlavaForConditionalGeneration(config)
+
+
+def _llava_processor(tok: Any, template: str) -> Any:
+    """LLaVA processor (no video processor in any variant): 16 image tokens per image."""
+    import transformers as tf
+
+    image_processor = tf.LlavaImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    return tf.LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token="<image>",
+        chat_template=template,
+    )
 
 
 def build_tiny_model(

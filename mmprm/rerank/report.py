@@ -163,25 +163,11 @@ def bon_curve(
         raise ValueError("bon_curve: no problems")
     aggregate(weighted_by, [])  # fails early on an unknown name
     counts = [len(c) for c in problems]
-    if n_max is None:
-        n_max = min(counts)
-        if n_max == 0:
-            raise ValueError(f"problem {counts.index(0)} has no candidates: drop it")
-    if n_max < 1:
-        raise ValueError(f"n_max must be >= 1, got {n_max}")
-    for i, c in enumerate(counts):
-        if c < n_max:
-            raise ValueError(f"problem {i} has {c} candidates, need at least n_max={n_max}: drop it or lower n_max")
+    n_max = _check_n_max(counts, n_max)
     arr = _candidate_arrays(problems, n_max, weighted_by, normalize, same)
     rng = np.random.default_rng(seed)
     p = len(problems)
-    if ns is None:
-        ns = n_values(n_max)
-    else:
-        bad = [n for n in ns if not 1 <= n <= n_max]
-        if bad:
-            raise ValueError(f"bon_curve: sizes {bad} are outside 1..n_max={n_max}")
-        ns = sorted(set(ns))
+    ns = _check_ns(ns, n_max)
     per_problem: dict[str, dict[int, np.ndarray]] = {m: {n: np.empty(p) for n in ns} for m in METHODS}
     for n in ns:
         # Problems in blocks (the draws are the same as for all at once: the generator's stream is
@@ -190,27 +176,8 @@ def bon_curve(
         for lo in range(0, p, _BLOCK):
             hi = min(p, lo + _BLOCK)
             idx = _subsets(rng, hi - lo, n_max, n, n_subsets)  # (block, K, n)
-            k = idx.shape[1]
-
-            def take(a: np.ndarray) -> np.ndarray:
-                # used within this iteration only, so binding the loop variables late is what we want
-                block = a[lo:hi, None, :]  # noqa: B023
-                return np.take_along_axis(np.broadcast_to(block, (hi - lo, k, n_max)), idx, axis=-1)  # noqa: B023
-
-            corr = take(arr["correct"])
-            for name, s in arr["scores"].items():
-                pick = take(s).argmax(-1)[..., None]  # (block, K, 1): first maximum = lowest index
-                per_problem[name][n][lo:hi] = np.take_along_axis(corr, pick, -1)[..., 0].mean(-1)
-            per_problem["random"][n][lo:hi] = corr.mean(-1).mean(-1)
-            per_problem["oracle"][n][lo:hi] = corr.any(-1).mean(-1)
-            g, w = take(arr["groups"]), take(arr["weights"])
-            # One subset draw at a time keeps the (block, n, n) vote tensors small for large N.
-            per_problem["majority"][n][lo:hi] = np.mean(
-                [vote_accuracy(g[:, j], np.ones_like(w[:, j]), corr[:, j]) for j in range(k)], axis=0
-            )
-            per_problem["weighted_vote"][n][lo:hi] = np.mean(
-                [vote_accuracy(g[:, j], w[:, j], corr[:, j]) for j in range(k)], axis=0
-            )
+            for method, acc in _block_accuracy(arr, idx, lo, hi, n_max).items():
+                per_problem[method][n][lo:hi] = acc
     settings = {
         "n_subsets": n_subsets,
         "seed": seed,
@@ -222,6 +189,54 @@ def bon_curve(
         "truncated_rule": "ranked last by every PRM aggregator, weight 0 in the weighted vote",
     }
     return BonCurve(p, n_max, ns, per_problem, settings)
+
+
+def _check_n_max(counts: Sequence[int], n_max: int | None) -> int:
+    """`n_max`, or the smallest candidate count when None; a problem with fewer candidates than
+    n_max (or none) is a ValueError naming it."""
+    if n_max is None:
+        n_max = min(counts)
+        if n_max == 0:
+            raise ValueError(f"problem {counts.index(0)} has no candidates: drop it")
+    if n_max < 1:
+        raise ValueError(f"n_max must be >= 1, got {n_max}")
+    for i, c in enumerate(counts):
+        if c < n_max:
+            raise ValueError(f"problem {i} has {c} candidates, need at least n_max={n_max}: drop it or lower n_max")
+    return n_max
+
+
+def _check_ns(ns: Sequence[int] | None, n_max: int) -> list[int]:
+    """The subset sizes to compute, sorted without repeats: `n_values(n_max)` when None."""
+    if ns is None:
+        return n_values(n_max)
+    bad = [n for n in ns if not 1 <= n <= n_max]
+    if bad:
+        raise ValueError(f"bon_curve: sizes {bad} are outside 1..n_max={n_max}")
+    return sorted(set(ns))
+
+
+def _block_accuracy(arr: dict[str, Any], idx: np.ndarray, lo: int, hi: int, n_max: int) -> dict[str, np.ndarray]:
+    """Accuracy (block,) of every method on problems lo:hi, averaged over their candidate
+    subsets `idx` (block, K, n); `arr` is `_candidate_arrays`' output."""
+    k = idx.shape[1]
+
+    def take(a: np.ndarray) -> np.ndarray:
+        block = a[lo:hi, None, :]
+        return np.take_along_axis(np.broadcast_to(block, (hi - lo, k, n_max)), idx, axis=-1)  # (block, K, n)
+
+    out = {}
+    corr = take(arr["correct"])
+    for name, s in arr["scores"].items():
+        pick = take(s).argmax(-1)[..., None]  # (block, K, 1): first maximum = lowest index
+        out[name] = np.take_along_axis(corr, pick, -1)[..., 0].mean(-1)
+    out["random"] = corr.mean(-1).mean(-1)
+    out["oracle"] = corr.any(-1).mean(-1)
+    g, w = take(arr["groups"]), take(arr["weights"])
+    # One subset draw at a time keeps the (block, n, n) vote tensors small for large N.
+    out["majority"] = np.mean([vote_accuracy(g[:, j], np.ones_like(w[:, j]), corr[:, j]) for j in range(k)], axis=0)
+    out["weighted_vote"] = np.mean([vote_accuracy(g[:, j], w[:, j], corr[:, j]) for j in range(k)], axis=0)
+    return out
 
 
 def summarize(curve: BonCurve, n_resamples: int = 1000, seed: int = 0) -> dict[str, Any]:

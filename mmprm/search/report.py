@@ -93,51 +93,92 @@ def search_report(
     methods: dict[str, dict[str, Any]] = {}
     per_problem: dict[str, np.ndarray] = {}
     ids: list[str] | None = None
-
-    def aligned(rows: Sequence[Mapping[str, Any]], what: str) -> list[Mapping[str, Any]]:
-        # Shards and resumed runs may order rows differently: align every run on the first one's ids.
-        nonlocal ids
-        by_id = {str(r["id"]): r for r in rows}
-        if ids is None:
-            ids = list(by_id)
-        if set(by_id) != set(ids) or len(by_id) != len(rows):
-            raise ValueError(f"{what}: covers other problems than the first run (or repeats one): rerun it")
-        return [by_id[i] for i in ids]
-
     for label, rows in search_runs.items():
-        rows = aligned(rows, f"search run {label!r}")
-        acc = np.asarray([float(bool(r["correct"])) for r in rows])
-        per_problem[label] = acc
-        st = [r["stats"] for r in rows]
-        methods[label] = {
-            "kind": "search",
-            **bootstrap_mean(acc, n_resamples, seed),
-            "tokens_per_problem": float(np.mean([s["generated_tokens"] for s in st])),
-            "prm_sequences_per_problem": float(np.mean([s["prm_sequences"] for s in st])),
-            "seconds_per_problem": float(np.mean([s["seconds"] for s in st])),
-            "finished_share": float(np.mean([bool(r.get("complete")) for r in rows])),
-            "cut_nodes": int(sum(s.get("cut_nodes", 0) for s in st)),
-        }
+        ids, rows = _align_rows(rows, ids, f"search run {label!r}")
+        per_problem[label], methods[label] = _search_method(rows, n_resamples, seed)
     truncated = None
     if bon_rows is not None:
-        bon_rows = aligned(bon_rows, "Best-of-N rows")
+        ids, bon_rows = _align_rows(bon_rows, ids, "Best-of-N rows")
         n_max = max(bon_ns)
         truncated = sum(bool(c.get("truncated")) for r in bon_rows for c in r["candidates"][:n_max])
-        for kind, by_n in bon_points(bon_rows, bon_ns, aggregator, seed=seed).items():
-            for n, pts in by_n.items():
-                label = {
-                    "bon_prm": f"Best-of-N (PRM {aggregator}) N={n}",
-                    "majority": f"majority vote N={n}",
-                    "single": "one sample",
-                }[kind]
-                per_problem[label] = pts["acc"]
-                methods[label] = {
-                    "kind": kind,
-                    "n": n,
-                    **bootstrap_mean(pts["acc"], n_resamples, seed),
-                    "tokens_per_problem": float(pts["tokens"].mean()),
-                    "prm_sequences_per_problem": float(n if kind == "bon_prm" else 0),
-                }
+        for label, acc, method in _bon_methods(bon_rows, bon_ns, aggregator, n_resamples, seed):
+            per_problem[label], methods[label] = acc, method
+    return {
+        "num_problems": len(ids or []),
+        "aggregator": aggregator,
+        "methods": methods,
+        "matched": _equal_budget_matches(methods, per_problem, n_resamples, seed),
+        "settings": {
+            "n_resamples": n_resamples,
+            "seed": seed,
+            "bon_ns": list(bon_ns),
+            "bon_truncated_candidates": truncated,
+            "tokens": "generated tokens of the policy's text (EOS and prompts not counted)",
+        },
+    }
+
+
+def _align_rows(
+    rows: Sequence[Mapping[str, Any]], ids: list[str] | None, what: str
+) -> tuple[list[str], list[Mapping[str, Any]]]:
+    """(ids, rows in that id order): `ids` is the first run's problem order (None: take this run's).
+
+    Shards and resumed runs may order rows differently, so every run is aligned on the first
+    one's ids; a run that covers other problems, or repeats one, is a ValueError naming `what`.
+    """
+    by_id = {str(r["id"]): r for r in rows}
+    if ids is None:
+        ids = list(by_id)
+    if set(by_id) != set(ids) or len(by_id) != len(rows):
+        raise ValueError(f"{what}: covers other problems than the first run (or repeats one): rerun it")
+    return ids, [by_id[i] for i in ids]
+
+
+def _search_method(rows: Sequence[Mapping[str, Any]], n_resamples: int, seed: int) -> tuple[np.ndarray, dict[str, Any]]:
+    """(per-problem accuracy (P,), report entry) of one search setting: accuracy with its
+    interval, mean cost per problem, the share of searches that finished, and nodes cut."""
+    acc = np.asarray([float(bool(r["correct"])) for r in rows])
+    st = [r["stats"] for r in rows]
+    return acc, {
+        "kind": "search",
+        **bootstrap_mean(acc, n_resamples, seed),
+        "tokens_per_problem": float(np.mean([s["generated_tokens"] for s in st])),
+        "prm_sequences_per_problem": float(np.mean([s["prm_sequences"] for s in st])),
+        "seconds_per_problem": float(np.mean([s["seconds"] for s in st])),
+        "finished_share": float(np.mean([bool(r.get("complete")) for r in rows])),
+        "cut_nodes": int(sum(s.get("cut_nodes", 0) for s in st)),
+    }
+
+
+def _bon_methods(
+    bon_rows: Sequence[Mapping[str, Any]], bon_ns: Sequence[int], aggregator: str, n_resamples: int, seed: int
+) -> list[tuple[str, np.ndarray, dict[str, Any]]]:
+    """(label, per-problem accuracy (P,), report entry) of PRM Best-of-N and majority vote at
+    each N, and of one sample, in `bon_points` order."""
+    out = []
+    for kind, by_n in bon_points(bon_rows, bon_ns, aggregator, seed=seed).items():
+        for n, pts in by_n.items():
+            label = {
+                "bon_prm": f"Best-of-N (PRM {aggregator}) N={n}",
+                "majority": f"majority vote N={n}",
+                "single": "one sample",
+            }[kind]
+            method = {
+                "kind": kind,
+                "n": n,
+                **bootstrap_mean(pts["acc"], n_resamples, seed),
+                "tokens_per_problem": float(pts["tokens"].mean()),
+                "prm_sequences_per_problem": float(n if kind == "bon_prm" else 0),
+            }
+            out.append((label, pts["acc"], method))
+    return out
+
+
+def _equal_budget_matches(
+    methods: Mapping[str, Mapping[str, Any]], per_problem: Mapping[str, np.ndarray], n_resamples: int, seed: int
+) -> list[dict[str, Any]]:
+    """Each search setting against the PRM Best-of-N size closest in generated tokens (on a log
+    scale), with the paired bootstrap of their accuracy difference; [] without Best-of-N."""
     matches = []
     bon_labels = [m for m, v in methods.items() if v["kind"] == "bon_prm"]
     for label, v in methods.items():
@@ -161,19 +202,7 @@ def search_report(
                 **paired_bootstrap(per_problem[label], per_problem[near], n_resamples, seed),
             }
         )
-    return {
-        "num_problems": len(ids or []),
-        "aggregator": aggregator,
-        "methods": methods,
-        "matched": matches,
-        "settings": {
-            "n_resamples": n_resamples,
-            "seed": seed,
-            "bon_ns": list(bon_ns),
-            "bon_truncated_candidates": truncated,
-            "tokens": "generated tokens of the policy's text (EOS and prompts not counted)",
-        },
-    }
+    return matches
 
 
 def _markdown(report: dict[str, Any], title: str) -> str:

@@ -65,90 +65,110 @@ def from_rpts_lines(
     """
     tree = Tree(question=question, images=list(images))
     where = f"{source}: " if source else ""
-
-    def missing(line_no: int, token: str, why: str) -> str:
-        nid = f"?{line_no}.{len([n for n in tree.nodes if n.startswith(f'?{line_no}.')])}"
-        tree.add(
-            Node(
-                nid,
-                f"(missing {token.strip() or 'premise'})",
-                kind="evidence",
-                label="?",
-                meta={"missing": True, "token": token.strip()},
-            )
-        )
-        tree.warnings.append(f"{where}reasoning[{line_no}]: {why}; counted as a missing (unscored) premise")
-        return nid
-
     for i, raw in enumerate(lines):
-        antecedent, arrow, consequent = raw.partition("->")
-        if not arrow:
-            tree.warnings.append(
-                f"{where}reasoning[{i}]: no '->' in {raw[:60]!r}; read as a conclusion with no premises"
-            )
-            antecedent, consequent = "", raw
-        m = _CONSEQUENT.match(consequent)
-        text = consequent.strip()
-        if m:
-            text = m.group(2).strip()
-            if int(m.group(1)) != i:
-                tree.warnings.append(
-                    f"{where}reasoning[{i}]: labelled Conclusion{m.group(1)} but is line {i}; "
-                    "premises refer to line positions as in the RPTS reference"
-                )
-        parents: list[str] = []
+        antecedent, arrow, text = _split_rpts_line(tree, where, i, raw)
         tokens = [t for t in antecedent.split("+") if t.strip()]
         if arrow and not tokens:
             tree.warnings.append(f"{where}reasoning[{i}]: no premises before '->'")
-        for tok in tokens:
-            kind = next((k for k, rx in _PREMISE_KINDS if rx.search(tok)), None)
-            idx_m = _INT.search(tok)
-            if kind is None:
-                parents.append(missing(i, tok, f"premise {tok.strip()!r} is not Image/Text/Conclusion/Context"))
-                continue
-            if kind == "context":
-                nid = "X"
-                if nid not in tree.nodes:
-                    tree.add(Node(nid, context or "(context)", kind="evidence", label="Ctx"))
-                parents.append(nid)
-                continue
-            if idx_m is None:
-                parents.append(missing(i, tok, f"premise {tok.strip()!r} has no index"))
-                continue
-            k = int(idx_m.group())
-            nid = f"{_PREFIX[kind]}{k}"
-            if kind == "conclusion":
-                if k >= i:
-                    parents.append(missing(i, tok, f"cites Conclusion{k}, which is not an earlier step"))
-                else:
-                    parents.append(nid)
-                continue
-            limit = num_images if kind == "image" else (len(textual_clues) if textual_clues is not None else None)
-            if limit is not None and k >= limit:
-                parents.append(missing(i, tok, f"cites {kind.capitalize()}{k} but there are only {limit} {kind} clues"))
-                continue
-            if nid not in tree.nodes:
-                if kind == "image":
-                    # the file name reads better than a path; tree.images keeps the full paths
-                    body = str(images[k]).replace("\\", "/").rsplit("/", 1)[-1] if k < len(images) else f"Image{k}"
-                    tree.add(Node(nid, body, kind="evidence", meta={"image": k}))
-                else:
-                    body = textual_clues[k] if textual_clues is not None else f"Text{k}"
-                    tree.add(Node(nid, body, kind="evidence"))
-            parents.append(nid)
-        # A premise cited twice on one line is one premise: citing it again adds no evidence. The
-        # RPTS reference keeps both, so its score counts that premise's subtree twice; warn.
-        unique = list(dict.fromkeys(parents))
-        for p in unique:
-            if parents.count(p) > 1:
-                tree.warnings.append(
-                    f"{where}reasoning[{i}]: premise {tree.nodes[p].label} cited "
-                    f"{parents.count(p)} times; counted once (the RPTS reference counts it each time)"
-                )
-        tree.add(Node(f"C{i}", text, kind="conclusion", parents=unique))
+        parents = [_premise_node(tree, where, i, tok, textual_clues, num_images, context, images) for tok in tokens]
+        tree.add(Node(f"C{i}", text, kind="conclusion", parents=_unique_premises(tree, where, i, parents)))
     tree.root = f"C{len(lines) - 1}" if lines else None
     tree.validate()
     return tree
+
+
+def _split_rpts_line(tree: Tree, where: str, i: int, raw: str) -> tuple[str, str, str]:
+    """(antecedent, arrow, conclusion text) of RPTS line `i`, warning on a missing '->' or a
+    ``ConclusionK:`` label that is not the line's position."""
+    antecedent, arrow, consequent = raw.partition("->")
+    if not arrow:
+        tree.warnings.append(f"{where}reasoning[{i}]: no '->' in {raw[:60]!r}; read as a conclusion with no premises")
+        antecedent, consequent = "", raw
+    m = _CONSEQUENT.match(consequent)
+    text = consequent.strip()
+    if m:
+        text = m.group(2).strip()
+        if int(m.group(1)) != i:
+            tree.warnings.append(
+                f"{where}reasoning[{i}]: labelled Conclusion{m.group(1)} but is line {i}; "
+                "premises refer to line positions as in the RPTS reference"
+            )
+    return antecedent, arrow, text
+
+
+def _premise_node(
+    tree: Tree,
+    where: str,
+    i: int,
+    tok: str,
+    textual_clues: Sequence[str] | None,
+    num_images: int | None,
+    context: str | None,
+    images: Sequence[str],
+) -> str:
+    """Node id of premise `tok` on line `i`, adding its evidence node on first citation; a premise
+    that cannot be resolved becomes a "missing" node with a warning."""
+    kind = next((k for k, rx in _PREMISE_KINDS if rx.search(tok)), None)
+    idx_m = _INT.search(tok)
+    if kind is None:
+        return _missing_premise(tree, where, i, tok, f"premise {tok.strip()!r} is not Image/Text/Conclusion/Context")
+    if kind == "context":
+        if "X" not in tree.nodes:
+            tree.add(Node("X", context or "(context)", kind="evidence", label="Ctx"))
+        return "X"
+    if idx_m is None:
+        return _missing_premise(tree, where, i, tok, f"premise {tok.strip()!r} has no index")
+    k = int(idx_m.group())
+    nid = f"{_PREFIX[kind]}{k}"
+    if kind == "conclusion":
+        if k >= i:
+            return _missing_premise(tree, where, i, tok, f"cites Conclusion{k}, which is not an earlier step")
+        return nid
+    limit = num_images if kind == "image" else (len(textual_clues) if textual_clues is not None else None)
+    if limit is not None and k >= limit:
+        return _missing_premise(
+            tree, where, i, tok, f"cites {kind.capitalize()}{k} but there are only {limit} {kind} clues"
+        )
+    if nid not in tree.nodes:
+        if kind == "image":
+            # the file name reads better than a path; tree.images keeps the full paths
+            body = str(images[k]).replace("\\", "/").rsplit("/", 1)[-1] if k < len(images) else f"Image{k}"
+            tree.add(Node(nid, body, kind="evidence", meta={"image": k}))
+        else:
+            body = textual_clues[k] if textual_clues is not None else f"Text{k}"
+            tree.add(Node(nid, body, kind="evidence"))
+    return nid
+
+
+def _missing_premise(tree: Tree, where: str, line_no: int, token: str, why: str) -> str:
+    """Add a "missing" evidence node (an unscored leaf for RPTS) for a premise that cannot be
+    resolved, warn why, and return its id (``?<line>.<n>``)."""
+    nid = f"?{line_no}.{len([n for n in tree.nodes if n.startswith(f'?{line_no}.')])}"
+    tree.add(
+        Node(
+            nid,
+            f"(missing {token.strip() or 'premise'})",
+            kind="evidence",
+            label="?",
+            meta={"missing": True, "token": token.strip()},
+        )
+    )
+    tree.warnings.append(f"{where}reasoning[{line_no}]: {why}; counted as a missing (unscored) premise")
+    return nid
+
+
+def _unique_premises(tree: Tree, where: str, i: int, parents: list[str]) -> list[str]:
+    """`parents` without repeats, first citation first, warning once per repeated premise."""
+    # A premise cited twice on one line is one premise: citing it again adds no evidence. The
+    # RPTS reference keeps both, so its score counts that premise's subtree twice; warn.
+    unique = list(dict.fromkeys(parents))
+    for p in unique:
+        if parents.count(p) > 1:
+            tree.warnings.append(
+                f"{where}reasoning[{i}]: premise {tree.nodes[p].label} cited "
+                f"{parents.count(p)} times; counted once (the RPTS reference counts it each time)"
+            )
+    return unique
 
 
 def from_rpts_record(record: Mapping[str, Any], image_dir: str | None = None, source: str = "") -> Tree:

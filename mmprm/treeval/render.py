@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+from typing import Any
 
-from mmprm.treeval.tree import Tree
+from mmprm.treeval.tree import Node, Tree
 
 
 def _layers(tree: Tree) -> dict[str, int]:
@@ -87,14 +88,8 @@ def render_tree(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import networkx as nx
     from matplotlib import colors
 
-    g = nx.DiGraph()
-    for n in tree.nodes.values():
-        g.add_node(n.id)
-        for p in n.parents:
-            g.add_edge(p, n.id)
     layers = _layers(tree)
     pos = _positions(tree, layers)
     n_rows = max(layers.values(), default=0) + 1
@@ -120,6 +115,57 @@ def render_tree(
 
     cmap = plt.get_cmap("RdYlGn")
     norm = colors.Normalize(vmin=0.0, vmax=1.0)
+    _draw_graph(ax, tree, pos, node_size, font, threshold, cmap, norm)
+    ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
+    ax.set_ylim(-(n_rows - 1) - 0.6, 0.6)
+    side.text(
+        0.0,
+        1.0,
+        _node_listing(tree, shown, max_text, max_listed),
+        va="top",
+        ha="left",
+        fontsize=7.5,
+        family="monospace",
+        transform=side.transAxes,
+    )
+
+    _add_colorbar(fig, cmap, norm, (0.06, 0.55 / fig_h, graph_w * 0.7, 0.15 / fig_h), threshold)
+    fig.suptitle(title or "reasoning tree", fontsize=10, x=0.02, y=1 - 0.15 / fig_h, ha="left", va="top")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _add_colorbar(fig: Any, cmap: Any, norm: Any, rect: tuple[float, float, float, float], threshold: float) -> None:
+    """Horizontal score colorbar in `rect` (figure fractions) under the graph."""
+    import matplotlib.pyplot as plt
+
+    sm = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
+    cb = fig.colorbar(sm, cax=fig.add_axes(rect), orientation="horizontal")
+    cb.set_label(f"node score (thick edge: below {threshold})", fontsize=8)
+    cb.ax.tick_params(labelsize=7)
+
+
+def _draw_graph(
+    ax: Any,
+    tree: Tree,
+    pos: dict[str, tuple[float, float]],
+    node_size: float,
+    font: int,
+    threshold: float,
+    cmap: Any,
+    norm: Any,
+) -> None:
+    """Draw edges, evidence squares, score-coloured conclusion circles and their labels on `ax`."""
+    import networkx as nx
+
+    g = nx.DiGraph()
+    for n in tree.nodes.values():
+        g.add_node(n.id)
+        for p in n.parents:
+            g.add_edge(p, n.id)
     concl = [n for n in tree.nodes.values() if n.kind == "conclusion"]
     evid = [n for n in tree.nodes.values() if n.kind == "evidence"]
     nx.draw_networkx_edges(
@@ -153,9 +199,11 @@ def render_tree(
         for n in tree.nodes.values()
     }
     nx.draw_networkx_labels(g, pos, labels=labels, ax=ax, font_size=font)
-    ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
-    ax.set_ylim(-(n_rows - 1) - 0.6, 0.6)
 
+
+def _node_listing(tree: Tree, shown: list[Node], max_text: int, max_listed: int) -> str:
+    """Side-panel text: the `shown` nodes, steps before evidence, each as ``label [score]: text``
+    cut to `max_text` characters, then a count of the nodes past `max_listed`."""
     lines = []
     for n in sorted(shown, key=lambda n: n.kind == "evidence"):  # steps first, then evidence
         text = " ".join(n.text.split())
@@ -164,18 +212,4 @@ def render_tree(
         lines.append(textwrap.fill(f"{n.label}{score}: {text}", width=62, subsequent_indent="    "))
     if len(tree.nodes) > max_listed:
         lines.append(f"... and {len(tree.nodes) - max_listed} more nodes (see trees.jsonl)")
-    side.text(
-        0.0, 1.0, "\n".join(lines), va="top", ha="left", fontsize=7.5, family="monospace", transform=side.transAxes
-    )
-
-    sm = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
-    cax = fig.add_axes((0.06, 0.55 / fig_h, graph_w * 0.7, 0.15 / fig_h))
-    cb = fig.colorbar(sm, cax=cax, orientation="horizontal")
-    cb.set_label(f"node score (thick edge: below {threshold})", fontsize=8)
-    cb.ax.tick_params(labelsize=7)
-    fig.suptitle(title or "reasoning tree", fontsize=10, x=0.02, y=1 - 0.15 / fig_h, ha="left", va="top")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return "\n".join(lines)
