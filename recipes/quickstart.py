@@ -571,7 +571,7 @@ def main(argv: list[str]) -> None:
 
     def rescore_outcome() -> None:
         def run_it() -> None:
-            from mmprm.rerank.ablation import PREFIX_SCORES, write_outcome_prefix_scores
+            from demo.ablation import PREFIX_SCORES, write_outcome_prefix_scores
 
             write_outcome_candidates(bon / "candidates.jsonl", bon / "candidates_outcome.jsonl")
             rescore("outcome", bon / "candidates_outcome.jsonl")
@@ -647,7 +647,7 @@ def main(argv: list[str]) -> None:
     # ---- 8. ground-truth step evaluation and the report -------------------------------------
     print("==> [report] ...", flush=True)
     t0, c0 = time.time(), time.thread_time()
-    from mmprm.rerank.ablation import evaluate, write_report
+    from demo.ablation import evaluate, write_report
 
     results = evaluate(
         out, data, policy, MODELS, n_resamples=1000, seed=cfg.seed, attn_implementation=cfg.model.attn_implementation
