@@ -647,7 +647,8 @@ def main(argv: list[str]) -> None:
     # ---- 8. ground-truth step evaluation and the report -------------------------------------
     print("==> [report] ...", flush=True)
     t0, c0 = time.time(), time.thread_time()
-    from demo.ablation import evaluate, write_report
+    from demo.ablation import evaluate
+    from demo.report import write_report
 
     results = evaluate(
         out, data, policy, MODELS, n_resamples=1000, seed=cfg.seed, attn_implementation=cfg.model.attn_implementation

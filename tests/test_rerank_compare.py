@@ -43,7 +43,7 @@ def test_compare_at_is_the_paired_mean_difference_with_its_interval():
 def test_search_section_reads_the_matched_budgets(tmp_path):
     import json
 
-    search_section = load_demo("ablation").search_section
+    search_section = load_demo("report").search_section
 
     assert search_section(tmp_path) == ([], None)  # the search did not run
     report = {
@@ -68,7 +68,7 @@ def test_search_section_reads_the_matched_budgets(tmp_path):
 
 
 def test_baseline_fact_says_when_reranking_is_worse_than_a_random_pick():
-    baseline_fact = load_demo("ablation").baseline_fact
+    baseline_fact = load_demo("report").baseline_fact
 
     def results(soft_min, outcome_last):
         return {
