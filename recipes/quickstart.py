@@ -687,7 +687,7 @@ def rescore_outcome(demo: Demo, lane: Lane) -> None:
     """The outcome model's scores of the same candidates, whole and of every prefix."""
 
     def run_it() -> None:
-        from mmprm.rerank.ablation import PREFIX_SCORES, write_outcome_prefix_scores
+        from demo.ablation import PREFIX_SCORES, write_outcome_prefix_scores
 
         write_outcome_candidates(demo.bon / "candidates.jsonl", demo.bon / "candidates_outcome.jsonl")
         rescore(demo, lane, "outcome", demo.bon / "candidates_outcome.jsonl")
@@ -773,7 +773,8 @@ def report(demo: Demo) -> None:
     cfg, out = demo.cfg, demo.out
     print("==> [report] ...", flush=True)
     t0, c0 = time.time(), time.thread_time()
-    from mmprm.rerank.ablation import evaluate, write_report
+    from demo.ablation import evaluate
+    from demo.report import write_report
 
     results = evaluate(
         out,

@@ -4,6 +4,7 @@ see the same environment."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -76,3 +77,12 @@ def load_recipe(name: str) -> ModuleType:
         sys.modules[key] = module  # dataclasses resolve string annotations through sys.modules
         spec.loader.exec_module(module)
     return sys.modules[key]
+
+
+def load_demo(name: str) -> ModuleType:
+    """recipes/demo/<name>.py, imported as `demo.<name>` the way quickstart imports it: recipes/ is
+    sys.path[0] of a script there, and is appended here (last, so it shadows no installed module)."""
+    recipes = str(REPO / "recipes")
+    if recipes not in sys.path:
+        sys.path.append(recipes)
+    return importlib.import_module(f"demo.{name}")

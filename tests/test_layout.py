@@ -98,6 +98,18 @@ def test_the_library_never_imports_the_recipes():
     assert {m: names for m, names in offenders.items() if names} == {}
 
 
+def test_the_library_never_imports_the_demo():
+    """The demo's evaluation and report (recipes/demo/, imported as `demo`) are a leaf, as the
+    recipes are: the library holds parts a user's own run needs, not the demo's."""
+    demo = REPO / "recipes" / "demo"
+    assert (demo / "ablation.py").exists()  # the scan below looks for the right name
+    offenders = {
+        module_name(p): sorted(n for n in imported_names(p) if n.split(".")[0] == demo.name)
+        for p in LIBRARY.rglob("*.py")
+    }
+    assert {m: names for m, names in offenders.items() if names} == {}
+
+
 def config_dataclasses() -> list[type]:
     """Every dataclass named *Config defined in the library or a recipe (recipes loaded by path:
     their package refuses imports)."""

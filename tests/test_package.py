@@ -79,6 +79,7 @@ def test_every_imported_package_is_declared():
     for reqs in project["optional-dependencies"].values():
         declared |= {_requirement_name(r) for r in reqs}
     local = {p.stem for d in ("tests", "benchmarks", "recipes") for p in (REPO / d).glob("*.py")}
+    local |= {p.parent.name for p in (REPO / "recipes").glob("*/__init__.py")}  # the demo's package
     local |= {"mmprm", "recipes", "tests", "benchmarks"}
     imported: dict[str, str] = {}
     for folder in ("mmprm", "recipes", "tests", "benchmarks"):

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from recipe_runs import load_demo
 
 from mmprm.rerank.compare import choose_on_dev, compare_at
 from mmprm.rerank.report import BonCurve
@@ -42,7 +43,7 @@ def test_compare_at_is_the_paired_mean_difference_with_its_interval():
 def test_search_section_reads_the_matched_budgets(tmp_path):
     import json
 
-    from mmprm.rerank.ablation import search_section
+    search_section = load_demo("report").search_section
 
     assert search_section(tmp_path) == ([], None)  # the search did not run
     report = {
@@ -67,7 +68,7 @@ def test_search_section_reads_the_matched_budgets(tmp_path):
 
 
 def test_baseline_fact_says_when_reranking_is_worse_than_a_random_pick():
-    from mmprm.rerank.ablation import baseline_fact
+    baseline_fact = load_demo("report").baseline_fact
 
     def results(soft_min, outcome_last):
         return {
@@ -89,7 +90,7 @@ def test_baseline_fact_says_when_reranking_is_worse_than_a_random_pick():
 
 
 def test_auroc_by_kind_compares_right_steps_with_one_kind_of_wrong_step_at_a_time():
-    from mmprm.rerank.ablation import _auroc_by_kind
+    _auroc_by_kind = load_demo("ablation")._auroc_by_kind
 
     # four candidates of problem p, one of q (which holds only wrong steps)
     verdicts = {
