@@ -149,3 +149,29 @@ def test_each_config_section_is_defined_once():
         seen.setdefault(key, where)
     assert len(seen) > 20  # the scan found the sections
     assert not twins, "config sections defined twice: " + "; ".join(twins)
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(path: Path, root: Path = REPO, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """`file:line name (n lines)` for each function or method in `path` longer than `limit` lines."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1
+            if n > limit:
+                found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({n} lines)")
+    return found
+
+
+def test_the_length_counter_finds_a_long_method(tmp_path):
+    body = "\n".join(f"        x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "m.py").write_text(f"def short():\n    pass\n\n\nclass C:\n    def long(self):\n{body}\n")
+    assert long_functions(tmp_path / "m.py", tmp_path) == [f"m.py:6 long ({MAX_FUNCTION_LINES + 1} lines)"]
+
+
+def test_no_function_in_the_library_or_recipes_is_over_80_lines():
+    """A function a reader can hold in view: longer ones are split into named steps."""
+    files = sorted(LIBRARY.rglob("*.py")) + sorted((REPO / "recipes").rglob("*.py"))
+    assert [f for p in files for f in long_functions(p)] == []
