@@ -167,6 +167,18 @@ def test_paired_bootstrap():
         paired_bootstrap(np.ones(3), np.ones(4))
 
 
+def test_bootstrap_mean():
+    """The mean, and the 2.5th/97.5th percentiles of the same resamples `resample_means` draws."""
+    from mmprm.scoring.stats import bootstrap_mean, resample_means
+
+    out = bootstrap_mean([1, 1, 0, 0], n_resamples=400, seed=3)
+    assert out["mean"] == 0.5
+    assert out["ci95"] == list(np.percentile(resample_means(np.array([1, 1, 0, 0.0]), 400, seed=3), [2.5, 97.5]))
+    assert bootstrap_mean([0.25] * 7)["ci95"] == [0.25, 0.25]  # no spread, no interval
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        bootstrap_mean([])
+
+
 def test_curve_at_sizes_off_the_powers_of_two():
     problems = [[cand([0.9], "9", False)] + [cand([p], "5", True) for p in (0.5, 0.4, 0.3)]]
     curve = bon_curve(problems, ns=[4, 3])

@@ -24,20 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from mmprm.scoring.stats import paired_bootstrap, resample_means
-
-
-def bootstrap_mean(acc: Sequence[float], n_resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
-    """Mean of per-problem values with a 95% percentile bootstrap interval over problems.
-
-    The resamples depend only on (number of problems, n_resamples, seed), so intervals of methods
-    on the same problems use the same resamples. `bootstrap_mean([1, 1, 0, 0])["mean"] == 0.5`.
-    """
-    a = np.asarray(acc, dtype=float)
-    if a.ndim != 1 or a.size == 0:
-        raise ValueError(f"bootstrap_mean: need a non-empty 1-D array, got shape {a.shape}")
-    lo, hi = np.percentile(resample_means(a, n_resamples, seed), [2.5, 97.5])
-    return {"mean": float(a.mean()), "ci95": [float(lo), float(hi)]}
+from mmprm.scoring.stats import bootstrap_mean, paired_bootstrap
 
 
 def bon_points(
