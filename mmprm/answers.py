@@ -25,6 +25,7 @@ graders do); it is off by default so that a cut-off generation does not count as
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -456,12 +457,17 @@ def call_with_timeout(fn: Callable[[], T], default: T, timeout_s: float = VERIFY
 def sympy_answer(ans: str) -> Any | None:
     """The sympy object math-verify parses from an answer (`x^2=1` -> Eq(x**2, 1)), or None.
 
-    Call it inside `call_with_timeout`: parsing has no limit of its own here.
+    Unit words stay symbols (`3570 km` -> 3570*k*m), as a plain LaTeX parser reads them: a judge
+    that compares parsed answers must not find `3570 km` equal to `3570`. Call it inside
+    `call_with_timeout`: parsing has no limit of its own here.
     """
-    from math_verify import parse
+    from math_verify import LatexExtractionConfig, parse
 
     _quiet_math_verify()
-    parsed = parse(f"${ans}$", parsing_timeout=None)
+    latex = LatexExtractionConfig()
+    units_kept = dataclasses.replace(latex.normalization_config, units=False)
+    latex = dataclasses.replace(latex, normalization_config=units_kept)
+    parsed = parse(f"${ans}$", extraction_config=[latex], parsing_timeout=None)
     return parsed[0] if parsed and not isinstance(parsed[0], str) else None
 
 

@@ -1,10 +1,13 @@
 """Answer-benchmark readers on shipped rows (tests/fixtures/eval_sets, README there), and each
 benchmark's answer rule against the benchmark's own verdicts: MathVista's scored outputs (Bard's
-`prediction` / `true_false`), OlympiadBench's judged examples, MathVerse's judge-prompt examples."""
+`prediction` / `true_false`), OlympiadBench's judged examples and its judge's verdicts on real rows,
+MathVerse's judge-prompt examples."""
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,7 @@ from mmprm.data.eval_sets import (
     read_olympiadbench,
 )
 from mmprm.data.eval_sets.mathvista import mathvista_prediction
-from mmprm.data.eval_sets.olympiadbench import olympiad_equal
+from mmprm.data.eval_sets.olympiadbench import olympiad_equal, olympiad_precision
 from mmprm.data.problems import load_problems
 
 FIX = Path(__file__).parent / "fixtures" / "eval_sets"
@@ -117,6 +120,93 @@ def test_olympiadbench_rows():
     assert answer_correct("0.5 m/s", rows["90003"]) and answer_correct("\\frac{1}{2}", rows["90003"])
     assert not answer_correct("0.6", rows["90003"])
     assert answer_correct("$\\frac{1}{2}$", rows["2231"]) and answer_correct("0.5", rows["2231"])
+
+
+FIRST_RELEASE = FIX / "olympiadbench" / "first_release" / "English_Olympiad_Mathematics.json"
+_FIGURE = re.compile(r"!\[\]\([^)]*\)")  # the first release links each figure as a Mathpix crop
+
+# OlympiadBench's own judge (eval/auto_scoring_judge.py, run outside this repository with sympy 1.12
+# and antlr4 4.11) on each real row's gold answer against a model answer: (id, answer, its verdict).
+JUDGED_ON_REAL_ROWS = [
+    (2231, "$\\frac{1}{2}$", True),
+    (2231, "\\boxed{0.5}", True),
+    (2231, "C=\\frac{1}{2}", True),
+    (2231, "\\frac{1}{3}", False),
+    (2237, "79.67", True),
+    (2237, "79.6", True),  # within the row's error 1e-1
+    (2237, "79.75", True),
+    (2237, "79.5", False),
+    (2237, "80", False),
+    (2358, "3570", True),
+    (2358, "\\boxed{3570}", True),
+    (2358, "3570 \\mathrm{~km}", False),  # the judge compares a unit as symbols
+    (2358, "3571", False),
+    (2386, "$y=-3 x+39$", True),
+    (2386, "3x+y=39", True),
+    (2386, "y=39-3x", True),
+    (2386, "y=3x+39", False),
+    (2386, "-3x+39", True),
+    (2593, "\\frac{10}{3} \\sqrt{3}, \\frac{10}{\\sqrt{3}}", True),
+    (2593, "\\frac{10\\sqrt{3}}{3},\\frac{10\\sqrt{3}}{3}", True),
+    (2593, "\\frac{10}{\\sqrt{3}}", False),
+    (2593, "5.7735,5.7735", False),
+    (2595, "(4,0),(0,4),(2,0),(0,2),(-2,2),(2,-2)", True),
+    (2595, "(2,-2),(-2,2),(0,2),(2,0),(0,4),(4,0)", True),
+    (2595, "(4,0),(0,4),(2,0),(0,2),(-2,2)", False),
+    (2595, "(4,0),(0,4),(2,0),(0,2),(-2,2),(2,2)", False),
+    (3060, "1000", True),
+    (3060, "10^{3}", True),
+    (3060, "\\boxed{1000}", True),
+    (3060, "999", False),
+    (3060, "2025", False),
+]
+
+
+def test_olympiadbench_judge_agrees_on_real_rows():
+    rows = {r["id"]: r for r in json.loads(FIRST_RELEASE.read_text(encoding="utf-8"))}
+    assert {rid for rid, _, _ in JUDGED_ON_REAL_ROWS} == set(rows)
+    for rid, answer, verdict in JUDGED_ON_REAL_ROWS:
+        gold, error = rows[rid]["final_answer"][0], rows[rid]["error"]
+        assert olympiad_equal(answer, gold, olympiad_precision(error)) is verdict, (rid, answer)
+
+
+def test_olympiadbench_reader_on_real_rows(tmp_path):
+    """Real rows (the first release) put in the released layout: each figure link becomes an
+    `<img_N>` tag with its image in `image_k` (placeholders: the crops are not shipped)."""
+    raw = json.loads(FIRST_RELEASE.read_text(encoding="utf-8"))
+    (tmp_path / "images").mkdir()
+    released = []
+    for r in raw:
+        first, *after = _FIGURE.split(r["question"])
+        n = len(after)
+        question = first + "".join(f"<img_{r['id']}{k}>{piece}" for k, piece in enumerate(after, start=1))
+        row = {**r, "question": question, "context": None}
+        for k in range(1, 6):
+            row[f"image_{k}"] = f"images/{r['id']}_{k}.png" if k <= n else None
+            if k <= n:
+                shutil.copy(FIX / "olympiadbench" / "images" / "2231_1.png", tmp_path / row[f"image_{k}"])
+        released.append(row)
+    (tmp_path / "OE_MM_maths_en_COMP.json").write_text(json.dumps(released), encoding="utf-8")
+    rows = _by_id(read_olympiadbench(tmp_path))
+    assert list(rows) == [str(r["id"]) for r in raw]
+    for r in raw:
+        p, n = rows[str(r["id"])], len(_FIGURE.findall(r["question"]))
+        assert len(p["images"]) == n and all(f"<image{k}>" in p["question"] for k in range(1, n + 1))
+        assert "<img_" not in p["question"] and "mathpix" not in p["question"]
+        assert ("several answers" in p["question"]) is r["is_multiple_answer"]
+        assert (f"unit of the answer is {r['unit']}" in p["question"]) is bool(r["unit"])
+        assert p["answer"] == r["final_answer"][0]
+        assert {k: p["meta"][k] for k in ("subfield", "answer_type", "unit", "error")} == {
+            k: r[k] for k in ("subfield", "answer_type", "unit", "error")
+        }
+        assert answer_correct(r["final_answer"][0], p) and answer_correct(f"\\boxed{{{p['answer']}}}", p)
+    assert answer_correct("3570 km", rows["2358"])  # the prompt asks for no unit; a trailing copy is dropped
+    # the built README row 2231 is the real row in the released layout
+    built = json.loads((FIX / "olympiadbench" / "OE_MM_maths_en_COMP.json").read_text(encoding="utf-8"))[0]
+    real = next(r for r in raw if r["id"] == 2231)
+    assert built["question"] == _FIGURE.sub("<img_3362>", real["question"])
+    fields = ("final_answer", "subfield", "answer_type", "unit", "error", "is_multiple_answer")
+    assert {k: built[k] for k in fields} == {k: real[k] for k in fields}
 
 
 def test_mmk12_rows_and_cli_writes_problems(tmp_path):

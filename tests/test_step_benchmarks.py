@@ -13,8 +13,9 @@ computes from the released rows:
   predicted correct (1) when its score >= threshold, else incorrect (-1); F1 of the correct class
   and of the incorrect class, each 2TP / (2TP + FP + FN), and the reported macro F1 is their mean.
 
-The fixtures are rows in each benchmark's released schema built for these tests (no copy of the
-benchmarks is reachable offline; tests/fixtures/step_benchmarks/README.md). When the full sets sit in
+The ProcessBench fixtures are real rows (6 per subset, from the authors' own commit of the data);
+the VisualProcessBench ones are built in its released schema (no copy is reachable offline);
+tests/fixtures/step_benchmarks/README.md says which is which. When the full sets sit in
 ../shared/data (processbench/, visualprocessbench/), the same checks run on them.
 """
 
@@ -126,6 +127,27 @@ def test_processbench_reader_folder_file_and_jsonl(tmp_path):
     jsonl = tmp_path / "gsm8k.jsonl"
     jsonl.write_text("".join(json.dumps(d) + "\n" for d in released if d["id"].startswith("gsm8k-")))
     assert read_processbench(jsonl) == one
+
+
+def test_processbench_fixtures_are_released_rows():
+    """The shipped rows are ProcessBench's: gsm8k-0 as its README prints it, every first-error case."""
+    rows = [r for s in SUBSETS for r in json.loads((FIXTURES / "processbench" / f"{s}.json").read_text("utf-8"))]
+    first = rows[0]
+    assert (first["id"], first["generator"], first["final_answer_correct"], first["label"]) == (
+        "gsm8k-0",
+        "Qwen2-7B-Instruct",
+        False,
+        1,
+    )
+    assert first["problem"].startswith("Sue lives in a fun neighborhood.")
+    assert first["steps"][0].startswith("To find out how many more pink plastic flamingos were out than")
+    for subset in SUBSETS:
+        labels = [r["label"] for r in rows if r["id"].startswith(f"{subset}-")]
+        assert labels.count(-1) == 3 and {0, 1} <= set(labels) and max(labels) >= 2, subset
+    # a correct process always reaches a correct answer; a wrong one sometimes does too
+    assert all(r["final_answer_correct"] for r in rows if r["label"] == -1)
+    assert any(r["final_answer_correct"] for r in rows if r["label"] != -1)
+    assert {r["id"] for r in rows} == {r["id"] for r in read_processbench(FIXTURES / "processbench")}
 
 
 def test_processbench_reader_names_bad_rows(tmp_path):
