@@ -188,8 +188,13 @@ def test_reduced_demo_pipeline(tmp_path):
         assert b["best_on_dev"] in report["bon"][m]["dev_accuracy_at_n_max"] or m == "outcome"
         for _agg, by_n in b["test"].items():
             cell = by_n["4"]
-            lo, hi = cell["vs_outcome"]["ci95"]
-            assert lo <= cell["vs_outcome"]["diff"] <= hi
+            for against in ("vs_outcome", "vs_single"):
+                lo, hi = cell[against]["ci95"]
+                assert lo <= cell[against]["diff"] <= hi
+    vote = report["weighted_vs_majority"]["4"]
+    assert (
+        vote["ci95"][0] <= vote["diff"] <= vote["ci95"][1] and vote["b"] == report["baselines"]["majority"]["4"]["mean"]
+    )
     assert set(report["bon"]["soft"]["test"]) >= {"min", "average", "last"}
     # the step AUROC again per kind of wrong step: the kinds of the test candidates' wrong steps,
     # each counted once, the same counts under every model
@@ -240,7 +245,7 @@ def test_pipeline_on_a_real_chat_template(tmp_path, family):
         f"model.name_or_path={base}",
         "task.train=1000",
         "task.max_tiles=3",
-        "task.max_ops=3",
+        "task.max_ops=4",  # 3 tiles and the step that states the total
         "task.annotate=16",
         "task.dev=8",
         "task.test=8",

@@ -1,5 +1,7 @@
 """Picking the aggregator on dev and comparing two reward models on the same test problems."""
 
+import json
+
 import numpy as np
 import pytest
 from recipe_runs import load_demo
@@ -87,6 +89,47 @@ def test_baseline_fact_says_when_reranking_is_worse_than_a_random_pick():
     assert "behind majority vote" in baseline_fact(results(0.700, 0.367))
     between = baseline_fact(results(0.600, 0.960))
     assert "outcome model (final answer only) `last`, 0.960" in between and "ahead of both" in between
+
+
+def test_headline_fact_reads_against_a_single_sample_then_majority_vote_then_the_outcome_model():
+    headline_fact = load_demo("report").headline_fact
+
+    def cell(mean, single, lo):
+        return {"mean": mean, "vs_single": {"b": single, "diff": mean - single, "ci95": [lo, 0.2]}}
+
+    def results(means):
+        cells = {n: cell(m, 0.625, 0.01) for n, m in zip(["1", "2", "4", "8"], means)}
+        cells["8"]["vs_outcome"] = {"b": 0.4, "diff": means[-1] - 0.4, "ci95": [0.2, 0.4]}
+        return {
+            "n_max": 8,
+            "bon": {"soft": {"best_on_dev": "max", "test": {"max": cells}}, "hard": {"best_on_dev": "min"}},
+            "weighted_vs_majority": {"8": {"a": 0.95, "b": 0.9, "diff": 0.05, "ci95": [0.02, 0.08]}},
+        }
+
+    text = headline_fact(results([0.625, 0.7, 0.7, 0.75]))
+    assert text.startswith("- Best-of-8 with the soft-label PRM (`max`, the aggregator chosen on dev): 0.750 ")
+    assert "against a single sample 0.625: +0.125, 95% paired interval [+0.010, +0.200]" in text
+    assert "N=2 +0.075 [+0.010, +0.200], N=4 +0.075" in text and "non-decreasing in N" in text
+    assert "PRM-weighted vote 0.950 against majority vote 0.900: +0.050 [+0.020, +0.080]" in text
+    assert text.index("single sample") < text.index("majority vote") < text.index("outcome model 0.400: +0.350")
+    assert "not monotone in N" in headline_fact(results([0.625, 0.7, 0.69, 0.75]))
+
+
+def test_spread_fact_places_each_headline_number_against_the_published_seeds():
+    report = load_demo("report")
+    keys = list(report.HEADLINE)
+    published = {
+        "where": "2-core CPU",
+        "runs": {"0": dict.fromkeys(keys, 0.6), "1": dict.fromkeys(keys, 0.7), "2": dict.fromkeys(keys, 0.65)},
+    }
+    run = {**dict.fromkeys(keys, 0.65), "single": 0.55, "step_auroc": 0.75}
+    text = report.spread_fact(run, published)
+    assert text.startswith("- This run against the published runs of seeds 0, 1, 2 (2-core CPU): one sample 0.550 ")
+    assert "one sample 0.550 (below 0.600-0.700)" in text and "majority vote 0.650 (within 0.600-0.700)" in text
+    assert text.endswith("the soft PRM's step AUROC 0.750 (above 0.600-0.700).")
+    # the published file holds what headline_numbers reads from a report
+    published = json.loads(report.PUBLISHED_SEEDS.read_text())
+    assert set(published["runs"]) == {"0", "1", "2"} and all(set(r) == set(keys) for r in published["runs"].values())
 
 
 def test_auroc_by_kind_compares_right_steps_with_one_kind_of_wrong_step_at_a_time():

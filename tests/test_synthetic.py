@@ -50,6 +50,17 @@ _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
             ["Tile 1 is 3. Total 3.", "Tile 2 is 5. Total 3 + 5 = 8.", "Tile 3 is 2. Total 8 + 2 = 10."],
             10,
         ),
+        (
+            "running_total",
+            [3, 5, 2],
+            [
+                "Tile 1 is 3. Total 3.",
+                "Tile 2 is 5. Total 3 + 5 = 8.",
+                "Tile 3 is 2. Total 8 + 2 = 10.",
+                "The total is 10.",
+            ],
+            10,
+        ),
     ],
 )
 def test_templates_compute_hand_checked_solutions(name, digits, steps, answer):
@@ -308,6 +319,28 @@ def test_running_sum_is_opt_in_and_its_gold_solutions_check():
         assert all(check_steps(p.meta["tiles"], p.steps, p.answer, gold=p.answer))
 
 
+def test_running_total_slips_like_running_sum_and_states_the_slipped_total():
+    from mmprm.data.synthetic import _running_total, add_slips, check_steps
+
+    assert _running_total([3, 5, 2], slips={3: 1}) == (
+        [
+            "Tile 1 is 3. Total 3.",
+            "Tile 2 is 5. Total 3 + 5 = 8.",
+            "Tile 3 is 2. Total 9 + 2 = 11.",
+            "The total is 11.",
+        ],
+        11,
+    )
+    problems = generate(SyntheticConfig(num_problems=200, seed=4, templates=("running_total",), max_ops=5))
+    assert {len(p.steps) for p in problems} == {3, 4, 5}
+    for p in problems:
+        assert all(check_steps(p.meta["tiles"], p.steps, p.answer, gold=p.answer))
+    for q in add_slips(problems, rate=1.0, seed=1):
+        (k,) = q.meta["slip_steps"]
+        assert q.steps[-1] == f"The total is {q.answer}." and q.answer != q.meta["gold_answer"]
+        assert check_steps(q.meta["tiles"], q.steps) == [i < k - 1 for i in range(len(q.steps))]
+
+
 def test_slipped_solutions_miscopy_running_totals_and_go_on_from_what_they_wrote(tmp_path):
     from mmprm.data.synthetic import _running_sum, add_slips, check_steps
 
@@ -389,6 +422,12 @@ def test_step_verdicts_name_the_kind_of_the_first_error():
     assert step_verdicts([4, 2], ["Tile 1 is 4.", "Tile 2 is 2.", "4 + 2 = 7."]) == ["right", "right", "arithmetic"]
     assert step_verdicts([4, 2], ["Tile 1 is 4.", "Tile 2 is 2.", "4 + 3 = 7."]) == ["right", "right", "carry"]
     assert step_verdicts([4, 2], ["Tile 1 is 4.", "Tile 2 is 2.", "The largest is 2."])[-1] == "misread"
+    # running_total's last step states the last total: another number is a miscopy
+    stated = [*good, "The total is 10."]
+    assert step_verdicts(tiles, stated, "10", gold="10") == ["right"] * 4
+    assert step_verdicts(tiles, [*good, "The total is 11."], "11") == ["right"] * 3 + ["carry"]
+    slipped = [good[0], "Tile 2 is 5. Total 4 + 5 = 9.", "Tile 3 is 2. Total 9 + 2 = 11.", "The total is 11."]
+    assert step_verdicts(tiles, slipped) == ["right", "carry", "after", "after"]
     assert set(ERROR_KINDS) >= {v for case in cases.values() for v in case} - {"right", "after"}
 
 

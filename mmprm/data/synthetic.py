@@ -90,7 +90,8 @@ class SyntheticConfig:
         grid: (rows, cols) of cells; rows * cols must hold max_tiles + distractors.
         digits: (lowest, highest) digit drawn, within 0-9.
         templates: names of question templates to use (None = all of `DEFAULT_TEMPLATES` that fit;
-            "running_sum", one step per tile that reads it and updates a total, must be named).
+            "running_sum", one step per tile that reads it and updates a total, and "running_total",
+            the same then a step "The total is N.", must be named).
         style: "tiles" = solid tiles (train on this); "human" = digits drawn on the tiles.
         marks: paint the top half of each cell in a colour that names its slot (`SLOT_MARKS`),
             like the labels of a figure's panels; the digit colour fills the bottom half.
@@ -226,6 +227,14 @@ def _running_sum(d: list[int], slips: dict[int, int] | None = None) -> tuple[lis
     return steps, total
 
 
+def _running_total(d: list[int], slips: dict[int, int] | None = None) -> tuple[list[str], int]:
+    # running_sum, then a step that states the result. The answer then follows a short line that
+    # only copies the last total, so the last tile's line is checked like every other one: a PRM
+    # that must judge a tile's sum and the appended answer on one step learns that step late.
+    steps, total = _running_sum(d, slips)
+    return steps + [f"The total is {total}."], total
+
+
 def _mul(d: list[int]) -> tuple[list[str], int]:
     return [f"{d[0]} * {d[1]} = {d[0] * d[1]}."], d[0] * d[1]
 
@@ -296,10 +305,20 @@ TEMPLATES: dict[str, Template] = {
             _running_sum,
             reads_tiles=True,
         ),
+        Template(
+            "running_total",
+            "Add up the tiles one by one, keeping a running total.",
+            (2, 3, 4),
+            frozenset({"+"}),
+            _running_total,
+            reads_tiles=True,
+        ),
     ]
 }
-# `templates=None` draws from these; running_sum is opt-in, so existing seeds keep their problems.
-DEFAULT_TEMPLATES: tuple[str, ...] = tuple(name for name in TEMPLATES if name != "running_sum")
+# Templates that carry a running total over one step per tile (`add_slips` slips their carries).
+RUNNING_TEMPLATES: tuple[str, ...] = ("running_sum", "running_total")
+# `templates=None` draws from these; the running ones are opt-in, so existing seeds keep their problems.
+DEFAULT_TEMPLATES: tuple[str, ...] = tuple(name for name in TEMPLATES if name not in RUNNING_TEMPLATES)
 
 
 def _choices(cfg: SyntheticConfig) -> list[tuple[Template, tuple[int, ...]]]:
@@ -431,7 +450,8 @@ def add_slips(problems: Sequence[SyntheticProblem], rate: float, seed: int = 0) 
     again), so a slip's Monte Carlo value is not always 0 (measured in docs/experiments/).
     One slip per slipped solution, not one chance per carry: at 0.3 per carry, two in three 4-tile
     solutions would slip, one in five more than once.
-    Only `running_sum` problems get slips; `answer` and `steps` become the slipped solution's, meta
+    Only `running_sum` and `running_total` problems get slips; `answer` and `steps` become the
+    slipped solution's, meta
     gains `slip_steps` (1-based) and `gold_answer`.
     """
     if not 0.0 <= rate <= 1.0:
@@ -440,13 +460,14 @@ def add_slips(problems: Sequence[SyntheticProblem], rate: float, seed: int = 0) 
     out = []
     for p in problems:
         tiles = p.meta["tiles"]
-        if p.meta["template"] != "running_sum" or len(tiles) < 2 or not rng.random() < rate:
+        if p.meta["template"] not in RUNNING_TEMPLATES or len(tiles) < 2 or not rng.random() < rate:
             out.append(p)
             continue
         step = rng.randint(2, len(tiles))  # the step whose carried total is miscopied
         carried = sum(tiles[: step - 1])
         offset = rng.choice([o for o in (-3, -2, -1, 1, 2, 3) if carried + o >= 0])
-        steps, answer = _running_sum(tiles, {step: offset})
+        solve = _running_total if p.meta["template"] == "running_total" else _running_sum
+        steps, answer = solve(tiles, {step: offset})
         meta = {**p.meta, "slip_steps": [step], "gold_answer": p.answer}
         out.append(SyntheticProblem(p.id, p.image, p.question, steps, str(answer), meta))
     return out
@@ -600,6 +621,7 @@ def cli_synthetic(argv: list[str]) -> int:
 _READ_RE = re.compile(r"^Tile (\d+) is (-?\d+)\.$")
 _ARITH_RE = re.compile(r"^(-?\d+) ([-+*]) (-?\d+) = (-?\d+)\.$")
 _EXTREME_RE = re.compile(r"^The (largest|smallest) is (-?\d+)\.$")
+_TOTAL_RE = re.compile(r"^The total is (-?\d+)\.$")
 _CMP_RE = re.compile(r"^(-?\d+) ([<>=]) (-?\d+)\.$")
 _RUNNING_RE = re.compile(r"^Tile (\d+) is (-?\d+)\. Total (?:(-?\d+) \+ (-?\d+) = )?(-?\d+)\.$")
 
@@ -667,6 +689,9 @@ def step_verdicts(
             true = max(tiles) if m.group(1) == "largest" else min(tiles)
             error = "misread" if d != true else None if d in known else "carry"
             value = d
+        elif m := _TOTAL_RE.match(text):
+            value = int(m.group(1))
+            error = None if value == last_value else "carry"
         elif m := _CMP_RE.match(text):
             a, sign, b = int(m.group(1)), m.group(2), int(m.group(3))
             true_sign = ">" if a > b else "<" if a < b else "="

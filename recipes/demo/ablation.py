@@ -11,7 +11,8 @@ This module reads those scored files into every number of the report (`demo.repo
   (`mmprm.data.synthetic.step_verdicts`: a miscopied carry, false arithmetic, a misread tile, ...)
   and for the steps after it, which tells what a reward model can check and what it cannot;
 * Best-of-N on the test split for `min`, `average`, `last` and the aggregator chosen on dev, each
-  against the outcome model with a 95% paired bootstrap interval over test problems.
+  against a single sample and against the outcome model with a 95% paired bootstrap interval over
+  test problems, and the soft PRM's weighted vote against majority vote on the same samples.
 
 The outcome model reads a whole solution as one step; its per-step scores (for the step metrics)
 are its scores of each prefix, read the same way.
@@ -152,7 +153,8 @@ def evaluate(
         m: {s: bon_curve([scored[m][i]["candidates"] for i in ids[s]], seed=seed) for s in SPLITS} for m in models
     }
     bon = _bon_results(curves, models, n_resamples, seed)
-    baselines = summarize(curves["soft"]["test"], n_resamples, seed)["methods"]
+    soft_test = curves["soft"]["test"]
+    baselines = summarize(soft_test, n_resamples, seed)["methods"]
     flat_test = [y for k in keys["test"] for y in labels[k]]
     return {
         "splits": {s: len(ids[s]) for s in SPLITS},
@@ -166,6 +168,11 @@ def evaluate(
         "step_by_kind": by_kind,
         "bon": bon,
         "baselines": {b: baselines[b] for b in ("random", "majority", "weighted_vote", "oracle")},
+        # the soft PRM's weights in the vote against the plain count, on the same samples
+        "weighted_vs_majority": {
+            str(n): compare_at(soft_test, "weighted_vote", soft_test, "majority", n, n_resamples, seed)
+            for n in curves[OUTCOME]["test"].ns
+        },
         "bootstrap": {"resamples": n_resamples, "seed": seed},
     }
 
@@ -253,7 +260,8 @@ def _step_results(
 
 def _bon_results(curves: dict, models: Mapping[str, Any], n_resamples: int, seed: int) -> dict[str, Any]:
     """Per model: the aggregator chosen on dev, dev accuracies at the largest N, and test accuracy
-    per aggregator and N against the outcome model's `last` (paired bootstrap)."""
+    per aggregator and N against the outcome model's `last` and against a single sample (paired
+    bootstrap)."""
     ns = curves[OUTCOME]["test"].ns
     bon: dict[str, Any] = {}
     for m in models:
@@ -271,6 +279,9 @@ def _bon_results(curves: dict, models: Mapping[str, Any], n_resamples: int, seed
                         **test[a][str(n)],
                         "vs_outcome": compare_at(
                             curves[m]["test"], a, curves[OUTCOME]["test"], "last", n, n_resamples, seed
+                        ),
+                        "vs_single": compare_at(
+                            curves[m]["test"], a, curves[m]["test"], "random", n, n_resamples, seed
                         ),
                     }
                     for n in ns

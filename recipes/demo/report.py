@@ -19,6 +19,10 @@ from demo.ablation import OUTCOME
 
 from mmprm.data.synthetic import AFTER, ERROR_KINDS
 
+# The published runs of `make demo` with seeds 0, 1 and 2 (`headline_numbers` of each report):
+# every report says where its own run falls among them.
+PUBLISHED_SEEDS = Path(__file__).with_name("published_seeds.json")
+
 
 def write_report(
     out: Path,
@@ -40,6 +44,8 @@ def write_report(
     _plot(results, out / "bon_curve.png")
 
     facts = _facts(results, task, policy_eval, cpu, run_wall)
+    if PUBLISHED_SEEDS.exists():
+        facts.insert(1, spread_fact(headline_numbers(results), json.loads(PUBLISHED_SEEDS.read_text())))
     search_lines, search_fact = search_section(out / "search")
     if search_fact:
         facts.insert(2, search_fact)
@@ -86,16 +92,15 @@ def _summary(
 
 
 def _facts(results: dict, task: dict, policy_eval: dict | None, cpu: float, run_wall: float | None) -> list[str]:
-    """The summary's lines: step metrics, Best-of-N at the largest N, the policy, the baselines,
-    where the outcome model is ahead, and the run's time (the search's line goes in third)."""
+    """The summary's lines: Best-of-N at the largest N against the baselines, step metrics, the
+    policy, the best reward-model row, where the outcome model is ahead, and the run's time (where
+    the run falls among the published seeds goes in second, the search's line third)."""
     n = str(results["n_max"])
-    soft, ref = results["bon"]["soft"], results["bon"][OUTCOME]["test"]["last"][n]
     st = results["step"]
     rnd, orc = results["baselines"]["random"], results["baselines"]["oracle"]
     wins = _outcome_wins(results)
-    best_soft = max(("min", "average"), key=lambda a: soft["test"][a][n]["mean"])
-    key = soft["test"][best_soft][n]["vs_outcome"]
     return [
+        headline_fact(results),
         f"- Step level (test split, {results['test_steps']} steps of {results['test_candidates_with_steps']} "
         f"candidates, {results['test_share_correct_steps']:.1%} right): the soft-label PRM's step AUROC within the same "
         f"problem and step is {st['soft']['auroc_same_problem_step']:.3f} (pooled {st['soft']['auroc_pooled']:.3f}); "
@@ -103,9 +108,6 @@ def _facts(results: dict, task: dict, policy_eval: dict | None, cpu: float, run_
         f"model read on each prefix {st[OUTCOME]['auroc_same_problem_step']:.3f} ({st[OUTCOME]['auroc_pooled']:.3f}); "
         f"an untrained head on the policy {st['untrained']['auroc_same_problem_step']:.3f} "
         f"({st['untrained']['auroc_pooled']:.3f}).",
-        f"- Best-of-{n}: soft-label PRM `{best_soft}` {soft['test'][best_soft][n]['mean']:.3f} vs outcome model "
-        f"{ref['mean']:.3f}: {key['diff']:+.3f}, 95% paired interval {_ci(key['ci95'])}. Aggregator chosen on dev "
-        f"for the soft PRM: `{soft['best_on_dev']}`; for the hard PRM: `{results['bon']['hard']['best_on_dev']}`.",
         f"- The policy is imperfect: one sample is right {rnd['1']['mean']:.1%} of the time; "
         f"some of {n} is right (oracle) {orc[n]['mean']:.1%}. A text-only model can reach "
         f"{task['text_only_accuracy']:.1%}."
@@ -211,6 +213,76 @@ def _outcome_wins(results: dict) -> list[str]:
                     sig = "significant" if v["ci95"][1] < 0 else "within noise"
                     out.append(f"{results['models'][m]} `{a}` at N={n}: {v['diff']:+.3f} {_ci(v['ci95'])} ({sig})")
     return out
+
+
+def headline_fact(results: dict) -> str:
+    """Best-of-N with the soft PRM's dev-chosen aggregator against the baselines a user compares
+    with, in this order: a single sample, majority vote (with the PRM-weighted vote beside it), the
+    outcome model; every difference with its 95% paired interval."""
+    n = str(results["n_max"])
+    soft = results["bon"]["soft"]
+    agg = soft["best_on_dev"]
+    cells = soft["test"][agg]
+    ns = [k for k in cells if k != "1"]
+    curve = [cells[k]["mean"] for k in ["1", *ns]]
+    rising = all(b >= a for a, b in zip(curve, curve[1:]))
+    single, ref = cells[n]["vs_single"], cells[n]["vs_outcome"]
+    vote = results["weighted_vs_majority"][n]
+    at_ns = ", ".join(f"N={k} {cells[k]['vs_single']['diff']:+.3f} {_ci(cells[k]['vs_single']['ci95'])}" for k in ns)
+    return (
+        f"- Best-of-{n} with the soft-label PRM (`{agg}`, the aggregator chosen on dev): {cells[n]['mean']:.3f} "
+        f"against a single sample {single['b']:.3f}: {single['diff']:+.3f}, 95% paired interval {_ci(single['ci95'])} "
+        f"(over a single sample at {at_ns}; {'non-decreasing' if rising else 'not monotone'} in N). "
+        f"PRM-weighted vote {vote['a']:.3f} against majority vote {vote['b']:.3f}: {vote['diff']:+.3f} "
+        f"{_ci(vote['ci95'])}. Against the outcome model {ref['b']:.3f}: {ref['diff']:+.3f} {_ci(ref['ci95'])}. "
+        f"Aggregator chosen on dev for the hard PRM: `{results['bon']['hard']['best_on_dev']}`."
+    )
+
+
+# What `spread_fact` compares, in the headline's order: key -> what it is.
+HEADLINE = {
+    "single": "one sample",
+    "best_of_n": "Best-of-N with the soft PRM's dev aggregator",
+    "majority": "majority vote",
+    "weighted_vote": "PRM-weighted vote",
+    "outcome": "the outcome model",
+    "step_auroc": "the soft PRM's step AUROC",
+}
+
+
+def headline_numbers(results: dict) -> dict[str, float]:
+    """The headline's numbers at the largest N (test split), the ones seeds are compared on."""
+    n = str(results["n_max"])
+    soft = results["bon"]["soft"]
+    base = results["baselines"]
+    return {
+        "single": base["random"][n]["mean"],
+        "best_of_n": soft["test"][soft["best_on_dev"]][n]["mean"],
+        "majority": base["majority"][n]["mean"],
+        "weighted_vote": base["weighted_vote"][n]["mean"],
+        "outcome": results["bon"][OUTCOME]["test"]["last"][n]["mean"],
+        "step_auroc": results["step"]["soft"]["auroc_same_problem_step"],
+    }
+
+
+def spread_fact(run: dict[str, float], published: dict[str, Any]) -> str:
+    """Where this run's headline numbers fall among the published seeds' (below, within, above the
+    range of `published["runs"]`, a {seed: headline_numbers} mapping), so that a user on another
+    machine can tell a different draw from a broken install."""
+    runs = published["runs"]
+
+    def place(key: str) -> str:
+        values = [r[key] for r in runs.values()]
+        lo, hi = min(values), max(values)
+        where = "below" if run[key] < lo else "above" if run[key] > hi else "within"
+        return f"{HEADLINE[key]} {run[key]:.3f} ({where} {lo:.3f}-{hi:.3f})"
+
+    seeds = ", ".join(sorted(runs))
+    return (
+        f"- This run against the published runs of seeds {seeds} ({published['where']}): "
+        + "; ".join(place(k) for k in HEADLINE)
+        + "."
+    )
 
 
 def baseline_fact(results: dict) -> str:
