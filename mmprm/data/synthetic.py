@@ -228,9 +228,9 @@ def _running_sum(d: list[int], slips: dict[int, int] | None = None) -> tuple[lis
 
 
 def _running_total(d: list[int], slips: dict[int, int] | None = None) -> tuple[list[str], int]:
-    # running_sum, then a step that states the result. The answer then follows a short line that
-    # only copies the last total, so the last tile's line is checked like every other one: a PRM
-    # that must judge a tile's sum and the appended answer on one step learns that step late.
+    # running_sum, then a step that states the result: the answer follows a short line that only
+    # copies the last total, not the last tile's line, where the demo's PRMs learned the tile
+    # check worst with the answer appended (docs/experiments/2026-12-04-why-best-of-n-falls.md).
     steps, total = _running_sum(d, slips)
     return steps + [f"The total is {total}."], total
 
@@ -315,8 +315,12 @@ TEMPLATES: dict[str, Template] = {
         ),
     ]
 }
-# Templates that carry a running total over one step per tile (`add_slips` slips their carries).
-RUNNING_TEMPLATES: tuple[str, ...] = ("running_sum", "running_total")
+# Templates that carry a running total over one step per tile, with the solver `add_slips` calls
+# to slip one of their carries.
+RUNNING_TEMPLATES: dict[str, Callable[..., tuple[list[str], int]]] = {
+    "running_sum": _running_sum,
+    "running_total": _running_total,
+}
 # `templates=None` draws from these; the running ones are opt-in, so existing seeds keep their problems.
 DEFAULT_TEMPLATES: tuple[str, ...] = tuple(name for name in TEMPLATES if name not in RUNNING_TEMPLATES)
 
@@ -451,8 +455,7 @@ def add_slips(problems: Sequence[SyntheticProblem], rate: float, seed: int = 0) 
     One slip per slipped solution, not one chance per carry: at 0.3 per carry, two in three 4-tile
     solutions would slip, one in five more than once.
     Only `running_sum` and `running_total` problems get slips; `answer` and `steps` become the
-    slipped solution's, meta
-    gains `slip_steps` (1-based) and `gold_answer`.
+    slipped solution's, meta gains `slip_steps` (1-based) and `gold_answer`.
     """
     if not 0.0 <= rate <= 1.0:
         raise ValueError(f"synthetic.slip_rate: {rate} is not in [0, 1]")
@@ -466,8 +469,7 @@ def add_slips(problems: Sequence[SyntheticProblem], rate: float, seed: int = 0) 
         step = rng.randint(2, len(tiles))  # the step whose carried total is miscopied
         carried = sum(tiles[: step - 1])
         offset = rng.choice([o for o in (-3, -2, -1, 1, 2, 3) if carried + o >= 0])
-        solve = _running_total if p.meta["template"] == "running_total" else _running_sum
-        steps, answer = solve(tiles, {step: offset})
+        steps, answer = RUNNING_TEMPLATES[p.meta["template"]](tiles, {step: offset})
         meta = {**p.meta, "slip_steps": [step], "gold_answer": p.answer}
         out.append(SyntheticProblem(p.id, p.image, p.question, steps, str(answer), meta))
     return out
