@@ -199,6 +199,9 @@ def require_model_dir(cfg: Any, key: str, hub: bool = True) -> None:
     raise ConfigError(f"{key}: {value} does not exist{where} ({kind})")
 
 
+RUN_RECORD_KEYS = ("num_processes",)  # written beside the settings in config.resolved.json
+
+
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
     """Build `cls` from a YAML file (optional) and dotted overrides (`train.lr=1e-5`)."""
     raw: dict[str, Any] = {}
@@ -214,6 +217,10 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping of keys to values")
         raw = loaded or {}
+        # A run's config.resolved.json records facts about the run beside its settings
+        # (mmprm.training); read back to repeat the run, those are not settings.
+        for key in RUN_RECORD_KEYS:
+            raw.pop(key, None)
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep or not key:

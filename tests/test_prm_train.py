@@ -77,6 +77,20 @@ def test_value_head_hard_labels_balance_and_load_prm_round_trip(tiny_models, toy
     assert again == scores  # deterministic reload: same head weights, same tokenization
 
 
+def test_resolved_config_repeats_the_run(tiny_models, toy, tmp_path):
+    # config.resolved.json holds every setting of a run beside its process count: given back as
+    # --config, with only the output folder changed, it trains the same weights.
+    train, ev = toy
+    first, again = tmp_path / "first", tmp_path / "again"
+    run_recipe("prm_train", *common(tiny_models("qwen2_vl"), train, ev, first, steps=4))
+    assert json.loads((first / "config.resolved.json").read_text())["num_processes"] == 1
+    run_recipe("prm_train", "--config", first / "config.resolved.json", f"output_dir={again}")
+    a, b = load_file(first / "model.safetensors"), load_file(again / "model.safetensors")
+    assert a.keys() == b.keys()
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst <= 1e-6, f"the rerun from config.resolved.json differs by {worst}"
+
+
 def test_exact_resume_matches_straight_run(tiny_models, toy, tmp_path):
     train, ev = toy
     model = tiny_models("qwen2_vl")
