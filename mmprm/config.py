@@ -199,7 +199,15 @@ def require_model_dir(cfg: Any, key: str, hub: bool = True) -> None:
     raise ConfigError(f"{key}: {value} does not exist{where} ({kind})")
 
 
-RUN_RECORD_KEYS = ("num_processes",)  # written beside the settings in config.resolved.json
+# What a training run writes into its output folder (mmprm.training): every setting, plus facts
+# about the run that are not settings. Given back with --config, the file repeats the run.
+RESOLVED_CONFIG = "config.resolved.json"
+RUN_RECORD_KEYS = ("num_processes",)
+
+
+def resolved_config_text(cfg: Any, num_processes: int) -> str:
+    """The RESOLVED_CONFIG file's JSON: `cfg`'s settings and the run's record (RUN_RECORD_KEYS)."""
+    return json.dumps({**to_dict(cfg), "num_processes": num_processes}, indent=2)
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
@@ -217,10 +225,9 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping of keys to values")
         raw = loaded or {}
-        # A run's config.resolved.json records facts about the run beside its settings
-        # (mmprm.training); read back to repeat the run, those are not settings.
-        for key in RUN_RECORD_KEYS:
-            raw.pop(key, None)
+        if Path(path).name == RESOLVED_CONFIG:  # a run's record: its facts are not settings
+            for key in RUN_RECORD_KEYS:
+                raw.pop(key, None)
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep or not key:

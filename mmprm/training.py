@@ -740,7 +740,7 @@ class TrainingRun:
     def resume(self, cfg: Any) -> None:
         """Load the checkpoint found at start (weights, optimizer, batch order, RNG, counters), ready
         output_dir for this run (`start_run`), save the resolved `cfg` and start the trackers."""
-        from mmprm.config import to_dict
+        from mmprm.config import RESOLVED_CONFIG, resolved_config_text, to_dict
 
         accelerator = self.accelerator
         accelerator.register_for_checkpointing(self.stream, self.progress)
@@ -757,9 +757,7 @@ class TrainingRun:
         )
         if accelerator.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "config.resolved.json").write_text(
-                json.dumps({**to_dict(cfg), "num_processes": accelerator.num_processes}, indent=2)
-            )
+            (self.output_dir / RESOLVED_CONFIG).write_text(resolved_config_text(cfg, accelerator.num_processes))
         if self.log_with:
             accelerator.init_trackers(self.name, config={k: str(v) for k, v in to_dict(cfg).items()})
 

@@ -67,6 +67,18 @@ def test_no_config_file_says_so():
     assert load_config(Outer, None, ["name_or_path=m"]).name_or_path == "m"  # overrides alone are fine
 
 
+def test_run_record_is_dropped_only_from_a_resolved_config(tmp_path):
+    settings = {"name_or_path": "m", "inner": {"mode": "slow"}, "num_processes": 2}
+    resolved = tmp_path / "config.resolved.json"
+    resolved.write_text(json.dumps(settings))
+    assert load_config(Outer, resolved, []).inner.mode == "slow"
+    # Written by hand, num_processes is no setting: accelerate launch sets the process count.
+    hand = tmp_path / "mine.yaml"
+    hand.write_text(json.dumps(settings))
+    with pytest.raises(ConfigError, match="unknown key.*num_processes"):
+        load_config(Outer, hand, [])
+
+
 def _model_dir(path: Path) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
