@@ -90,8 +90,9 @@ class SyntheticConfig:
         grid: (rows, cols) of cells; rows * cols must hold max_tiles + distractors.
         digits: (lowest, highest) digit drawn, within 0-9.
         templates: names of question templates to use (None = all of `DEFAULT_TEMPLATES` that fit;
-            "running_sum", one step per tile that reads it and updates a total, and "running_total",
-            the same then a step "The total is N.", must be named).
+            "running_sum", one step per tile that reads it and updates a total, "running_total",
+            the same then a step "The total is N.", and "running_digit", running_total keeping
+            only the total's last digit, must be named).
         style: "tiles" = solid tiles (train on this); "human" = digits drawn on the tiles.
         marks: paint the top half of each cell in a colour that names its slot (`SLOT_MARKS`),
             like the labels of a figure's panels; the digit colour fills the bottom half.
@@ -235,6 +236,22 @@ def _running_total(d: list[int], slips: dict[int, int] | None = None) -> tuple[l
     return steps + [f"The total is {total}."], total
 
 
+def _running_digit(d: list[int], slips: dict[int, int] | None = None) -> tuple[list[str], int]:
+    # running_total that keeps only the last digit: every line adds two one-digit numbers, so the
+    # check of the fourth tile's line is the same 100-fact table as the second's. With whole
+    # totals the tables grow with each tile (up to 27 + 9) and a line late in a solution is the
+    # one a small PRM checks worst (docs/experiments/2026-12-04-last-digit-task.md).
+    kept = d[0]
+    steps = [f"Tile 1 is {d[0]}. Total {d[0]}."]
+    for i, x in enumerate(d[1:], start=2):
+        carried = kept + (slips or {}).get(i, 0)
+        total = carried + x
+        kept = total % 10
+        keep = f", keep {kept}" if total >= 10 else ""
+        steps.append(f"Tile {i} is {x}. Total {carried} + {x} = {total}{keep}.")
+    return [*steps, f"The total is {kept}."], kept
+
+
 def _mul(d: list[int]) -> tuple[list[str], int]:
     return [f"{d[0]} * {d[1]} = {d[0] * d[1]}."], d[0] * d[1]
 
@@ -313,6 +330,14 @@ TEMPLATES: dict[str, Template] = {
             _running_total,
             reads_tiles=True,
         ),
+        Template(
+            "running_digit",
+            "Add up the tiles one by one, keeping only the last digit of the total.",
+            (2, 3, 4),
+            frozenset({"+"}),
+            _running_digit,
+            reads_tiles=True,
+        ),
     ]
 }
 # Templates that carry a running total over one step per tile, with the solver `add_slips` calls
@@ -320,7 +345,10 @@ TEMPLATES: dict[str, Template] = {
 RUNNING_TEMPLATES: dict[str, Callable[..., tuple[list[str], int]]] = {
     "running_sum": _running_sum,
     "running_total": _running_total,
+    "running_digit": _running_digit,
 }
+# The running templates whose total wraps: only its last digit is carried.
+KEEPS_LAST_DIGIT = frozenset({"running_digit"})
 # `templates=None` draws from these; the running ones are opt-in, so existing seeds keep their problems.
 DEFAULT_TEMPLATES: tuple[str, ...] = tuple(name for name in TEMPLATES if name not in RUNNING_TEMPLATES)
 
@@ -454,7 +482,7 @@ def add_slips(problems: Sequence[SyntheticProblem], rate: float, seed: int = 0) 
     again), so a slip's Monte Carlo value is not always 0 (measured in docs/experiments/).
     One slip per slipped solution, not one chance per carry: at 0.3 per carry, two in three 4-tile
     solutions would slip, one in five more than once.
-    Only `running_sum` and `running_total` problems get slips; `answer` and `steps` become the
+    Only the running templates' problems get slips (a kept last digit slips to another digit); `answer` and `steps` become the
     slipped solution's, meta gains `slip_steps` (1-based) and `gold_answer`.
     """
     if not 0.0 <= rate <= 1.0:
@@ -468,7 +496,12 @@ def add_slips(problems: Sequence[SyntheticProblem], rate: float, seed: int = 0) 
             continue
         step = rng.randint(2, len(tiles))  # the step whose carried total is miscopied
         carried = sum(tiles[: step - 1])
-        offset = rng.choice([o for o in (-3, -2, -1, 1, 2, 3) if carried + o >= 0])
+        if p.meta["template"] in KEEPS_LAST_DIGIT:
+            carried %= 10
+            offsets = [o for o in (-3, -2, -1, 1, 2, 3) if 0 <= carried + o <= 9]
+        else:
+            offsets = [o for o in (-3, -2, -1, 1, 2, 3) if carried + o >= 0]
+        offset = rng.choice(offsets)
         steps, answer = RUNNING_TEMPLATES[p.meta["template"]](tiles, {step: offset})
         meta = {**p.meta, "slip_steps": [step], "gold_answer": p.answer}
         out.append(SyntheticProblem(p.id, p.image, p.question, steps, str(answer), meta))
@@ -625,7 +658,7 @@ _ARITH_RE = re.compile(r"^(-?\d+) ([-+*]) (-?\d+) = (-?\d+)\.$")
 _EXTREME_RE = re.compile(r"^The (largest|smallest) is (-?\d+)\.$")
 _TOTAL_RE = re.compile(r"^The total is (-?\d+)\.$")
 _CMP_RE = re.compile(r"^(-?\d+) ([<>=]) (-?\d+)\.$")
-_RUNNING_RE = re.compile(r"^Tile (\d+) is (-?\d+)\. Total (?:(-?\d+) \+ (-?\d+) = )?(-?\d+)\.$")
+_RUNNING_RE = re.compile(r"^Tile (\d+) is (-?\d+)\. Total (?:(-?\d+) \+ (-?\d+) = )?(-?\d+)(?:, keep (-?\d+))?\.$")
 
 
 RIGHT, AFTER = "right", "after"
@@ -675,8 +708,11 @@ def step_verdicts(
                 error = "carry" if last_value is not None else None if c == d else "arithmetic"
             else:
                 a, b = int(m.group(3)), int(m.group(4))
-                error = "carry" if (a != last_value or b != d) else None if a + b == c else "arithmetic"
-            value = c
+                # ", keep k" (running_digit) claims k is the sum's last digit, and k is carried on
+                keep = None if m.group(6) is None else int(m.group(6))
+                true = a + b == c and (keep is None or keep == c % 10)
+                error = "carry" if (a != last_value or b != d) else None if true else "arithmetic"
+            value = c if m.group(6) is None else int(m.group(6))
         elif m := _READ_RE.match(text):
             i, d = int(m.group(1)), int(m.group(2))
             error = "order" if not 1 <= i <= len(tiles) else None if tiles[i - 1] == d else "misread"
