@@ -61,6 +61,18 @@ _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
             ],
             10,
         ),
+        (
+            "running_digit",
+            [7, 5, 9, 6],
+            [
+                "Tile 1 is 7. Total 7.",
+                "Tile 2 is 5. Total 7 + 5 = 12, keep 2.",
+                "Tile 3 is 9. Total 2 + 9 = 11, keep 1.",
+                "Tile 4 is 6. Total 1 + 6 = 7.",
+                "The total is 7.",
+            ],
+            7,
+        ),
     ],
 )
 def test_templates_compute_hand_checked_solutions(name, digits, steps, answer):
@@ -339,6 +351,33 @@ def test_running_total_slips_like_running_sum_and_states_the_slipped_total():
         (k,) = q.meta["slip_steps"]
         assert q.steps[-1] == f"The total is {q.answer}." and q.answer != q.meta["gold_answer"]
         assert check_steps(q.meta["tiles"], q.steps) == [i < k - 1 for i in range(len(q.steps))]
+
+
+def test_running_digit_checks_the_kept_digit_and_slips_to_another_digit():
+    from mmprm.data.synthetic import add_slips, step_verdicts
+
+    tiles = [7, 5, 9, 6]
+    gold, _ = TEMPLATES["running_digit"].solve(tiles)
+    assert step_verdicts(tiles, gold, "7", gold="7") == ["right"] * 5
+    # a false sum, a wrong kept digit, a kept digit miscopied into the next line
+    for line, kind in [
+        ("Tile 2 is 5. Total 7 + 5 = 13, keep 3.", "arithmetic"),
+        ("Tile 2 is 5. Total 7 + 5 = 12, keep 1.", "arithmetic"),
+        ("Tile 2 is 5. Total 7 + 5 = 12, keep 2.", "right"),
+    ]:
+        assert step_verdicts(tiles, [gold[0], line])[1] == kind, line
+    assert step_verdicts(tiles, [*gold[:2], "Tile 3 is 9. Total 3 + 9 = 12, keep 2."]) == ["right", "right", "carry"]
+    # the whole total carried on instead of its last digit is a miscopy
+    assert step_verdicts(tiles, [*gold[:2], "Tile 3 is 9. Total 12 + 9 = 21, keep 1."])[-1] == "carry"
+    problems = generate(SyntheticConfig(num_problems=200, seed=4, templates=("running_digit",), max_ops=5))
+    for p in problems:
+        assert p.answer == str(sum(p.meta["tiles"]) % 10)
+        assert step_verdicts(p.meta["tiles"], p.steps, p.answer, gold=p.answer) == ["right"] * len(p.steps)
+    for q in add_slips(problems, rate=1.0, seed=1):
+        (k,) = q.meta["slip_steps"]
+        carried = int(q.steps[k - 1].split("Total ")[1].split(" ")[0])
+        assert 0 <= carried <= 9 and q.answer != q.meta["gold_answer"]
+        assert step_verdicts(q.meta["tiles"], q.steps)[k - 2 : k] == ["right", "carry"]
 
 
 def test_slipped_solutions_miscopy_running_totals_and_go_on_from_what_they_wrote(tmp_path):
