@@ -216,40 +216,36 @@ def _add_all(d: list[int]) -> tuple[list[str], int]:
     return steps, total
 
 
-def _running_sum(d: list[int], slips: dict[int, int] | None = None) -> tuple[list[str], int]:
+def _running_sum(d: list[int], slips: dict[int, int] | None = None, last_digit: bool = False) -> tuple[list[str], int]:
     # One step per tile: read it and update the total. A step is checked against the image and
     # the previous step alone, but a slip anywhere carries into every later total.
     # slips: step (1-based, >= 2) -> offset added to the total it carries over (`add_slips`).
+    # last_digit: a sum of 10 or more goes on as its last digit (", keep k"), so every line adds
+    # two one-digit numbers: with whole totals the sums grow with each tile (up to 27 + 9) and a
+    # late line is the one a small PRM checks worst (docs/experiments/2026-12-04-last-digit-task.md).
     steps, total = [f"Tile 1 is {d[0]}. Total {d[0]}."], d[0]
     for i, x in enumerate(d[1:], start=2):
         carried = total + (slips or {}).get(i, 0)
-        steps.append(f"Tile {i} is {x}. Total {carried} + {x} = {carried + x}.")
-        total = carried + x
+        line, total = f"Tile {i} is {x}. Total {carried} + {x} = {carried + x}", carried + x
+        if last_digit and total >= 10:
+            total %= 10
+            line += f", keep {total}"
+        steps.append(line + ".")
     return steps, total
 
 
-def _running_total(d: list[int], slips: dict[int, int] | None = None) -> tuple[list[str], int]:
+def _running_total(
+    d: list[int], slips: dict[int, int] | None = None, last_digit: bool = False
+) -> tuple[list[str], int]:
     # running_sum, then a step that states the result: the answer follows a short line that only
     # copies the last total, not the last tile's line, where the demo's PRMs learned the tile
     # check worst with the answer appended (docs/experiments/2026-12-04-why-best-of-n-falls.md).
-    steps, total = _running_sum(d, slips)
+    steps, total = _running_sum(d, slips, last_digit)
     return steps + [f"The total is {total}."], total
 
 
 def _running_digit(d: list[int], slips: dict[int, int] | None = None) -> tuple[list[str], int]:
-    # running_total that keeps only the last digit: every line adds two one-digit numbers, so the
-    # check of the fourth tile's line is the same 100-fact table as the second's. With whole
-    # totals the tables grow with each tile (up to 27 + 9) and a line late in a solution is the
-    # one a small PRM checks worst (docs/experiments/2026-12-04-last-digit-task.md).
-    kept = d[0]
-    steps = [f"Tile 1 is {d[0]}. Total {d[0]}."]
-    for i, x in enumerate(d[1:], start=2):
-        carried = kept + (slips or {}).get(i, 0)
-        total = carried + x
-        kept = total % 10
-        keep = f", keep {kept}" if total >= 10 else ""
-        steps.append(f"Tile {i} is {x}. Total {carried} + {x} = {total}{keep}.")
-    return [*steps, f"The total is {kept}."], kept
+    return _running_total(d, slips, last_digit=True)
 
 
 def _mul(d: list[int]) -> tuple[list[str], int]:
@@ -482,8 +478,9 @@ def add_slips(problems: Sequence[SyntheticProblem], rate: float, seed: int = 0) 
     again), so a slip's Monte Carlo value is not always 0 (measured in docs/experiments/).
     One slip per slipped solution, not one chance per carry: at 0.3 per carry, two in three 4-tile
     solutions would slip, one in five more than once.
-    Only the running templates' problems get slips (a kept last digit slips to another digit); `answer` and `steps` become the
-    slipped solution's, meta gains `slip_steps` (1-based) and `gold_answer`.
+    Only the running templates' problems get slips (a kept last digit slips to another digit);
+    `answer` and `steps` become the slipped solution's, meta gains `slip_steps` (1-based) and
+    `gold_answer`.
     """
     if not 0.0 <= rate <= 1.0:
         raise ValueError(f"synthetic.slip_rate: {rate} is not in [0, 1]")
@@ -495,13 +492,11 @@ def add_slips(problems: Sequence[SyntheticProblem], rate: float, seed: int = 0) 
             out.append(p)
             continue
         step = rng.randint(2, len(tiles))  # the step whose carried total is miscopied
-        carried = sum(tiles[: step - 1])
-        if p.meta["template"] in KEEPS_LAST_DIGIT:
-            carried %= 10
-            offsets = [o for o in (-3, -2, -1, 1, 2, 3) if 0 <= carried + o <= 9]
-        else:
-            offsets = [o for o in (-3, -2, -1, 1, 2, 3) if carried + o >= 0]
-        offset = rng.choice(offsets)
+        last_digit = p.meta["template"] in KEEPS_LAST_DIGIT
+        carried = sum(tiles[: step - 1]) % 10 if last_digit else sum(tiles[: step - 1])
+        offset = rng.choice(
+            [o for o in (-3, -2, -1, 1, 2, 3) if 0 <= carried + o and (not last_digit or carried + o <= 9)]
+        )
         steps, answer = RUNNING_TEMPLATES[p.meta["template"]](tiles, {step: offset})
         meta = {**p.meta, "slip_steps": [step], "gold_answer": p.answer}
         out.append(SyntheticProblem(p.id, p.image, p.question, steps, str(answer), meta))
@@ -699,6 +694,8 @@ def step_verdicts(
         if m := _RUNNING_RE.match(text):
             # "Tile i is d. Total a + d = c.": the read, the carried total and the sum must all hold.
             i, d, c = int(m.group(1)), int(m.group(2)), int(m.group(5))
+            # ", keep k" (running_digit) claims k is the sum's last digit, and k is carried on
+            keep = None if m.group(6) is None else int(m.group(6))
             running += 1
             if not i == running <= len(tiles):  # tiles in order, none skipped
                 error = "order"
@@ -708,11 +705,9 @@ def step_verdicts(
                 error = "carry" if last_value is not None else None if c == d else "arithmetic"
             else:
                 a, b = int(m.group(3)), int(m.group(4))
-                # ", keep k" (running_digit) claims k is the sum's last digit, and k is carried on
-                keep = None if m.group(6) is None else int(m.group(6))
                 true = a + b == c and (keep is None or keep == c % 10)
                 error = "carry" if (a != last_value or b != d) else None if true else "arithmetic"
-            value = c if m.group(6) is None else int(m.group(6))
+            value = c if keep is None else keep
         elif m := _READ_RE.match(text):
             i, d = int(m.group(1)), int(m.group(2))
             error = "order" if not 1 <= i <= len(tiles) else None if tiles[i - 1] == d else "misread"
