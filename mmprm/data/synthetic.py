@@ -28,6 +28,7 @@ default `style="tiles"`: text would make patches non-uniform).
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import re
 from collections import Counter, defaultdict
@@ -492,11 +493,10 @@ def add_slips(problems: Sequence[SyntheticProblem], rate: float, seed: int = 0) 
             out.append(p)
             continue
         step = rng.randint(2, len(tiles))  # the step whose carried total is miscopied
-        last_digit = p.meta["template"] in KEEPS_LAST_DIGIT
-        carried = sum(tiles[: step - 1]) % 10 if last_digit else sum(tiles[: step - 1])
-        offset = rng.choice(
-            [o for o in (-3, -2, -1, 1, 2, 3) if 0 <= carried + o and (not last_digit or carried + o <= 9)]
-        )
+        carried, highest = sum(tiles[: step - 1]), math.inf
+        if p.meta["template"] in KEEPS_LAST_DIGIT:  # a kept digit slips to another digit
+            carried, highest = carried % 10, 9
+        offset = rng.choice([o for o in (-3, -2, -1, 1, 2, 3) if 0 <= carried + o <= highest])
         steps, answer = RUNNING_TEMPLATES[p.meta["template"]](tiles, {step: offset})
         meta = {**p.meta, "slip_steps": [step], "gold_answer": p.answer}
         out.append(SyntheticProblem(p.id, p.image, p.question, steps, str(answer), meta))
