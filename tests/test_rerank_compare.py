@@ -127,6 +127,11 @@ def test_spread_fact_places_each_headline_number_against_the_published_seeds():
     assert text.startswith("- This run against the published runs of seeds 0, 1, 2 (2-core CPU): one sample 0.550 ")
     assert "one sample 0.550 (below 0.600-0.700)" in text and "majority vote 0.650 (within 0.600-0.700)" in text
     assert text.endswith("the soft PRM's step AUROC 0.750 (above 0.600-0.700).")
+    # a rerun of a published seed sits on the range's edge up to the file's rounding: within
+    edge = {**dict.fromkeys(keys, 0.65), "single": 0.56375, "step_auroc": 0.87866}
+    ends = {"0": {**dict.fromkeys(keys, 0.6), "single": 0.5637, "step_auroc": 0.8787}, "1": dict.fromkeys(keys, 0.9)}
+    text = report.spread_fact(edge, {"where": "2-core CPU", "runs": ends})
+    assert "one sample 0.564 (within 0.564-0.900)" in text and "AUROC 0.879 (within 0.879-0.900)" in text
     # the published file holds what headline_numbers reads from a report
     published = json.loads(report.PUBLISHED_SEEDS.read_text())
     assert set(published["runs"]) == {"0", "1", "2"} and all(set(r) == set(keys) for r in published["runs"].values())

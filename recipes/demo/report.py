@@ -273,9 +273,11 @@ def spread_fact(run: dict[str, float], published: dict[str, Any]) -> str:
 
     def place(key: str) -> str:
         values = [r[key] for r in runs.values()]
-        lo, hi = min(values), max(values)
-        where = "below" if run[key] < lo else "above" if run[key] > hi else "within"
-        return f"{HEADLINE[key]} {run[key]:.3f} ({where} {lo:.3f}-{hi:.3f})"
+        # Compared as printed: the published file holds rounded numbers, and a rerun of a published
+        # seed must read "within", not "above" by the rounding.
+        value, lo, hi = (round(v, 3) for v in (run[key], min(values), max(values)))
+        where = "below" if value < lo else "above" if value > hi else "within"
+        return f"{HEADLINE[key]} {value:.3f} ({where} {lo:.3f}-{hi:.3f})"
 
     seeds = ", ".join(sorted(runs))
     return (
