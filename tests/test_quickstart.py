@@ -244,9 +244,10 @@ def test_pipeline_on_a_real_chat_template(tmp_path, family):
         f"output_dir={out}",
         f"model.name_or_path={base}",
         "task.train=1000",
-        # The chat template is under test, not the task: a real tokenizer such as LLaVA-1.5's spells
-        # the demo's last-digit lines in about 80 tokens, more than 300 SFT steps learn to write.
-        "task.templates=running_total",
+        # The default task where 300 SFT steps learn its format (Qwen2-VL, InternVL3: compliance 1.0).
+        # The LLaVA-1.5-shaped model reached 0.75 on it, this test's floor, so it keeps the running
+        # total (docs/demo.md tells a user of such a model).
+        *(["task.templates=running_total"] if family == "llava_1_5_hf" else []),
         "task.max_tiles=3",
         "task.max_ops=4",  # 3 tiles and the step that states the total
         "task.annotate=16",
