@@ -168,11 +168,11 @@ class ScorerConfig:
         judge: kind=judge: the judge (section)
         rpts: the RPTS judge protocol's switches (section)
         prm_path: kind=prm: the PRM directory
-        prm_batch_size: kind=prm: trees scored per forward batch
-        prm_backend: kind=prm: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
+        batch_size: kind=prm: trees scored per forward batch
+        backend: kind=prm: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
             same scores, served the way large runs serve reward models)
-        prm_vllm_kwargs: kind=prm, prm_backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
-        prm_convention: kind=prm: a released PRM that mmprm did not write, scored as its authors do:
+        vllm_kwargs: kind=prm, backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
+        convention: kind=prm: a released PRM that mmprm did not write, scored as its authors do:
             math_shepherd | qwen2_5_math_prm | rlhflow (docs/released-prms.md); null: one mmprm trained
         mc_rollouts: kind=mc: rollouts per node
         constant: kind=constant: the score of every node
@@ -183,10 +183,10 @@ class ScorerConfig:
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     rpts: RPTSJudgeConfig = field(default_factory=RPTSJudgeConfig)
     prm_path: str | None = None
-    prm_batch_size: int = 8
-    prm_backend: Literal["hf", "vllm"] = "hf"
-    prm_vllm_kwargs: dict[str, Any] = field(default_factory=dict)
-    prm_convention: ReleasedConvention | None = None
+    batch_size: int = 8
+    backend: Literal["hf", "vllm"] = "hf"
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    convention: ReleasedConvention | None = None
     mc_rollouts: int = 8
     constant: float = 1.0
     device: str = "auto"
@@ -603,11 +603,11 @@ def score_nodes(
         prm = load_prm(
             scorer_cfg.prm_path,
             device=device,
-            batch_size=scorer_cfg.prm_batch_size,
+            batch_size=scorer_cfg.batch_size,
             attn_implementation=cfg.model.attn_implementation,
-            backend=scorer_cfg.prm_backend,
-            vllm_kwargs=scorer_cfg.prm_vllm_kwargs,
-            convention=scorer_cfg.prm_convention,
+            backend=scorer_cfg.backend,
+            vllm_kwargs=scorer_cfg.vllm_kwargs,
+            convention=scorer_cfg.convention,
         )
         try:
             for i in scored:

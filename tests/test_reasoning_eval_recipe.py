@@ -217,3 +217,57 @@ def test_tiny_hf_model_answers_and_mc_scores(tmp_path, tiny_model_dir):
     assert recipe().main(argv) == 0
     lines = (tmp_path / "out" / "answers.jsonl").read_text().splitlines()
     assert len(lines) == 3 and lines[0] == answers.splitlines()[0]
+
+
+def test_prm_scorer_gives_each_node_the_prms_score_of_its_step(tmp_path, tiny_model_dir):
+    """scorer.kind=prm: every node of a steps tree carries the score the PRM gives that step when the
+    whole answer is scored directly with mmprm.load_prm (a random-init PRM: distinct scores)."""
+    from mmprm import load_prm
+    from mmprm.models.loading import load_backbone
+    from mmprm.models.prm import PRMSpec, build_prm, save_prm
+
+    backbone, processor = load_backbone(tiny_model_dir("qwen2"))
+    prm_dir = save_prm(build_prm(backbone, processor, PRMSpec()), processor, tmp_path / "prm")
+    questions = {f"p{i}": f"What is {i} + 2?" for i in range(3)}
+    steps = {
+        "p0": ["Start from 0.", "0 + 2 = 2."],
+        "p1": ["Start from 1.", "1 + 1 = 2.", "2 + 1 = 3."],
+        "p2": ["2 + 2 = 5."],
+    }
+    problems = write_jsonl(
+        tmp_path / "problems.jsonl",
+        [{"id": i, "question": q, "answer": str(int(i[1]) + 2)} for i, q in questions.items()],
+    )
+    answers = write_jsonl(
+        tmp_path / "answers.jsonl",
+        [
+            {"id": i, "response": "".join(f"<step>{s}</step>" for s in ss) + f"<answer>{int(i[1]) + 2}</answer>"}
+            for i, ss in steps.items()
+        ],
+    )
+    out = tmp_path / "out"
+    argv = [
+        "--config",
+        str(CONFIG),
+        "problems.format=jsonl",
+        f"problems.path={problems}",
+        "answers.source=file",
+        f"answers.path={answers}",
+        "tree.kind=steps",
+        "scorer.kind=prm",
+        f"scorer.prm_path={prm_dir}",
+        "scorer.batch_size=2",
+        "scorer.device=cpu",
+        f"output.dir={out}",
+        "output.plots=false",
+    ]
+    assert recipe().main(argv) == 0
+    trees = {t["id"]: t for t in map(json.loads, (out / "trees.jsonl").read_text().splitlines())}
+    assert sorted(trees) == sorted(steps)
+    prm = load_prm(prm_dir, device="cpu")
+    for i, ss in steps.items():
+        expected = prm.score([{"question": questions[i], "steps": ss}])[0]
+        nodes = {n["id"]: n for n in trees[i]["nodes"]}
+        assert [nodes[f"S{k}"]["text"] for k in range(len(ss))] == ss
+        assert [nodes[f"S{k}"]["score"] for k in range(len(ss))] == pytest.approx(expected, abs=1e-5)
+    assert len({round(p, 6) for ss in trees.values() for p in (n["score"] for n in ss["nodes"])}) > 1
