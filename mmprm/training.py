@@ -15,7 +15,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from mmprm.config_sections import AttnImplementation
 
 
 @dataclass
@@ -35,6 +37,32 @@ class LoraConfig:
     alpha: int = 32
     dropout: float = 0.05
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class TrainModelConfig:
+    """The backbone a training recipe fine-tunes (prm_train builds the PRM on it; policy_sft adds its
+    system prompt).
+
+    Attributes:
+        name_or_path: backbone: a Hugging Face model directory (or hub id where the hub is reachable);
+            required
+        attn_implementation: attention kernel: sdpa | flash_attention_2 (mmprm[flash], CUDA) |
+            flex_attention (prm_train with data.pack_trees: the tree is a block mask) | eager | auto
+            (flash-attn when installed and a GPU is visible, else sdpa)
+        dtype: weights dtype at load; use train.bf16 for mixed precision
+        freeze_vision_tower: keep the vision encoder frozen (MM-PRM trains the language model, not
+            the ViT)
+        gradient_checkpointing: recompute activations in the backward pass: less memory, the forward runs twice
+        lora: LoRA adapters (section)
+    """
+
+    name_or_path: str = ""
+    attn_implementation: AttnImplementation = "sdpa"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    freeze_vision_tower: bool = True
+    gradient_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -620,14 +648,29 @@ def leave_run(accelerator: Any) -> None:
         os._exit(0)
 
 
-def adapt_backbone(model: Any, freeze_vision_tower: bool, lora: LoraConfig, gradient_checkpointing: bool) -> Any:
+def load_trainable_backbone(cfg: TrainModelConfig, attn_implementation: str | None = None) -> tuple[Any, Any]:
+    """(model, processor) of cfg.name_or_path in cfg.dtype, with cfg's attention kernel unless the
+    recipe passes the one it resolved."""
+    import torch
+
+    from mmprm.models.loading import load_backbone
+
+    return load_backbone(
+        cfg.name_or_path,
+        dtype=getattr(torch, cfg.dtype),
+        attn_implementation=attn_implementation or cfg.attn_implementation,
+    )
+
+
+def adapt_backbone(model: Any, cfg: TrainModelConfig) -> Any:
     """Ready a loaded backbone for training: freeze its vision tower, wrap it in LoRA adapters
     (peft), turn on gradient checkpointing, each as configured; returns the (possibly wrapped) model."""
     from mmprm.models.loading import vision_tower_parameters
 
-    if freeze_vision_tower:
+    if cfg.freeze_vision_tower:
         for p in vision_tower_parameters(model):
             p.requires_grad_(False)
+    lora = cfg.lora
     if lora.enabled:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
@@ -638,7 +681,7 @@ def adapt_backbone(model: Any, freeze_vision_tower: bool, lora: LoraConfig, grad
                 r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules
             ),
         )
-    if gradient_checkpointing:
+    if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 

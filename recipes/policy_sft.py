@@ -29,36 +29,31 @@ from accelerate.utils import gather_object
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir
 from mmprm.data.schema import DataError, load_image
 from mmprm.generation.policy import PolicySpec, save_policy_spec
-from mmprm.models.loading import load_backbone, resolve_attn_implementation
+from mmprm.models.loading import resolve_attn_implementation
 from mmprm.models.sharding import merge_lora_copy
 from mmprm.models.vision_sync import vision_sync
 from mmprm.steps import parse_solution, prompt_text
-from mmprm.training import LoraConfig, TrainConfig, TrainingRun, adapt_backbone, eval_share, leave_run, wrap_padding
+from mmprm.training import (
+    TrainConfig,
+    TrainingRun,
+    TrainModelConfig,
+    adapt_backbone,
+    eval_share,
+    leave_run,
+    load_trainable_backbone,
+    wrap_padding,
+)
 from mmprm.training_data import IGNORE, SFTCollator, load_tokenized
 
 
 @dataclass
-class ModelConfig:
-    """The policy to fine-tune.
+class ModelConfig(TrainModelConfig):
+    """The policy to fine-tune (mmprm.training.TrainModelConfig), with the system prompt it learns under.
 
     Attributes:
-        name_or_path: base model: a Hugging Face model directory (or hub id where the hub is reachable);
-            required
-        attn_implementation: attention kernel: sdpa | flash_attention_2 (mmprm[flash], CUDA) | eager | auto
-            (flash-attn when installed and a GPU is visible, else sdpa)
-        dtype: weights dtype at load (float32, bfloat16, float16); use train.bf16 for mixed precision
-        freeze_vision_tower: keep the vision encoder frozen (MM-PRM: language model updated, ViT frozen)
-        gradient_checkpointing: recompute activations in the backward pass: less memory, the forward runs twice
-        lora: LoRA adapters (section)
         system_prompt: system message of every prompt; annotation and Best-of-N must send the same
     """
 
-    name_or_path: str = ""
-    attn_implementation: str = "sdpa"
-    dtype: str = "float32"
-    freeze_vision_tower: bool = True
-    gradient_checkpointing: bool = False
-    lora: LoraConfig = field(default_factory=LoraConfig)
     system_prompt: str | None = None
 
 
@@ -205,12 +200,8 @@ def eval_loss(model, collate: SFTCollator, batch_size, accelerator, sync) -> flo
 
 def build_model(cfg: Config) -> tuple[Any, Any]:
     """The policy (vision tower frozen, LoRA, gradient checkpointing as configured) and its processor."""
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
-    model, processor = load_backbone(
-        cfg.model.name_or_path, dtype=dtype, attn_implementation=cfg.model.attn_implementation
-    )
-    m = cfg.model
-    return adapt_backbone(model, m.freeze_vision_tower, m.lora, m.gradient_checkpointing), processor
+    model, processor = load_trainable_backbone(cfg.model)
+    return adapt_backbone(model, cfg.model), processor
 
 
 def load_data(cfg: Config, processor, run: TrainingRun) -> tuple[SFTCollator, SFTCollator | None]:

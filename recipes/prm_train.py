@@ -27,45 +27,23 @@ import torch
 from mmprm.collate import model_input_keys
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir
 from mmprm.data.schema import DataError
-from mmprm.models.loading import load_backbone, resolve_attn_implementation
+from mmprm.models.loading import resolve_attn_implementation
 from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, save_prm
 from mmprm.models.vision_sync import vision_sync
 from mmprm.scoring.losses import soft_bce_value, soft_ce_token_pair
 from mmprm.scoring.metrics import step_metrics
 from mmprm.steps import StepTokenError
 from mmprm.training import (
-    LoraConfig,
     TrainConfig,
     TrainingRun,
+    TrainModelConfig,
     adapt_backbone,
     eval_share,
     leave_run,
+    load_trainable_backbone,
     wrap_padding,
 )
 from mmprm.training_data import LabelMode, PackedPRMCollator, PRMCollator, load_tokenized, plan_tree_packs
-
-
-@dataclass
-class ModelConfig:
-    """The backbone the PRM is built on.
-
-    Attributes:
-        name_or_path: backbone: a Hugging Face model directory (or hub id where the hub is reachable); required
-        attn_implementation: attention kernel: sdpa | flash_attention_2 (mmprm[flash], CUDA) | flex_attention
-            (FlexAttention; with data.pack_trees the tree is a block mask) | eager | auto
-            (flash-attn when installed and a GPU is visible, else sdpa)
-        dtype: weights dtype at load (float32, bfloat16, float16); use train.bf16 for mixed precision
-        freeze_vision_tower: keep the vision encoder frozen (MM-PRM trains only the language model)
-        gradient_checkpointing: recompute activations in the backward pass: less memory, the forward runs twice
-        lora: LoRA adapters (section)
-    """
-
-    name_or_path: str = ""
-    attn_implementation: str = "sdpa"
-    dtype: str = "float32"
-    freeze_vision_tower: bool = True
-    gradient_checkpointing: bool = False
-    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -135,7 +113,7 @@ class Config:
             starts fresh (refused over checkpoints in output_dir unless train.overwrite_output_dir=true)
     """
 
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: TrainModelConfig = field(default_factory=TrainModelConfig)
     prm: PRMConfig = field(default_factory=PRMConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -233,15 +211,13 @@ class PRMData:
 def build_model(cfg: Config) -> tuple[ProcessRewardModel, Any, PRMSpec]:
     """The PRM on its backbone (vision tower frozen, LoRA, gradient checkpointing as configured),
     its processor and its spec."""
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
     attn = cfg.model.attn_implementation
     if cfg.data.pack_trees and attn == "auto":  # flash-attn takes no tree mask
         attn = "sdpa"
-    backbone, processor = load_backbone(cfg.model.name_or_path, dtype=dtype, attn_implementation=attn)
+    backbone, processor = load_trainable_backbone(cfg.model, attn)
     spec = PRMSpec(head=cfg.prm.head, reward_tokens=list(cfg.prm.reward_tokens), system_prompt=cfg.prm.system_prompt)
     model = build_prm(backbone, processor, spec)
-    m = cfg.model
-    model.backbone = adapt_backbone(model.backbone, m.freeze_vision_tower, m.lora, m.gradient_checkpointing)
+    model.backbone = adapt_backbone(model.backbone, cfg.model)
     return model, processor, spec
 
 

@@ -125,3 +125,11 @@ def test_recipe_exits_2_with_the_message():
     assert res.returncode == 2, res.stderr[-2000:]
     assert res.stderr.startswith("prm_train: ")
     assert "model.attn_implementation=flash_attention_2 but flash-attn is not installed" in res.stderr
+
+
+@pytest.mark.parametrize("recipe", ["prm_train", "policy_sft"])
+def test_training_recipes_refuse_an_unknown_dtype_before_loading(recipe):
+    """The shared model section (mmprm.training.TrainModelConfig) names the accepted dtypes."""
+    config = REPO / "recipes" / "configs" / "tiny" / f"{recipe}.yaml"
+    with pytest.raises(ConfigError, match=r"model\.dtype: 'bf16' is not one of \['float32', 'bfloat16', 'float16'\]"):
+        recipe_main(recipe)(["--config", str(config), "model.dtype=bf16"])
