@@ -218,7 +218,7 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
     partial = final.with_name(name + ".partial")
     run = {"policy": str(Path(g.policy).resolve()), "problems_file": str(problems_file.resolve()), "n": g.n}
     run["sampling"] = asdict(g.sampling)
-    check_same_run(final.with_name(name + ".run.json"), run, final, partial)
+    store.check_same_run(final.with_name(name + ".run.json"), run, final, partial)
     if final.exists():
         print(f"candidates already generated ({final}); delete it to sample again")
         return final
@@ -303,19 +303,6 @@ def sample_into(partial: Path, backend: Any, todo: list[Any], cfg: Config, n_don
                 flush=True,
             )
     print(f"{len(todo) * g.n} candidates sampled in this run: {n_parsed} with parsable steps, {n_correct} correct")
-
-
-def check_same_run(run_file: Path, run: dict[str, Any], *outputs: Path) -> None:
-    """Refuse to resume or reuse `outputs` made with other settings; record this run's settings."""
-    if run_file.exists() and any(o.exists() for o in outputs):
-        before = json.loads(run_file.read_text())
-        diff = {k: (before.get(k), v) for k, v in run.items() if before.get(k) != v}
-        if diff:
-            raise ConfigError(
-                f"output_dir: {outputs[0].name} was made with other settings {diff} (was, now): "
-                "use a new output_dir, or delete its files to redo it"
-            )
-    run_file.write_text(json.dumps(run, indent=2) + "\n")
 
 
 def make_backend(cfg: Config):
@@ -449,7 +436,7 @@ def score_shard(cfg: Config, out_dir: Path, cand_file: Path, lo: int, hi: int | 
         "share_prefix": cfg.scoring.share_prefix,
         "max_length": cfg.scoring.max_length,
     }
-    check_same_run(final.with_name(final.name + ".run.json"), run, final, partial)
+    store.check_same_run(final.with_name(final.name + ".run.json"), run, final, partial)
     if final.exists():
         print(f"shard {cfg.shard.index} already scored ({final}); delete it to rescore")
         return

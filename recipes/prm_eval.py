@@ -29,6 +29,7 @@ split by source problem, so PRMBench's repeated `idx` never lands on both sides.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -95,6 +96,9 @@ class ScorerConfig:
         vllm_kwargs: backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
         convention: a released PRM that mmprm did not write, scored as its authors do:
             math_shepherd | qwen2_5_math_prm | rlhflow (docs/released-prms.md); null: one mmprm trained
+        chunk_examples: examples scored, then saved to output.dir/score_cache.jsonl, at a time: a
+            killed run resumes after the last chunk saved, and a rerun with other data or metrics
+            settings scores only examples the cache does not hold
     """
 
     prm_path: str = ""
@@ -105,6 +109,11 @@ class ScorerConfig:
     backend: Literal["hf", "vllm"] = "hf"
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     convention: ReleasedConvention | None = None
+    chunk_examples: int = 256
+
+    def validate(self) -> None:
+        if self.chunk_examples < 1:
+            raise ValueError(f"scorer.chunk_examples: {self.chunk_examples} must be >= 1")
 
 
 @dataclass
@@ -316,12 +325,8 @@ def main(argv: list[str]) -> int:
 
     # ---- score; truncated steps come back NaN and their examples leave the metrics (counted)
     require_model_dir(cfg, "scorer.prm_path", hub=False)  # named here, not in a traceback from the loader
-    scorer = load_scorer(cfg)
-    try:
-        dev_rows = score_split(scorer, "dev", dev) if dev else []
-        test_rows = score_split(scorer, "test", examples)
-    finally:
-        scorer.close()  # a vLLM engine stops now, not in the interpreter's exit (its threads can abort there)
+    scores = score_examples(cfg, dev + examples)
+    dev_rows, test_rows = score_rows("dev", dev, scores), score_rows("test", examples, scores)
     excluded = len(dev_rows) + len(test_rows) - len(complete(dev_rows)) - len(complete(test_rows))
 
     # ---- threshold, metrics, report
@@ -409,23 +414,68 @@ def load_scorer(cfg: PRMEvalConfig) -> Any:
     )
 
 
-def score_split(scorer: Any, split: str, exs: list[StepExample]) -> list[dict[str, Any]]:
+def example_key(ex: StepExample) -> str:
+    """What a PRM's step scores of an example depend on: its question, its steps and the images it is
+    shown (not its id, labels or split), as one digest."""
+    blob = json.dumps([ex.question, ex.steps, ex.images], ensure_ascii=False)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def score_examples(cfg: PRMEvalConfig, exs: list[StepExample]) -> dict[str, list[float]]:
+    """{example_key: step scores} of `exs`, through output.dir/score_cache.jsonl.
+
+    Examples the cache lacks are scored scorer.chunk_examples at a time, each chunk appended (and
+    fsync'ed) before the next, so a killed run resumes after the last chunk and a rerun that changes
+    only the data slice, the dev split or the metrics reuses every score. The cache holds one PRM's
+    scores: another PRM, convention or max_length is refused (output.dir names where to go instead).
+    """
+    from mmprm.data import store
+
+    out = Path(cfg.output.dir)
+    cache = out / "score_cache.jsonl"
+    run = {
+        "prm": str(Path(cfg.scorer.prm_path).resolve()),
+        "convention": cfg.scorer.convention,
+        "max_length": cfg.scorer.max_length,
+    }
+    store.check_same_run(out / "score_cache.run.json", run, cache)
+    done = store.resume(cache)
+    todo = list({k: ex for ex in exs if (k := example_key(ex)) not in done}.items())
+    if done:
+        print(f"{cache}: {len(exs) - len(todo)} of {len(exs)} examples already scored")
+    if todo:
+        scorer = load_scorer(cfg)
+        start, n_steps, size = time.time(), 0, cfg.scorer.chunk_examples
+        try:
+            with store.open_append(cache) as f:
+                for lo in range(0, len(todo), size):
+                    chunk = todo[lo : lo + size]
+                    for (key, _), s in zip(chunk, scorer.score([ex for _, ex in chunk], progress=True)):
+                        store.append_row(f, {"id": key, "scores": s})
+                        n_steps += len(s)
+                    print(
+                        f"scored {lo + len(chunk)}/{len(todo)} examples, {n_steps} steps in "
+                        f"{time.time() - start:.1f}s (saved to {cache})"
+                    )
+        finally:
+            scorer.close()  # a vLLM engine stops now, not in the interpreter's exit (its threads can abort there)
+    wanted = {example_key(ex) for ex in exs}
+    return {row["id"]: row["scores"] for row in store.iter_rows(cache) if row["id"] in wanted}
+
+
+def score_rows(split: str, exs: list[StepExample], scores: dict[str, list[float]]) -> list[dict[str, Any]]:
     """One row per example of `split`: its step scores (NaN past scorer.max_length) beside its labels."""
-    start = time.time()
-    scores = scorer.score(exs, progress=True)
-    n_steps = sum(len(s) for s in scores)
-    print(f"{split}: scored {len(exs)} examples / {n_steps} steps in {time.time() - start:.1f}s")
     return [
         {
             "id": ex.id,
             "split": split,
             "category": ex.meta.get("category"),
-            "scores": s,
+            "scores": scores[example_key(ex)],
             "labels": [float(x) for x in ex.labels],
             "first_error": true_first_error(ex),
             "neutral_steps": ex.meta.get("neutral_steps", []),
         }
-        for ex, s in zip(exs, scores)
+        for ex in exs
     ]
 
 

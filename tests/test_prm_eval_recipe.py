@@ -250,3 +250,49 @@ def test_bad_inputs_fail_early_with_clear_errors(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2 and f"{bad}:1: id=r1: labels" in proc.stderr
+
+
+def test_a_killed_run_resumes_and_a_rerun_scores_only_what_is_new(prm_dirs, tmp_path, capsys):
+    from mmprm.config import ConfigError
+
+    out = tmp_path / "out"
+    args = [
+        "--config",
+        str(CONFIG),
+        f"data.path={PRMBENCH}",
+        "data.per_category=2",
+        "data.dev_fraction=0.3",
+        "scorer.chunk_examples=4",
+        f"scorer.prm_path={prm_dirs('qwen2')}",
+        f"output.dir={out}",
+    ]
+    assert recipe().main(args) == 0
+    first = {r["id"]: r["scores"] for r in map(json.loads, (out / "scores.jsonl").read_text().splitlines())}
+    cache = out / "score_cache.jsonl"
+    lines = cache.read_text().splitlines(keepends=True)
+    assert len(lines) == len(first) == 18
+    # killed in the middle of its second chunk: four rows saved, the fifth torn
+    cache.write_text("".join(lines[:4]) + lines[4][:20])
+    capsys.readouterr()
+    assert recipe().main(args) == 0
+    printed = capsys.readouterr()
+    assert "4 of 18 examples already scored" in printed.out and "torn last row" in printed.err
+    again = {r["id"]: r["scores"] for r in map(json.loads, (out / "scores.jsonl").read_text().splitlines())}
+    assert again.keys() == first.keys() and all(again[k] == pytest.approx(first[k], abs=1e-5) for k in first)
+    assert len(cache.read_text().splitlines()) == 18
+    check_against_scores(out)
+
+    # another threshold source and slice of the same rows: nothing is scored, the PRM is not even loaded
+    mod = recipe()
+    mod.load_scorer = lambda cfg: pytest.fail("the PRM was loaded although every example was in the cache")
+    assert mod.main([*args, "data.dev_fraction=0", "metrics.threshold=0.3", "data.per_category=1"]) == 0
+    assert "9 of 9 examples already scored" in capsys.readouterr().out
+    report, rows = check_against_scores(out)
+    assert report["threshold"] == 0.3 and len(rows) == 9
+    assert all(r["scores"] == pytest.approx(first[r["id"]], abs=1e-5) for r in rows)
+
+    # another PRM's scores must not mix with these
+    with pytest.raises(ConfigError, match=r"score_cache\.jsonl was made with other settings .*'prm'"):
+        recipe().main([*args, f"scorer.prm_path={prm_dirs('qwen2', 'value')}"])
+    with pytest.raises(ConfigError, match=r"scorer\.chunk_examples: 0 must be >= 1"):
+        recipe().main([*args, "scorer.chunk_examples=0"])

@@ -127,6 +127,24 @@ def iter_merged(
         yield from iter_rows(shard_file(folder, stem, i, count), fields)
 
 
+def check_same_run(run_file: str | Path, run: dict[str, Any], *outputs: str | Path) -> None:
+    """Refuse to resume or reuse `outputs` made with other settings (ConfigError naming what
+    changed); record this run's settings in `run_file`."""
+    from mmprm.config import ConfigError
+
+    run_file = Path(run_file)
+    if run_file.exists() and any(Path(o).exists() for o in outputs):
+        before = json.loads(run_file.read_text())
+        diff = {k: (before.get(k), v) for k, v in run.items() if before.get(k) != v}
+        if diff:
+            raise ConfigError(
+                f"output_dir: {Path(outputs[0]).name} was made with other settings {diff} (was, now): "
+                "use a new output_dir, or delete its files to redo it"
+            )
+    run_file.parent.mkdir(parents=True, exist_ok=True)
+    run_file.write_text(json.dumps(run, indent=2) + "\n")
+
+
 def mark_done(path: str | Path) -> None:
     Path(path).with_suffix(".done").write_text("")
 
