@@ -29,7 +29,6 @@ split by source problem, so PRMBench's repeated `idx` never lands on both sides.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import random
@@ -326,7 +325,7 @@ def main(argv: list[str]) -> int:
     # ---- score; truncated steps come back NaN and their examples leave the metrics (counted)
     require_model_dir(cfg, "scorer.prm_path", hub=False)  # named here, not in a traceback from the loader
     scores = score_examples(cfg, dev + examples)
-    dev_rows, test_rows = score_rows("dev", dev, scores), score_rows("test", examples, scores)
+    dev_rows, test_rows = score_rows("dev", dev, scores[: len(dev)]), score_rows("test", examples, scores[len(dev) :])
     excluded = len(dev_rows) + len(test_rows) - len(complete(dev_rows)) - len(complete(test_rows))
 
     # ---- threshold, metrics, report
@@ -414,68 +413,51 @@ def load_scorer(cfg: PRMEvalConfig) -> Any:
     )
 
 
-def example_key(ex: StepExample) -> str:
-    """What a PRM's step scores of an example depend on: its question, its steps and the images it is
-    shown (not its id, labels or split), as one digest."""
-    blob = json.dumps([ex.question, ex.steps, ex.images], ensure_ascii=False)
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+def score_examples(cfg: PRMEvalConfig, exs: list[StepExample]) -> list[list[float]]:
+    """The step scores of `exs`, through output.dir/score_cache.jsonl (`CachedScorer`).
 
-
-def score_examples(cfg: PRMEvalConfig, exs: list[StepExample]) -> dict[str, list[float]]:
-    """{example_key: step scores} of `exs`, through output.dir/score_cache.jsonl.
-
-    Examples the cache lacks are scored scorer.chunk_examples at a time, each chunk appended (and
-    fsync'ed) before the next, so a killed run resumes after the last chunk and a rerun that changes
-    only the data slice, the dev split or the metrics reuses every score. The cache holds one PRM's
-    scores: another PRM, convention or max_length is refused (output.dir names where to go instead).
+    The examples the cache lacks are scored scorer.chunk_examples at a time, each chunk saved before
+    the next: a killed run resumes after the last chunk, and a rerun that changes only the slice, the
+    dev split or the metrics scores nothing it has scored (without loading the PRM, when that is all).
     """
-    from mmprm.data import store
+    from mmprm.models.score_cache import CachedScorer
 
-    out = Path(cfg.output.dir)
-    cache = out / "score_cache.jsonl"
-    run = {
+    settings = {
         "prm": str(Path(cfg.scorer.prm_path).resolve()),
         "convention": cfg.scorer.convention,
         "max_length": cfg.scorer.max_length,
     }
-    store.check_same_run(out / "score_cache.run.json", run, cache)
-    done = store.resume(cache)
-    todo = list({k: ex for ex in exs if (k := example_key(ex)) not in done}.items())
-    if done:
-        print(f"{cache}: {len(exs) - len(todo)} of {len(exs)} examples already scored")
-    if todo:
-        scorer = load_scorer(cfg)
-        start, n_steps, size = time.time(), 0, cfg.scorer.chunk_examples
-        try:
-            with store.open_append(cache) as f:
-                for lo in range(0, len(todo), size):
-                    chunk = todo[lo : lo + size]
-                    for (key, _), s in zip(chunk, scorer.score([ex for _, ex in chunk], progress=True)):
-                        store.append_row(f, {"id": key, "scores": s})
-                        n_steps += len(s)
-                    print(
-                        f"scored {lo + len(chunk)}/{len(todo)} examples, {n_steps} steps in "
-                        f"{time.time() - start:.1f}s (saved to {cache})"
-                    )
-        finally:
-            scorer.close()  # a vLLM engine stops now, not in the interpreter's exit (its threads can abort there)
-    wanted = {example_key(ex) for ex in exs}
-    return {row["id"]: row["scores"] for row in store.iter_rows(cache) if row["id"] in wanted}
+    scorer = CachedScorer(Path(cfg.output.dir) / "score_cache.jsonl", settings, lambda: load_scorer(cfg))
+    try:
+        todo, size = scorer.missing(exs), cfg.scorer.chunk_examples
+        if len(todo) < len(exs):
+            print(f"{scorer.path}: {len(exs) - len(todo)} of {len(exs)} examples already scored")
+        start, n_steps = time.time(), 0
+        for lo in range(0, len(todo), size):
+            chunk = todo[lo : lo + size]
+            n_steps += sum(len(s) for s in scorer.score(chunk, progress=True))
+            print(
+                f"scored {lo + len(chunk)}/{len(todo)} examples, {n_steps} steps in {time.time() - start:.1f}s "
+                f"(saved to {scorer.path})"
+            )
+        return scorer.score(exs)
+    finally:
+        scorer.close()
 
 
-def score_rows(split: str, exs: list[StepExample], scores: dict[str, list[float]]) -> list[dict[str, Any]]:
+def score_rows(split: str, exs: list[StepExample], scores: list[list[float]]) -> list[dict[str, Any]]:
     """One row per example of `split`: its step scores (NaN past scorer.max_length) beside its labels."""
     return [
         {
             "id": ex.id,
             "split": split,
             "category": ex.meta.get("category"),
-            "scores": scores[example_key(ex)],
+            "scores": s,
             "labels": [float(x) for x in ex.labels],
             "first_error": true_first_error(ex),
             "neutral_steps": ex.meta.get("neutral_steps", []),
         }
-        for ex in exs
+        for ex, s in zip(exs, scores)
     ]
 
 

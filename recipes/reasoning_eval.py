@@ -598,17 +598,22 @@ def score_nodes(
     elif scorer_cfg.kind == "prm":
         from mmprm import load_prm
         from mmprm.models.loading import resolve_device
+        from mmprm.models.score_cache import CachedScorer
 
-        device = resolve_device(scorer_cfg.device)
-        prm = load_prm(
-            scorer_cfg.prm_path,
-            device=device,
-            batch_size=scorer_cfg.batch_size,
-            attn_implementation=cfg.model.attn_implementation,
-            backend=scorer_cfg.backend,
-            vllm_kwargs=scorer_cfg.vllm_kwargs,
-            convention=scorer_cfg.convention,
-        )
+        def load() -> Any:
+            return load_prm(
+                scorer_cfg.prm_path,
+                device=resolve_device(scorer_cfg.device),
+                batch_size=scorer_cfg.batch_size,
+                attn_implementation=cfg.model.attn_implementation,
+                backend=scorer_cfg.backend,
+                vllm_kwargs=scorer_cfg.vllm_kwargs,
+                convention=scorer_cfg.convention,
+            )
+
+        # each tree's scores are saved once scored: a killed run resumes, a rerun scores nothing twice
+        settings = {"prm": str(Path(scorer_cfg.prm_path).resolve()), "convention": scorer_cfg.convention}
+        prm = CachedScorer(out_dir / "score_cache.jsonl", settings, load)
         try:
             for i in scored:
                 set_scores(trees[i], prm_scores(trees[i], prm))

@@ -405,18 +405,27 @@ def make_scorer(cfg: TreeEvalConfig, out_dir: Path) -> tuple[Any, JudgeScorer | 
     if scorer_cfg.kind == "prm":
         from mmprm import load_prm
         from mmprm.models.loading import resolve_device
+        from mmprm.models.score_cache import CachedScorer
 
-        device = resolve_device(scorer_cfg.device)
-        prm = load_prm(
-            scorer_cfg.prm_path,
-            device=device,
-            batch_size=scorer_cfg.batch_size,
-            max_length=scorer_cfg.max_length,
-            attn_implementation=cfg.model.attn_implementation,
-            backend=scorer_cfg.backend,
-            vllm_kwargs=scorer_cfg.vllm_kwargs,
-            convention=scorer_cfg.convention,
-        )
+        def load() -> Any:
+            return load_prm(
+                scorer_cfg.prm_path,
+                device=resolve_device(scorer_cfg.device),
+                batch_size=scorer_cfg.batch_size,
+                max_length=scorer_cfg.max_length,
+                attn_implementation=cfg.model.attn_implementation,
+                backend=scorer_cfg.backend,
+                vllm_kwargs=scorer_cfg.vllm_kwargs,
+                convention=scorer_cfg.convention,
+            )
+
+        # each tree's paths are saved once scored: a killed run resumes, a rerun scores nothing twice
+        settings = {
+            "prm": str(Path(scorer_cfg.prm_path).resolve()),
+            "convention": scorer_cfg.convention,
+            "max_length": scorer_cfg.max_length,
+        }
+        prm = CachedScorer(out_dir / "score_cache.jsonl", settings, load)
     elif scorer_cfg.kind == "judge":
         judge_cfg = scorer_cfg.judge
         client = ChatClient(judge_cfg, config_key="scorer.judge", cache_path=out_dir / "judge_cache.jsonl")

@@ -164,3 +164,9 @@ def test_recipe_with_tiny_prm(tmp_path):
     s = report["summary"]
     assert s["items"] == 6 and 0.0 < s["rpts"] < 1.0 and 0.0 <= s["width_soft"] <= 1.0
     assert (tmp_path / "out" / "tree_0.png").exists()
+    # the scores were saved per tree: a rerun over more trees scores only the new ones
+    cache = tmp_path / "out" / "score_cache.jsonl"
+    saved = len(cache.read_text().splitlines())
+    more = run(tmp_path / "out", "scorer.kind=prm", f"scorer.prm_path={tmp_path / 'prm'}", "data.limit=8")
+    assert more["items"][:6] == report["items"] and len(more["items"]) == 8
+    assert len(cache.read_text().splitlines()) > saved
