@@ -422,12 +422,13 @@ def score_examples(cfg: PRMEvalConfig, exs: list[StepExample]) -> list[list[floa
     """
     from mmprm.models.score_cache import CachedScorer
 
-    settings = {
-        "prm": str(Path(cfg.scorer.prm_path).resolve()),
-        "convention": cfg.scorer.convention,
-        "max_length": cfg.scorer.max_length,
-    }
-    scorer = CachedScorer(Path(cfg.output.dir) / "score_cache.jsonl", settings, lambda: load_scorer(cfg))
+    scorer = CachedScorer(
+        Path(cfg.output.dir) / "score_cache.jsonl",
+        lambda: load_scorer(cfg),
+        prm=cfg.scorer.prm_path,
+        convention=cfg.scorer.convention,
+        max_length=cfg.scorer.max_length,
+    )
     try:
         todo, size = scorer.missing(exs), cfg.scorer.chunk_examples
         if len(todo) < len(exs):

@@ -612,8 +612,9 @@ def score_nodes(
             )
 
         # each tree's scores are saved once scored: a killed run resumes, a rerun scores nothing twice
-        settings = {"prm": str(Path(scorer_cfg.prm_path).resolve()), "convention": scorer_cfg.convention}
-        prm = CachedScorer(out_dir / "score_cache.jsonl", settings, load)
+        prm = CachedScorer(
+            out_dir / "score_cache.jsonl", load, prm=scorer_cfg.prm_path, convention=scorer_cfg.convention
+        )
         try:
             for i in scored:
                 set_scores(trees[i], prm_scores(trees[i], prm))

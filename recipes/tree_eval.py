@@ -420,12 +420,13 @@ def make_scorer(cfg: TreeEvalConfig, out_dir: Path) -> tuple[Any, JudgeScorer | 
             )
 
         # each tree's paths are saved once scored: a killed run resumes, a rerun scores nothing twice
-        settings = {
-            "prm": str(Path(scorer_cfg.prm_path).resolve()),
-            "convention": scorer_cfg.convention,
-            "max_length": scorer_cfg.max_length,
-        }
-        prm = CachedScorer(out_dir / "score_cache.jsonl", settings, load)
+        prm = CachedScorer(
+            out_dir / "score_cache.jsonl",
+            load,
+            prm=scorer_cfg.prm_path,
+            convention=scorer_cfg.convention,
+            max_length=scorer_cfg.max_length,
+        )
     elif scorer_cfg.kind == "judge":
         judge_cfg = scorer_cfg.judge
         client = ChatClient(judge_cfg, config_key="scorer.judge", cache_path=out_dir / "judge_cache.jsonl")

@@ -52,7 +52,7 @@ def test_scores_are_the_prms_and_each_example_is_scored_once(prm_dir, tmp_path):
 
     direct = load_prm(prm_dir, device="cpu").score(EXAMPLES)
     load = Counted(prm_dir)
-    cache = CachedScorer(tmp_path / "score_cache.jsonl", {"prm": str(prm_dir)}, load)
+    cache = CachedScorer(tmp_path / "score_cache.jsonl", load, prm=prm_dir)
     got = cache.score([EXAMPLES[0], EXAMPLES[1], EXAMPLES[0]])  # a repeat is scored once
     assert load.calls == [2]
     assert got[0] == got[2] and got[:2] == [pytest.approx(d, abs=1e-6) for d in direct[:2]]
@@ -62,32 +62,32 @@ def test_scores_are_the_prms_and_each_example_is_scored_once(prm_dir, tmp_path):
     assert len((tmp_path / "score_cache.jsonl").read_text().splitlines()) == 3
 
     # a new run on the same file: everything from the file, the PRM never loaded
-    again = CachedScorer(tmp_path / "score_cache.jsonl", {"prm": str(prm_dir)}, lambda: pytest.fail("loaded"))
+    again = CachedScorer(tmp_path / "score_cache.jsonl", lambda: pytest.fail("loaded"), prm=prm_dir)
     assert len(again) == 3 and again.score(EXAMPLES) == cache.score(EXAMPLES)
 
 
 def test_a_torn_row_is_scored_again_and_other_settings_are_refused(prm_dir, tmp_path):
     path = tmp_path / "score_cache.jsonl"
-    first = CachedScorer(path, {"prm": str(prm_dir)}, Counted(prm_dir))
+    first = CachedScorer(path, Counted(prm_dir), prm=prm_dir)
     scores = first.score(EXAMPLES)
     first.close()
     lines = path.read_text().splitlines(keepends=True)
     path.write_text("".join(lines[:2]) + lines[2][:15])  # killed while writing the third row
     load = Counted(prm_dir)
-    resumed = CachedScorer(path, {"prm": str(prm_dir)}, load)
+    resumed = CachedScorer(path, load, prm=prm_dir)
     assert resumed.score(EXAMPLES) == [pytest.approx(s, abs=1e-6) for s in scores] and load.calls == [1]
     resumed.close()
     with pytest.raises(ConfigError, match=r"score_cache\.jsonl was made with other settings .*'max_length'"):
-        CachedScorer(path, {"prm": str(prm_dir), "max_length": 16}, Counted(prm_dir))
+        CachedScorer(path, Counted(prm_dir), prm=prm_dir, max_length=16)
 
 
 def test_steps_cut_by_max_length_stay_nan_through_the_file(prm_dir, tmp_path):
     path = tmp_path / "score_cache.jsonl"
-    cut = CachedScorer(path, {"max_length": 40}, Counted(prm_dir, max_length=40))
+    cut = CachedScorer(path, Counted(prm_dir, max_length=40), prm=prm_dir, max_length=40)
     scores = cut.score([EXAMPLES[1]])[0]
     cut.close()
     assert math.isnan(scores[-1]) and not math.isnan(scores[0])
-    reread = CachedScorer(path, {"max_length": 40}, lambda: pytest.fail("loaded")).score([EXAMPLES[1]])[0]
+    reread = CachedScorer(path, lambda: pytest.fail("loaded"), prm=prm_dir, max_length=40).score([EXAMPLES[1]])[0]
     assert math.isnan(reread[-1]) and reread[0] == scores[0]
 
 

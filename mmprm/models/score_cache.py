@@ -7,7 +7,7 @@ fsync'ed row per example, a torn last row dropped on resume). A killed run resum
 and a rerun that changes only what is done with the scores (a threshold, a metric, a slice of the
 same rows) scores only the examples the file lacks, loading the PRM only if there is one.
 
-    scorer = CachedScorer(out / "score_cache.jsonl", {"prm": ..., "max_length": ...}, load)
+    scorer = CachedScorer(out / "score_cache.jsonl", load, prm=prm_path, max_length=max_length)
     scorer.score(examples)   # -> one list of step scores per example, as the PRM's own `score`
 
 Rows are keyed by what the PRM sees (question, steps, images), not by an id: the same example met
@@ -48,15 +48,24 @@ class CachedScorer:
 
     Args:
         path: the append-only cache (JSONL rows `{"id": example_key, "scores": [...]}`).
-        settings: what the scores depend on besides the example (the PRM's path, convention,
-            max_length); recorded in `<path stem>.run.json`, and a cache made with other settings
-            is refused (ConfigError naming what changed).
         load: returns the PRM scorer (`mmprm.load_prm(...)`); called at the first example the cache
             lacks, never when it holds them all.
+        prm, convention, max_length: what the scores depend on besides the example (the PRM's
+            directory, its released convention, the truncation length `load` gives it); recorded in
+            `<path stem>.run.json`, and a cache made with others is refused (ConfigError naming
+            what changed).
     """
 
-    def __init__(self, path: str | Path, settings: dict[str, Any], load: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        load: Callable[[], Any],
+        prm: str | Path,
+        convention: str | None = None,
+        max_length: int | None = None,
+    ) -> None:
         self.path = Path(path)
+        settings = {"prm": str(Path(prm).resolve()), "convention": convention, "max_length": max_length}
         store.check_same_run(self.path.with_suffix(".run.json"), settings, self.path)
         store.resume(self.path)  # a torn last row is cut off before this run appends
         self._scores = {row["id"]: row["scores"] for row in store.iter_rows(self.path)}
