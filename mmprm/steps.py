@@ -302,6 +302,10 @@ class StepFormat:
     step_token: the tag after each step ("assistant" and "plain" layouts).
     step_join: text between a step's tag and the next step.
     tag_prefix: text between a step and its tag (" " in Math-Shepherd's "step ки").
+    question_format: the text that carries the question (`format_question`): "{question}" for
+        most; VisualPRM's "### Question:\n{images}{question}". In the "plain" layout it is the
+        whole prompt (MM-PRM writes its chat markup itself), images at `<image>` placeholders.
+    image_text: what one image is in `{images}` ("<image>"; MM-PRM's "<image>\n").
     """
 
     layout: Literal["assistant", "plain", "turns"] = "assistant"
@@ -310,9 +314,34 @@ class StepFormat:
     tag_prefix: str = ""
     question_join: str = " "
     reply: str = "+"
+    question_format: str = "{question}"
+    image_text: str = "<image>"
 
 
 LAYOUTS = ("assistant", "plain", "turns")
+
+
+def format_question(fmt: StepFormat, question: str, num_images: int) -> str:
+    """`question` inside `fmt.question_format`, where `{images}` becomes one `fmt.image_text` per
+    image, or nothing when the question places its images itself (`<image>` placeholders)."""
+    if fmt.question_format == "{question}":
+        return question
+    images = "" if IMAGE_PLACEHOLDER.search(question) else fmt.image_text * num_images
+    head, _, tail = fmt.question_format.partition("{question}")
+    return head.replace("{images}", images) + question + tail.replace("{images}", images)
+
+
+def place_images(processor: Any, text: str, num_images: int) -> str:
+    """`text` with each `<image>` placeholder written as the processor's image token, for a prompt
+    that no chat template lays out (the "plain" layout)."""
+    image_token = getattr(processor, "image_token", None)
+    found = count_image_placeholders(text)
+    if image_token is None or found != num_images:
+        raise StepTokenError(
+            f"the 'plain' layout places images at <image> placeholders: found {found} for {num_images} "
+            "images" + ("" if image_token else " and the processor has no image token (a text-only model?)")
+        )
+    return IMAGE_PLACEHOLDER.sub(lambda _: image_token, text)
 
 
 def assistant_body(steps: Sequence[str], step_token: str = STEP_TOKEN, fmt: StepFormat | None = None) -> str:
@@ -359,6 +388,7 @@ def tokenize_steps(
         raise ValueError(f"{len(steps)} steps but {len(labels)} labels")
     fmt = fmt or StepFormat(step_token=step_token)
     _check_special_tokens(processor, question, steps, fmt.step_token)
+    question = format_question(fmt, question, len(images))
     if fmt.layout == "turns":
         enc, ids, positions = _encode_turns(processor, question, steps, images, system, fmt)
         lead, prompt_length = "", None
@@ -411,9 +441,9 @@ def _encode_tagged(
     step_id = step_token_id(tokenizer, fmt)
     lead = ""
     if fmt.layout == "plain":
-        if images:
-            raise StepTokenError("the 'plain' layout has no chat template to place images in: give text only")
         prompt = question + fmt.question_join
+        if images:
+            prompt = place_images(processor, prompt, len(images))
     else:
         prompt, lead = assistant_start(processor, question, len(images), system)
     tail = lead + assistant_body(steps, fmt=fmt)

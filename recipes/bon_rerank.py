@@ -112,7 +112,8 @@ class ScoringConfig:
             same scores, served the way large runs serve reward models)
         vllm_kwargs: backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
         convention: a released PRM that mmprm did not write, scored as its authors do:
-            math_shepherd | qwen2_5_math_prm | rlhflow (docs/released-prms.md); null: one mmprm trained
+            math_shepherd | qwen2_5_math_prm | rlhflow | mm_prm | visualprm (docs/released-prms.md);
+            null: one mmprm trained
     """
 
     batch_size: int = 16

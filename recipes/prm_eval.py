@@ -94,7 +94,8 @@ class ScorerConfig:
             same scores, served the way large runs serve reward models)
         vllm_kwargs: backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
         convention: a released PRM that mmprm did not write, scored as its authors do:
-            math_shepherd | qwen2_5_math_prm | rlhflow (docs/released-prms.md); null: one mmprm trained
+            math_shepherd | qwen2_5_math_prm | rlhflow | mm_prm | visualprm (docs/released-prms.md);
+            null: one mmprm trained
         chunk_examples: examples scored, then saved to output.dir/score_cache.jsonl, at a time: a
             killed run resumes after the last chunk saved, and a rerun with other data or metrics
             settings scores only examples the cache does not hold

@@ -173,7 +173,8 @@ class ScorerConfig:
             same scores, served the way large runs serve reward models)
         vllm_kwargs: kind=prm, backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
         convention: kind=prm: a released PRM that mmprm did not write, scored as its authors do:
-            math_shepherd | qwen2_5_math_prm | rlhflow (docs/released-prms.md); null: one mmprm trained
+            math_shepherd | qwen2_5_math_prm | rlhflow | mm_prm | visualprm (docs/released-prms.md);
+            null: one mmprm trained
         mc_rollouts: kind=mc: rollouts per node
         constant: kind=constant: the score of every node
         device: auto | cpu | cuda

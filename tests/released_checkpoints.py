@@ -10,6 +10,11 @@ scoring procedure, re-expressed from its model card or repository, run on such a
   `<extra_0>`, softmax class 1 at each `<extra_0>`.
 - RLHFlow (RLHFlow/Llama3.1-8B-PRM-Deepseek-Data): Llama 3.1 and its real chat template; each step a
   user turn answered "+", one forward per step prefix, the "+"/"-" logits at index -3.
+- MM-PRM (Cierra0506/MM-PRM-8B) and VisualPRM (OpenGVLab/VisualPRM-8B): InternVL chat models, here
+  in transformers' `InternVLForConditionalGeneration` format (what `mmprm convert-internvl` writes)
+  with InternVL's tokens and `<prm>`; the prompts their remote code builds (MM-PRM's `prm()`,
+  VisualPRM's `generate_steps_with_soft_score()`), written out as strings, images expanded as
+  `<img>` + `<IMG_CONTEXT>` x tokens-per-tile x tiles + `</img>`.
 Used by tests/test_released_prms.py (HF) and tests/test_vllm_scorer.py (vLLM tier, head_dim 64).
 """
 
@@ -185,4 +190,171 @@ def rlhflow_authors(path, question: str, steps: list[str]) -> list[float]:
         with torch.no_grad():
             logits = model(input_ids).logits[:, -3, candidate_tokens]
         scores.append(logits.softmax(dim=-1)[:, 0].item())
+    return scores
+
+
+# ---- InternVL PRMs: MM-PRM, VisualPRM ---------------------------------------------------------
+
+# InternVL's "internvl2_5" conversation template: its system message and its MPT-style turns.
+INTERNVL_SYSTEM_MESSAGE = (
+    "你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位联合开发的多模态大语言模型。"
+)
+
+
+def figure():
+    """A 100x60 figure: two tiles and a thumbnail at the tiny processor's 56 px."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    pixels = (torch.rand(60, 100, 3, generator=g) * 255).to(torch.uint8).numpy()
+    return Image.fromarray(pixels)
+
+
+def image_examples() -> list[dict]:
+    """The text examples with one figure for the first question's candidates."""
+    image = figure()
+    return [{**r, "images": [image]} if r["question"] == QUESTION else r for r in examples()]
+
+
+def build_internvl_prm(out: Path, head_dim: int | None = None, vllm_ready: bool = False) -> Path:
+    """A tiny InternVL3-format checkpoint with the tokens MM-PRM's and VisualPRM's prompts read:
+    `<prm>` added as a special token (as MM-PRM's training adds it), "Yes" and "No" single tokens.
+    `head_dim` and `vllm_ready` as `mmprm.models.tiny.build_tiny_model` takes them (the vLLM tier)."""
+    from template_families import family_tokenizer
+    from transformers import InternVLForConditionalGeneration
+
+    from mmprm.models.loading import load_processor
+    from mmprm.models.tiny import HEAD_DIM, build_tiny_model
+
+    tok = family_tokenizer("internvl3_hf")
+    build_tiny_model("internvl", out, seed=0, head_dim=head_dim or HEAD_DIM, vllm_ready=vllm_ready, tokenizer=tok)
+    processor = load_processor(out)
+    # InternVL normalizes with ImageNet's statistics (its converted checkpoints say so too).
+    processor.image_processor.image_mean = list(IMAGENET_MEAN)
+    processor.image_processor.image_std = list(IMAGENET_STD)
+    processor.tokenizer.add_tokens(["<prm>"], special_tokens=True)
+    processor.tokenizer.add_tokens(["Yes", "No"])
+    model = InternVLForConditionalGeneration.from_pretrained(out)
+    torch.manual_seed(0)
+    model.resize_token_embeddings(len(processor.tokenizer), mean_resizing=False)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def internvl_tiles(image, tile: int, max_num: int, min_num: int = 1) -> list:
+    """InternVL's `dynamic_preprocess`: the tile grid (columns, rows) of at most `max_num` tiles
+    whose aspect ratio is closest to the image's (on a tie the later grid, if the image has more
+    than half its pixels), the image resized to it and cut row by row, then a thumbnail."""
+    width, height = image.size
+    grids = sorted(
+        {
+            (i, j)
+            for n in range(min_num, max_num + 1)
+            for i in range(1, n + 1)
+            for j in range(1, n + 1)
+            if min_num <= i * j <= max_num
+        },
+        key=lambda g: g[0] * g[1],
+    )
+    best, best_diff = (1, 1), float("inf")
+    for cols, rows in grids:
+        diff = abs(width / height - cols / rows)
+        if diff < best_diff:
+            best, best_diff = (cols, rows), diff
+        elif diff == best_diff and width * height > 0.5 * tile * tile * cols * rows:
+            best = (cols, rows)
+    cols, rows = best
+    resized = image.resize((tile * cols, tile * rows))
+    tiles = [
+        resized.crop((c * tile, r * tile, (c + 1) * tile, (r + 1) * tile)) for r in range(rows) for c in range(cols)
+    ]
+    return tiles + [image.resize((tile, tile))] if len(tiles) > 1 else tiles
+
+
+def internvl_pixel_values(image, tile: int, max_num: int) -> torch.Tensor:
+    """InternVL's `load_image`: the tiles as floats in [0, 1], normalized by ImageNet's statistics."""
+    import numpy as np
+
+    tiles = [
+        torch.from_numpy(np.asarray(t.convert("RGB"), dtype=np.float32) / 255.0)
+        for t in internvl_tiles(image, tile, max_num)
+    ]
+    x = torch.stack(tiles).permute(0, 3, 1, 2)
+    return (x - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)) / torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+
+
+def _internvl_inputs(path, query: str, images: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """InternVL's own image handling: each image tiled (`internvl_pixel_values`, the checkpoint's
+    tile size and tile limit) and its `<image>` written as `<img>`, `<IMG_CONTEXT>` x tokens per
+    tile x tiles, `</img>`; the tokenizer then runs on the whole string."""
+    from transformers import AutoTokenizer, InternVLConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    pixel_values = None
+    if images:
+        config = InternVLConfig.from_pretrained(path)
+        settings = json.loads((Path(path) / "processor_config.json").read_text())["image_processor"]
+        per_image = [internvl_pixel_values(im, settings["size"]["height"], settings["max_patches"]) for im in images]
+        pixel_values = torch.cat(per_image)
+        for tiles in per_image:
+            context = "<IMG_CONTEXT>" * (config.image_seq_length * len(tiles))
+            query = query.replace("<image>", f"<img>{context}</img>", 1)
+    return tokenizer(query, return_tensors="pt")["input_ids"], pixel_values
+
+
+def mm_prm_authors(path, question: str, steps: list[str], images: list = ()) -> list[float]:
+    """MM-PRM's `prm()`: "Question: ...\nProcess: " and the steps joined by `<prm>` (one after the
+    last), "<image>\n" before it, as the assistant's message after an empty user message (which
+    the MPT template leaves without its `<|im_end|>`); softmax over the "Yes"/"No" logits at every
+    `<prm>`, the "Yes" share."""
+    from transformers import AutoTokenizer, InternVLForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = InternVLForConditionalGeneration.from_pretrained(path).eval()
+    message = f"Question: {question}\nProcess: " + "<prm>".join(steps) + "<prm>"
+    if images:
+        message = "<image>\n" + message
+    query = (
+        f"<|im_start|>system\n{INTERNVL_SYSTEM_MESSAGE}<|im_end|>\n"
+        "<|im_start|>user\n"  # the empty user message: role only
+        f"<|im_start|>assistant\n{message}<|im_end|>\n"
+    )
+    input_ids, pixel_values = _internvl_inputs(path, query, list(images))
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, pixel_values=pixel_values).logits
+    selected = logits[input_ids == tokenizer.convert_tokens_to_ids("<prm>")]
+    selected = selected[:, tokenizer.convert_tokens_to_ids(["Yes", "No"])]
+    return selected.softmax(dim=-1)[:, 0].tolist()
+
+
+def visualprm_authors(path, question: str, steps: list[str], images: list = ()) -> list[float]:
+    """VisualPRM's `generate_steps_with_soft_score()`: one forward per step; the first user message
+    is "### Question:\n<image>\n{question}\n\n### Solution Process:\n{step}", each later step a
+    user message, every earlier one answered "+"; the "+"/"-" logits at the last token of the
+    prompt, the "+" share."""
+    from transformers import AutoTokenizer, InternVLForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = InternVLForConditionalGeneration.from_pretrained(path).eval()
+    candidates = tokenizer.convert_tokens_to_ids(["+", "-"])
+    if images:
+        question = "<image>\n" + question
+    history, scores = [], []
+    for k, step in enumerate(steps):
+        if k == 0:
+            step = f"### Question:\n{question}\n\n### Solution Process:\n{step}"
+        query = f"<|im_start|>system\n{INTERNVL_SYSTEM_MESSAGE}<|im_end|>\n"
+        for asked, answered in history:
+            query += f"<|im_start|>user\n{asked}<|im_end|>\n<|im_start|>assistant\n{answered}<|im_end|>\n"
+        query += f"<|im_start|>user\n{step}<|im_end|>\n<|im_start|>assistant\n"
+        input_ids, pixel_values = _internvl_inputs(path, query, list(images))
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, pixel_values=pixel_values).logits[:, -1, candidates]
+        scores.append(logits.softmax(dim=-1)[0, 0].item())
+        history.append((step, "+"))
     return scores

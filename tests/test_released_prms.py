@@ -15,13 +15,17 @@ from released_checkpoints import (
     QUESTION,
     QWEN_MATH_SYSTEM,
     SOLUTIONS,
+    build_internvl_prm,
     build_math_shepherd,
     build_qwen_math_prm,
     build_rlhflow,
     examples,
+    image_examples,
     math_shepherd_authors,
+    mm_prm_authors,
     qwen_math_authors,
     rlhflow_authors,
+    visualprm_authors,
 )
 
 from mmprm import load_prm
@@ -48,6 +52,11 @@ def qwen_math_prm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def rlhflow_dir(tmp_path_factory):
     return build_rlhflow(tmp_path_factory.mktemp("rlhflow"))
+
+
+@pytest.fixture(scope="module")
+def internvl_prm_dir(tmp_path_factory):
+    return build_internvl_prm(tmp_path_factory.mktemp("internvl_prm"))
 
 
 def test_math_shepherd_tokenizer_has_the_released_shape(math_shepherd_dir):
@@ -100,6 +109,27 @@ def test_rlhflow_input_carries_the_templates_default_system_prompt(rlhflow_dir):
     assert all(tok.input_ids[p + 1] == plus for p in tok.step_positions[:-1])
 
 
+@pytest.mark.parametrize(("convention", "authors"), [("mm_prm", mm_prm_authors), ("visualprm", visualprm_authors)])
+def test_internvl_prms_score_as_their_remote_code_does(internvl_prm_dir, convention, authors):
+    """MM-PRM's and VisualPRM's prompts, with and without a figure, candidates grouped or alone."""
+    scorer = load_prm(internvl_prm_dir, convention=convention)
+    rows = image_examples()
+    theirs = [authors(internvl_prm_dir, r["question"], r["steps"], r.get("images", [])) for r in rows]
+    assert_scores_equal(scorer.score(rows), theirs)
+    assert_scores_equal(scorer.score(rows, share_prefix=False), theirs)
+
+
+def test_mm_prm_prompt_is_its_own_not_the_chat_template(internvl_prm_dir):
+    """The empty user turn stays open and the steps sit in the assistant turn, as MM-PRM writes it."""
+    scorer = load_prm(internvl_prm_dir, convention="mm_prm")
+    rows = image_examples()
+    tok = scorer.tokenize(rows[0])
+    text = scorer.tokenizer.decode(tok.input_ids)
+    assert text.startswith("<|im_start|>system\n")
+    assert "<|im_start|>user\n<|im_start|>assistant\n<img><IMG_CONTEXT>" in text
+    assert text.endswith("</img>\nQuestion: " + QUESTION + "\nProcess: " + "<prm>".join(SOLUTIONS[0]) + "<prm>")
+
+
 def test_a_released_checkpoint_without_convention_is_refused_naming_the_conventions(rlhflow_dir):
     with pytest.raises(FileNotFoundError, match="convention") as err:
         load_prm(rlhflow_dir)
@@ -111,8 +141,10 @@ def test_a_wrong_convention_is_refused_before_scoring(rlhflow_dir, math_shepherd
         load_prm(rlhflow_dir, convention="math_shepherd")  # Llama 3's vocabulary has no "ки" token
     with pytest.raises(ValueError, match="classifier head"):
         load_prm(math_shepherd_dir, convention="qwen2_5_math_prm")  # no score.* weights
-    with pytest.raises(ValueError, match="convention: 'visualprm'"):
-        load_prm(math_shepherd_dir, convention="visualprm")
+    with pytest.raises(ValueError, match="convention: 'visualprm_v2'"):
+        load_prm(math_shepherd_dir, convention="visualprm_v2")
+    with pytest.raises(StepTokenError, match="not one token"):
+        load_prm(math_shepherd_dir, convention="mm_prm")  # no <prm> token
 
 
 def test_bon_rerank_scores_candidates_with_a_released_prm(qwen_math_prm, tmp_path):

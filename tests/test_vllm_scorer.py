@@ -251,3 +251,26 @@ def test_released_prms_score_on_vllm_as_on_hf(tmp_path, convention):
         scorer.close()
         gc.collect()
     assert_same_scores(scores, hf)
+
+
+@pytest.mark.parametrize("convention", ["mm_prm", "visualprm"])
+def test_internvl_released_prms_score_on_vllm_as_on_hf(tmp_path, convention):
+    """MM-PRM's and VisualPRM's prompts (a converted InternVL checkpoint's shape), with a figure, on
+    vLLM: exported as token-pair classifiers, the step scores equal the HF scorer's, which equal
+    the authors' procedures (test_released_prms)."""
+    import torch
+    from released_checkpoints import build_internvl_prm, image_examples
+
+    from mmprm import load_prm
+    from mmprm.models.tiny import VLLM_HEAD_DIM
+
+    path = build_internvl_prm(tmp_path / "internvl_prm", head_dim=VLLM_HEAD_DIM, vllm_ready=True)
+    rows = image_examples()
+    hf = load_prm(path, convention=convention, dtype=torch.float32).score(rows)
+    scorer = load_prm(path, convention=convention, backend="vllm", vllm_kwargs=ENGINE)
+    try:
+        scores = scorer.score(rows)
+    finally:
+        scorer.close()
+        gc.collect()
+    assert_same_scores(scores, hf)

@@ -424,7 +424,8 @@ def load_prm(
     """Restore a PRM saved by `save_prm` (or `recipes/prm_train.py`) as a scorer.
 
     `convention` loads a released PRM that mmprm did not write (Math-Shepherd, Qwen2.5-Math-PRM,
-    RLHFlow: `mmprm.models.spec.RELEASED_CONVENTIONS`) and scores it as its authors do.
+    RLHFlow, MM-PRM, VisualPRM: `mmprm.models.spec.RELEASED_CONVENTIONS`) and scores it as its
+    authors do; InternVL ones after `mmprm convert-internvl`.
 
     backend "hf" (default): a `PRMScorer` in this process. `attn_implementation`: sdpa (default),
     flash_attention_2 (needs flash-attn and CUDA), eager or auto; checked before any weight loads.

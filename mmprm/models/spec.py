@@ -29,7 +29,8 @@ class PRMSpec:
         checkpoint; `positive_label` is the class that means "correct").
     convention: "mmprm" for a PRM mmprm wrote; otherwise the released PRM family it follows
         (`RELEASED_CONVENTIONS`), whose input is laid out as its authors score it.
-    layout, step_join, tag_prefix, question_join, reply: the input layout (`mmprm.steps.StepFormat`).
+    layout, step_join, tag_prefix, question_join, reply, question_format, image_text: the input
+        layout (`mmprm.steps.StepFormat`).
     """
 
     head: str = "token_pair"
@@ -42,6 +43,8 @@ class PRMSpec:
     tag_prefix: str = ""
     question_join: str = " "
     reply: str = "+"
+    question_format: str = "{question}"
+    image_text: str = "<image>"
     positive_label: int = 0
 
     def validate(self) -> None:
@@ -63,11 +66,19 @@ class PRMSpec:
             tag_prefix=self.tag_prefix,
             question_join=self.question_join,
             reply=self.reply,
+            question_format=self.question_format,
+            image_text=self.image_text,
         )
 
 
 HEADS = ("token_pair", "value", "classifier")
-ReleasedConvention = Literal["math_shepherd", "qwen2_5_math_prm", "rlhflow"]
+ReleasedConvention = Literal["math_shepherd", "qwen2_5_math_prm", "rlhflow", "mm_prm", "visualprm"]
+
+# The system message of InternVL's "internvl2_5" conversation template, which InternVL chat models
+# (and the PRMs fine-tuned from them) write before every conversation.
+INTERNVL_SYSTEM = (
+    "你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位联合开发的多模态大语言模型。"
+)
 
 # Released PRMs, each scored as its authors' published code scores it (tests/test_released_prms.py
 # writes each procedure out on a tiny checkpoint of the same shape; docs/released-prms.md lists
@@ -88,6 +99,32 @@ RELEASED_CONVENTIONS: dict[str, PRMSpec] = {
     # RLHFlow: each step a user turn (question + " " + step first) answered "+"; "+"/"-" logits
     # where the assistant writes its reply.
     "rlhflow": PRMSpec(convention="rlhflow", layout="turns"),
+    # MM-PRM (InternVL): its own prompt, not the chat template - an empty user turn left open, the
+    # image, "Question: ...\nProcess: " and the steps each followed by <prm>, all in the assistant
+    # turn; "Yes"/"No" logits at each <prm>.
+    "mm_prm": PRMSpec(
+        convention="mm_prm",
+        layout="plain",
+        step_token="<prm>",
+        step_join="",
+        reward_tokens=["Yes", "No"],
+        question_join="",
+        question_format=(
+            f"<|im_start|>system\n{INTERNVL_SYSTEM}<|im_end|>\n<|im_start|>user\n<|im_start|>assistant\n"
+            "{images}Question: {question}\nProcess: "
+        ),
+        image_text="<image>\n",
+    ),
+    # VisualPRM (InternVL): each step a user turn answered "+", the first "### Question:\n", the
+    # image, the question and "\n\n### Solution Process:\n" before the step; "+"/"-" logits where
+    # the assistant writes its reply.
+    "visualprm": PRMSpec(
+        convention="visualprm",
+        layout="turns",
+        system_prompt=INTERNVL_SYSTEM,
+        question_format="### Question:\n{images}{question}",
+        question_join="\n\n### Solution Process:\n",
+    ),
 }
 
 

@@ -448,7 +448,8 @@ def cli_export_vllm(argv: list[str]) -> int:
     parser.add_argument("out_dir", help="where to write the vLLM view of it")
     parser.add_argument("--copy", action="store_true", help="copy the weights instead of linking them")
     parser.add_argument(
-        "--convention", help="a released token-pair PRM's convention (math_shepherd, rlhflow); docs/released-prms.md"
+        "--convention",
+        help="a released token-pair PRM's convention (math_shepherd, rlhflow, mm_prm, visualprm); docs/released-prms.md",
     )
     args = parser.parse_args(argv)
     try:
