@@ -40,6 +40,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "merge-bon": ("mmprm.rerank.shards", "cli_merge_bon", "merge sharded Best-of-N scores and write the report"),
     "bon-table": ("mmprm.rerank.shards", "cli_bon_table", "one Best-of-N table over runs, one per benchmark"),
     "export-vllm": ("mmprm.models.vllm_prm", "cli_export_vllm", "write a PRM directory as vLLM serves it"),
+    "convert-internvl": (
+        "mmprm.models.internvl_convert",
+        "cli_convert_internvl",
+        "write an InternVL chat checkpoint (MM-PRM, VisualPRM) in transformers' format",
+    ),
 }
 
 
