@@ -88,7 +88,12 @@ def write_internvl_chat(hf_dir: Path, out: Path, kind: str) -> Path:
     index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     if kind == "qwen2":
-        llm = {**text.to_dict(), "architectures": ["Qwen2ForCausalLM"], "attn_implementation": "flash_attention_2"}
+        llm = {
+            **text.to_dict(),
+            "architectures": ["Qwen2ForCausalLM"],
+            "attn_implementation": "flash_attention_2",  # a training run's setting: must not reach the load
+            "use_cache": False,
+        }
     else:
         llm = {
             "architectures": ["InternLM2ForCausalLM"],
@@ -118,6 +123,7 @@ def write_internvl_chat(hf_dir: Path, out: Path, kind: str) -> Path:
         "min_dynamic_patch": 1,
         "max_dynamic_patch": 4,
         "force_image_size": vis.image_size[0],
+        "torch_dtype": "float32",
         "llm_config": llm,
         "vision_config": {
             "architectures": ["InternVisionModel"],
@@ -230,6 +236,7 @@ def test_qwen2_internvl_converts_back_to_the_same_model(qwen2_internvl, tmp_path
     config = json.loads((out / "config.json").read_text())
     assert config["text_config"]["model_type"] == "qwen2" and config["image_seq_length"] == 4
     assert config["vision_config"]["use_qk_norm"] is False
+    assert config["dtype"] == "float32" and config["text_config"]["use_cache"] is True
     tiling = json.loads((out / "processor_config.json").read_text())["image_processor"]
     assert (tiling["max_patches"], tiling["size"], tiling["crop_to_patches"]) == (4, {"height": 56, "width": 56}, True)
     assert tiling["image_mean"] == [0.485, 0.456, 0.406]

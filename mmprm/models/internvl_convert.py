@@ -136,6 +136,7 @@ def text_config(config: dict[str, Any]) -> Any:
     for key in DROPPED_LLM_KEYS:
         llm.pop(key, None)
     llm["tie_word_embeddings"] = False  # InternVL unties them whatever the LM's own config says
+    llm["use_cache"] = True  # a training run's "use_cache: false" would only slow generation down
     return cls(**llm)
 
 
@@ -181,6 +182,8 @@ def internvl_config(config: dict[str, Any], image_token_id: int) -> Any:
         tie_word_embeddings=False,  # InternVL chat models keep their own output layer
     )
     out.architectures = ["InternVLForConditionalGeneration"]
+    if config.get("torch_dtype"):  # the weights keep their dtype; dtype="auto" should find it
+        out.dtype = config["torch_dtype"]
     return out
 
 
