@@ -44,12 +44,11 @@ INTERNVL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</im
 def stub_timm() -> None:
     """InternViT imports timm's DropPath; at inference (drop rate 0, eval mode) it is the identity."""
     import importlib.machinery
+    import importlib.util
 
     import transformers  # noqa: F401  (its import-time checks run before the stub exists)
 
-    try:
-        import timm  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("timm") is None:
         for name in ("timm", "timm.models", "timm.models.layers"):
             module = types.ModuleType(name)
             module.__spec__ = importlib.machinery.ModuleSpec(name, None)
