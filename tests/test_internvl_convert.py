@@ -319,3 +319,12 @@ def test_a_vocabulary_without_a_video_token_gets_one_after_every_id(tmp_path):
     tok = internvl_tokenizer(tmp_path / "src", None)
     assert tok.video_token == "<video>" and tok.convert_tokens_to_ids("<video>") == bpe.get_vocab_size()
     assert tok.context_image_token_id == 4 and "<|im_start|>assistant" in tok.chat_template
+
+
+def test_the_command_prints_the_template_and_a_system_message_of_the_checkpoints_own(qwen2_internvl, tmp_path, capsys):
+    src = write_internvl_chat(qwen2_internvl, tmp_path / "chat", "qwen2")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "system_message": "You are a grader."}))
+    assert mmprm_main(["convert-internvl", str(src), str(tmp_path / "hf")]) == 0
+    out = capsys.readouterr().out
+    assert "conversation template: 'internvl2_5'" in out and "'You are a grader.'" in out

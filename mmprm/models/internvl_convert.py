@@ -391,5 +391,10 @@ def cli_convert_internvl(argv: list[str]) -> int:
     except ConversionError as e:
         parser.exit(2, f"mmprm convert-internvl: {e}\n")
     config = json.loads((Path(args.src) / "config.json").read_text())
-    print(f"{out}\nconversation template of the source: {config.get('template')!r}")
+    print(out)
+    # The mm_prm and visualprm conventions write InternVL's "internvl2_5" template and its system
+    # message; a checkpoint that asks for others is not scored as its authors do.
+    print(f"conversation template: {config.get('template')!r}")
+    if config.get("system_message"):
+        print(f"system message set by the checkpoint (the conventions write InternVL's): {config['system_message']!r}")
     return 0
