@@ -167,40 +167,18 @@ def qwen2_internvl(tmp_path_factory):
 def internlm2_shaped(tmp_path_factory):
     """A tiny InternVL whose language model is a Llama with grouped key/value heads (4 query heads
     over 2), the shape InternLM2 converts to."""
-    import transformers as tf
     from template_families import family_tokenizer
 
-    from mmprm.models.tiny import _internvl_processor
+    from mmprm.models.tiny import _internvl_model, _internvl_processor
 
     out = tmp_path_factory.mktemp("internlm2_internvl")
     tok = family_tokenizer("internvl3_hf")
     tok.add_tokens(["<prm>"], special_tokens=True)
     tok.add_tokens(["Yes", "No"])
     torch.manual_seed(0)
-    config = tf.InternVLConfig(
-        text_config=dict(
-            model_type="llama",
-            vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-        ),
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=[56, 56],
-            patch_size=[14, 14],
-        ),
-        image_token_id=tok.convert_tokens_to_ids("<IMG_CONTEXT>"),
-        image_seq_length=4,
-        downsample_ratio=0.5,
-    )
-    tf.InternVLForConditionalGeneration(config).save_pretrained(out)
+    model = _internvl_model(tok, hidden_size=64, num_layers=2, head_dim=16, text_model="llama")
+    assert (model.config.text_config.num_attention_heads, model.config.text_config.num_key_value_heads) == (4, 2)
+    model.save_pretrained(out)
     processor = _internvl_processor(tok, tok.chat_template, vllm_ready=False)
     processor.image_processor.image_mean = [0.485, 0.456, 0.406]
     processor.image_processor.image_std = [0.229, 0.224, 0.225]

@@ -228,44 +228,38 @@ def test_the_vllm_scoring_benchmark_prints_its_ratio():
     assert bench["max_abs_score_diff"] < TOLERANCE
 
 
-@pytest.mark.parametrize("convention", ["qwen2_5_math_prm", "math_shepherd", "rlhflow"])
+@pytest.mark.parametrize("convention", ["qwen2_5_math_prm", "math_shepherd", "rlhflow", "mm_prm", "visualprm"])
 def test_released_prms_score_on_vllm_as_on_hf(tmp_path, convention):
     """A released PRM's shape on vLLM: Qwen2.5-Math-PRM as vLLM's own `Qwen2ForProcessRewardModel`
-    (two logits per token), Math-Shepherd and RLHFlow exported as token-pair classifiers; the
-    step scores equal the HF scorer's, which equal the authors' procedure (test_released_prms)."""
-    import torch
-    from released_checkpoints import build_math_shepherd, build_qwen_math_prm, build_rlhflow, examples
-
-    from mmprm import load_prm
-    from mmprm.models.tiny import VLLM_HEAD_DIM
-
-    build = {"qwen2_5_math_prm": build_qwen_math_prm, "math_shepherd": build_math_shepherd, "rlhflow": build_rlhflow}
-    built = build[convention](tmp_path / convention, head_dim=VLLM_HEAD_DIM)
-    path = built[0] if isinstance(built, tuple) else built
-    rows = examples()
-    hf = load_prm(path, convention=convention, dtype=torch.float32).score(rows)
-    scorer = load_prm(path, convention=convention, backend="vllm", vllm_kwargs=ENGINE)
-    try:
-        scores = scorer.score(rows)
-    finally:
-        scorer.close()
-        gc.collect()
-    assert_same_scores(scores, hf)
-
-
-@pytest.mark.parametrize("convention", ["mm_prm", "visualprm"])
-def test_internvl_released_prms_score_on_vllm_as_on_hf(tmp_path, convention):
-    """MM-PRM's and VisualPRM's prompts (a converted InternVL checkpoint's shape), with a figure, on
-    vLLM: exported as token-pair classifiers, the step scores equal the HF scorer's, which equal
+    (two logits per token); Math-Shepherd, RLHFlow and the InternVL ones (MM-PRM, VisualPRM, with a
+    figure) exported as token-pair classifiers. The step scores equal the HF scorer's, which equal
     the authors' procedures (test_released_prms)."""
     import torch
-    from released_checkpoints import build_internvl_prm, image_examples
+    from released_checkpoints import (
+        build_internvl_prm,
+        build_math_shepherd,
+        build_qwen_math_prm,
+        build_rlhflow,
+        examples,
+        image_examples,
+    )
 
     from mmprm import load_prm
     from mmprm.models.tiny import VLLM_HEAD_DIM
 
-    path = build_internvl_prm(tmp_path / "internvl_prm", head_dim=VLLM_HEAD_DIM, vllm_ready=True)
-    rows = image_examples()
+    if convention in ("mm_prm", "visualprm"):
+        path, rows = (
+            build_internvl_prm(tmp_path / convention, head_dim=VLLM_HEAD_DIM, vllm_ready=True),
+            image_examples(),
+        )
+    else:
+        build = {
+            "qwen2_5_math_prm": build_qwen_math_prm,
+            "math_shepherd": build_math_shepherd,
+            "rlhflow": build_rlhflow,
+        }
+        built = build[convention](tmp_path / convention, head_dim=VLLM_HEAD_DIM)
+        path, rows = (built[0] if isinstance(built, tuple) else built), examples()
     hf = load_prm(path, convention=convention, dtype=torch.float32).score(rows)
     scorer = load_prm(path, convention=convention, backend="vllm", vllm_kwargs=ENGINE)
     try:

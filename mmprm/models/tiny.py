@@ -292,8 +292,9 @@ def _qwen_vl_processor(arch: str, tok: Any, template: str, vllm_ready: bool) -> 
     return IMAGE_ONLY_PROCESSORS[arch](image_processor=image_processor, tokenizer=tok, chat_template=template)
 
 
-def _internvl_model(tok: Any, hidden_size: int, num_layers: int, head_dim: int) -> Any:
-    """Random-init InternVL: a Qwen2 text model and a 2-layer vision tower on 56 px tiles."""
+def _internvl_model(tok: Any, hidden_size: int, num_layers: int, head_dim: int, text_model: str = "qwen2") -> Any:
+    """Random-init InternVL: a Qwen2 text model (or `text_model`: "llama", the shape InternLM2
+    converts to) and a 2-layer vision tower on 56 px tiles."""
     import transformers as tf
 
     # 56 px tile = 4x4 patches of 14 px; pixel shuffle (0.5) leaves 2x2 = 4 tokens per tile.
@@ -306,7 +307,7 @@ def _internvl_model(tok: Any, hidden_size: int, num_layers: int, head_dim: int) 
         patch_size=[14, 14],
     )
     config = tf.InternVLConfig(
-        text_config={"model_type": "qwen2", **_text_config(tok, hidden_size, num_layers, head_dim)},
+        text_config={"model_type": text_model, **_text_config(tok, hidden_size, num_layers, head_dim)},
         vision_config=vision,
         image_token_id=tok.convert_tokens_to_ids("<IMG_CONTEXT>"),
         image_seq_length=4,
