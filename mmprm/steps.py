@@ -289,7 +289,7 @@ class StepFormat:
     """How a PRM's input lays out the question and the steps, and where each step is read.
 
     mmprm's own PRMs use the default. Released PRMs each have their authors' layout
-    (`mmprm.models.conventions`):
+    (`mmprm.models.spec.RELEASED_CONVENTIONS`):
 
     layout:
         "assistant" - the question in the user turn of the chat template, the steps in the
