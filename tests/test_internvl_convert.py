@@ -263,6 +263,13 @@ def test_unmappable_checkpoints_are_refused_naming_why(qwen2_internvl, tmp_path)
     (src / "config.json").write_text(json.dumps({**config, "llm_config": llm}))
     with pytest.raises(ConversionError, match="Phi3ForCausalLM"):
         convert_internvl(src, tmp_path / "c")
+    vision = {k: v for k, v in config["vision_config"].items() if k != "hidden_size"}
+    (src / "config.json").write_text(json.dumps({**config, "vision_config": vision}))
+    with pytest.raises(ConversionError, match="config.json: no 'hidden_size'"):
+        convert_internvl(src, tmp_path / "e")
+    (src / "config.json").write_text("{")
+    with pytest.raises(ConversionError, match="config.json: not JSON"):
+        convert_internvl(src, tmp_path / "f")
     (src / "config.json").write_text(json.dumps(config))
     from safetensors.torch import load_file, save_file
 

@@ -97,7 +97,10 @@ def _read_config(src: Path) -> dict[str, Any]:
     path = src / "config.json"
     if not path.exists():
         raise ConversionError(f"{src}: no config.json; give the directory of an InternVL chat checkpoint")
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path}: not JSON ({e})") from e
     if config.get("model_type") == "internvl":
         raise ConversionError(f"{path}: already transformers' InternVL format: load it as it is")
     if "llm_config" not in config or "vision_config" not in config:
@@ -334,7 +337,10 @@ def convert_internvl(
     if out.resolve() == src.resolve():
         raise ConversionError(f"{out}: write the conversion to a directory of its own")
     tok = internvl_tokenizer(src, tokenizer)
-    hf_config = internvl_config(config, tok.convert_tokens_to_ids(IMAGE_TOKENS["context_image_token"]))
+    try:
+        hf_config = internvl_config(config, tok.convert_tokens_to_ids(IMAGE_TOKENS["context_image_token"]))
+    except KeyError as e:
+        raise ConversionError(f"{src / 'config.json'}: no {e.args[0]!r} in llm_config or vision_config") from e
     text = hf_config.text_config
     out.mkdir(parents=True, exist_ok=True)
 
