@@ -217,19 +217,26 @@ def image_examples() -> list[dict]:
 
 
 def build_internvl_prm(out: Path, head_dim: int | None = None, vllm_ready: bool = False) -> Path:
-    """A tiny InternVL3-format checkpoint with the tokens MM-PRM's and VisualPRM's prompts read:
-    `<prm>` added as a special token (as MM-PRM's training adds it), "Yes" and "No" single tokens.
+    """A tiny InternVL3-format checkpoint shaped as MM-PRM's and VisualPRM's (`as_internvl_prm`).
     `head_dim` and `vllm_ready` as `mmprm.models.tiny.build_tiny_model` takes them (the vLLM tier)."""
     from template_families import family_tokenizer
-    from transformers import InternVLForConditionalGeneration
 
-    from mmprm.models.loading import load_processor
     from mmprm.models.tiny import HEAD_DIM, build_tiny_model
 
     tok = family_tokenizer("internvl3_hf")
     build_tiny_model("internvl", out, seed=0, head_dim=head_dim or HEAD_DIM, vllm_ready=vllm_ready, tokenizer=tok)
+    return as_internvl_prm(out)
+
+
+def as_internvl_prm(out: Path) -> Path:
+    """The InternVL checkpoint in `out` given what MM-PRM's and VisualPRM's prompts read: `<prm>`
+    added as a special token (as MM-PRM's training adds it), "Yes" and "No" single tokens, and
+    ImageNet's statistics for the tiles (InternVL's, which its converted checkpoints carry)."""
+    from transformers import InternVLForConditionalGeneration
+
+    from mmprm.models.loading import load_processor
+
     processor = load_processor(out)
-    # InternVL normalizes with ImageNet's statistics (its converted checkpoints say so too).
     processor.image_processor.image_mean = list(IMAGENET_MEAN)
     processor.image_processor.image_std = list(IMAGENET_STD)
     processor.tokenizer.add_tokens(["<prm>"], special_tokens=True)

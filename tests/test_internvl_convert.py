@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from released_checkpoints import QUESTION, SOLUTIONS, build_internvl_prm, figure
+from released_checkpoints import QUESTION, SOLUTIONS, as_internvl_prm, build_internvl_prm, figure
 
 from mmprm import load_prm
 from mmprm.cli import main as mmprm_main
@@ -173,17 +173,12 @@ def internlm2_shaped(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("internlm2_internvl")
     tok = family_tokenizer("internvl3_hf")
-    tok.add_tokens(["<prm>"], special_tokens=True)
-    tok.add_tokens(["Yes", "No"])
     torch.manual_seed(0)
     model = _internvl_model(tok, hidden_size=64, num_layers=2, head_dim=16, text_model="llama")
     assert (model.config.text_config.num_attention_heads, model.config.text_config.num_key_value_heads) == (4, 2)
     model.save_pretrained(out)
-    processor = _internvl_processor(tok, tok.chat_template, vllm_ready=False)
-    processor.image_processor.image_mean = [0.485, 0.456, 0.406]
-    processor.image_processor.image_std = [0.229, 0.224, 0.225]
-    processor.save_pretrained(out)
-    return out
+    _internvl_processor(tok, tok.chat_template, vllm_ready=False).save_pretrained(out)
+    return as_internvl_prm(out)
 
 
 def assert_same_weights(a: Path, b: Path) -> None:

@@ -293,9 +293,9 @@ def internvl_tokenizer(src: Path, tokenizer: str | Path | None) -> Any:
     return tok
 
 
-def _processor(config: dict[str, Any], tok: Any, per_tile: int, max_patches: int | None) -> Any:
-    """InternVL's tiling as transformers' image processor: tiles of the ViT's size, at most
-    `max_dynamic_patch` of them (or `max_patches`) and a thumbnail, ImageNet statistics."""
+def _processor(config: dict[str, Any], tok: Any, hf_config: Any, max_patches: int | None) -> Any:
+    """InternVL's tiling as transformers' image processor: tiles of the ViT's size (`hf_config`'s),
+    at most `max_dynamic_patch` of them (or `max_patches`) and a thumbnail, ImageNet statistics."""
     import transformers as tf
 
     from mmprm.models.loading import IMAGE_ONLY_PROCESSORS
@@ -303,7 +303,7 @@ def _processor(config: dict[str, Any], tok: Any, per_tile: int, max_patches: int
     dynamic = bool(config.get("dynamic_image_size", False))
     if dynamic and not config.get("use_thumbnail", False):
         raise ConversionError("use_thumbnail: false with dynamic tiles; transformers' InternVL always adds one")
-    size = config.get("force_image_size") or config["vision_config"]["image_size"]
+    size = hf_config.vision_config.image_size[0]
     image_processor = tf.GotOcr2ImageProcessorPil(
         size={"height": size, "width": size},
         crop_to_patches=dynamic,
@@ -313,7 +313,10 @@ def _processor(config: dict[str, Any], tok: Any, per_tile: int, max_patches: int
         image_std=IMAGENET_STD,
     )
     return IMAGE_ONLY_PROCESSORS["internvl"](
-        image_processor=image_processor, tokenizer=tok, image_seq_length=per_tile, chat_template=CHAT_TEMPLATE
+        image_processor=image_processor,
+        tokenizer=tok,
+        image_seq_length=hf_config.image_seq_length,
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -370,7 +373,7 @@ def convert_internvl(
         json.dumps({"metadata": {}, "weight_map": {k: f for k, (f, _) in sorted(written.items())}}, indent=2) + "\n"
     )
     hf_config.save_pretrained(out)
-    _processor(config, tok, hf_config.image_seq_length, max_patches).save_pretrained(out)
+    _processor(config, tok, hf_config, max_patches).save_pretrained(out)
     if (src / "generation_config.json").exists():
         shutil.copyfile(src / "generation_config.json", out / "generation_config.json")
     return out
