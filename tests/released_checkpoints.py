@@ -365,3 +365,108 @@ def visualprm_authors(path, question: str, steps: list[str], images: list = ()) 
         scores.append(logits.softmax(dim=-1)[0, 0].item())
         history.append((step, "+"))
     return scores
+
+
+# ---- InternLM2's tokenizer (MM-PRM-8B, VisualPRM-8B) ------------------------------------------
+
+# Where InternLM2's chat tokens stand: pieces of the sentencepiece model that tokenizer_config.json
+# renames (InternLM2's [UNUSED_TOKEN_145] and [UNUSED_TOKEN_146]).
+INTERNLM2_CHAT_TOKENS = {"[UNUSED_TOKEN_145]": "<|im_end|>", "[UNUSED_TOKEN_146]": "<|im_start|>"}
+INTERNVL_ADDED_TOKENS = ["<img>", "</img>", "<IMG_CONTEXT>", "<quad>", "</quad>", "<ref>", "</ref>", "<box>", "</box>"]
+# Text beyond the tiny corpus: Chinese (InternLM2's other language), full-width letters (user-defined
+# pieces in InternLM2's model), characters rare enough to fall back to bytes.
+WIDER_TEXT = [
+    "你好，世界。这是一个测试：三角形的面积是多少？",
+    "如图所示，圆的半径为 5 厘米，求周长。答案是 10π 厘米。",
+    "ＡＢＣ ｘ＋ｙ＝１０",
+    "Café naïve façade ∑ ∫ √2 ≤ ≥ ∞ 🙂 ⅔",
+]
+
+
+def internlm2_style_sentencepiece(vocab_size: int = 900, **settings) -> bytes:
+    """A sentencepiece BPE trained here with the settings InternLM2's released tokenizer.model
+    holds (BPE, byte fallback, split digits, identity normalization, extra whitespace kept, no
+    dummy prefix), and user-defined pieces where InternLM2 has them (its chat tokens, full-width
+    letters); `settings` override the trainer's."""
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([*_corpus(1500), *WIDER_TEXT * 20]),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        split_digits=True,
+        add_dummy_prefix=False,
+        remove_extra_whitespaces=False,
+        normalization_rule_name="identity",
+        character_coverage=0.999,
+        user_defined_symbols=[*INTERNLM2_CHAT_TOKENS, "Ａ", "Ｂ"],
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+        **settings,
+    )
+    return model.getvalue()
+
+
+def write_internlm2_tokenizer(out: Path) -> Path:
+    """`out/tokenizer.model` and the tokenizer_config.json InternVL2.5-8B ships with it: chat
+    tokens renamed in place, InternVL's tokens after the vocabulary, BOS added, `</s>` padding."""
+    from mmprm.models.sentencepiece_bpe import parse_model
+
+    model = internlm2_style_sentencepiece()
+    pieces = [p for p, _, _ in parse_model(model).pieces]
+    added = {0: "<unk>", 1: "<s>", 2: "</s>"}
+    added |= {pieces.index(piece): token for piece, token in INTERNLM2_CHAT_TOKENS.items()}
+    added |= {len(pieces) + i: token for i, token in enumerate(INTERNVL_ADDED_TOKENS)}
+    config = {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "added_tokens_decoder": {
+            str(i): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for i, t in sorted(added.items())
+        },
+        "auto_map": {"AutoTokenizer": ["tokenization_internlm2.InternLM2Tokenizer", None]},
+        "bos_token": "<s>",
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "</s>",
+        "pad_token": "</s>",
+        "tokenizer_class": "InternLM2Tokenizer",
+        "unk_token": "<unk>",
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.model").write_bytes(model)
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def build_internlm2_internvl_prm(out: Path, head_dim: int = 16, vllm_ready: bool = False) -> Path:
+    """A tiny InternVL as MM-PRM-8B and VisualPRM-8B convert: a Llama language model with grouped
+    key/value heads (4 query heads over 2, InternLM2's shape), and the InternLM2-style tokenizer
+    rebuilt from its sentencepiece file as `mmprm convert-internvl` rebuilds it (the file stays
+    beside), then `as_internvl_prm`."""
+    from mmprm.models.internvl_convert import CHAT_TEMPLATE, sentencepiece_tokenizer
+    from mmprm.models.tiny import _internvl_model, _internvl_processor
+
+    write_internlm2_tokenizer(out)
+    tok = sentencepiece_tokenizer(out / "tokenizer.model", json.loads((out / "tokenizer_config.json").read_text()), {})
+    tok.chat_template = CHAT_TEMPLATE
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _internvl_model(tok, hidden_size=4 * head_dim, num_layers=2, head_dim=head_dim, text_model="llama")
+    model.save_pretrained(out)
+    _internvl_processor(tok, CHAT_TEMPLATE, vllm_ready=vllm_ready).save_pretrained(out)
+    return as_internvl_prm(out)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from released_checkpoints import QUESTION, SOLUTIONS, as_internvl_prm, build_internvl_prm, figure
+from released_checkpoints import QUESTION, SOLUTIONS, build_internvl_prm, figure
 
 from mmprm import load_prm
 from mmprm.cli import main as mmprm_main
@@ -146,13 +146,20 @@ def write_internvl_chat(hf_dir: Path, out: Path, kind: str) -> Path:
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(hf_dir / f, out / f)
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
-    added = AutoTokenizer.from_pretrained(hf_dir).get_added_vocab()
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    added = tok.get_added_vocab()
     (out / "added_tokens.json").write_text(json.dumps({t: i for t, i in added.items() if t.startswith("<")}))
     if kind == "internlm2":  # InternLM2's tokenizer: a sentencepiece file and remote code
         (out / "tokenizer.json").unlink()
+        shutil.copyfile(hf_dir / "tokenizer.model", out / "tokenizer.model")
+        fields = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
         tokenizer_config.update(
             tokenizer_class="InternLM2Tokenizer",
             auto_map={"AutoTokenizer": ["tokenization_internlm2.InternLM2Tokenizer", None]},
+            # as transformers 4 wrote it, and the released checkpoints carry it
+            added_tokens_decoder={
+                str(i): {f: getattr(t, f) for f in fields} for i, t in tok.added_tokens_decoder.items()
+            },
         )
         (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return out
@@ -165,20 +172,13 @@ def qwen2_internvl(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def internlm2_shaped(tmp_path_factory):
-    """A tiny InternVL whose language model is a Llama with grouped key/value heads (4 query heads
-    over 2), the shape InternLM2 converts to."""
-    from template_families import family_tokenizer
+    """Transformers' format of what InternLM2-based releases convert to, tokenizer.model beside."""
+    from released_checkpoints import build_internlm2_internvl_prm
 
-    from mmprm.models.tiny import _internvl_model, _internvl_processor
-
-    out = tmp_path_factory.mktemp("internlm2_internvl")
-    tok = family_tokenizer("internvl3_hf")
-    torch.manual_seed(0)
-    model = _internvl_model(tok, hidden_size=64, num_layers=2, head_dim=16, text_model="llama")
-    assert (model.config.text_config.num_attention_heads, model.config.text_config.num_key_value_heads) == (4, 2)
-    model.save_pretrained(out)
-    _internvl_processor(tok, tok.chat_template, vllm_ready=False).save_pretrained(out)
-    return as_internvl_prm(out)
+    out = build_internlm2_internvl_prm(tmp_path_factory.mktemp("internlm2_internvl"))
+    text = json.loads((out / "config.json").read_text())["text_config"]
+    assert (text["num_attention_heads"], text["num_key_value_heads"]) == (4, 2)
+    return out
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
@@ -218,10 +218,27 @@ def test_qwen2_internvl_converts_back_to_the_same_model(qwen2_internvl, tmp_path
         assert ours == load_prm(qwen2_internvl, convention=convention).score(rows())
 
 
-def test_internlm2_internvl_needs_a_tokenizer_and_converts_back(internlm2_shaped, tmp_path):
+def test_internlm2_internvl_converts_back_with_its_tokenizer_rebuilt(internlm2_shaped, tmp_path):
+    from transformers import AutoTokenizer
+
     src = write_internvl_chat(internlm2_shaped, tmp_path / "chat", "internlm2")
+    out = convert_internvl(src, tmp_path / "rebuilt")
+    assert_same_weights(internlm2_shaped, out)
+    ours, theirs = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(internlm2_shaped)
+    text = "<|im_start|>user\n<img><IMG_CONTEXT></img>\n你好 Question: 3 + 15?<prm>Yes<|im_end|>"
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"] and ours(text)["input_ids"][0] == ours.bos_token_id
+    for convention in ("mm_prm", "visualprm"):
+        assert load_prm(out, convention=convention).score(rows()) == load_prm(
+            internlm2_shaped, convention=convention
+        ).score(rows())
+    # a remote-code tokenizer with no sentencepiece file to rebuild from needs --tokenizer
+    (src / "tokenizer.model").unlink()
     with pytest.raises(ConversionError, match="InternLM2Tokenizer.*remote code.*--tokenizer"):
         convert_internvl(src, tmp_path / "refused")
+
+
+def test_internlm2_internvl_takes_a_tokenizer_and_a_tile_limit(internlm2_shaped, tmp_path):
+    src = write_internvl_chat(internlm2_shaped, tmp_path / "chat", "internlm2")
     out = convert_internvl(src, tmp_path / "hf", tokenizer=internlm2_shaped, max_patches=1)
     assert_same_weights(internlm2_shaped, out)
     config = json.loads((out / "config.json").read_text())

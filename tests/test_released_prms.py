@@ -15,6 +15,7 @@ from released_checkpoints import (
     QUESTION,
     QWEN_MATH_SYSTEM,
     SOLUTIONS,
+    build_internlm2_internvl_prm,
     build_internvl_prm,
     build_math_shepherd,
     build_qwen_math_prm,
@@ -57,6 +58,11 @@ def rlhflow_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def internvl_prm_dir(tmp_path_factory):
     return build_internvl_prm(tmp_path_factory.mktemp("internvl_prm"))
+
+
+@pytest.fixture(scope="module")
+def internlm2_prm_dir(tmp_path_factory):
+    return build_internlm2_internvl_prm(tmp_path_factory.mktemp("internlm2_prm"))
 
 
 def test_math_shepherd_tokenizer_has_the_released_shape(math_shepherd_dir):
@@ -109,12 +115,16 @@ def test_rlhflow_input_carries_the_templates_default_system_prompt(rlhflow_dir):
     assert all(tok.input_ids[p + 1] == plus for p in tok.step_positions[:-1])
 
 
+@pytest.mark.parametrize("shape", ["qwen2", "internlm2"])
 @pytest.mark.parametrize(("convention", "authors"), [("mm_prm", mm_prm_authors), ("visualprm", visualprm_authors)])
-def test_internvl_prms_score_as_their_remote_code_does(internvl_prm_dir, convention, authors):
-    """MM-PRM's and VisualPRM's prompts, with and without a figure, candidates grouped or alone."""
-    scorer = load_prm(internvl_prm_dir, convention=convention)
+def test_internvl_prms_score_as_their_remote_code_does(internvl_prm_dir, internlm2_prm_dir, shape, convention, authors):
+    """MM-PRM's and VisualPRM's prompts, with and without a figure, candidates grouped or alone;
+    on InternVL3's shape (VisualPRM-8B-v1_1) and InternLM2's (MM-PRM-8B, VisualPRM-8B: its
+    tokenizer puts BOS in front, as the authors' `tokenizer(query)` does)."""
+    path = internvl_prm_dir if shape == "qwen2" else internlm2_prm_dir
+    scorer = load_prm(path, convention=convention)
     rows = image_examples()
-    theirs = [authors(internvl_prm_dir, r["question"], r["steps"], r.get("images", [])) for r in rows]
+    theirs = [authors(path, r["question"], r["steps"], r.get("images", [])) for r in rows]
     assert_scores_equal(scorer.score(rows), theirs)
     assert_scores_equal(scorer.score(rows, share_prefix=False), theirs)
 

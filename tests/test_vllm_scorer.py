@@ -228,14 +228,18 @@ def test_the_vllm_scoring_benchmark_prints_its_ratio():
     assert bench["max_abs_score_diff"] < TOLERANCE
 
 
-@pytest.mark.parametrize("convention", ["qwen2_5_math_prm", "math_shepherd", "rlhflow", "mm_prm", "visualprm"])
+@pytest.mark.parametrize(
+    "convention", ["qwen2_5_math_prm", "math_shepherd", "rlhflow", "mm_prm", "visualprm", "mm_prm_internlm2"]
+)
 def test_released_prms_score_on_vllm_as_on_hf(tmp_path, convention):
     """A released PRM's shape on vLLM: Qwen2.5-Math-PRM as vLLM's own `Qwen2ForProcessRewardModel`
     (two logits per token); Math-Shepherd, RLHFlow and the InternVL ones (MM-PRM, VisualPRM, with a
-    figure) exported as token-pair classifiers. The step scores equal the HF scorer's, which equal
-    the authors' procedures (test_released_prms)."""
+    figure; MM-PRM-8B's InternLM2 shape too, with its rebuilt sentencepiece tokenizer) exported as
+    token-pair classifiers. The step scores equal the HF scorer's, which equal the authors'
+    procedures (test_released_prms)."""
     import torch
     from released_checkpoints import (
+        build_internlm2_internvl_prm,
         build_internvl_prm,
         build_math_shepherd,
         build_qwen_math_prm,
@@ -247,7 +251,10 @@ def test_released_prms_score_on_vllm_as_on_hf(tmp_path, convention):
     from mmprm import load_prm
     from mmprm.models.tiny import VLLM_HEAD_DIM
 
-    if convention in ("mm_prm", "visualprm"):
+    if convention == "mm_prm_internlm2":
+        path = build_internlm2_internvl_prm(tmp_path / convention, head_dim=VLLM_HEAD_DIM, vllm_ready=True)
+        convention, rows = "mm_prm", image_examples()
+    elif convention in ("mm_prm", "visualprm"):
         path, rows = (
             build_internvl_prm(tmp_path / convention, head_dim=VLLM_HEAD_DIM, vllm_ready=True),
             image_examples(),

@@ -11,9 +11,9 @@ directory loads with `from_pretrained` like InternVL3's `-hf` checkpoints and sc
 
 Language models: Qwen2 (InternVL3, InternVL2.5 1B/4B/38B/78B), Llama, and InternLM2 (InternVL2.5
 8B/26B, hence MM-PRM-8B and VisualPRM-8B) as a Llama model with its fused `wqkv` split per head
-group. InternLM2's tokenizer is remote code too; mmprm does not rebuild it from its sentencepiece
-file (that could silently tokenize differently): give an HF-format tokenizer of the same
-vocabulary with `tokenizer=`, whose ids for the checkpoint's added tokens are checked.
+group. InternLM2's tokenizer is remote code too: it is rebuilt as a fast tokenizer from its
+sentencepiece file (mmprm/models/sentencepiece_bpe.py), or `tokenizer=` gives an HF-format one of
+the same vocabulary, whose ids for the checkpoint's added tokens are checked.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
 TEXT_MODELS = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "InternLM2ForCausalLM": "internlm2"}
 INDEX = "model.safetensors.index.json"
+# Remote-code tokenizers rebuilt from their sentencepiece file, and their default special tokens
+SENTENCEPIECE_TOKENIZERS = ("InternLM2Tokenizer", "InternLM2TokenizerFast")
+SENTENCEPIECE_ROLES = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>"}
 # llm_config entries that describe the training run or the remote code, not the model: passed on,
 # an "attn_implementation: flash_attention_2" would stop a CPU load.
 DROPPED_LLM_KEYS = (
@@ -93,14 +96,20 @@ def _rename(name: str, rules: list[tuple[str, str]]) -> str | None:
     return None
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ConversionError(f"{path}: missing") from e
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path}: not JSON ({e})") from e
+
+
 def _read_config(src: Path) -> dict[str, Any]:
     path = src / "config.json"
     if not path.exists():
         raise ConversionError(f"{src}: no config.json; give the directory of an InternVL chat checkpoint")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConversionError(f"{path}: not JSON ({e})") from e
+    config = _read_json(path)
     if config.get("model_type") == "internvl":
         raise ConversionError(f"{path}: already transformers' InternVL format: load it as it is")
     if "llm_config" not in config or "vision_config" not in config:
@@ -257,21 +266,26 @@ def _weight_map(src: Path) -> dict[str, str]:
 
 
 def internvl_tokenizer(src: Path, tokenizer: str | Path | None) -> Any:
-    """The checkpoint's tokenizer with InternVL's image tokens named; `tokenizer` replaces a remote
-    one, and must give every token the checkpoint added (`added_tokens.json`) the same id."""
+    """The checkpoint's tokenizer with InternVL's image tokens named. InternLM2's remote-code
+    tokenizer is rebuilt from its sentencepiece file; `tokenizer` replaces the checkpoint's, and
+    must give every token the checkpoint added (`added_tokens.json`) the same id."""
     from transformers import AutoTokenizer
 
     added_file = src / "added_tokens.json"
     added: dict[str, int] = json.loads(added_file.read_text()) if added_file.exists() else {}
-    if tokenizer is None:
+    config_file = src / "tokenizer_config.json"
+    tokenizer_config = _read_json(config_file) if tokenizer is None and config_file.exists() else {}
+    cls = tokenizer_config.get("tokenizer_class", "?")
+    if tokenizer is None and cls in SENTENCEPIECE_TOKENIZERS and (src / "tokenizer.model").exists():
+        tok = sentencepiece_tokenizer(src / "tokenizer.model", tokenizer_config, added)
+    elif tokenizer is None:
         from transformers.utils import logging as hf_logging
 
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # it reads config.json too, and would warn about internvl_chat
-        try:
-            tok = AutoTokenizer.from_pretrained(str(src), extra_special_tokens=NAMED_TOKENS)
+        try:  # trust_remote_code stated, so that transformers does not ask whether to run it
+            tok = AutoTokenizer.from_pretrained(str(src), extra_special_tokens=NAMED_TOKENS, trust_remote_code=False)
         except (ValueError, OSError) as e:
-            cls = json.loads((src / "tokenizer_config.json").read_text()).get("tokenizer_class", "?")
             raise ConversionError(
                 f"{src}: its tokenizer ({cls}) loads only as remote code, which mmprm does not run: give an "
                 "HF-format tokenizer of the same vocabulary with --tokenizer (see docs/released-prms.md)"
@@ -291,6 +305,40 @@ def internvl_tokenizer(src: Path, tokenizer: str | Path | None) -> Any:
             raise ConversionError(f"the tokenizer has no {token!r} token: is this an InternVL checkpoint's tokenizer?")
     tok.chat_template = CHAT_TEMPLATE
     return tok
+
+
+def _token_text(value: Any) -> str | None:
+    """A tokenizer_config.json token entry: a string, or an AddedToken's fields."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def sentencepiece_tokenizer(model_file: Path, tokenizer_config: dict[str, Any], added: dict[str, int]) -> Any:
+    """InternLM2's tokenizer as a fast one: the sentencepiece model rebuilt, the added tokens of
+    `tokenizer_config.json` (and `added_tokens.json`) at their ids, BOS/EOS as its settings say."""
+    from transformers import PreTrainedTokenizerFast
+
+    from mmprm.models.sentencepiece_bpe import SentencePieceError, read_model, rebuild_tokenizer
+
+    decoder = {int(i): dict(t) for i, t in tokenizer_config.get("added_tokens_decoder", {}).items()}
+    for content, i in added.items():
+        decoder.setdefault(i, {"content": content, "special": True})
+    roles = {k: _token_text(tokenizer_config.get(k, d)) for k, d in SENTENCEPIECE_ROLES.items()}
+    try:
+        backend = rebuild_tokenizer(
+            read_model(model_file),
+            decoder,
+            bos_token=roles["bos_token"] if tokenizer_config.get("add_bos_token", True) else None,
+            eos_token=roles["eos_token"] if tokenizer_config.get("add_eos_token", False) else None,
+        )
+    except SentencePieceError as e:
+        raise ConversionError(f"{model_file}: {e}; give an HF-format tokenizer with --tokenizer") from e
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        **roles,
+        extra_special_tokens=NAMED_TOKENS,
+        clean_up_tokenization_spaces=tokenizer_config.get("clean_up_tokenization_spaces", False),
+        model_max_length=tokenizer_config.get("model_max_length", 32768),
+    )
 
 
 def _processor(config: dict[str, Any], tok: Any, hf_config: Any, max_patches: int | None) -> Any:
@@ -391,7 +439,9 @@ def cli_convert_internvl(argv: list[str]) -> int:
     parser.add_argument("src", help="the InternVL chat checkpoint directory (e.g. MM-PRM-8B, VisualPRM-8B)")
     parser.add_argument("out", help="where to write the transformers-format checkpoint")
     parser.add_argument(
-        "--tokenizer", help="an HF-format tokenizer of the same vocabulary, for a checkpoint whose own is remote code"
+        "--tokenizer",
+        help="an HF-format tokenizer of the same vocabulary, to use instead of the checkpoint's own "
+        "(which is rebuilt from its sentencepiece file where it is InternLM2's remote code)",
     )
     parser.add_argument("--max-patches", type=int, help="tile limit per image (default: the checkpoint's)")
     args = parser.parse_args(argv)
