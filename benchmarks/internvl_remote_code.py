@@ -14,6 +14,12 @@ for an InternLM2 and a Qwen2 language model it saves an `InternVLChatModel`, con
 - MM-PRM's `InternVLChatModel.prm()` step scores with `mmprm.load_prm(..., convention="mm_prm")`
   on the conversion, for the same image and four solutions.
 
+With `--visualprm-modeling FILE`, VisualPRM's `modeling_internvl_chat.py` (the one in the
+VisualPRM-8B checkpoint directory), its `InternVLRewardModel.generate_steps_with_soft_score()` runs
+on the same remote model (the class is taken from the file and set on the package's
+`InternVLChatModel`, whose forward it calls) and is compared with
+`load_prm(..., convention="visualprm")`, with the image and without.
+
 Prints one JSON line: per language model, the largest absolute differences. `timm` (only
 `DropPath`, an identity at inference) is stubbed when it is not installed.
 """
@@ -21,7 +27,9 @@ Prints one JSON line: per language model, the largest absolute differences. `tim
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import math
 import sys
 import tempfile
 import types
@@ -119,7 +127,52 @@ def remote_model(kind: str, vocab: int, seed: int):
     return model, config
 
 
-def check(kind: str, seed: int) -> dict[str, float]:
+def visualprm_reward_model(path: Path) -> type:
+    """`InternVLRewardModel` from VisualPRM's modeling file, subclassing the `internvl` package's
+    `InternVLChatModel`: only the class is executed, since the file's own imports are modules that
+    sit beside it in the checkpoint."""
+    import typing
+
+    from internvl.conversation import get_conv_template
+    from internvl.model.internvl_chat.modeling_internvl_chat import InternVLChatModel
+
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "InternVLRewardModel"]
+    if not found:
+        raise SystemExit(f"{path}: no class InternVLRewardModel; give VisualPRM's modeling_internvl_chat.py")
+    namespace = {
+        **{name: getattr(typing, name) for name in typing.__all__},
+        "math": math,
+        "torch": torch,
+        "get_conv_template": get_conv_template,
+        "InternVLChatModel": InternVLChatModel,
+    }
+    exec(compile(ast.Module(body=found, type_ignores=[]), str(path), "exec"), namespace)
+    return namespace["InternVLRewardModel"]
+
+
+def visualprm_agreement(reward_model: type, model, config, tok, pixel_values, image, out: Path) -> dict:
+    """VisualPRM's `generate_steps_with_soft_score()` against the `visualprm` convention, each
+    solution with the image and without (VisualPRM's steps are the response split at blank lines)."""
+    from mmprm import load_prm
+
+    reward = reward_model(config, use_flash_attn=False).eval()
+    reward.load_state_dict(model.state_dict())
+    scorer = load_prm(out, convention="visualprm")
+    diff, scores = 0.0, []
+    for steps in SOLUTIONS:
+        for images in ([image], []):
+            with torch.no_grad():
+                theirs = reward.generate_steps_with_soft_score(
+                    tok, QUESTION, "\n\n".join(steps), pixel_values if images else None
+                )
+            mine = scorer.score([{"question": QUESTION, "steps": steps, "images": images}])[0]
+            diff = max(diff, *(abs(t["score"] - m) for t, m in zip(theirs, mine, strict=True)))
+            scores += mine
+    return {"max_abs_visualprm_score_diff": diff, "visualprm_score_range": [min(scores), max(scores)]}
+
+
+def check(kind: str, seed: int, reward_model: type | None = None) -> dict[str, float]:
     from PIL import Image
     from safetensors.torch import save_file
     from transformers import InternVLForConditionalGeneration
@@ -160,22 +213,27 @@ def check(kind: str, seed: int) -> dict[str, float]:
         mine = scorer.score([{"question": QUESTION, "steps": steps, "images": [image]}])[0]
         score_diff = max(score_diff, *(abs(a - b) for a, b in zip(prm.tolist(), mine, strict=True)))
         scores += mine
-    return {
+    result = {
         "max_abs_logit_diff": (theirs.logits - ours.logits).abs().max().item(),
         "logit_scale": theirs.logits.abs().max().item(),
         "max_abs_mm_prm_score_diff": score_diff,
         "mm_prm_score_range": [min(scores), max(scores)],
     }
+    if reward_model is not None:
+        result |= visualprm_agreement(reward_model, model, config, tok, pixel_values, image, out)
+    return result
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--internvl-code", required=True, help="a checkout holding InternVL's `internvl` package")
+    parser.add_argument("--visualprm-modeling", type=Path, help="VisualPRM's modeling_internvl_chat.py")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(args.internvl_code).resolve()))
     stub_timm()
-    result = {kind: check(kind, args.seed) for kind in ("internlm2", "qwen2")}
+    reward_model = visualprm_reward_model(args.visualprm_modeling) if args.visualprm_modeling else None
+    result = {kind: check(kind, args.seed, reward_model) for kind in ("internlm2", "qwen2")}
     print(json.dumps({"benchmark": "internvl_remote_code", "seed": args.seed, **result}))
     return 0
 
