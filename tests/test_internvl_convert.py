@@ -218,11 +218,13 @@ def test_qwen2_internvl_converts_back_to_the_same_model(qwen2_internvl, tmp_path
         assert ours == load_prm(qwen2_internvl, convention=convention).score(rows())
 
 
-def test_internlm2_internvl_converts_back_with_its_tokenizer_rebuilt(internlm2_shaped, tmp_path):
+def test_internlm2_internvl_converts_back_with_its_tokenizer_rebuilt(internlm2_shaped, tmp_path, capsys):
     from transformers import AutoTokenizer
 
     src = write_internvl_chat(internlm2_shaped, tmp_path / "chat", "internlm2")
-    out = convert_internvl(src, tmp_path / "rebuilt")
+    out = tmp_path / "rebuilt"
+    assert mmprm_main(["convert-internvl", str(src), str(out)]) == 0
+    assert "tokenizer: InternLM2's, rebuilt from tokenizer.model" in capsys.readouterr().out
     assert_same_weights(internlm2_shaped, out)
     ours, theirs = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(internlm2_shaped)
     text = "<|im_start|>user\n<img><IMG_CONTEXT></img>\n你好 Question: 3 + 15?<prm>Yes<|im_end|>"
@@ -325,3 +327,4 @@ def test_the_command_prints_the_template_and_a_system_message_of_the_checkpoints
     assert mmprm_main(["convert-internvl", str(src), str(tmp_path / "hf")]) == 0
     out = capsys.readouterr().out
     assert "conversation template: 'internvl2_5'" in out and "'You are a grader.'" in out
+    assert "tokenizer:" not in out  # its own tokenizer, as it is

@@ -265,6 +265,14 @@ def _weight_map(src: Path) -> dict[str, str]:
     return names
 
 
+def rebuilds_tokenizer(src: Path) -> bool:
+    """Whether `src`'s own tokenizer is one rebuilt from its sentencepiece file (InternLM2's)."""
+    config_file = src / "tokenizer_config.json"
+    if not (config_file.exists() and (src / "tokenizer.model").exists()):
+        return False
+    return _read_json(config_file).get("tokenizer_class") in SENTENCEPIECE_TOKENIZERS
+
+
 def internvl_tokenizer(src: Path, tokenizer: str | Path | None) -> Any:
     """The checkpoint's tokenizer with InternVL's image tokens named. InternLM2's remote-code
     tokenizer is rebuilt from its sentencepiece file; `tokenizer` replaces the checkpoint's, and
@@ -276,7 +284,7 @@ def internvl_tokenizer(src: Path, tokenizer: str | Path | None) -> Any:
     config_file = src / "tokenizer_config.json"
     tokenizer_config = _read_json(config_file) if tokenizer is None and config_file.exists() else {}
     cls = tokenizer_config.get("tokenizer_class", "?")
-    if tokenizer is None and cls in SENTENCEPIECE_TOKENIZERS and (src / "tokenizer.model").exists():
+    if tokenizer is None and rebuilds_tokenizer(src):
         tok = sentencepiece_tokenizer(src / "tokenizer.model", tokenizer_config, added)
     elif tokenizer is None:
         from transformers.utils import logging as hf_logging
@@ -451,6 +459,8 @@ def cli_convert_internvl(argv: list[str]) -> int:
         parser.exit(2, f"mmprm convert-internvl: {e}\n")
     config = json.loads((Path(args.src) / "config.json").read_text())
     print(out)
+    if args.tokenizer is None and rebuilds_tokenizer(Path(args.src)):
+        print("tokenizer: InternLM2's, rebuilt from tokenizer.model (docs/released-prms.md)")
     # The mm_prm and visualprm conventions write InternVL's "internvl2_5" template and its system
     # message; a checkpoint that asks for others is not scored as its authors do.
     print(f"conversation template: {config.get('template')!r}")
