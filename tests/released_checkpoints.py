@@ -383,11 +383,11 @@ WIDER_TEXT = [
 ]
 
 
-def internlm2_style_sentencepiece(vocab_size: int = 900, **settings) -> bytes:
+def internlm2_style_sentencepiece() -> bytes:
     """A sentencepiece BPE trained here with the settings InternLM2's released tokenizer.model
     holds (BPE, byte fallback, split digits, identity normalization, extra whitespace kept, no
     dummy prefix), and user-defined pieces where InternLM2 has them (its chat tokens, full-width
-    letters); `settings` override the trainer's."""
+    letters)."""
     import io
 
     import sentencepiece as spm
@@ -396,7 +396,7 @@ def internlm2_style_sentencepiece(vocab_size: int = 900, **settings) -> bytes:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter([*_corpus(1500), *WIDER_TEXT * 20]),
         model_writer=model,
-        vocab_size=vocab_size,
+        vocab_size=900,
         model_type="bpe",
         byte_fallback=True,
         split_digits=True,
@@ -410,7 +410,6 @@ def internlm2_style_sentencepiece(vocab_size: int = 900, **settings) -> bytes:
         eos_id=2,
         pad_id=-1,
         minloglevel=2,
-        **settings,
     )
     return model.getvalue()
 
@@ -456,14 +455,12 @@ def write_internlm2_tokenizer(out: Path) -> Path:
 def build_internlm2_internvl_prm(out: Path, head_dim: int = 16, vllm_ready: bool = False) -> Path:
     """A tiny InternVL as MM-PRM-8B and VisualPRM-8B convert: a Llama language model with grouped
     key/value heads (4 query heads over 2, InternLM2's shape), and the InternLM2-style tokenizer
-    rebuilt from its sentencepiece file as `mmprm convert-internvl` rebuilds it (the file stays
+    rebuilt from its sentencepiece file by `mmprm convert-internvl`'s own loader (the file stays
     beside), then `as_internvl_prm`."""
-    from mmprm.models.internvl_convert import CHAT_TEMPLATE, sentencepiece_tokenizer
+    from mmprm.models.internvl_convert import CHAT_TEMPLATE, internvl_tokenizer
     from mmprm.models.tiny import _internvl_model, _internvl_processor
 
-    write_internlm2_tokenizer(out)
-    tok = sentencepiece_tokenizer(out / "tokenizer.model", json.loads((out / "tokenizer_config.json").read_text()), {})
-    tok.chat_template = CHAT_TEMPLATE
+    tok = internvl_tokenizer(write_internlm2_tokenizer(out), None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = _internvl_model(tok, hidden_size=4 * head_dim, num_layers=2, head_dim=head_dim, text_model="llama")

@@ -229,9 +229,9 @@ def test_the_vllm_scoring_benchmark_prints_its_ratio():
 
 
 @pytest.mark.parametrize(
-    "convention", ["qwen2_5_math_prm", "math_shepherd", "rlhflow", "mm_prm", "visualprm", "mm_prm_internlm2"]
+    "case", ["qwen2_5_math_prm", "math_shepherd", "rlhflow", "mm_prm", "visualprm", "mm_prm_internlm2"]
 )
-def test_released_prms_score_on_vllm_as_on_hf(tmp_path, convention):
+def test_released_prms_score_on_vllm_as_on_hf(tmp_path, case):
     """A released PRM's shape on vLLM: Qwen2.5-Math-PRM as vLLM's own `Qwen2ForProcessRewardModel`
     (two logits per token); Math-Shepherd, RLHFlow and the InternVL ones (MM-PRM, VisualPRM, with a
     figure; MM-PRM-8B's InternLM2 shape too, with its rebuilt sentencepiece tokenizer) exported as
@@ -251,22 +251,18 @@ def test_released_prms_score_on_vllm_as_on_hf(tmp_path, convention):
     from mmprm import load_prm
     from mmprm.models.tiny import VLLM_HEAD_DIM
 
-    if convention == "mm_prm_internlm2":
-        path = build_internlm2_internvl_prm(tmp_path / convention, head_dim=VLLM_HEAD_DIM, vllm_ready=True)
-        convention, rows = "mm_prm", image_examples()
-    elif convention in ("mm_prm", "visualprm"):
-        path, rows = (
-            build_internvl_prm(tmp_path / convention, head_dim=VLLM_HEAD_DIM, vllm_ready=True),
-            image_examples(),
-        )
-    else:
-        build = {
-            "qwen2_5_math_prm": build_qwen_math_prm,
-            "math_shepherd": build_math_shepherd,
-            "rlhflow": build_rlhflow,
-        }
-        built = build[convention](tmp_path / convention, head_dim=VLLM_HEAD_DIM)
-        path, rows = (built[0] if isinstance(built, tuple) else built), examples()
+    # case: (convention, builder, what the builder takes beyond head_dim, rows)
+    cases = {
+        "qwen2_5_math_prm": ("qwen2_5_math_prm", build_qwen_math_prm, {}, examples),
+        "math_shepherd": ("math_shepherd", build_math_shepherd, {}, examples),
+        "rlhflow": ("rlhflow", build_rlhflow, {}, examples),
+        "mm_prm": ("mm_prm", build_internvl_prm, {"vllm_ready": True}, image_examples),
+        "visualprm": ("visualprm", build_internvl_prm, {"vllm_ready": True}, image_examples),
+        "mm_prm_internlm2": ("mm_prm", build_internlm2_internvl_prm, {"vllm_ready": True}, image_examples),
+    }
+    convention, build, settings, make_rows = cases[case]
+    built = build(tmp_path / case, head_dim=VLLM_HEAD_DIM, **settings)
+    path, rows = (built[0] if isinstance(built, tuple) else built), make_rows()
     hf = load_prm(path, convention=convention, dtype=torch.float32).score(rows)
     scorer = load_prm(path, convention=convention, backend="vllm", vllm_kwargs=ENGINE)
     try:

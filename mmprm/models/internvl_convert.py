@@ -265,12 +265,14 @@ def _weight_map(src: Path) -> dict[str, str]:
     return names
 
 
-def rebuilds_tokenizer(src: Path) -> bool:
+def _tokenizer_config(src: Path) -> dict[str, Any]:
+    path = src / "tokenizer_config.json"
+    return _read_json(path) if path.exists() else {}
+
+
+def rebuilds_tokenizer(src: Path, tokenizer_config: dict[str, Any]) -> bool:
     """Whether `src`'s own tokenizer is one rebuilt from its sentencepiece file (InternLM2's)."""
-    config_file = src / "tokenizer_config.json"
-    if not (config_file.exists() and (src / "tokenizer.model").exists()):
-        return False
-    return _read_json(config_file).get("tokenizer_class") in SENTENCEPIECE_TOKENIZERS
+    return tokenizer_config.get("tokenizer_class") in SENTENCEPIECE_TOKENIZERS and (src / "tokenizer.model").exists()
 
 
 def internvl_tokenizer(src: Path, tokenizer: str | Path | None) -> Any:
@@ -280,11 +282,9 @@ def internvl_tokenizer(src: Path, tokenizer: str | Path | None) -> Any:
     from transformers import AutoTokenizer
 
     added_file = src / "added_tokens.json"
-    added: dict[str, int] = json.loads(added_file.read_text()) if added_file.exists() else {}
-    config_file = src / "tokenizer_config.json"
-    tokenizer_config = _read_json(config_file) if tokenizer is None and config_file.exists() else {}
-    cls = tokenizer_config.get("tokenizer_class", "?")
-    if tokenizer is None and rebuilds_tokenizer(src):
+    added: dict[str, int] = _read_json(added_file) if added_file.exists() else {}
+    tokenizer_config = _tokenizer_config(src) if tokenizer is None else {}
+    if tokenizer is None and rebuilds_tokenizer(src, tokenizer_config):
         tok = sentencepiece_tokenizer(src / "tokenizer.model", tokenizer_config, added)
     elif tokenizer is None:
         from transformers.utils import logging as hf_logging
@@ -294,6 +294,7 @@ def internvl_tokenizer(src: Path, tokenizer: str | Path | None) -> Any:
         try:  # trust_remote_code stated, so that transformers does not ask whether to run it
             tok = AutoTokenizer.from_pretrained(str(src), extra_special_tokens=NAMED_TOKENS, trust_remote_code=False)
         except (ValueError, OSError) as e:
+            cls = tokenizer_config.get("tokenizer_class", "?")
             raise ConversionError(
                 f"{src}: its tokenizer ({cls}) loads only as remote code, which mmprm does not run: give an "
                 "HF-format tokenizer of the same vocabulary with --tokenizer (see docs/released-prms.md)"
@@ -459,7 +460,7 @@ def cli_convert_internvl(argv: list[str]) -> int:
         parser.exit(2, f"mmprm convert-internvl: {e}\n")
     config = json.loads((Path(args.src) / "config.json").read_text())
     print(out)
-    if args.tokenizer is None and rebuilds_tokenizer(Path(args.src)):
+    if args.tokenizer is None and rebuilds_tokenizer(Path(args.src), _tokenizer_config(Path(args.src))):
         print("tokenizer: InternLM2's, rebuilt from tokenizer.model (docs/released-prms.md)")
     # The mm_prm and visualprm conventions write InternVL's "internvl2_5" template and its system
     # message; a checkpoint that asks for others is not scored as its authors do.

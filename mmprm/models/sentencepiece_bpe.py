@@ -10,8 +10,8 @@ characters outside the vocabulary fall back to bytes. Settings it does not rebui
 normalization rule other than identity, a dummy prefix, removing extra whitespace, whitespace as
 suffix: none of them InternLM2's) are refused by name rather than approximated. One difference
 stays: text that spells a renamed piece's old name (InternLM2's "[UNUSED_TOKEN_146]", now
-`<|im_start|>`) is spelled out here, where sentencepiece gives the renamed token's id. tests/test_sentencepiece_bpe.py checks the ids against
-sentencepiece itself.
+`<|im_start|>`) is spelled out here, where sentencepiece gives the renamed token's id.
+tests/test_sentencepiece_bpe.py checks the ids against sentencepiece itself.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ class SentencePieceModel:
     model_type: int = 1  # unigram
     byte_fallback: bool = False
     treat_whitespace_as_suffix: bool = False
-    unk_piece: str = "<unk>"
     normalizer_name: str = ""
     precompiled_charsmap: bytes = b""
     add_dummy_prefix: bool = True
@@ -83,6 +82,21 @@ def proto_fields(buf: bytes) -> Iterator[tuple[int, int | bytes]]:
         yield number, value
 
 
+def _text(value: bytes) -> str:
+    return value.decode("utf-8")
+
+
+# The fields read, by message: field number -> (SentencePieceModel attribute, conversion)
+TRAINER_SPEC = {3: ("model_type", int), 24: ("treat_whitespace_as_suffix", bool), 35: ("byte_fallback", bool)}
+NORMALIZER_SPEC = {
+    1: ("normalizer_name", _text),
+    2: ("precompiled_charsmap", bytes),
+    3: ("add_dummy_prefix", bool),
+    4: ("remove_extra_whitespaces", bool),
+    5: ("escape_whitespaces", bool),
+}
+
+
 def parse_model(buf: bytes) -> SentencePieceModel:
     model = SentencePieceModel()
     for number, value in proto_fields(buf):
@@ -90,34 +104,18 @@ def parse_model(buf: bytes) -> SentencePieceModel:
             piece, score, kind = "", 0.0, NORMAL
             for n, v in proto_fields(value):
                 if n == 1:
-                    piece = v.decode("utf-8")
+                    piece = _text(v)
                 elif n == 2:
                     score = struct.unpack("<f", v.to_bytes(4, "little"))[0]
                 elif n == 3:
                     kind = v
             model.pieces.append((piece, score, kind))
-        elif number == 2:  # TrainerSpec
+        elif number in (2, 3):  # TrainerSpec, NormalizerSpec
+            fields = TRAINER_SPEC if number == 2 else NORMALIZER_SPEC
             for n, v in proto_fields(value):
-                if n == 3:
-                    model.model_type = v
-                elif n == 24:
-                    model.treat_whitespace_as_suffix = bool(v)
-                elif n == 35:
-                    model.byte_fallback = bool(v)
-                elif n == 45:
-                    model.unk_piece = v.decode("utf-8")
-        elif number == 3:  # NormalizerSpec
-            for n, v in proto_fields(value):
-                if n == 1:
-                    model.normalizer_name = v.decode("utf-8")
-                elif n == 2:
-                    model.precompiled_charsmap = v
-                elif n == 3:
-                    model.add_dummy_prefix = bool(v)
-                elif n == 4:
-                    model.remove_extra_whitespaces = bool(v)
-                elif n == 5:
-                    model.escape_whitespaces = bool(v)
+                if n in fields:
+                    name, convert = fields[n]
+                    setattr(model, name, convert(v))
     if not model.pieces:
         raise SentencePieceError("no pieces: not a sentencepiece model file")
     return model
