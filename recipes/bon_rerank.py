@@ -231,6 +231,10 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
     todo = [p for p in problems if p.id not in done]
     if done:
         print(f"resuming: {len(done)} problems already sampled in {partial}, {len(todo)} to go")
+    if not problems:  # more shards than problems: an empty block, and no engine to start for it
+        partial.touch()
+        os.replace(partial, final)
+        return final
     backend = make_backend(cfg)
     try:
         sample_into(partial, backend, todo, cfg, len(done), len(problems))
@@ -407,11 +411,18 @@ def shard_candidates(cfg: Config, out_dir: Path) -> tuple[Path, int, int | None,
 
     if cfg.generate.enabled:
         cand_file, lo, hi = generate_candidates(cfg, out_dir), 0, None  # the file is this shard's block
+        empty = count_rows(cand_file) == 0
     else:
         cand_file = Path(cfg.candidates_file)
         if not cand_file.exists():
             raise DataError([f"{cand_file}: file not found (write it with `mmprm convert-candidates`)"])
-        lo, hi = shard_bounds(count_rows(cand_file), cfg.shard.index, cfg.shard.count)
+        n_rows = count_rows(cand_file)
+        lo, hi = shard_bounds(n_rows, cfg.shard.index, cfg.shard.count)
+        empty = n_rows > 0 and lo == hi  # an empty file is refused below, as bad input
+    if empty:
+        # More shards than problems: this shard's block is empty, but merge-bon needs its file.
+        print(f"shard {cfg.shard.index}/{cfg.shard.count}: no problems (the run has fewer problems than shards)")
+        return cand_file, lo, hi, 0
     # Every report number needs each candidate's verdict: refuse before any scoring.
     n_problems, n_cands = check_candidates(cand_file, lo, hi, need_correct=True)
     print(f"shard {cfg.shard.index}/{cfg.shard.count}: {n_problems} problems, {n_cands} candidates")
@@ -440,6 +451,9 @@ def score_shard(cfg: Config, out_dir: Path, cand_file: Path, lo: int, hi: int | 
     store.check_same_run(final.with_name(final.name + ".run.json"), run, final, partial)
     if final.exists():
         print(f"shard {cfg.shard.index} already scored ({final}); delete it to rescore")
+        return
+    if n_problems == 0:  # an empty shard: its empty file, without loading the PRM
+        final.touch()
         return
     done = store.resume(partial)
     if done:

@@ -228,6 +228,24 @@ def test_two_shards_merge_to_the_unsharded_output_and_refuse_a_missing_shard(
             assert rep_m["methods"][method][n]["mean"] == pytest.approx(cell["mean"], abs=1e-9)
 
 
+def test_more_shards_than_problems_merge_with_empty_shards(unsharded, prm_dir, mathv_file, tmp_path, one_thread):
+    """2 problems over 3 shards: shard 0's block is empty. It writes its (empty) file without
+    loading the PRM (given one that does not exist here), and merge-bon reports the 2 problems."""
+    two = tmp_path / "two.jsonl"
+    two.write_text("".join(mathv_file.read_text().splitlines(keepends=True)[:2]))
+    mod, out = recipe(), tmp_path / "sharded"
+    args = ["--config", str(CONFIG), f"candidates_file={two}", f"output_dir={out}", "report.resamples=50"]
+    mod.main([*args, f"prm={tmp_path / 'no_prm'}", "shard.count=3", "shard.index=0"])
+    assert shard_path(out, 0, 3).read_text() == ""
+    for i in (1, 2):
+        mod.main([*args, f"prm={prm_dir}", "shard.count=3", f"shard.index={i}"])
+    assert cli_merge_bon([str(out)]) == 0
+    single = {r["id"]: r for r in read_jsonl(unsharded / "scored.jsonl")}
+    merged = read_jsonl(out / "scored.jsonl")
+    assert [r["id"] for r in merged] == list(single)[:2]
+    assert json.loads((out / "report.json").read_text())["num_problems"] == 2
+
+
 def test_take_shard_blocks_cover_everything_once():
     items = list(range(7))
     shards = [take_shard(items, i, 3) for i in range(3)]
@@ -505,6 +523,41 @@ def test_killed_scoring_resumes_after_the_last_written_chunk(unsharded, prm_dir,
     assert rescored == []
     with pytest.raises(ConfigError, match=r"scored.shard0-of-1.jsonl was made with other settings .*max_length"):
         mod.main([*args, "scoring.max_length=64"])
+
+
+def test_generation_shard_without_problems_starts_no_engine(tiny_models, prm_dir, tmp_path, one_thread):
+    """1 problem over 2 shards: shard 0 samples nothing (no backend is made) and writes empty
+    candidates and scored files, which merge-bon takes beside shard 1's."""
+    from mmprm.data.synthetic import SyntheticConfig, generate, write_split
+
+    write_split(generate(SyntheticConfig(num_problems=1, seed=0, id_prefix="bon")), tmp_path / "data", "test")
+    out = tmp_path / "gen"
+    args = [
+        "--config",
+        str(CONFIG),
+        f"prm={prm_dir}",
+        "generate.enabled=true",
+        f"generate.policy={tiny_models('qwen2_vl')}",
+        f"generate.problems_file={tmp_path / 'data' / 'test_problems.jsonl'}",
+        "generate.n=2",
+        "generate.sampling.max_new_tokens=8",
+        "report.resamples=50",
+        f"output_dir={out}",
+        "shard.count=2",
+    ]
+    mod = recipe()
+
+    def no_backend(cfg):
+        raise AssertionError("an empty shard made a backend")
+
+    make_backend, mod.make_backend = mod.make_backend, no_backend
+    mod.main([*args, "shard.index=0"])
+    assert (out / "candidates.shard0-of-2.jsonl").read_text() == ""
+    assert shard_path(out, 0, 2).read_text() == ""
+    mod.make_backend = make_backend
+    mod.main([*args, "shard.index=1"])
+    assert cli_merge_bon([str(out)]) == 0
+    assert [r["id"] for r in read_jsonl(out / "scored.jsonl")] == ["bon-00000"]
 
 
 def test_killed_generation_resumes_and_keeps_what_was_sampled(tiny_models, prm_dir, tmp_path, one_thread):
