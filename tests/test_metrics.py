@@ -126,6 +126,20 @@ def test_best_threshold_beats_a_fine_grid():
     assert best >= grid - 1e-12
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_best_threshold_equals_scoring_every_candidate(seed):
+    """The binary-search counts pick what first_error_f1 at each candidate picks (max F1, ties
+    closest to 0.5); scores on a 0.1 grid make ties, empty windows and first-step errors."""
+    rng = np.random.default_rng(seed)
+    scores = [rng.random(rng.integers(1, 6)).round(1).tolist() for _ in range(200)]
+    true = [None if rng.random() < 0.4 else int(rng.integers(0, len(s))) for s in scores]
+    u = np.unique([v for s in scores for v in s])
+    cand = np.r_[0.0, (u[1:] + u[:-1]) / 2, np.nextafter(1.0, 2.0)]
+    f1 = np.array([first_error_f1(scores, true, t)["f1"] for t in cand])
+    best = np.flatnonzero(f1 == f1.max())
+    assert best_threshold(scores, true) == cand[best[np.argmin(np.abs(cand[best] - 0.5))]]
+
+
 def test_best_step_threshold_hand_values_and_grid():
     # Candidates 0, 0.4, 0.75, 0.85, 1+: only 0.75 splits 0.9, 0.8 (correct) from 0.7, 0.1 (errors).
     assert best_step_threshold([[0.9, 0.7], [0.8, 0.1]], [[1, 0], [1, 0]]) == pytest.approx(0.75)

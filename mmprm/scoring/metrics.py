@@ -150,11 +150,13 @@ def _first_error_windows(
     return np.asarray(lo, dtype=float), np.asarray(hi, dtype=float), np.asarray(err, dtype=bool)
 
 
-def _first_error_scores(hit: np.ndarray, err: np.ndarray) -> dict[str, np.ndarray]:
-    """hit: (..., M) bool per solution; err: (M,) bool. ProcessBench accuracies and F1, shape (...)."""
+def _first_error_scores(
+    error_hits: np.ndarray, correct_hits: np.ndarray, n_error: int, n_correct: int
+) -> dict[str, np.ndarray]:
+    """ProcessBench accuracies and F1 from hit counts per class (arrays of one shape, or scalars)."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        error_acc = (hit & err).sum(-1) / err.sum()
-        correct_acc = (hit & ~err).sum(-1) / (~err).sum()
+        error_acc = np.asarray(error_hits) / n_error
+        correct_acc = np.asarray(correct_hits) / n_correct
         f1 = np.where(error_acc + correct_acc > 0, 2 * error_acc * correct_acc / (error_acc + correct_acc), 0.0)
     # A missing class makes its accuracy NaN and F1 undefined.
     f1 = np.where(np.isnan(error_acc) | np.isnan(correct_acc), np.nan, f1)
@@ -181,7 +183,16 @@ def first_error_f1(
     """
     lo, hi, err = _first_error_windows(scores, first_errors)
     hit = (lo < threshold) & (threshold <= hi)
-    return {k: float(v) for k, v in _first_error_scores(hit, err).items()}
+    out = _first_error_scores((hit & err).sum(), (hit & ~err).sum(), err.sum(), (~err).sum())
+    return {k: float(v) for k, v in out.items()}
+
+
+def _window_hits(lo: np.ndarray, hi: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """Per threshold t, how many windows hold it (lo < t <= hi): #(lo < t) - #(hi < t) over the
+    non-empty windows, by binary search, so a dev split of any size needs no (T, M) table."""
+    keep = lo < hi
+    lo_sorted, hi_sorted = np.sort(lo[keep]), np.sort(hi[keep])
+    return np.searchsorted(lo_sorted, thresholds, side="left") - np.searchsorted(hi_sorted, thresholds, side="left")
 
 
 def best_threshold(scores: Sequence[Sequence[float]], first_errors: Sequence[int | None]) -> float:
@@ -196,8 +207,8 @@ def best_threshold(scores: Sequence[Sequence[float]], first_errors: Sequence[int
         raise ValueError("best_threshold needs both erroneous and fully correct solutions in the dev split")
     u = np.unique([float(v) for s in scores for v in s])
     cand = np.r_[0.0, (u[1:] + u[:-1]) / 2, np.nextafter(1.0, 2.0)]  # (T,)
-    hit = (lo[None, :] < cand[:, None]) & (cand[:, None] <= hi[None, :])  # (T, M)
-    f1 = _first_error_scores(hit, err)["f1"]
+    error_hits, correct_hits = _window_hits(lo[err], hi[err], cand), _window_hits(lo[~err], hi[~err], cand)
+    f1 = _first_error_scores(error_hits, correct_hits, err.sum(), (~err).sum())["f1"]
     best = np.flatnonzero(f1 == f1.max())
     return float(cand[best[np.argmin(np.abs(cand[best] - 0.5))]])
 
