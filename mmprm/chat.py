@@ -147,30 +147,34 @@ def messages_for(text: str, system: str | None = None, images: Sequence[str] = (
 class ReplyCache:
     """Replies on disk: one JSON line per request, `{"key", "text", "prompt_tokens", "completion_tokens"}`.
 
-    Loaded once; each new reply is appended and flushed, so a kill loses at most the line being
-    written (a torn last line is ignored on the next start).
+    Each new reply is appended and flushed, so a kill loses at most the line being written; on the
+    next start that torn line is cut off (`store.scan`), so the next reply starts a line of its
+    own. Memory holds each reply's place in the file, not its text: a judge cache grows with
+    problems times distinct answers.
     """
 
     def __init__(self, path: str | Path):
+        from mmprm.data import store
+
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._replies: dict[str, dict[str, Any]] = {}
-        if self.path.exists():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    row = json.loads(line)
-                    self._replies[row["key"]] = row
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    continue  # a line torn by a kill; the request is simply asked again
+        self._where: dict[str, tuple[int, int]] = {}  # key -> (byte offset, byte length) of its line
+        for offset, length, row in store.scan(self.path, repair=True):
+            if isinstance(row, dict) and "key" in row:
+                self._where[str(row["key"])] = (offset, length)
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def __len__(self) -> int:
-        return len(self._replies)
+        return len(self._where)
 
     def get(self, key: str) -> ChatReply | None:
-        row = self._replies.get(key)
-        if row is None:
-            return None
+        with self._lock:
+            where = self._where.get(key)
+            if where is None:
+                return None
+            with open(self.path, "rb") as f:
+                f.seek(where[0])
+                row = json.loads(f.read(where[1]))
         return ChatReply(row["text"], row.get("prompt_tokens", 0), row.get("completion_tokens", 0), cached=True)
 
     def put(self, key: str, reply: ChatReply) -> None:
@@ -180,10 +184,10 @@ class ReplyCache:
             "prompt_tokens": reply.prompt_tokens,
             "completion_tokens": reply.completion_tokens,
         }
-        with self._lock:
-            self._replies[key] = row
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+        with self._lock, open(self.path, "ab") as f:
+            self._where[key] = (f.tell(), len(line))
+            f.write(line)
 
 
 def request_key(body: dict[str, Any]) -> str:

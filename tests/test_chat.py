@@ -15,6 +15,7 @@ from chat_server import ChatServer, free_port_url
 from mmprm.chat import (
     ChatClient,
     ChatConfig,
+    ChatReply,
     ChatRequestError,
     EndpointUnavailable,
     ReplyCache,
@@ -125,6 +126,22 @@ def test_the_reply_cache_makes_a_rerun_free(tmp_path):
     key = request_key({"model": "m", "messages": messages_for("a"), "temperature": 0.0})
     assert ReplyCache(cache).get(key).text == "reply to a"
     assert client_for(free_port_url(), cache_path=cache, cache=False).cache is None
+
+
+def test_a_reply_written_after_a_torn_line_survives_the_next_start(tmp_path):
+    """A kill tore reply b; the restart cuts it off, so reply c gets a line of its own and is
+    still there (with its text and token counts) on the start after."""
+    cache = tmp_path / "cache.jsonl"
+    ReplyCache(cache).put("a", ChatReply("text a", 3, 4))
+    with open(cache, "a", encoding="utf-8") as f:
+        f.write('{"key": "b", "text": "ha')
+    restarted = ReplyCache(cache)
+    assert len(restarted) == 1
+    restarted.put("c", ChatReply("text c \u00e9", 5, 6))
+    again = ReplyCache(cache)
+    assert len(again) == 2 and again.get("b") is None
+    assert (again.get("a").text, again.get("c").text) == ("text a", "text c \u00e9")
+    assert (again.get("c").prompt_tokens, again.get("c").completion_tokens, again.get("c").cached) == (5, 6, True)
 
 
 def test_ask_retries_unreadable_replies_with_fresh_seeds(tmp_path):
