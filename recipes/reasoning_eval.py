@@ -462,10 +462,13 @@ def generate_answers(
     """{id: {"response"}} written by the model under test. Each chunk is appended to answers.jsonl as
     it is generated (the last line of an id wins), so a rerun after a crash only generates what is
     missing."""
-    answers: dict[str, dict[str, Any]] = {}
+    from mmprm.data import store
+
     answers_file = out_dir / "answers.jsonl"
-    if answers_file.exists():
-        answers = {r["id"]: {"response": r["response"]} for r in read_jsonl(answers_file) if r["id"] in by_id}
+    # A line torn by a crash is cut off here, so the next chunk's lines start clean.
+    answers = {
+        r["id"]: {"response": r["response"]} for _, _, r in store.scan(answers_file, repair=True) if r["id"] in by_id
+    }
     todo = [p for p in problems if p["id"] not in answers and all(Path(i).exists() for i in p["images"])]
     no_images = sorted(set(by_id) - set(answers) - {p["id"] for p in todo})
     batch_size = answers_cfg.batch_size
@@ -476,10 +479,10 @@ def generate_answers(
         for lo in range(0, len(todo), batch_size):
             chunk = todo[lo : lo + batch_size]
             texts = backend.generate([RolloutRequest(p["id"], p["question"], p["images"], [], 1) for p in chunk])
-            with open(answers_file, "a", encoding="utf-8") as f:
+            with store.open_append(answers_file) as f:
                 for p, t in zip(chunk, texts):
                     answers[p["id"]] = {"response": t[0]}
-                    f.write(json.dumps({"id": p["id"], "response": t[0]}, ensure_ascii=False) + "\n")
+                    store.append_row(f, {"id": p["id"], "response": t[0]})
             print(f"  answered {min(lo + batch_size, len(todo))}/{len(todo)} (try {attempt + 1})")
     if no_images:
         print(f"  {len(no_images)} problems skipped: their images are missing (e.g. id {no_images[0]})")

@@ -212,8 +212,8 @@ def test_tiny_hf_model_answers_and_mc_scores(tmp_path, tiny_model_dir):
     assert len(answers.splitlines()) == 3
     assert recipe().main(argv) == 0  # the rerun reuses answers.jsonl: nothing is generated again
     assert (tmp_path / "out" / "answers.jsonl").read_text() == answers
-    # a run killed after the first answer resumes with the other two
-    (tmp_path / "out" / "answers.jsonl").write_text(answers.splitlines()[0] + "\n")
+    # a run killed after the first answer, mid-way through the second line, resumes with the other two
+    (tmp_path / "out" / "answers.jsonl").write_text(answers.splitlines()[0] + "\n" + answers.splitlines()[1][:9])
     assert recipe().main(argv) == 0
     lines = (tmp_path / "out" / "answers.jsonl").read_text().splitlines()
     assert len(lines) == 3 and lines[0] == answers.splitlines()[0]
