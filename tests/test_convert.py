@@ -340,3 +340,12 @@ def test_cli_json_array_input_and_failures(tmp_path, capsys, image):
     broken.write_text('{"prompt": "q"}\n{oops\n')
     assert main(["convert", "--from", "trl", "--input", str(broken), "--out", str(tmp_path / "y.jsonl")]) == 1
     assert f"{broken}:2: id=?: line: invalid JSON" in capsys.readouterr().err
+
+
+def test_repeated_ids_get_the_next_free_suffix():
+    from mmprm.data.convert import _Ids
+
+    ids = _Ids("p-")
+    assert [ids(b) for b in ["a", "a", "a~3", "a", "b", "a"]] == ["p-a", "p-a~2", "p-a~3", "p-a~4", "p-b", "p-a~5"]
+    many = _Ids()
+    assert [many("x") for _ in range(20_000)][-1] == "x~20000"  # each suffix found in one step, not k

@@ -165,12 +165,17 @@ class _Ids:
 
     def __init__(self, prefix: str = ""):
         self.prefix, self.used = prefix, set[str]()
+        self.last_suffix: dict[str, int] = {}  # base -> the last k tried: each base's search resumes there
 
     def __call__(self, base: str) -> str:
-        rid, k = f"{self.prefix}{base}", 1
-        while rid in self.used:
+        rid, k = f"{self.prefix}{base}", self.last_suffix.get(base, 1)
+        if k > 1 or rid in self.used:
             k += 1
             rid = f"{self.prefix}{base}~{k}"
+            while rid in self.used:  # a base id that itself ends in ~k took this one
+                k += 1
+                rid = f"{self.prefix}{base}~{k}"
+            self.last_suffix[base] = k
         self.used.add(rid)
         return rid
 
