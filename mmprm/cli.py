@@ -49,7 +49,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 
 
 def cli_validate(argv: list[str]) -> int:
-    from mmprm.data.schema import validate_file
+    from mmprm.data.schema import scan_examples
 
     parser = argparse.ArgumentParser(prog="mmprm validate", description="Validate step-labelled JSONL files.")
     parser.add_argument(
@@ -73,16 +73,22 @@ def cli_validate(argv: list[str]) -> int:
         else:
             paths.append(given)
     for path in paths:
-        examples, problems = validate_file(path, args.require_labels, not args.no_image_check)
-        for line in problems:
-            print(line)
-        if problems:
+        n_problems = n_examples = n_steps = labelled = 0  # counted as read: a file of any size fits
+        for ex, problems in scan_examples(path, args.require_labels, not args.no_image_check):
+            for line in problems:
+                print(line)
+            n_problems += len(problems)
+            if ex is not None:
+                n_examples, n_steps, labelled = (
+                    n_examples + 1,
+                    n_steps + len(ex.steps),
+                    labelled + (ex.labels is not None),
+                )
+        if n_problems:
             bad += 1
-            print(f"{path}: {len(problems)} problem(s)", file=sys.stderr)
+            print(f"{path}: {n_problems} problem(s)", file=sys.stderr)
         else:
-            n_steps = sum(len(e.steps) for e in examples)
-            labelled = sum(e.labels is not None for e in examples)
-            print(f"{path}: OK ({len(examples)} examples, {n_steps} steps, {labelled} labelled)", file=sys.stderr)
+            print(f"{path}: OK ({n_examples} examples, {n_steps} steps, {labelled} labelled)", file=sys.stderr)
     return 1 if bad else 0
 
 

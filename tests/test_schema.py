@@ -99,10 +99,11 @@ def test_all_problems_reported_not_just_first(tmp_path):
 
 
 def test_cli_validate_exit_codes(tmp_path):
-    good = _write(tmp_path, [_row()], "good.jsonl")
+    good = _write(tmp_path, [_row(), _row(id="b", labels=None)], "good.jsonl")
     bad = _write(tmp_path, [_row(labels=[0.5])], "bad.jsonl")
     ok = subprocess.run([sys.executable, "-m", "mmprm.cli", "validate", str(good)], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
+    assert f"{good}: OK (2 examples, 4 steps, 1 labelled)" in ok.stderr
     fail = subprocess.run([sys.executable, "-m", "mmprm.cli", "validate", str(bad)], capture_output=True, text=True)
     assert fail.returncode == 1
     assert f"{bad}:1: id=a: labels: 1 labels for 2 steps" in fail.stdout

@@ -284,42 +284,54 @@ def check_row(
     )
 
 
-def validate_file(
+def scan_examples(
     path: str | Path, require_labels: bool = False, check_images: bool = True
-) -> tuple[list[StepExample], list[str]]:
-    """Check every row of a step-labelled JSONL file; return (examples, problem lines)."""
+) -> Iterator[tuple[StepExample | None, list[str]]]:
+    """Check the rows of a step-labelled JSONL file one at a time: (the row's example or None, its
+    problem lines). A file that cannot be read at all, or has no rows, gives one (None, [why]).
+    Memory is the ids seen (duplicates are problems), not the examples."""
     path = Path(path)
     if not path.exists():
-        return [], [f"{path}: file not found (check data.* paths in your config)"]
+        yield None, [f"{path}: file not found (check data.* paths in your config)"]
+        return
     if path.is_dir():
-        return [], [f"{path}: is a directory; give a JSONL file (`mmprm validate DIR` checks each *.jsonl in DIR)"]
+        yield None, [f"{path}: is a directory; give a JSONL file (`mmprm validate DIR` checks each *.jsonl in DIR)"]
+        return
     base = path.parent
-    problems: list[str] = []
-    examples: list[StepExample] = []
     seen: dict[str, int] = {}
     cache: dict[Path, str | None] = {}
     n_rows = 0
     for lineno, obj, err in iter_jsonl(path):
         n_rows += 1
         if err:
-            problems.append(f"{path}:{lineno}: id=?: line: {err}")
+            yield None, [f"{path}:{lineno}: id=?: line: {err}"]
             continue
         rid = row_id(obj)
         errs, ex = check_row(obj, base, require_labels, check_images, cache)
-        for fld, msg in errs:
-            problems.append(f"{path}:{lineno}: id={rid}: {fld}: {msg}")
+        problems = [f"{path}:{lineno}: id={rid}: {fld}: {msg}" for fld, msg in errs]
         if not errs:
-            key = rid
-            if key in seen:
+            if rid in seen:
                 problems.append(
-                    f"{path}:{lineno}: id={rid}: id: duplicated (first on line {seen[key]}; make ids unique)"
+                    f"{path}:{lineno}: id={rid}: id: duplicated (first on line {seen[rid]}; make ids unique)"
                 )
-                continue
-            seen[key] = lineno
+                ex = None
+            else:
+                seen[rid] = lineno
+        yield ex, problems
+    if n_rows == 0:
+        yield None, [f"{path}:0: id=?: file: no rows (the file is empty)"]
+
+
+def validate_file(
+    path: str | Path, require_labels: bool = False, check_images: bool = True
+) -> tuple[list[StepExample], list[str]]:
+    """Check every row of a step-labelled JSONL file; return (examples, problem lines)."""
+    examples: list[StepExample] = []
+    problems: list[str] = []
+    for ex, lines in scan_examples(path, require_labels, check_images):
+        problems += lines
         if ex is not None:
             examples.append(ex)
-    if n_rows == 0:
-        problems.append(f"{path}:0: id=?: file: no rows (the file is empty)")
     return examples, problems
 
 
