@@ -23,11 +23,13 @@ Input formats (`data.format`):
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -35,7 +37,7 @@ from typing import Any, Literal
 from mmprm.chat import ChatClient, ChatConfig
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.config_sections import ModelLoadConfig
-from mmprm.data.schema import load_examples, read_jsonl, row_id, write_jsonl
+from mmprm.data.schema import DataError, atomic_write, iter_jsonl, row_id, scan_examples
 from mmprm.models.spec import ReleasedConvention
 from mmprm.treeval import (
     JudgeScorer,
@@ -191,61 +193,126 @@ class TreeEvalConfig:
             raise ValueError(f"metrics.rpts_lambda: {self.metrics.rpts_lambda} must be in (0, 1]")
 
 
-def load_items(cfg: DataConfig) -> list[dict[str, Any]]:
-    """Each item: {"id", "tree", "correct": bool | None, "reference": gold answer or None}."""
+def iter_items(cfg: DataConfig) -> Iterator[dict[str, Any]]:
+    """Each item, read one at a time up to data.limit: {"id", "tree", "correct": bool | None,
+    "reference": gold answer or None, "where": its file, line and id for messages}."""
     path = Path(cfg.path)
     if not path.exists():
         hint = (
             "" if path.is_absolute() else f"; relative paths are read from {Path.cwd()}, run from the repository root"
         )
         raise SystemExit(f"data.path: {path} not found (set data.path{hint})")
-    items = []
+    return itertools.islice(_read_items(cfg, path), cfg.limit)
+
+
+def _read_items(cfg: DataConfig, path: Path) -> Iterator[dict[str, Any]]:
     if cfg.format == "rpts":
-        rows = json.loads(path.read_text(encoding="utf-8")) if path.suffix == ".json" else read_jsonl(path)
+        rows = rpts_rows(path) if path.suffix == ".json" else read_jsonl_rows(path)
         image_dir = cfg.image_dir or str((path.parent / "images").resolve())
-        for i, r in enumerate(rows):
+        for i, (where, r) in enumerate(rows):
+            where = f"{where}: id={row_id(r)}"
             if not isinstance(r.get("reasoning"), list):
-                raise SystemExit(f"{path}: item {i} id={row_id(r)}: reasoning: missing or not a list of step lines")
-            tree = from_rpts_record(r, image_dir=image_dir, source=f"{path.name}: id={row_id(r)}")
+                raise DataError([f"{where}: reasoning: missing or not a list of step lines"])
+            tree = built(where, from_rpts_record, r, image_dir=image_dir, source=f"{path.name}: id={row_id(r)}")
             gold = str(r.get("answer", "")).strip().lower()
             if "correct" in r:
-                correct = bool(r["correct"])
+                correct = verdict(r["correct"], where)
             elif "prediction" in r:
                 correct = bool(gold) and str(r["prediction"]).strip().lower() == gold
             else:
                 correct = True if gold else None  # gold reasoning reaches the gold answer
-            items.append({"id": str(r.get("id", i)), "tree": tree, "correct": correct, "reference": gold or None})
+            yield {
+                "id": str(r.get("id", i)),
+                "tree": tree,
+                "correct": correct,
+                "reference": gold or None,
+                "where": where,
+            }
     elif cfg.format == "think360":
-        for i, r in enumerate(read_jsonl(path)):
+        for i, (where, r) in enumerate(read_jsonl_rows(path)):
+            where = f"{where}: id={row_id(r)}"
             if not isinstance(r.get(cfg.response_field), str):
-                raise SystemExit(
-                    f"{path}:{i + 1}: id={row_id(r)}: {cfg.response_field}: missing; it must hold "
-                    "the [NODE:...] blocks (or set data.response_field)"
+                raise DataError(
+                    [
+                        f"{where}: {cfg.response_field}: missing; it must hold the [NODE:...] blocks "
+                        "(or set data.response_field)"
+                    ]
                 )
             images = [str((path.parent / p).resolve()) for p in r.get("images", [])]
-            tree = from_think360_blocks(
-                r[cfg.response_field], question=r.get("question", ""), images=images, source=f"{path.name}:{i + 1}"
-            )
-            items.append(
-                {"id": str(r.get("id", i)), "tree": tree, "correct": r.get("correct"), "reference": r.get("answer")}
-            )
+            text, question = r[cfg.response_field], r.get("question", "")
+            tree = built(where, from_think360_blocks, text, question=question, images=images, source=where)
+            correct = verdict(r.get("correct"), where)
+            yield {
+                "id": str(r.get("id", i)),
+                "tree": tree,
+                "correct": correct,
+                "reference": r.get("answer"),
+                "where": where,
+            }
     elif cfg.format == "steps":
-        for ex in load_examples(path, check_images=False):
-            tree = from_steps(ex.steps, question=ex.question, images=ex.images)
-            items.append({"id": ex.id, "tree": tree, "correct": ex.meta.get("correct"), "reference": ex.answer})
+        problems = []  # every bad row is named, after the good ones before it were read
+        for ex, lines in scan_examples(path, check_images=False):
+            problems += lines
+            if ex is not None and not problems:
+                tree = from_steps(ex.steps, question=ex.question, images=ex.images)
+                where = f"{path}: id={ex.id}"
+                correct = verdict(ex.meta.get("correct"), f"{where}: meta")
+                yield {"id": ex.id, "tree": tree, "correct": correct, "reference": ex.answer, "where": where}
+        if problems:
+            raise DataError(problems)
     else:
-        for i, r in enumerate(read_jsonl(path)):
-            tree = from_annotation_tree(r, source=f"{path.name}:{i + 1}")
+        for i, (where, r) in enumerate(read_jsonl_rows(path)):
             rid = r.get("id", r.get("question_id", i))
-            items.append(
-                {
-                    "id": f"{rid}#{i}",
-                    "tree": tree,
-                    "correct": r.get("correct"),
-                    "reference": r.get("final_answer", r.get("answer")),
-                }
-            )
-    return items[: cfg.limit] if cfg.limit is not None else items
+            where = f"{where}: id={rid}"
+            tree = built(where, from_annotation_tree, r, source=where)
+            yield {
+                "id": f"{rid}#{i}",
+                "tree": tree,
+                "correct": verdict(r.get("correct"), where),
+                "reference": r.get("final_answer", r.get("answer")),
+                "where": where,
+            }
+
+
+def read_jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """("file:line", row) for each row of a JSONL file, one at a time; a line that is not a JSON
+    object stops the run, named."""
+    for lineno, row, err in iter_jsonl(path):
+        if err:
+            raise DataError([f"{path}:{lineno}: id=?: line: {err}"])
+        yield f"{path}:{lineno}", row
+
+
+def rpts_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """("file: item i", row) for each object of an RPTS-Eval JSON array."""
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError([f"{path}: not a JSON array of items ({e}); RPTS-Eval's texts_*.json is one"]) from None
+    if not isinstance(rows, list):
+        raise DataError([f"{path}: a JSON {type(rows).__name__}, where a JSON array of items is expected"])
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise DataError([f"{path}: item {i}: a JSON {type(r).__name__}, where an object is expected"])
+        yield f"{path}: item {i}", r
+
+
+def verdict(value: Any, where: str) -> bool | None:
+    """A row's `correct`: true, false or absent. Text such as "false" is refused rather than read
+    as true, which would count a wrong answer as right."""
+    if value is None or isinstance(value, bool):
+        return value
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    raise DataError([f"{where}: correct: {value!r} is not true or false (write a JSON boolean, or leave it out)"])
+
+
+def built(where: str, build: Any, *args: Any, **kwargs: Any) -> Any:
+    """build(*args, **kwargs), its refusal of a malformed row named by file, line and id."""
+    try:
+        return build(*args, **kwargs)
+    except (ValueError, TypeError, KeyError) as e:
+        raise DataError([f"{where}: {e}"]) from None
 
 
 def mean(values: list[float | None]) -> float | None:
@@ -254,49 +321,45 @@ def mean(values: list[float | None]) -> float | None:
 
 
 def score_trees(
-    items: list[dict[str, Any]],
+    items: Iterable[dict[str, Any]],
+    n_items: int,
     scorer_cfg: ScorerConfig,
     metrics: MetricConfig,
     prm: Any,
     judge: JudgeScorer | None,
     aggregate: Any,
-) -> list[dict]:
-    """Each item's tree scored by the configured scorer, with its metrics: one row per item (an
+) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """(item, row) for each item, its tree scored by the configured scorer, the row its metrics (an
     item the judge could not fully score gets a row that says so, and no metrics)."""
-    rows = []
-    start = time.time()
-    for k, it in enumerate(items):
+    start, rpts_sum, n_rpts = time.time(), 0.0, 0
+    for done, it in enumerate(items, start=1):
         tree = it["tree"]
         if scorer_cfg.kind == "constant":
             scores = constant_scores(tree, scorer_cfg.constant)
         elif scorer_cfg.kind == "mc":
-            scores = mc_scores(tree)
+            scores = built(it["where"], mc_scores, tree)  # a node without its MC value, named
         elif scorer_cfg.kind == "prm":
             scores = prm_scores(tree, prm)
         else:
             judged = judge.judge(tree, reference=it["reference"])
             scores = judged.scores
             if judged.unparsed:  # not fully scored: reported, kept out of every average
-                rows.append(
-                    {
-                        "id": it["id"],
-                        "nodes": len(tree.conclusions()),
-                        "unjudged_nodes": judged.unparsed,
-                        "correct": it["correct"],
-                        "warnings": tree.warnings,
-                    }
-                )
+                row = {
+                    "id": it["id"],
+                    "nodes": len(tree.conclusions()),
+                    "unjudged_nodes": judged.unparsed,
+                    "correct": it["correct"],
+                    "warnings": tree.warnings,
+                }
+                yield it, row
                 continue
         set_scores(tree, scores)
-        rows.append(tree_row(it, metrics, aggregate))
-        done = k + 1
-        if done % 50 == 0 or done == len(items):
-            eta = (time.time() - start) / done * (len(items) - done)
-            print(
-                f"  {done}/{len(items)} scored, mean RPTS {mean([r.get('rpts') for r in rows]) or 0:.4f}, "
-                f"ETA {eta:.0f}s"
-            )
-    return rows
+        row = tree_row(it, metrics, aggregate)
+        rpts_sum, n_rpts = rpts_sum + row["rpts"], n_rpts + 1
+        yield it, row
+        if done % 50 == 0 or done == n_items:
+            eta = (time.time() - start) / done * (n_items - done)
+            print(f"  {done}/{n_items} scored, mean RPTS {rpts_sum / max(n_rpts, 1):.4f}, ETA {eta:.0f}s")
 
 
 def tree_row(it: dict[str, Any], metrics: MetricConfig, aggregate: Any) -> dict[str, Any]:
@@ -340,17 +403,23 @@ def main(argv: list[str]) -> int:
     out_dir = Path(cfg.output.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    # ---- data
-    items, pick, n_warn = read_items(cfg)
-    missing_images = keep_images(items, cfg.scorer.use_images)
+    # ---- data: read once to check it all before a model loads; trees are built again as scored
+    n_items, pick, n_warn, missing_images = read_items(cfg)
 
     # ---- scorer
     aggregate = path_aggregator(cfg.metrics)  # a bad name stops the run before a model loads
     prm, judge = make_scorer(cfg, out_dir)
 
-    # ---- score every tree and compute its metrics
+    # ---- score every tree and compute its metrics; each tree is written out, then let go
+    rows, drawn = [], None
+    items = (keep_images(it, cfg.scorer.use_images)[0] for it in iter_items(cfg.data))
     try:
-        rows = score_trees(items, cfg.scorer, cfg.metrics, prm, judge, aggregate)
+        with atomic_write(out_dir / "trees.jsonl") as trees_file:
+            for k, (it, row) in enumerate(score_trees(items, n_items, cfg.scorer, cfg.metrics, prm, judge, aggregate)):
+                rows.append(row)
+                trees_file.write(json.dumps({"id": it["id"], **it["tree"].to_json()}, ensure_ascii=False) + "\n")
+                if k == pick:
+                    drawn = row, it["tree"]
     finally:
         if prm is not None:  # a vLLM engine stops now, not in the interpreter's exit (its threads can abort there)
             prm.close()
@@ -359,44 +428,48 @@ def main(argv: list[str]) -> int:
     summary = summarize(rows, cfg.metrics, n_warn, missing_images, aggregate, judge)
     report = {"config": to_dict(cfg), "summary": summary, "items": rows}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    write_jsonl(out_dir / "trees.jsonl", ({"id": it["id"], **it["tree"].to_json()} for it in items))
-    png = draw_tree(rows[pick], items[pick]["tree"], cfg, out_dir)
+    png = draw_tree(*drawn, cfg, out_dir)
     print(json.dumps(summary, indent=2))
     print(f"wrote {out_dir / 'report.json'}, {out_dir / 'trees.jsonl'} and {png}")
     return 0
 
 
-def read_items(cfg: TreeEvalConfig) -> tuple[list[dict[str, Any]], int, int]:
-    """(items, index of the item to draw, data quirks tolerated while reading): a missing
-    output.plot_item stops the run here, before any scoring work."""
-    items = load_items(cfg.data)
-    if not items:
+def read_items(cfg: TreeEvalConfig) -> tuple[int, int, int, int]:
+    """(items, index of the item to draw, data quirks tolerated while reading, images missing): every
+    item is read and checked, keeping only these counts; a missing output.plot_item stops the run
+    here, before any scoring work."""
+    n_items = n_warn = missing_images = 0
+    pick, first_ids = None, []
+    for it in iter_items(cfg.data):
+        missing_images += keep_images(it, cfg.scorer.use_images)[1]
+        n_warn += len(it["tree"].warnings)
+        if pick is None and cfg.output.plot_item and it["id"] == cfg.output.plot_item:
+            pick = n_items
+        first_ids += [it["id"]] if n_items < 5 else []
+        n_items += 1
+    if not n_items:
         raise SystemExit(f"{cfg.data.path}: no items to evaluate")
-    ids = [it["id"] for it in items]
-    pick = ids.index(cfg.output.plot_item) if cfg.output.plot_item in ids else (None if cfg.output.plot_item else 0)
-    if pick is None:
+    if pick is None and cfg.output.plot_item:
         raise SystemExit(
             f"output.plot_item: no item with id {cfg.output.plot_item!r} in {cfg.data.path} (first ids: "
-            f"{', '.join(ids[:5])}); set output.plot_item=null to draw the first item"
+            f"{', '.join(first_ids)}); set output.plot_item=null to draw the first item"
         )
-    n_warn = sum(len(it["tree"].warnings) for it in items)
-    print(f"{len(items)} items from {cfg.data.path} ({cfg.data.format}); {n_warn} tolerated data quirks")
-    return items, pick, n_warn
+    print(f"{n_items} items from {cfg.data.path} ({cfg.data.format}); {n_warn} tolerated data quirks")
+    return n_items, pick or 0, n_warn, missing_images
 
 
-def keep_images(items: list[dict[str, Any]], use_images: bool) -> int:
-    """Drop every tree's images (scorer.use_images=false) or only those missing on disk; returns how
-    many were missing. RPTS-Eval ships only some of its images: those items are scored text-only."""
-    missing_images = 0
-    for it in items:
-        tree: Tree = it["tree"]
-        if not use_images:
-            tree.images = []
-        else:
-            kept = [p for p in tree.images if Path(p).exists()]
-            missing_images += len(tree.images) - len(kept)
-            tree.images = kept
-    return missing_images
+def keep_images(item: dict[str, Any], use_images: bool) -> tuple[dict[str, Any], int]:
+    """(the item, how many of its images were missing): its tree keeps no images
+    (scorer.use_images=false) or only those on disk. RPTS-Eval ships only some of its images: those
+    items are scored text-only."""
+    tree: Tree = item["tree"]
+    if not use_images:
+        tree.images = []
+        return item, 0
+    kept = [p for p in tree.images if Path(p).exists()]
+    missing = len(tree.images) - len(kept)
+    tree.images = kept
+    return item, missing
 
 
 def make_scorer(cfg: TreeEvalConfig, out_dir: Path) -> tuple[Any, JudgeScorer | None]:
@@ -499,4 +572,8 @@ def draw_tree(row: dict[str, Any], tree: Tree, cfg: TreeEvalConfig, out_dir: Pat
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except DataError as e:
+        print(f"tree_eval: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from real_data import DATA
 
+from mmprm.data.schema import DataError
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tree_eval.py"
 CONFIG = REPO / "recipes" / "configs" / "tiny" / "tree_eval.yaml"
@@ -143,6 +145,46 @@ def test_mc_trees_with_mc_scorer(tmp_path):
     assert [r["nodes"] for r in report["items"]] == [142, 89, 23]
     assert all(0.0 < r["rpts"] < 1.0 for r in report["items"])
     assert report["summary"]["items_with_answer_check"] == 0 and report["summary"]["filtered_accuracy"] is None
+
+
+def test_bad_rows_are_named_and_reading_stops_at_the_limit(tmp_path):
+    """A text verdict ("false") is refused, not read as true; a malformed tree names its file, line
+    and id; the real line number is given past blank lines; rows past data.limit are never read."""
+    block = "[NODE:1.1] [PARENT:None] [ORIGINAL:x]"
+    t360 = tmp_path / "t360.jsonl"
+    rows = [{"id": "a", "response": block, "correct": False}, {"id": "b", "response": block, "correct": "false"}]
+    t360.write_text(json.dumps(rows[0]) + "\n\n\n" + json.dumps(rows[1]) + "\n")
+    args = [f"data.path={t360}", "data.format=think360", "output.plot_item=null"]
+    with pytest.raises(DataError, match=rf"{t360}:4: id=b: correct: 'false' is not true or false"):
+        run(tmp_path / "o1", *args)
+    report = run(tmp_path / "o2", *args, "data.limit=1")  # row b is past the limit: never read
+    assert report["summary"]["items"] == 1 and report["summary"]["accuracy"] == 0.0
+
+    trees = tmp_path / "trees.jsonl"
+    first = OPENR_TREES.read_text().splitlines()[0]
+    broken = json.loads(first)
+    broken["id"] = "broken"
+    del broken["reasoning_steps"]["children"][0]["mc_value"]
+    trees.write_text(first + "\n" + json.dumps(broken) + "\n")
+    args = [f"data.path={trees}", "data.format=mc_tree", "scorer.kind=mc", "output.plot_item=null"]
+    with pytest.raises(DataError, match=rf"{trees}:2: id=broken: "):
+        run(tmp_path / "o3", *args)
+    assert run(tmp_path / "o4", *args, "data.limit=1")["summary"]["items"] == 1
+
+    array = tmp_path / "rpts.json"
+    array.write_text(json.dumps([json.loads(RPTS_EN.read_text())[0], "oops"]))
+    with pytest.raises(DataError, match=rf"{array}: item 1: a JSON str, where an object is expected"):
+        run(tmp_path / "o5", f"data.path={array}")
+    array.write_text(RPTS_EN.read_text()[:-100])
+    proc = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(CONFIG), f"output.dir={tmp_path / 'o6'}", f"data.path={array}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"{array}: not a JSON array of items" in proc.stderr
 
 
 def test_bad_config_is_reported(tmp_path, capsys):
