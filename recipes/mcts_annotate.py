@@ -38,6 +38,7 @@ from mmprm.annotate.engine import (
     finished_ids,
     iter_records,
     merge_annotations,
+    problem_fingerprint,
     resolve_rank_world,
     rule_verifier,
     shard,
@@ -219,8 +220,6 @@ def main(argv: list[str]) -> int:
         return 2
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        (out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
 
     # Resume: this rank's file is locked (one worker per rank), repaired (torn last line cut), and
     # every finished id is skipped; transient error records are retried.
@@ -230,6 +229,21 @@ def main(argv: list[str]) -> int:
         print(f"mcts_annotate: rank {rank}: {e}", file=sys.stderr)
         return 3
     mine = shard(problems, rank, world)
+    # A tree labels its steps against its problem's gold answer: a problem edited since must not be
+    # skipped as done, nor its old tree exported.
+    fingerprint = lambda p: problem_fingerprint(p.question, p.answer, p.choices)  # noqa: E731
+    changed = [p.id for p in mine if trees.done.get(p.id, fingerprint(p)) != fingerprint(p)]
+    if changed:
+        trees.close()
+        print(
+            f"mcts_annotate: {cfg.data.problems_file}: {len(changed)} problem(s) changed (question, answer or "
+            f"choices) since their trees in {out_dir} were made, e.g. id={changed[0]}: their labels would be "
+            "wrong; annotate into a new output_dir, or restore those problems",
+            file=sys.stderr,
+        )
+        return 2
+    if rank == 0:
+        (out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
     todo = [p for p in mine if p.id not in trees.done]
     print(
         f"rank {rank}/{world}: {len(mine)} problems in this shard, {len(mine) - len(todo)} already done, "

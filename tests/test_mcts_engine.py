@@ -25,6 +25,7 @@ from mmprm.annotate.engine import (
     cli_merge_annotations,
     iter_records,
     merge_annotations,
+    problem_fingerprint,
     resolve_rank_world,
     shard,
     tree_file_name,
@@ -274,7 +275,7 @@ def test_rank_world_from_launchers_and_deterministic_shards(monkeypatch):
 def test_torn_last_line_is_cut_and_finished_ids_are_skipped(tmp_path):
     path = tmp_path / tree_file_name(0, 1)
     trees = TreeFile(path)
-    trees.append({"id": "a", "status": "annotated"})
+    trees.append({"id": "a", "status": "annotated", "question": "2+2?", "answer": "4"})
     trees.append({"id": "b", "status": "no_steps"})
     trees.close()
     with open(path, "a") as f:
@@ -282,7 +283,9 @@ def test_torn_last_line_is_cut_and_finished_ids_are_skipped(tmp_path):
     other = tmp_path / tree_file_name(1, 2)
     other.write_text('{"id": "z", "status": "error", "message": "x", "error_kind": "permanent"}\n{"id": "y", "sta')
     trees = TreeFile(path, scan_dir=tmp_path)
-    assert trees.done == {"a", "b", "z"}
+    assert set(trees.done) == {"a", "b", "z"}
+    # what each tree was made from, for a resumed run to compare with its problems file
+    assert trees.done["a"] == problem_fingerprint("2+2?", "4", None) != problem_fingerprint("2+2?", "5", None)
     assert path.read_text().endswith('"no_steps"}\n')  # own torn tail cut off
     assert other.read_text().endswith('"y", "sta')  # another rank's file is never touched
     with pytest.raises(ValueError, match="already has a record"):

@@ -123,6 +123,18 @@ def test_tiny_vlm_end_to_end_kill_resume_and_prm_train_accepts_the_output(tmp_pa
     assert res.returncode == 0 and "6 already done, 0 to annotate" in res.stderr
     assert len(trees.read_text().splitlines()) == 6
 
+    # a gold answer edited since its tree was made: refused, not skipped as done with old labels
+    rows = [json.loads(line) for line in Path(problems).read_text().splitlines()]
+    rows[2]["answer"] = rows[2]["answer"] + "0"
+    edited = Path(problems).with_name("edited.jsonl")  # beside it: image paths are relative
+    edited.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = trees.read_text()
+    res = _run([*args[:3], f"data.problems_file={edited}", *args[4:]])
+    assert res.returncode == 2 and "1 problem(s) changed" in res.stderr and f"id={rows[2]['id']}" in res.stderr
+    assert trees.read_text() == before and json.loads((out / "config.json").read_text())["data"]["problems_file"] == (
+        str(problems)
+    )
+
     # a judge outage stops the run (exit 3) with transient records; the next run retries them
     out2 = tmp_path / "outage"
     judged = [

@@ -25,6 +25,7 @@ import argparse
 import datetime
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -105,6 +106,16 @@ def tree_file_name(rank: int, world_size: int) -> str:
     return f"trees.rank{rank}-of-{world_size}.jsonl"
 
 
+def problem_fingerprint(question: str, answer: Any, choices: Any) -> str:
+    """What a tree's labels depend on in its problem: the question, the gold answer and the choices
+    (not the image paths, which move with the data). A resumed run compares it per id."""
+    return hashlib.sha256(json.dumps([question, answer, choices], ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def record_fingerprint(record: dict[str, Any]) -> str:
+    return problem_fingerprint(record.get("question"), record.get("answer"), record.get("choices"))
+
+
 def iter_records(path: str | Path, repair: bool = False) -> Iterator[dict[str, Any]]:
     """Complete records of a tree file, one at a time (memory: one record, however large the file).
 
@@ -177,12 +188,14 @@ class TreeFile:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = _hold_lock(self.path.with_name(self.path.name + ".lock"), self.path)
-        self.done: set[str] = set()
+        self.done: dict[str, str] = {}  # id -> the fingerprint of the problem its tree was made from
         try:
             if self.path.exists():
-                self.done.update(str(r["id"]) for r in iter_records(self.path, repair=True) if is_final(r))
+                self.done.update(
+                    (str(r["id"]), record_fingerprint(r)) for r in iter_records(self.path, repair=True) if is_final(r)
+                )
             if scan_dir is not None:
-                self.done.update(finished_ids(scan_dir, skip=self.path))
+                self.done.update(finished(scan_dir, skip=self.path))
             self._f = open(self.path, "a", encoding="utf-8")
         except BaseException:
             self._lock.close()  # a corrupt file must not keep the rank locked
@@ -196,20 +209,26 @@ class TreeFile:
         self._f.flush()
         os.fsync(self._f.fileno())
         if is_final(record):
-            self.done.add(str(record["id"]))
+            self.done[str(record["id"])] = record_fingerprint(record)
 
     def close(self) -> None:
         self._f.close()
         self._lock.close()  # releases the flock
 
 
-def finished_ids(output_dir: str | Path, skip: Path | None = None) -> set[str]:
-    """Ids with a final record (`is_final`) in any `trees.rank*-of-*.jsonl` of `output_dir` (read-only)."""
-    ids: set[str] = set()
+def finished(output_dir: str | Path, skip: Path | None = None) -> dict[str, str]:
+    """{id: problem fingerprint} of the final records (`is_final`) in any `trees.rank*-of-*.jsonl`
+    of `output_dir` (read-only)."""
+    done: dict[str, str] = {}
     for path in sorted(Path(output_dir).glob("trees.rank*-of-*.jsonl")):
         if skip is None or path.resolve() != Path(skip).resolve():
-            ids.update(str(r["id"]) for r in iter_records(path) if is_final(r))
-    return ids
+            done.update((str(r["id"]), record_fingerprint(r)) for r in iter_records(path) if is_final(r))
+    return done
+
+
+def finished_ids(output_dir: str | Path, skip: Path | None = None) -> set[str]:
+    """Ids with a final record (`is_final`) in any `trees.rank*-of-*.jsonl` of `output_dir` (read-only)."""
+    return set(finished(output_dir, skip))
 
 
 def merge_annotations(
