@@ -240,6 +240,24 @@ def test_cli_and_reader(tmp_path, capsys):
     assert "bad.jsonl:2: id=p1" in capsys.readouterr().err
 
 
+def test_uneven_candidate_counts_are_said_in_the_report_and_named(tmp_path, capsys):
+    """One problem with 2 candidates caps N at 2 for all: the report says so, and the run names
+    the short problem rather than quietly dropping the others' extra candidates."""
+    from mmprm.rerank.shards import report_from_scored
+
+    problems = _random_problems(np.random.default_rng(4), 4, 4)
+    problems[2] = problems[2][:2]
+    scored = tmp_path / "scored.jsonl"
+    _write_candidates(scored, problems)
+    report = report_from_scored(scored, tmp_path / "rep", resamples=50)
+    assert report["n_max"] == 2 and report["settings"]["truncated_problems"] == 3
+    assert "N goes up to the smallest, 2 (id=p2), and 3 problems use only their first 2" in capsys.readouterr().err
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "**Candidate counts differ:** N goes up to 2; the 3 problems with more use their first 2 only." in md
+    write_report(bon_curve(_random_problems(np.random.default_rng(4), 4, 4)), tmp_path / "even", n_resamples=50)
+    assert "Candidate counts differ" not in (tmp_path / "even" / "report.md").read_text()
+
+
 def test_qwen_math_reference_numbers():
     """The data README's reference numbers: RM best-of-8 94/100, pass@8 96, 728/800 responses correct.
 

@@ -272,6 +272,14 @@ def _markdown(report: dict[str, Any], title: str) -> str:
         "(mean over problems) with 95% bootstrap CI; N < n_max averages over "
         f"{report['settings']['n_subsets']} seeded candidate subsets (all subsets when fewer).",
         "",
+    ]
+    if report["settings"].get("truncated_problems"):
+        lines += [
+            f"**Candidate counts differ:** N goes up to {report['n_max']}; the "
+            f"{report['settings']['truncated_problems']} problems with more use their first {report['n_max']} only.",
+            "",
+        ]
+    lines += [
         "| method | " + " | ".join(f"N={n}" for n in ns) + " |",
         "|---|" + "---|" * len(ns),
     ]

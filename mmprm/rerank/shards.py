@@ -126,6 +126,16 @@ def report_from_scored(
         problems, n_subsets=n_subsets, seed=seed, weighted_by=weighted_by, same=lambda a, b: answers_match(a, b)
     )
     metas = [row.get("meta") or {} for _, row, _ in iter_jsonl(scored)]  # a benchmark's category columns
+    if curve.settings["truncated_problems"]:
+        shortest = next(
+            str(row.get("id")) for (_, row, _), c in zip(iter_jsonl(scored), problems) if len(c) == curve.n_max
+        )
+        print(
+            f"warning: {scored}: problems have different numbers of candidates; N goes up to the smallest, "
+            f"{curve.n_max} (id={shortest}), and {curve.settings['truncated_problems']} problems use only their "
+            f"first {curve.n_max}: give every problem the same N, or drop the short ones",
+            file=sys.stderr,
+        )
     return write_report(curve, out_dir, title=title, n_resamples=resamples, seed=seed, metas=metas)
 
 
