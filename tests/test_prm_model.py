@@ -1,6 +1,7 @@
 """PRM heads, collation and scoring: float labels stay floats; shared-prefix scores equal unshared."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from mmprm.models.prm import (
     collate_steps,
     model_input_keys,
 )
-from mmprm.steps import tokenize_steps
+from mmprm.steps import StepTokenError, tokenize_steps
 
 ARCHS = ["qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2"]
 
@@ -190,6 +191,34 @@ def test_empty_candidate_scores_as_empty_list(tiny_models):
         [{"question": "Q", "steps": []}, {"question": "Q", "steps": ["a"]}, {"question": "Q", "steps": ["b", "c"]}]
     )
     assert [len(s) for s in out] == [0, 1, 2]
+
+
+def test_malformed_examples_are_refused_by_index_and_field(tiny_models, tmp_path):
+    """A string of steps would be scored a character a step; it, a missing field and a single
+    example not in a list are refused before any work, each example named by index (and id)."""
+    model, processor = _prm(tiny_models, "qwen2_vl")
+    scorer = PRMScorer(model, processor)
+    ok = {"question": "Q", "steps": ["a", "b"]}
+    cases = {
+        "examples[1] (id=s).steps: str, where a list of step texts is expected": [ok, {**ok, "id": "s", "steps": "ab"}],
+        "examples[0].steps: NoneType": [{"question": "Q"}],
+        "examples[0].steps[1]: NoneType, where text is expected": [{**ok, "steps": ["a", None]}],
+        "examples[0].images: str, where a list of image paths is expected": [{**ok, "images": "x.png"}],
+        "score() takes a list of examples": ok,
+    }
+    for message, examples in cases.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            scorer.score(examples)
+    # text the tokenizer reads as structure names the example it is in, also inside a shared group
+    special = processor.tokenizer.eos_token
+    group = [ok, {**ok, "id": "bad", "steps": ["a", f"b {special}"]}, {**ok, "steps": ["c"]}]
+    with pytest.raises(StepTokenError, match=re.escape("examples[1] (id=bad): steps[1] contains the special token")):
+        scorer.score(group)
+    # a file that is not an image is named by its path
+    fake = tmp_path / "fake.png"
+    fake.write_text("not a png")
+    with pytest.raises(OSError, match=re.escape(f"{fake}: not a readable image")):
+        scorer.score([{**ok, "images": [str(fake)]}])
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])  # the M-RoPE architectures

@@ -188,6 +188,10 @@ def test_visualprocessbench_reader(tmp_path):
         read_visualprocessbench(f)
     (r1,) = read_visualprocessbench(f, check_images=False)
     assert r1["question"] == "Which bar is taller?"  # 2 placeholders for 1 image: dropped
+    (tmp_path / row["image"][0]).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / row["image"][0]).write_text("not an image")  # named at reading, not as a PIL traceback
+    with pytest.raises(DataError, match=r"test.jsonl:1: id=vpb-1: image: image unreadable: .*UnidentifiedImageError"):
+        read_visualprocessbench(f)
     f.write_text(json.dumps({**row, "response": {"steps": ["a", "b"], "process_correctness": [1, 2]}}) + "\n")
     with pytest.raises(DataError, match="response.process_correctness: missing or malformed"):
         read_visualprocessbench(f, check_images=False)

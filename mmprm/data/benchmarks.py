@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mmprm.data.schema import DataError, iter_jsonl, row_id
+from mmprm.data.schema import DataError, check_image, iter_jsonl, row_id
 from mmprm.steps import IMAGE_PLACEHOLDER
 
 PROCESSBENCH_SUBSETS = ("gsm8k", "math", "olympiadbench", "omnimath")
@@ -282,6 +282,7 @@ def read_visualprocessbench(path: str | Path, check_images: bool = True) -> list
     path = Path(path)
     rows: list[dict[str, Any]] = []
     problems: list[str] = []
+    image_checks: dict[Path, str | None] = {}  # each image opened once, however many responses share it
     for lineno, obj, err in iter_jsonl(path):
         if err:
             problems.append(f"{path}:{lineno}: id=?: line: {err}")
@@ -314,6 +315,10 @@ def read_visualprocessbench(path: str | Path, check_images: bool = True) -> list
         missing = [p for p in resolved if check_images and not Path(p).is_file()]
         if missing:
             problems.append(f"{where}: image: not found: {missing[0]} (unzip images.zip beside {path.name})")
+            continue
+        unreadable = [why for p in resolved if check_images and (why := check_image(Path(p), image_checks))]
+        if unreadable:
+            problems.append(f"{where}: image: {unreadable[0]}")
             continue
         question = obj["question"]
         if len(IMAGE_PLACEHOLDER.findall(question)) not in (0, len(resolved)):

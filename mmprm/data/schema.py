@@ -152,11 +152,16 @@ def load_image(image: Any, attempts: int = 3, wait: float = 0.5) -> Any:
                     "check the filesystem, then rerun"
                 ) from e
             time.sleep(wait * 2**attempt)
-    with Image.open(io.BytesIO(data)) as im:
-        return im.convert("RGB")
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            return im.convert("RGB")
+    except Exception as e:  # PIL raises many types for a broken file; its own message has no path
+        raise OSError(f"{image}: not a readable image ({type(e).__name__}: {e}); replace or re-export the file") from e
 
 
-def _check_image(path: Path, cache: dict[Path, str | None]) -> str | None:
+def check_image(path: Path, cache: dict[Path, str | None]) -> str | None:
+    """Why `path` is not a usable image (missing, or not decodable), or None; each path is opened
+    once per `cache`."""
     if path not in cache:
         if not path.exists():
             cache[path] = f"image not found: {path} (paths are relative to the JSONL file's folder)"
@@ -204,7 +209,7 @@ def check_base_fields(
         full = Path(p) if os.path.isabs(p) else (base_dir / p)
         resolved.append(str(full.resolve()))
         if check_images:
-            msg = _check_image(full, cache)
+            msg = check_image(full, cache)
             if msg:
                 errs.append((f"images[{i}]", msg))
     if question is not None:

@@ -32,6 +32,7 @@ from mmprm.models.spec import (
     example_field,
     example_steps,
     group_by_prompt,
+    naming_the_example,
     progress_bar,
     read_spec,
     released_spec,
@@ -210,14 +211,17 @@ class PRMScorer:
                 trees.clear()
 
         for idx in groups:
-            first = self.tokenize(examples[idx[0]])
+            try:
+                first = self.tokenize(examples[idx[0]])
+                others = [examples[i] for i in idx[1:]]
+                toks = tokenize_group(self.processor, self.spec, first, others, self.max_length, self.tokenize)
+            except ValueError as e:  # a special token in the text, a prompt past max_length, ...
+                raise naming_the_example(e, examples, idx, self.tokenize) from None
             if len(idx) == 1:
                 singles.append((idx[0], first))
                 if len(singles) >= 8 * self.batch_size:
                     flush_singles()
                 continue
-            others = [examples[i] for i in idx[1:]]
-            toks = tokenize_group(self.processor, self.spec, first, others, self.max_length, self.tokenize)
             split = _pack_group(toks, idx) if packed else None
             if split is None:
                 keep(idx, self._score_shared(toks))

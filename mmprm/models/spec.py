@@ -210,9 +210,62 @@ def progress_bar(total: int, enabled: bool) -> Any:
     return tqdm(total=total, desc="scoring", unit="sol")
 
 
+def check_examples(examples: Any) -> None:
+    """Refuse what a scorer cannot read, before any work: a ValueError naming each bad example by
+    index (and id) and field. A string of steps would otherwise be scored one character a step."""
+    if isinstance(examples, (str, bytes, dict)) or not isinstance(examples, Sequence):
+        raise ValueError(
+            f"score() takes a list of examples ({{question, steps, images}}), got a {type(examples).__name__}: "
+            "wrap a single example in a list"
+        )
+    bad: list[str] = []
+    for i, ex in enumerate(examples):
+        where = example_name(examples, i)
+        question, steps, images = (example_field(ex, k) for k in ("question", "steps", "images"))
+        if not isinstance(question, str):
+            bad.append(f"{where}.question: {type(question).__name__}, where text is expected")
+        if not isinstance(steps, (list, tuple)):
+            bad.append(f"{where}.steps: {type(steps).__name__}, where a list of step texts is expected")
+        else:
+            bad += [
+                f"{where}.steps[{j}]: {type(t).__name__}, where text is expected"
+                for j, t in enumerate(steps)
+                if not isinstance(t, str)
+            ]
+        if images is not None and (isinstance(images, (str, Path)) or not isinstance(images, (list, tuple))):
+            bad.append(f"{where}.images: {type(images).__name__}, where a list of image paths is expected")
+    if bad:
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise ValueError("; ".join(bad[:5]) + more)
+
+
+def example_name(examples: Sequence[Any], i: int) -> str:
+    """`examples[i]`, with its id where it has one: how scorers name an example in errors."""
+    rid = example_field(examples[i], "id")
+    return f"examples[{i}]" + (f" (id={rid})" if rid is not None else "")
+
+
+def naming_the_example(error: ValueError, examples: Sequence[Any], idx: Sequence[int], tokenize: Any) -> ValueError:
+    """`error`, raised while tokenizing the group `idx`, with the example it came from named: the
+    first that fails tokenized alone by `tokenize` (the group's first when none does)."""
+    culprit = idx[0]
+    for i in idx:
+        try:
+            tokenize(examples[i])
+        except ValueError:
+            culprit = i
+            break
+    try:
+        return type(error)(f"{example_name(examples, culprit)}: {error}")
+    except TypeError:  # an error class that takes other arguments
+        return ValueError(f"{example_name(examples, culprit)}: {error}")
+
+
 def group_by_prompt(examples: Sequence[Any], share_prefix: bool) -> tuple[list[list[int]], list[int]]:
     """Indices of the examples that share a question and images (one group each when not
-    `share_prefix`), in order, and the indices of those with no steps (nothing to score)."""
+    `share_prefix`), in order, and the indices of those with no steps (nothing to score).
+    Malformed examples are refused first (`check_examples`)."""
+    check_examples(examples)
     groups: dict[Any, list[int]] = {}
     empty: list[int] = []
     for i, ex in enumerate(examples):

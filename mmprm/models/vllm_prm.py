@@ -42,6 +42,7 @@ from mmprm.models.spec import (
     example_field,
     example_steps,
     group_by_prompt,
+    naming_the_example,
     progress_bar,
     read_spec,
     released_spec,
@@ -317,16 +318,13 @@ class VLLMPRMScorer:
         pending: list[tuple[int, TokenizedSteps, list[Any]]] = []
         for idx in groups:
             images = [load_image(p) for p in (example_field(examples[idx[0]], "images") or [])]
-            first = self.tokenize(examples[idx[0]], images)
-            others = [examples[i] for i in idx[1:]]
-            toks = tokenize_group(
-                self.processor,
-                self.spec,
-                first,
-                others,
-                self.max_length,
-                functools.partial(self.tokenize, images=images),
-            )
+            alone = functools.partial(self.tokenize, images=images)
+            try:
+                first = alone(examples[idx[0]])
+                others = [examples[i] for i in idx[1:]]
+                toks = tokenize_group(self.processor, self.spec, first, others, self.max_length, alone)
+            except ValueError as e:  # a special token in the text, a prompt past max_length, ...
+                raise naming_the_example(e, examples, idx, alone) from None
             pending.extend((i, tok, images) for i, tok in zip(idx, toks))
             if len(pending) >= per_call:
                 self._encode(pending, examples, results, bar)
