@@ -252,6 +252,26 @@ def test_bad_inputs_fail_early_with_clear_errors(tmp_path):
     assert proc.returncode == 2 and f"{bad}:1: id=r1: labels" in proc.stderr
 
 
+def test_text_the_prm_reads_as_structure_is_named_by_file_and_id(prm_dirs, tmp_path, tiny_models):
+    """A step holding the model's end-of-turn token passes `mmprm validate` (no model there) but is
+    refused when the PRM tokenizes it: exit 2 naming the file and the example, no traceback."""
+    from mmprm.models.loading import load_processor
+
+    processor = load_processor(tiny_models("qwen2"))
+    eos = getattr(processor, "tokenizer", processor).eos_token
+    rows = [
+        {"id": "fine", "question": "q", "steps": ["a", "b"], "labels": [1, 0]},
+        {"id": "leaky", "question": "q", "steps": [f"a {eos}", "b"], "labels": [1, 0]},
+    ]
+    data = tmp_path / "steps.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--config", str(CONFIG), f"data.path={data}", "data.format=steps", "data.dev_fraction=0"]
+    args += ["data.per_category=null", f"scorer.prm_path={prm_dirs('qwen2')}", f"output.dir={tmp_path / 'out'}"]
+    proc = subprocess.run([sys.executable, str(RECIPE), *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"{data}: examples[1] (id=leaky): steps[0] contains the special token {eos!r}" in proc.stderr
+
+
 def test_a_killed_run_resumes_and_a_rerun_scores_only_what_is_new(prm_dirs, tmp_path, capsys):
     from mmprm.config import ConfigError
 
