@@ -387,7 +387,7 @@ def tokenize_steps(
     if labels is not None and len(labels) != len(steps):
         raise ValueError(f"{len(steps)} steps but {len(labels)} labels")
     fmt = fmt or StepFormat(step_token=step_token)
-    _check_special_tokens(processor, question, steps, fmt.step_token)
+    check_special_tokens(processor, question, steps, fmt.step_token)
     question = format_question(fmt, question, len(images))
     if fmt.layout == "turns":
         enc, ids, positions = _encode_turns(processor, question, steps, images, system, fmt)
@@ -531,9 +531,12 @@ def _turn_positions(processor: Any, messages: list[dict[str, Any]], text: str, i
     return positions
 
 
-def _check_special_tokens(processor: Any, question: str, steps: Sequence[str], step_token: str) -> None:
+def check_special_tokens(
+    processor: Any, question: str, steps: Sequence[str], step_token: str, answer: str | None = None
+) -> None:
     """Reject any special token of the model inside user text (it would be read as structure)."""
-    for where, text in [("question", question), *((f"steps[{i}]", s) for i, s in enumerate(steps))]:
+    texts = [*((f"steps[{i}]", s) for i, s in enumerate(steps)), *([("answer", answer)] if answer else [])]
+    for where, text in [("question", question), *texts]:
         if step_token in text:
             raise StepTokenError(f"{where} contains the reserved step token {step_token!r}: remove it")
     tokenizer = getattr(processor, "tokenizer", processor)
@@ -541,10 +544,7 @@ def _check_special_tokens(processor: Any, question: str, steps: Sequence[str], s
         t for t in (getattr(processor, "image_token", None), getattr(processor, "video_token", None)) if t
     }
     reserved.discard(step_token)
-    for where, text in [
-        ("question", IMAGE_PLACEHOLDER.sub("", question)),
-        *((f"steps[{i}]", s) for i, s in enumerate(steps)),
-    ]:
+    for where, text in [("question", IMAGE_PLACEHOLDER.sub("", question)), *texts]:
         for t in reserved:
             if t and t in text:
                 raise StepTokenError(f"{where} contains the special token {t!r} of this model: remove it")
@@ -571,7 +571,7 @@ def extend_steps(
     if labels is not None and len(labels) != len(steps):
         raise ValueError(f"{len(steps)} steps but {len(labels)} labels")
     fmt = fmt or StepFormat(step_token=step_token)
-    _check_special_tokens(processor, "", steps, fmt.step_token)
+    check_special_tokens(processor, "", steps, fmt.step_token)
     tokenizer = getattr(processor, "tokenizer", processor)
     step_id = step_token_id(tokenizer, fmt)
     body = tokenizer(base.lead + assistant_body(steps, fmt=fmt), add_special_tokens=False)["input_ids"]

@@ -57,6 +57,7 @@ from mmprm.steps import (
     StepTokenError,
     TokenizedSteps,
     assistant_start,
+    check_special_tokens,
     extend_steps,
     render_solution,
     tokenize_steps,
@@ -396,7 +397,11 @@ def _tokenize_sft_row(
     except (OSError, ValueError) as e:
         out["error"] = f"{_where(source, row)}: images: {type(e).__name__}: {e} (fix or replace the file)"
         return out
-    tok = tokenize_sft(processor, row["question"], row["steps"], row["answer"], images, max_length, system)
+    try:
+        tok = tokenize_sft(processor, row["question"], row["steps"], row["answer"], images, max_length, system)
+    except StepTokenError as e:
+        out["error"] = f"{_where(source, row)}: {e}"
+        return out
     if tok is None:
         out["drop"] = "prompt_too_long"
     else:
@@ -433,6 +438,8 @@ def tokenize_sft(
         "n_prompt", "n_targets" (tokens that carry loss after the one-token shift)}.
     """
     tokenizer = getattr(processor, "tokenizer", processor)
+    # A chat token inside the text would teach the policy to end its turn (or open an image) mid-step.
+    check_special_tokens(processor, question, steps, STEP_TOKEN, answer)
     prompt, lead = assistant_start(processor, question, len(images), system)
     # The lead (" " after LLaVA-1.5's "ASSISTANT:") is learned with the answer, as the model generates it.
     target = lead + render_solution(steps, answer) + (tokenizer.eos_token or "")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import types
 from pathlib import Path
 
@@ -406,6 +407,25 @@ def test_bad_rows_are_all_reported_before_tokenizing(tiny_models, tmp_path):
     with pytest.raises(DataError, match=r"rows.jsonl:3: id=r2: images: FileNotFoundError"):
         load_tokenized(path, "prm", processor, SETTINGS, cache_dir=tmp_path / "cache", num_proc=1)
     assert not list((tmp_path / "cache").glob("*"))  # a failed build leaves no cache behind
+
+
+def test_sft_rows_with_the_models_special_tokens_are_refused(tiny_models, tmp_path):
+    """An end-of-turn token inside a step (or the answer) would teach the policy to stop mid-solution:
+    the SFT data is refused naming the row and field, as the PRM data is."""
+    processor = load_processor(tiny_models("qwen2"))
+    eos = getattr(processor, "tokenizer", processor).eos_token
+    path = write_rows(tmp_path, 3, images=False, answer=True)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[1]["steps"][0] += eos
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = {"max_length": 512, "system": None}
+    with pytest.raises(DataError, match=re.escape(f"rows.jsonl:2: id=r1: steps[0] contains the special token {eos!r}")):
+        load_tokenized(path, "sft", processor, settings, cache_dir=tmp_path / "cache", num_proc=1)
+    rows[1]["steps"][0] = rows[1]["steps"][0].replace(eos, "")
+    rows[2]["answer"] = f"4{eos}"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=re.escape(f"rows.jsonl:3: id=r2: answer contains the special token {eos!r}")):
+        load_tokenized(path, "sft", processor, settings, cache_dir=tmp_path / "cache", num_proc=1)
 
 
 # ---- label modes: MC values -> training targets ------------------------------------------------
