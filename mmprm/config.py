@@ -199,6 +199,22 @@ def require_model_dir(cfg: Any, key: str, hub: bool = True) -> None:
     raise ConfigError(f"{key}: {value} does not exist{where} ({kind})")
 
 
+def require_files(cfg: Any, *keys: str) -> None:
+    """Fail early, naming the key, when a data file at a dotted key of CFG is set but is not a
+    file: before a model loads (minutes for a 7B one), not as a bare errno after it."""
+    for key in keys:
+        value: Any = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if not value:
+            continue
+        path = Path(str(value)).expanduser()
+        if not path.is_file():
+            where = f" (relative to {Path.cwd()})" if not path.is_absolute() else ""
+            what = "is a directory" if path.is_dir() else "does not exist"
+            raise ConfigError(f"{key}: {value} {what}{where}; a JSONL file is expected")
+
+
 # What a training run writes into its output folder (mmprm.training): every setting, plus facts
 # about the run that are not settings. Given back with --config, the file repeats the run.
 RESOLVED_CONFIG = "config.resolved.json"

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
-from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir
+from mmprm.config import ConfigError, load_config, parse_cli, require_files, require_model_dir
 from mmprm.data.schema import DataError, load_image
 from mmprm.generation.policy import PolicySpec, save_policy_spec
 from mmprm.models.loading import resolve_attn_implementation
@@ -285,6 +285,7 @@ def main(argv: list[str]) -> None:
     config_path, overrides = parse_cli(argv, Config)
     cfg = load_config(Config, config_path, overrides)
     require_model_dir(cfg, "model.name_or_path")
+    require_files(cfg, "data.train_file", "data.eval_file")
     run = TrainingRun("policy_sft", cfg.train, cfg.output_dir, cfg.resume_from_checkpoint)
     model, processor = build_model(cfg)
     # ZeRO-3 / FSDP: a batch without images still runs the vision tower, or the ranks' collectives part

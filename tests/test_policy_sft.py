@@ -186,6 +186,10 @@ def test_missing_answer_fails_before_training_naming_the_row(tiny_models, synthe
     assert res.returncode == 2, res.stderr[-3000:]
     assert f"id={rows[1]['id']}: answer: missing" in res.stderr and str(bad) in res.stderr
     assert not (tmp_path / "o" / "checkpoints").exists()
+    # an eval file that is not there is named before the model loads
+    res = subprocess.run([*cmd, f"data.eval_file={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 2 and f"data.eval_file: {tmp_path} is a directory; a JSONL file" in res.stderr
+    assert "Loading weights" not in res.stderr
 
 
 @pytest.mark.slow

@@ -327,6 +327,13 @@ def test_bad_data_fails_before_training_with_row_named(tiny_models, tmp_path):
     assert not (tmp_path / "o" / "checkpoints").exists()
 
 
+def test_a_missing_data_file_is_named_before_the_model_loads(tiny_models, tmp_path):
+    cmd = [sys.executable, str(RECIPE), f"model.name_or_path={tiny_models('qwen2')}", "data.train_file=nope.jsonl"]
+    res = subprocess.run([*cmd, f"output_dir={tmp_path / 'o'}"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 2 and "data.train_file: nope.jsonl does not exist (relative to" in res.stderr
+    assert "Loading weights" not in res.stderr and not (tmp_path / "o").exists()
+
+
 def test_images_for_a_text_only_model_fail_before_training(tiny_models, toy, tmp_path):
     train, _ = toy
     cmd = [
