@@ -1,6 +1,7 @@
 """PRMBench and ReasonEval readers on real files (the full sets or the repo subset), plus bad input."""
 
 import json
+import re
 
 import pytest
 from real_data import DATA, full_or_subset, reasoneval_files
@@ -113,3 +114,22 @@ def test_bad_rows_name_file_line_id_field(tmp_path):
         f'{re_}:1: id=7: model_output_solution_first_error_step: 3 is not a step number in 1..2 or "N/A"'
     )
     assert e.value.problems[1].startswith(f"{re_}:2: id=8: rating: must be one 0/1 per step")
+
+
+def test_repeated_rows_missing_ids_and_zero_based_errors_are_refused(tmp_path):
+    pb = tmp_path / "prm.jsonl"
+    good = {"idx": "a", "classification": "circular", "modified_question": "q?", "modified_process": ["s1", "s2"]}
+    pb.write_text("".join(json.dumps({**good, "error_steps": [2]}) + "\n" for _ in range(2)))
+    with pytest.raises(DataError, match=re.escape(f"{pb}: id=a/circular: id: 2 rows have it")):
+        read_prmbench(pb)  # a repeated row would count twice
+    pb.write_text(json.dumps({**good, "error_steps": [0]}) + "\n")
+    with pytest.raises(
+        DataError, match=re.escape(f"{pb}:1: id=a/circular: error_steps: [0] has a step number below 1")
+    ):
+        read_prmbench(pb)  # 0-based by mistake, not dropped as if past the end
+
+    re_ = tmp_path / "re.json"
+    row = {"question": "q", "model_output_step_format": [["a"], ["b"]], "model_output_solution_first_error_step": 1}
+    re_.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=re.escape(f"{re_}:1: id=?: id: missing")):
+        read_reasoneval(re_)

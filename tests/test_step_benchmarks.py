@@ -127,6 +127,11 @@ def test_processbench_reader_folder_file_and_jsonl(tmp_path):
     jsonl = tmp_path / "gsm8k.jsonl"
     jsonl.write_text("".join(json.dumps(d) + "\n" for d in released if d["id"].startswith("gsm8k-")))
     assert read_processbench(jsonl) == one
+    # a byte order mark in front (as some editors save) reads as the released array
+    bom = tmp_path / "bom" / "gsm8k.json"
+    bom.parent.mkdir()
+    bom.write_bytes(b"\xef\xbb\xbf" + (PB_DIR / "gsm8k.json").read_bytes())
+    assert [r["id"] for r in read_processbench(bom)] == [r["id"] for r in one]
 
 
 def test_processbench_fixtures_are_released_rows():

@@ -41,8 +41,9 @@ def read_prmbench(path: str | Path) -> list[dict[str, Any]]:
     steps solve; it differs from the original for e.g. missing_condition). Labels: 0 for every
     step listed in the 1-based `error_steps`, 1 otherwise; steps after an error keep 1, as in
     PRMBench's own per-step scoring. Indices past the last step (11 rows of the classified
-    subset) are dropped and kept in `meta["dropped_error_steps"]`. The id is
-    `"<idx>/<classification>"` because `idx` repeats across categories.
+    subset) are dropped and kept in `meta["dropped_error_steps"]`; a number below 1 (0-based by
+    mistake) is an error. The id is `"<idx>/<classification>"` because `idx` repeats across
+    categories; a repeated row is an error, as in every reader here.
     """
     rows: list[dict[str, Any]] = []
     problems: list[str] = []
@@ -75,8 +76,11 @@ def read_prmbench(path: str | Path) -> list[dict[str, Any]]:
         if bad:
             continue
         steps = obj["modified_process"]
-        errs = sorted({e - 1 for e in obj["error_steps"] if 1 <= e <= len(steps)})
-        dropped = [e for e in obj["error_steps"] if not 1 <= e <= len(steps)]
+        if any(e < 1 for e in obj["error_steps"]):  # 0-based by mistake: every label would shift by one
+            problems.append(f"{where}: error_steps: {obj['error_steps']} has a step number below 1 (they are 1-based)")
+            continue
+        errs = sorted({e - 1 for e in obj["error_steps"] if e <= len(steps)})
+        dropped = [e for e in obj["error_steps"] if e > len(steps)]
         labels = [0.0 if i in errs else 1.0 for i in range(len(steps))]
         meta: dict[str, Any] = {
             "source": "prmbench",
@@ -101,6 +105,7 @@ def read_prmbench(path: str | Path) -> list[dict[str, Any]]:
                 "meta": meta,
             }
         )
+    problems += repeated_ids(path, rows)
     if problems:
         raise DataError(problems)
     return rows
@@ -137,6 +142,9 @@ def read_reasoneval(path: str | Path) -> list[dict[str, Any]]:
             continue
         if not isinstance(obj.get("question"), str):
             problems.append(f"{where}: question: missing (the problem text)")
+            continue
+        if not isinstance(obj.get("id"), (str, int)) or isinstance(obj.get("id"), bool):
+            problems.append(f"{where}: id: missing (each MR-MATH row has its id; the split and report need it)")
             continue
         steps = ["\n".join(lines) for lines in fmt]
         if kind == "redundant":
@@ -180,17 +188,32 @@ def read_reasoneval(path: str | Path) -> list[dict[str, Any]]:
                 "meta": meta,
             }
         )
+    problems += repeated_ids(path, rows)
     if problems:
         raise DataError(problems)
     return rows
 
 
+def repeated_ids(path: str | Path, rows: list[dict[str, Any]]) -> list[str]:
+    """A problem line per id that more than one row has: a repeated row would count twice in every
+    metric, and rows sharing an id cannot be told apart in the report."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["id"]] = counts.get(r["id"], 0) + 1
+    return [
+        f"{path}: id={rid}: id: {n} rows have it (each row once, with its own id: drop the repeats)"
+        for rid, n in counts.items()
+        if n > 1
+    ]
+
+
 def _json_rows(path: Path) -> list[tuple[int, dict[str, Any] | None, str | None]]:
     """(position, row, error) per row of a JSON array file (1-based element) or a JSON Lines file (line)."""
-    if path.is_dir() or path.read_bytes().lstrip()[:1] != b"[":
+    # A UTF-8 byte order mark (some editors save one) is not JSON: skip it when telling the kinds apart.
+    if path.is_dir() or path.read_bytes().removeprefix(b"\xef\xbb\xbf").lstrip()[:1] != b"[":
         return list(iter_jsonl(path))
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = json.loads(path.read_bytes().decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         return [(0, None, f"invalid JSON array: {e} (use the file as released, or JSON Lines)")]
     return [(i, r, None) if isinstance(r, dict) else (i, None, "not a JSON object") for i, r in enumerate(data, 1)]
@@ -261,6 +284,7 @@ def read_processbench(path: str | Path) -> list[dict[str, Any]]:
                     },
                 }
             )
+    problems += repeated_ids(path, rows)
     if problems:
         raise DataError(problems)
     return rows
@@ -348,6 +372,7 @@ def read_visualprocessbench(path: str | Path, check_images: bool = True) -> list
                 "meta": meta,
             }
         )
+    problems += repeated_ids(path, rows)
     if problems:
         raise DataError(problems)
     return rows
