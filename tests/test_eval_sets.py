@@ -248,3 +248,25 @@ def test_hub_layout_reads_through_datasets(tmp_path):
         (r["id"], r["question"], r["answer"], r["meta"]) for r in local
     ]
     assert all(Path(r["images"][0]).parent == tmp_path / "images" and Path(r["images"][0]).is_file() for r in hub)
+
+
+def test_rows_missing_a_released_field_are_named(tmp_path, capsys):
+    """A row without a field the benchmark releases is named (source, row, id, field), not a
+    KeyError, and a testmini row without its answer is not written with an empty gold answer."""
+
+    copy = tmp_path / "mathvista"
+    shutil.copytree(FIX / "mathvista", copy)
+    rows = json.loads((copy / "testmini.json").read_text())
+    first = next(iter(rows))
+    del rows[first]["question_type"]
+    rows[first]["answer"] = None
+    (copy / "testmini.json").write_text(json.dumps(rows))
+    with pytest.raises(ValueError, match=rf"{copy}: row 0 \(pid={first}\): question_type, answer: missing"):
+        read_mathvista(copy)
+    assert main(["eval-set", "mathvista", "--source", str(copy), "--out", str(tmp_path / "out")]) == 1
+    assert "question_type, answer: missing" in capsys.readouterr().err
+    olympiad = tmp_path / "OE_MM_maths_en_COMP.json"
+    released = json.loads((FIX / "olympiadbench" / "OE_MM_maths_en_COMP.json").read_text())
+    olympiad.write_text(json.dumps([{k: v for k, v in r.items() if k != "final_answer"} for r in released]))
+    with pytest.raises(ValueError, match=r"row 0 \(id=\d+\): final_answer: missing"):
+        read_olympiadbench(olympiad, image_root=FIX / "olympiadbench")

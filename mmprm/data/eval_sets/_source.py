@@ -119,3 +119,15 @@ def check_exists(image: Path, where: str, hint: str) -> Path:
     if not image.is_file():
         raise FileNotFoundError(f"{where}: image: {image} not found ({hint})")
     return image
+
+
+def require_fields(row: dict[str, Any], fields: tuple[str, ...], source: Any, n: int, id_field: str) -> None:
+    """A ValueError naming the source, the row and each of `fields` it lacks (or holds null in),
+    instead of a KeyError from deep in a reader: the benchmark's released rows all carry them."""
+    missing = [f for f in fields if row.get(f) is None]
+    if missing:
+        rid = row.get(id_field)
+        raise ValueError(
+            f"{source}: row {n} ({id_field}={rid}): {', '.join(missing)}: missing (the benchmark's released "
+            "rows carry it; use the file as released)"
+        )

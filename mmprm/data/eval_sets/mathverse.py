@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mmprm.answers import answers_match, choice_letter
-from mmprm.data.eval_sets._source import check_exists, image_file, load_rows
+from mmprm.data.eval_sets._source import check_exists, image_file, load_rows, require_fields
 
 BREAKDOWN = ("problem_version", "subject", "subfield", "question_type")
 _CHOICE_LINE = re.compile(r"^\s*\(?([A-H])\)?\s*[:.：]\s*(.+?)\s*$")
@@ -59,7 +59,9 @@ def read_mathverse(
     root = Path(image_root).resolve() if image_root is not None else root
     out_dir = Path(image_dir) if image_dir is not None else None
     problems = []
-    for r in rows:
+    need = ("sample_index", "problem_index", "problem_version", "question", "question_type", "answer")
+    for n, r in enumerate(rows):
+        require_fields(r, need, source, n, "sample_index")
         sid = str(r["sample_index"])
         images = []
         if r.get("image") not in (None, ""):  # Text Only rows have no image

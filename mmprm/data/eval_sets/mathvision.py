@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mmprm.data.eval_sets._source import check_exists, image_file, load_rows
+from mmprm.data.eval_sets._source import check_exists, image_file, load_rows, require_fields
 from mmprm.data.mathv import mathv_question
 
 BREAKDOWN = ("subject", "level")
@@ -42,7 +42,10 @@ def read_mathvision(
     root = Path(image_root).resolve() if image_root is not None else root
     out_dir = Path(image_dir) if image_dir is not None else None
     problems = []
-    for r in rows:
+    for n, r in enumerate(rows):
+        require_fields(r, ("id", "question", "answer"), source, n, "id")
+        if r.get("image") is None and r.get("decoded_image") is None:
+            require_fields(r, ("image",), source, n, "id")
         rid = str(r["id"])
         value = r["decoded_image"] if r.get("decoded_image") is not None else r["image"]
         image = image_file(value, root, out_dir, f"mathvision-{rid}")

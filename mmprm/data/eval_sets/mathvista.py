@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mmprm.answers import normalize_answer
-from mmprm.data.eval_sets._source import check_exists, image_file, load_rows
+from mmprm.data.eval_sets._source import check_exists, image_file, load_rows, require_fields
 
 # The columns MathVista's calculate_score.py breaks accuracy down by (`origin` is its `source`).
 BREAKDOWN = ("question_type", "answer_type", "language", "origin", "category", "task", "context", "grade", "skills")
@@ -46,7 +46,11 @@ def read_mathvista(
         queries = json.loads((root / "query.json").read_text(encoding="utf-8"))
     out_dir = Path(image_dir) if image_dir is not None else None
     problems = []
-    for r in rows:
+    need = ("pid", "question", "question_type", "answer_type") + (("answer",) if split != "test" else ())
+    for n, r in enumerate(rows):
+        require_fields(r, need, source, n, "pid")
+        if r.get("image") is None and r.get("decoded_image") is None:
+            require_fields(r, ("image",), source, n, "pid")
         pid = str(r["pid"])
         value = r["decoded_image"] if r.get("decoded_image") is not None else r["image"]
         image = image_file(value, root, out_dir, f"mathvista-{pid}")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mmprm.answers import answers_match
-from mmprm.data.eval_sets._source import check_exists, image_file, load_rows
+from mmprm.data.eval_sets._source import check_exists, image_file, load_rows, require_fields
 
 BREAKDOWN = ("subject",)
 
@@ -37,6 +37,7 @@ def read_mmk12(
     out_dir = Path(image_dir) if image_dir is not None else None
     problems = []
     for n, r in enumerate(rows):
+        require_fields(r, ("question",), source, n, "id")
         rid = str(r.get("id", n))
         value = r.get("image_path") if r.get("image_path") is not None else r.get("image")
         images = []

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mmprm.answers import call_with_timeout, math_verify_equal, sympy_answer
-from mmprm.data.eval_sets._source import check_exists, image_file, load_rows
+from mmprm.data.eval_sets._source import check_exists, image_file, load_rows, require_fields
 
 SUBSET = "OE_MM_maths_en_COMP"
 BREAKDOWN = ("subfield", "answer_type")
@@ -48,7 +48,8 @@ def read_olympiadbench(
     root = Path(image_root).resolve() if image_root is not None else root
     out_dir = Path(image_dir) if image_dir is not None else None
     problems = []
-    for r in rows:
+    for n, r in enumerate(rows):
+        require_fields(r, ("id", "question", "final_answer"), source, n, "id")
         rid = str(r["id"])
         images = []
         for k in range(1, 6):
