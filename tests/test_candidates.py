@@ -105,6 +105,35 @@ def test_from_gsm8k_solutions():
     assert not any("<<" in s for p in problems for c in p.candidates for s in c.steps)
 
 
+def test_converters_refuse_text_flags_and_missing_fields(tmp_path):
+    """A flag written as text ("false") would read as correct through bool(); it and a missing
+    field are named by file, line, id and field instead."""
+    lines = (DATA / "gsm8k" / "example_model_solutions.jsonl").read_text().splitlines()[:2]
+    row = json.loads(lines[1])
+    row["6b_finetuning"]["is_correct"] = "false"
+    del row["175b_verification"]["solution"]
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text(lines[0] + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(DataError) as e:
+        from_gsm8k_solutions(gsm)
+    assert e.value.problems == [
+        f"{gsm}:2: id=gsm8k-1: 6b_finetuning.is_correct: 'false' is not true or false",
+        f"{gsm}:2: id=gsm8k-1: 175b_verification.solution: missing (the model's solution text)",
+    ]
+    row = json.loads((DATA / "qwen_math_bon" / "math_cot_100.jsonl").read_text().splitlines()[0])
+    row["score"][2] = "False"
+    del row["gt"]
+    qwen = tmp_path / "qwen.jsonl"
+    qwen.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError) as e:
+        from_qwen_math_bon(qwen)
+    rid = row["idx"]
+    assert e.value.problems == [
+        f"{qwen}:1: id={rid}: gt: missing",
+        f"{qwen}:1: id={rid}: score[2]: 'False' is not true or false",
+    ]
+
+
 def test_from_qwen_math_bon():
     problems = from_qwen_math_bon(DATA / "qwen_math_bon" / "math_cot_100.jsonl")
     # the repo subset keeps the 14 problems with a wrong response (the other 86 are all correct)

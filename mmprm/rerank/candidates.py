@@ -237,8 +237,17 @@ def from_gsm8k_solutions(path: str | Path, label: Label = "file") -> list[Proble
                     f"'A: N' and the fields {', '.join(GSM8K_MODELS)})"
                 ]
             )
+        where = f"{path}:{lineno}: id=gsm8k-{lineno - 1}"
+        bad = [f"{where}: question: missing (the problem text)"] if not isinstance(obj.get("question"), str) else []
+        for m in GSM8K_MODELS:
+            if not isinstance(obj[m].get("solution"), str):
+                bad.append(f"{where}: {m}.solution: missing (the model's solution text)")
+            if not isinstance(obj[m].get("is_correct"), bool):
+                bad.append(f"{where}: {m}.is_correct: {obj[m].get('is_correct')!r} is not true or false")
+        if bad:
+            raise DataError(bad)
         candidates = [
-            make_candidate(obj[m]["solution"], gold, flag=bool(obj[m]["is_correct"]), label=label, model=m)
+            make_candidate(obj[m]["solution"], gold, flag=obj[m]["is_correct"], label=label, model=m)
             for m in GSM8K_MODELS
         ]
         problems.append(
@@ -271,6 +280,16 @@ def from_qwen_math_bon(path: str | Path, label: Label = "file") -> list[Problem]
                     "length (is this Qwen2.5-Math's eval_rm_maj_example format?)"
                 ]
             )
+        where = f"{path}:{lineno}: id={row_id(obj, 'idx')}"
+        bad = [f"{where}: {f}: missing" for f in ("idx", "question", "gt") if obj.get(f) is None]
+        bad += [
+            f"{where}: score[{k}]: {flag!r} is not true or false"
+            for k, flag in enumerate(scores)
+            if not isinstance(flag, bool) and not (type(flag) is int and flag in (0, 1))
+        ]
+        bad += [f"{where}: response[{k}]: not text" for k, text in enumerate(responses) if not isinstance(text, str)]
+        if bad:
+            raise DataError(bad)
         rm = obj.get("pred_score") or [None] * len(responses)
         candidates = [
             make_candidate(
