@@ -208,7 +208,7 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
     """
     from mmprm.data import store
     from mmprm.rerank.candidates import count_rows, load_problems
-    from mmprm.rerank.shards import shard_bounds, take_shard
+    from mmprm.rerank.shards import shard_bounds
 
     g = cfg.generate
     problems_file = Path(g.problems_file) if g.problems_file else benchmark_problems(g.benchmark, out_dir)
@@ -225,9 +225,8 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
         return final
     done = store.resume(partial)
     lo, hi = shard_bounds(count_rows(problems_file), cfg.shard.index, cfg.shard.count)
-    problems = take_shard(
-        load_problems(problems_file, check_rows=lambda i: lo <= i < hi), cfg.shard.index, cfg.shard.count
-    )
+    in_block = lambda i: lo <= i < hi  # noqa: E731
+    problems = load_problems(problems_file, check_rows=in_block, keep_rows=in_block)  # every row checked
     todo = [p for p in problems if p.id not in done]
     if done:
         print(f"resuming: {len(done)} problems already sampled in {partial}, {len(todo)} to go")

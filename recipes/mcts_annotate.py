@@ -41,14 +41,13 @@ from mmprm.annotate.engine import (
     problem_fingerprint,
     resolve_rank_world,
     rule_verifier,
-    shard,
     tree_file_name,
 )
 from mmprm.annotate.export import ExportConfig, iter_examples, write_report
 from mmprm.annotate.omega import OmegaConfig
 from mmprm.chat import ChatClient, ChatConfig
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
-from mmprm.data.problems import load_problems
+from mmprm.data.problems import load_problems, problem_ids
 from mmprm.data.schema import DataError, write_jsonl
 from mmprm.generation import make_rollout_backend
 from mmprm.generation.base import SamplingConfig, worker_seed
@@ -214,7 +213,7 @@ def main(argv: list[str]) -> int:
     Exit 0: done, 1: transient failures to retry, 2: a config or data error, 3: stopped (rank busy,
     or an outage)."""
     try:
-        cfg, rank, world, problems = load_inputs(argv)
+        cfg, rank, world, mine = load_inputs(argv)
     except (ConfigError, DataError, ValueError) as e:
         print(f"mcts_annotate: {e}", file=sys.stderr)
         return 2
@@ -228,7 +227,6 @@ def main(argv: list[str]) -> int:
     except RankBusyError as e:
         print(f"mcts_annotate: rank {rank}: {e}", file=sys.stderr)
         return 3
-    mine = shard(problems, rank, world)
     # A tree labels its steps against its problem's gold answer: a problem edited since must not be
     # skipped as done, nor its old tree exported.
     fingerprint = lambda p: problem_fingerprint(p.question, p.answer, p.choices)  # noqa: E731
@@ -270,23 +268,22 @@ def main(argv: list[str]) -> int:
         trees.close()
         backend.close()  # a vLLM engine stops now, not in the interpreter's exit (its threads can abort there)
     write_summary(out_dir, rank, world, stats, engine, backend)
-    return merge_when_complete(cfg, out_dir, problems, todo, stats, trees, rank)
+    return merge_when_complete(cfg, out_dir, todo, stats, trees, rank)
 
 
 def load_inputs(argv: list[str]) -> tuple[AnnotateConfig, int, int, list[Any]]:
-    """(config, rank, world size, problems up to data.limit): the rows of this rank's shard have
-    their images checked; the policy's directory must exist."""
+    """(config, rank, world size, this rank's problems): of the rows up to data.limit, every
+    world-th (`shard`), their images checked; every row is validated; the policy's directory must
+    exist."""
     config_path, overrides = parse_cli(argv, AnnotateConfig)
     cfg = load_config(AnnotateConfig, config_path, overrides)
     rank, world = resolve_rank_world(cfg.rank, cfg.world_size)
     limit = cfg.data.limit
-    # Only this rank's rows (shard: every world-th) get their images opened here.
+    # Only this rank's rows are kept, and only their images opened: 8 ranks do not each hold 100k.
     mine_only = lambda i: (limit is None or i < limit) and i % world == rank  # noqa: E731
-    problems = load_problems(cfg.data.problems_file, cfg.data.check_images, check_rows=mine_only)
+    mine = load_problems(cfg.data.problems_file, cfg.data.check_images, check_rows=mine_only, keep_rows=mine_only)
     require_model_dir(cfg, "model.name_or_path")  # named here, not in a traceback from the loader
-    if cfg.data.limit is not None:
-        problems = problems[: cfg.data.limit]
-    return cfg, rank, world, problems
+    return cfg, rank, world, mine
 
 
 def make_verifier(cfg: AnnotateConfig, out_dir: Path, rank: int) -> Any:
@@ -354,11 +351,11 @@ def write_summary(out_dir: Path, rank: int, world: int, stats: Any, engine: Anno
 
 
 def merge_when_complete(
-    cfg: AnnotateConfig, out_dir: Path, problems: list[Any], todo: list[Any], stats: Any, trees: TreeFile, rank: int
+    cfg: AnnotateConfig, out_dir: Path, todo: list[Any], stats: Any, trees: TreeFile, rank: int
 ) -> int:
     """Merge and export once every problem has a record; the exit code. The last rank to finish
     does it (a tie writes the same files twice, atomically, which is harmless)."""
-    missing = {p.id for p in problems} - finished_ids(out_dir)
+    missing = set(problem_ids(cfg.data.problems_file, cfg.data.limit)) - finished_ids(out_dir)
     retry = stats.by_status.get("error", 0) and {p.id for p in todo} & missing
     if retry:
         print(

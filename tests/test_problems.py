@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mmprm.data.problems import Problem, load_problems
+from mmprm.data.problems import Problem, load_problems, problem_ids
 from mmprm.data.schema import DataError
 from mmprm.steps import STEP_TOKEN
 
@@ -187,3 +187,15 @@ def test_only_the_selected_rows_have_their_images_opened(tmp_path):
         load_problems(path, check_rows=lambda i: i % 2 == 1)
     with pytest.raises(DataError, match=r"id=p3"):
         load_problems(path)
+
+
+def test_a_worker_keeps_only_its_rows_but_every_row_is_checked(tmp_path):
+    rows = [_ok(id=f"p{i}", images=[]) for i in range(5)]
+    path = _write(tmp_path / "problems.jsonl", [rows[0], "", *rows[1:]])  # a blank line is not a row
+    mine = lambda i: i % 2 == 1  # noqa: E731
+    assert [p.id for p in load_problems(path, keep_rows=mine)] == ["p1", "p3"]
+    assert load_problems(path, keep_rows=lambda i: False) == []  # an empty share of a full file
+    assert problem_ids(path) == [f"p{i}" for i in range(5)] and problem_ids(path, limit=2) == ["p0", "p1"]
+    rows[4]["answer"] = None  # outside this worker's share, still refused
+    with pytest.raises(DataError, match="id=p4: answer"):
+        load_problems(_write(path, rows), keep_rows=mine)

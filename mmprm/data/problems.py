@@ -69,13 +69,18 @@ def check_problem_fields(
 
 
 def load_problems(
-    path: str | Path, check_images: bool = True, check_rows: Callable[[int], bool] | None = None
+    path: str | Path,
+    check_images: bool = True,
+    check_rows: Callable[[int], bool] | None = None,
+    keep_rows: Callable[[int], bool] | None = None,
 ) -> list[Problem]:
     """Load and validate a problems JSONL file; raise DataError listing every bad row.
 
     With `check_images`, every image must exist and open as an image (its header is read); with
     `check_rows` too, only the images of rows i (0-based, in file order) where check_rows(i) is
-    true - a worker's own share, so 8 workers do not each open all 100k images.
+    true - a worker's own share, so 8 workers do not each open all 100k images. With `keep_rows`,
+    every row is still checked but only rows i where keep_rows(i) is true are returned: a worker
+    holds its own share, not the whole file.
     """
     path = Path(path)
     if not path.exists():
@@ -100,6 +105,8 @@ def load_problems(
             bad.append(f"{path}:{lineno}: id={rid}: id: duplicated (first on line {seen[rid]}; make ids unique)")
             continue
         seen[str(rid)] = lineno
+        if keep_rows is not None and not keep_rows(row):
+            continue
         problems.append(
             Problem(
                 id=str(rid),
@@ -110,5 +117,17 @@ def load_problems(
                 meta=obj.get("meta") or {},
             )
         )
-    raise_if_bad(path, bad, len(problems), what="problems file")
+    raise_if_bad(path, bad, len(seen), what="problems file")
     return problems
+
+
+def problem_ids(path: str | Path, limit: int | None = None) -> list[str]:
+    """The ids of the first `limit` rows (all: None) of a problems file `load_problems` accepted,
+    read without keeping the rows."""
+    ids: list[str] = []
+    for _, obj, _ in iter_jsonl(path):
+        if len(ids) == limit:
+            break
+        if obj is not None:
+            ids.append(str(row_id(obj)))
+    return ids

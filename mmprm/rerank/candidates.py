@@ -513,10 +513,13 @@ def iter_candidates(
 
 
 def load_problems(
-    path: str | Path, check_images: bool = True, check_rows: Callable[[int], bool] | None = None
+    path: str | Path,
+    check_images: bool = True,
+    check_rows: Callable[[int], bool] | None = None,
+    keep_rows: Callable[[int], bool] | None = None,
 ) -> list[Problem]:
     """The problems of `mmprm.data.problems.load_problems` with no candidates yet (the input of generation);
-    `check_rows` limits the image checks to a worker's own rows."""
+    `check_rows` limits the image checks, and `keep_rows` the problems returned, to a worker's own rows."""
     return [
         Problem(
             id=p.id,
@@ -527,7 +530,7 @@ def load_problems(
             choices=p.choices,
             meta=p.meta,
         )
-        for p in load_problem_rows(path, check_images, check_rows)
+        for p in load_problem_rows(path, check_images, check_rows, keep_rows)
     ]
 
 
