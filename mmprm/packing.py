@@ -26,6 +26,7 @@ keeps the masked kernel (many small kernels may cost more in launches than they 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -354,15 +355,18 @@ class PackPlan:
         return sum(self.lengths) / max(1, self.row_tokens)
 
 
-def plan_packs(rows: Iterable[dict[str, Any]], max_tokens: int) -> PackPlan:
+def plan_packs(rows: Iterable[dict[str, Any]], max_tokens: int, max_open: int = 4096) -> PackPlan:
     """Group rows by problem into packs of at most `max_tokens` packed tokens, in one pass.
 
     Each row: `index`, `key` (anything hashable naming question and images), `input_ids`,
     `step_positions`, `prompt_length` (-1 when unknown: the row then packs alone). A pack's length
     counts its prompt once and each distinct step once (`pack_rows` may share more, never less).
-    Memory: a hash per distinct step of the open packs and the row indices, not the tokens.
+    Memory: a hash per distinct step of the open packs and the row indices, not the tokens. At most
+    `max_open` packs stay open, the one opened first closed first: annotation writes a problem's
+    rows together, so that closes only finished problems, and a file of a million problems does not
+    keep one open pack each (rows in another order still pack, into more packs).
     """
-    open_packs: dict[Any, dict[str, Any]] = {}
+    open_packs: OrderedDict[Any, dict[str, Any]] = OrderedDict()
     packs: list[list[int]] = []
     lengths: list[int] = []
     row_tokens = 0
@@ -391,6 +395,8 @@ def plan_packs(rows: Iterable[dict[str, Any]], max_tokens: int) -> PackPlan:
                 pack = None
         if pack is None:
             pack = open_packs[row["key"]] = {"rows": [], "nodes": set(), "length": prompt}
+            if len(open_packs) > max_open:  # the problem opened longest ago: done, when rows come grouped
+                close(open_packs.popitem(last=False)[1])
         pack["rows"].append(row["index"])
         for h, n in hashes:
             if h not in pack["nodes"]:

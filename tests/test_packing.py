@@ -179,6 +179,29 @@ def test_plan_packs_groups_by_problem_and_splits_at_the_budget():
     assert tight.lengths == [8, 4, 8, 4]
 
 
+def test_plan_packs_keeps_few_packs_open():
+    """Rows grouped by problem (as annotation writes them) pack the same with 2 packs open as with
+    all open; interleaved rows still put every row in one pack under the budget, in more packs."""
+
+    def row(index, key, steps):
+        ids = [7, 8] + [t for s in steps for t in (s, 9)]
+        return {
+            "index": index,
+            "key": key,
+            "input_ids": ids,
+            "step_positions": [3 + 2 * k for k in range(len(steps))],
+            "prompt_length": 2,
+        }
+
+    grouped = [row(4 * p + r, f"p{p}", [p, r]) for p in range(50) for r in range(4)]
+    many, few = plan_packs(grouped, max_tokens=100), plan_packs(grouped, max_tokens=100, max_open=2)
+    assert sorted(map(sorted, few.packs)) == sorted(map(sorted, many.packs)) and len(few.packs) == 50
+    interleaved = [row(4 * p + r, f"p{p % 5}", [p, r]) for r in range(4) for p in range(50)]
+    plan = plan_packs(interleaved, max_tokens=100, max_open=2)
+    assert sorted(i for pack in plan.packs for i in pack) == list(range(200))
+    assert all(length <= 100 for length in plan.lengths) and len(plan.packs) > 5
+
+
 def _inputs(batch):
     keys = ("input_ids", "attention_mask", "step_mask")
     return {**{k: batch[k] for k in keys}, **model_input_keys(batch)}
