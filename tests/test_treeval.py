@@ -331,6 +331,9 @@ def test_flat_annotation_tree_from_search_results():
     assert think360_width(tree) == 0.0 and think360_depth(tree) == 0.0
     with pytest.raises(ValueError, match="expected 'reasoning_steps'"):
         from_annotation_tree({"question": "q"})
+    obj["nodes"][2]["steps"] = "1+1=3."  # would join one character a line
+    with pytest.raises(ValueError, match="trees.jsonl:4: node 2: steps: must be a list of step texts"):
+        from_annotation_tree(obj, source="trees.jsonl:4")
 
 
 # ---------------------------------------------------------------- scorers

@@ -324,7 +324,10 @@ def from_annotation_tree(obj: Mapping[str, Any], root_is_question: bool = True, 
         for i, n in enumerate(obj["nodes"]):
             nid = str(n.get("id", i))
             parent = n.get("parent", n.get("parent_id"))
-            text = n["text"] if "text" in n else "\n".join(n.get("steps", []))
+            steps = n.get("steps", [])
+            if "text" not in n and (not isinstance(steps, list) or not all(isinstance(t, str) for t in steps)):
+                raise ValueError(f"{where}node {nid}: steps: must be a list of step texts, got {steps!r:.60}")
+            text = n["text"] if "text" in n else "\n".join(steps)
             if root_is_question and parent is None and not text.strip():
                 skipped.add(nid)  # the empty-prefix root of a search is the problem itself
                 tree.meta["root_mc_value"] = value(n)
