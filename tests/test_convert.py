@@ -340,6 +340,7 @@ def test_cli_json_array_input_and_failures(tmp_path, capsys, image):
     broken.write_text('{"prompt": "q"}\n{oops\n')
     assert main(["convert", "--from", "trl", "--input", str(broken), "--out", str(tmp_path / "y.jsonl")]) == 1
     assert f"{broken}:2: id=?: line: invalid JSON" in capsys.readouterr().err
+    assert not (tmp_path / "y.jsonl").exists()  # a conversion that failed half-way leaves no file
 
 
 def test_repeated_ids_get_the_next_free_suffix():
@@ -349,3 +350,12 @@ def test_repeated_ids_get_the_next_free_suffix():
     assert [ids(b) for b in ["a", "a", "a~3", "a", "b", "a"]] == ["p-a", "p-a~2", "p-a~3", "p-a~4", "p-b", "p-a~5"]
     many = _Ids()
     assert [many("x") for _ in range(20_000)][-1] == "x~20000"  # each suffix found in one step, not k
+
+
+def test_a_sink_takes_each_example_as_made_and_nothing_is_held():
+    held = convert_file("openr_tree", DATA / "samples_math-aps-tree.jsonl")
+    sent = []
+    streamed = convert_file("openr_tree", DATA / "samples_math-aps-tree.jsonl", sink=sent.append)
+    assert streamed.examples == [] and sent == held.examples
+    assert (streamed.count, streamed.steps) == (len(held.examples), sum(len(e.steps) for e in held.examples))
+    assert streamed.summary() == held.summary()

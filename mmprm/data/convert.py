@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mmprm.data.schema import DataError, StepExample, check_row, iter_jsonl, write_jsonl
+from mmprm.data.schema import DataError, StepExample, atomic_write, check_row, iter_jsonl
 
 FORMATS = ("trl", "math_shepherd", "prm800k", "openr_tree", "openr_flat", "mmprm_prm")
 
@@ -51,11 +51,14 @@ PRM800K_FINISH = ("solution", "found_error", "give_up")
 class Converted:
     """What a converter made of its rows.
 
-    examples: the converted examples, all passing `schema.check_row`.
+    examples: the converted examples, all passing `schema.check_row` (empty with a `sink`).
     skipped: one `SOURCE:ROW: id=...: field: why` line per row left out.
     reasons: skipped rows counted by kind of reason (for the summary).
     notes: non-fatal fixes counted by kind ("empty step dropped", "duplicate path merged", ...).
     rows: how many input rows were read.
+    count, steps: examples kept and their steps.
+    sink: where each kept example goes as it is made (a file's writer), instead of `examples`:
+        a conversion of any size then holds no examples.
     """
 
     examples: list[StepExample] = field(default_factory=list)
@@ -63,6 +66,26 @@ class Converted:
     reasons: Counter = field(default_factory=Counter)
     notes: Counter = field(default_factory=Counter)
     rows: int = 0
+    count: int = 0
+    steps: int = 0
+    sink: Callable[[StepExample], None] | None = field(default=None, repr=False, compare=False)
+    _image_checks: dict[Path, str | None] = field(default_factory=dict, repr=False, compare=False)
+
+    def keep(self, where: str, ex: StepExample, check_images: bool) -> None:
+        """`ex` through `check_row`: skipped with the schema's reason, or counted and kept."""
+        errs, _ = check_row(
+            ex.to_json(), Path("/"), require_labels=True, check_images=check_images, image_cache=self._image_checks
+        )
+        if errs:
+            fld, msg = errs[0]
+            self.skip(where, ex.id, RowError(fld, f"fails schema check: {fld.split('[')[0]}", msg))
+            return
+        self.count += 1
+        self.steps += len(ex.steps)
+        if self.sink is None:
+            self.examples.append(ex)
+        else:
+            self.sink(ex)
 
     def skip(self, where: str, rid: Any, err: RowError) -> None:
         self.skipped.append(f"{where}: id={rid}: {err.field}: {err.detail}")
@@ -70,10 +93,8 @@ class Converted:
 
     def summary(self, show: int = 10) -> str:
         """Human summary: counts, skip reasons, notes and the first `show` skipped rows."""
-        n_steps = sum(len(e.steps) for e in self.examples)
         lines = [
-            f"read {self.rows} rows -> {len(self.examples)} examples ({n_steps} steps); "
-            f"skipped {len(self.skipped)} rows"
+            f"read {self.rows} rows -> {self.count} examples ({self.steps} steps); skipped {len(self.skipped)} rows"
         ]
         lines += [f"  skipped {n:>6}  {kind}" for kind, n in self.reasons.most_common()]
         lines += [f"  note    {n:>6}  {kind}" for kind, n in self.notes.most_common()]
@@ -234,16 +255,10 @@ class _PathPool:
         return out
 
 
-def _finish(result: Converted, examples: list[tuple[str, StepExample]], check_images: bool) -> Converted:
-    """Run every example through `check_row`; one that fails is skipped with the schema's reason."""
-    cache: dict[Path, str | None] = {}
+def _finish(result: Converted, examples: Iterable[tuple[str, StepExample]], check_images: bool) -> Converted:
+    """Each (row location, example) through `Converted.keep`."""
     for where, ex in examples:
-        errs, _ = check_row(ex.to_json(), Path("/"), require_labels=True, check_images=check_images, image_cache=cache)
-        if errs:
-            fld, msg = errs[0]
-            result.skip(where, ex.id, RowError(fld, f"fails schema check: {fld.split('[')[0]}", msg))
-        else:
-            result.examples.append(ex)
+        result.keep(where, ex, check_images)
     return result
 
 
@@ -257,12 +272,13 @@ def convert_trl(
     image_root: str | Path = ".",
     id_prefix: str = "",
     check_images: bool = True,
+    sink: Callable[[StepExample], None] | None = None,
 ) -> Converted:
     """TRL stepwise supervision: `{"prompt", "completions": [str], "labels": [bool], "images"?}`.
 
     One example per row; labels True/False -> 1.0/0.0 (floats in [0,1] are kept as they are).
     """
-    result, ids, made = Converted(), _Ids(id_prefix), []
+    result, ids = Converted(sink=sink), _Ids(id_prefix)
     for n, row in enumerate(rows, start=1):
         result.rows += 1
         rid = _row_id(row, "trl", n)
@@ -290,15 +306,11 @@ def convert_trl(
         except RowError as e:
             result.skip(f"{source}:{n}", rid, e)
             continue
-        made.append(
-            (
-                f"{source}:{n}",
-                StepExample(
-                    id=ids(rid), question=question, steps=steps, images=images, labels=ys, meta={"source": "trl"}
-                ),
-            )
+        example = StepExample(
+            id=ids(rid), question=question, steps=steps, images=images, labels=ys, meta={"source": "trl"}
         )
-    return _finish(result, made, check_images)
+        result.keep(f"{source}:{n}", example, check_images)
+    return result
 
 
 def split_math_shepherd(text: str, label: str) -> tuple[str, list[str], list[float]]:
@@ -349,10 +361,14 @@ def split_math_shepherd(text: str, label: str) -> tuple[str, list[str], list[flo
 
 
 def convert_math_shepherd(
-    rows: Iterable[dict[str, Any]], source: str = "rows", id_prefix: str = "", check_images: bool = True
+    rows: Iterable[dict[str, Any]],
+    source: str = "rows",
+    id_prefix: str = "",
+    check_images: bool = True,
+    sink: Callable[[StepExample], None] | None = None,
 ) -> Converted:
     """Math-Shepherd `{"input", "label", "task"}` rows (see `split_math_shepherd`); no gold answer."""
-    result, ids, made = Converted(), _Ids(id_prefix), []
+    result, ids = Converted(sink=sink), _Ids(id_prefix)
     for n, row in enumerate(rows, start=1):
         result.rows += 1
         rid = _row_id(row, "math_shepherd", n)
@@ -370,10 +386,9 @@ def convert_math_shepherd(
             result.skip(f"{source}:{n}", rid, e)
             continue
         meta = {"source": "math_shepherd"} | ({"task": row["task"]} if isinstance(row.get("task"), str) else {})
-        made.append(
-            (f"{source}:{n}", StepExample(id=ids(rid), question=question, steps=steps, labels=labels, meta=meta))
-        )
-    return _finish(result, made, check_images)
+        example = StepExample(id=ids(rid), question=question, steps=steps, labels=labels, meta=meta)
+        result.keep(f"{source}:{n}", example, check_images)
+    return result
 
 
 def _prm800k_rating(rating: Any, neutral: float, where: str) -> float:
@@ -462,6 +477,7 @@ def convert_prm800k(
     alternatives: bool = False,
     id_prefix: str = "",
     check_images: bool = True,
+    sink: Callable[[StepExample], None] | None = None,
 ) -> Converted:
     """Raw PRM800K phase rows: the followed path per row (see `prm800k_path`).
 
@@ -471,7 +487,7 @@ def convert_prm800k(
     """
     if not 0.0 <= neutral <= 1.0:
         raise ValueError(f"neutral label {neutral} is outside [0,1] (use 1.0 for 'ok' or 0.0 for 'bad')")
-    result, ids, made = Converted(), _Ids(id_prefix), []
+    result, ids = Converted(sink=sink), _Ids(id_prefix)
     for n, row in enumerate(rows, start=1):
         result.rows += 1
         rid = _row_id(row, "prm800k", n)
@@ -498,12 +514,11 @@ def convert_prm800k(
             },
         }
         answer = answer if isinstance(answer, str) else None
-        made.append(
-            (where, StepExample(id=ids(rid), question=question, steps=steps, labels=labels, answer=answer, meta=meta))
-        )
+        example = StepExample(id=ids(rid), question=question, steps=steps, labels=labels, answer=answer, meta=meta)
+        result.keep(where, example, check_images)
         for example in _prm800k_alternatives(rid, question, answer, meta, path, others, ids, result.notes):
-            made.append((where, example))
-    return _finish(result, made, check_images)
+            result.keep(where, example, check_images)
+    return result
 
 
 def _prm800k_parts(row: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str, Any]:
@@ -594,11 +609,12 @@ def _convert_paths(
     source: str,
     id_prefix: str,
     check_images: bool,
+    sink: Callable[[StepExample], None] | None,
 ) -> Converted:
     """The loop the search-tree formats share: `read` turns one row into (question, images,
     [(steps, labels)]) or raises RowError (the row is skipped, named); paths go through one
     `_PathPool`, so a path repeated anywhere in the input is one example."""
-    result, pool = Converted(), _PathPool()
+    result, pool = Converted(sink=sink), _PathPool()
     for n, row in enumerate(rows, start=1):
         result.rows += 1
         rid = _row_id(row, fmt, n)
@@ -628,6 +644,7 @@ def convert_openr_tree(
     image_root: str | Path = ".",
     id_prefix: str = "",
     check_images: bool = True,
+    sink: Callable[[StepExample], None] | None = None,
 ) -> Converted:
     """openr / OmegaPRM trees: one example per distinct root-to-leaf path (see `tree_paths`).
 
@@ -652,7 +669,7 @@ def convert_openr_tree(
                 notes["path of empty steps dropped"] += 1
         return question, images, cleaned
 
-    return _convert_paths(rows, "openr_tree", read, source, id_prefix, check_images)
+    return _convert_paths(rows, "openr_tree", read, source, id_prefix, check_images, sink)
 
 
 def prefix_paths(
@@ -705,6 +722,7 @@ def convert_openr_flat(
     image_root: str | Path = ".",
     id_prefix: str = "",
     check_images: bool = True,
+    sink: Callable[[StepExample], None] | None = None,
 ) -> Converted:
     """openr flat rows `reasoning_steps: [{"solution_prefix", "mc_value"}]` (see `prefix_paths`)."""
 
@@ -728,7 +746,7 @@ def convert_openr_flat(
             )
         return question, images, [_drop_empty_steps(steps, labels, notes) for steps, labels in paths]
 
-    return _convert_paths(rows, "openr_flat", read, source, id_prefix, check_images)
+    return _convert_paths(rows, "openr_flat", read, source, id_prefix, check_images, sink)
 
 
 _MMPRM_HUMAN = re.compile(r"^(?:\s*<image>\s*\n)*\s*Question:\s*(.*?)\nProcess:\s*(.*)$", re.S)
@@ -741,6 +759,7 @@ def convert_mmprm_prm(
     image_root: str | Path = ".",
     id_prefix: str = "",
     check_images: bool = True,
+    sink: Callable[[StepExample], None] | None = None,
 ) -> Converted:
     """MM-PRM rows: a process string with steps joined by `separator`, plus one float label per step.
 
@@ -751,7 +770,7 @@ def convert_mmprm_prm(
     """
     if not separator:
         raise ValueError("separator must be a non-empty string such as '<prm>'")
-    result, ids, made = Converted(), _Ids(id_prefix), []
+    result, ids = Converted(sink=sink), _Ids(id_prefix)
     for n, row in enumerate(rows, start=1):
         result.rows += 1
         rid = _row_id(row, "mmprm_prm", n)
@@ -793,15 +812,11 @@ def convert_mmprm_prm(
         except RowError as e:
             result.skip(f"{source}:{n}", rid, e)
             continue
-        made.append(
-            (
-                f"{source}:{n}",
-                StepExample(
-                    id=ids(rid), question=question, steps=steps, images=images, labels=ys, meta={"source": "mmprm_prm"}
-                ),
-            )
+        example = StepExample(
+            id=ids(rid), question=question, steps=steps, images=images, labels=ys, meta={"source": "mmprm_prm"}
         )
-    return _finish(result, made, check_images)
+        result.keep(f"{source}:{n}", example, check_images)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -888,10 +903,12 @@ def convert_file(
     separator: str = "<prm>",
     limit: int | None = None,
     image_dir: str | Path | None = None,
+    sink: Callable[[StepExample], None] | None = None,
 ) -> Converted:
     """Convert one input file of format `fmt` (one of FORMATS).
 
-    `image_dir` receives images embedded as bytes in a datasets/parquet input (see `read_rows`).
+    `image_dir` receives images embedded as bytes in a datasets/parquet input (see `read_rows`);
+    `sink` takes each example as it is made (see `Converted`).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
@@ -900,7 +917,7 @@ def convert_file(
     rows: Iterable[dict[str, Any]] = read_rows(path, image_dir)
     if limit is not None:
         rows = itertools.islice(rows, limit)
-    common = {"source": str(path), "id_prefix": id_prefix, "check_images": check_images}
+    common = {"source": str(path), "id_prefix": id_prefix, "check_images": check_images, "sink": sink}
     converters: dict[str, Callable[[], Converted]] = {
         "trl": lambda: convert_trl(rows, image_root=root, **common),
         "math_shepherd": lambda: convert_math_shepherd(rows, **common),
@@ -934,31 +951,42 @@ def cli_convert(argv: list[str]) -> int:
     parser.add_argument("--limit", type=int, default=None, help="convert only the first N rows")
     parser.add_argument("--show", type=int, default=10, help="how many skipped rows to list on stderr")
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    result = None
     try:
-        out = Path(args.out)
-        result = convert_file(
-            args.fmt,
-            args.input,
-            args.image_root,
-            args.id_prefix,
-            not args.no_image_check,
-            args.neutral,
-            args.alternatives,
-            args.separator,
-            args.limit,
-            image_dir=out.parent / f"{out.stem}_images",
-        )
-    except (DataError, ValueError) as e:
-        print(f"mmprm convert: {e}", file=sys.stderr)
-        return 1
-    print(result.summary(args.show), file=sys.stderr)
-    if not result.examples:
+        # Each example is written as it is made (memory does not grow with the input); the file
+        # appears only once the whole input is converted, and not at all when nothing was.
+        with atomic_write(out) as f:
+            result = convert_file(
+                args.fmt,
+                args.input,
+                args.image_root,
+                args.id_prefix,
+                not args.no_image_check,
+                args.neutral,
+                args.alternatives,
+                args.separator,
+                args.limit,
+                image_dir=out.parent / f"{out.stem}_images",
+                sink=lambda ex: f.write(json.dumps(ex.to_json(), ensure_ascii=False) + "\n"),
+            )
+            if not result.count:
+                raise _NothingConverted
+    except _NothingConverted:
+        print(result.summary(args.show), file=sys.stderr)
         print(
             f"mmprm convert: no example could be converted from {args.input}; nothing written "
             f"(is --from {args.fmt} the right format?)",
             file=sys.stderr,
         )
         return 1
-    write_jsonl(args.out, result.examples)
-    print(f"wrote {len(result.examples)} examples to {args.out}", file=sys.stderr)
+    except (DataError, ValueError) as e:
+        print(f"mmprm convert: {e}", file=sys.stderr)
+        return 1
+    print(result.summary(args.show), file=sys.stderr)
+    print(f"wrote {result.count} examples to {args.out}", file=sys.stderr)
     return 0
+
+
+class _NothingConverted(Exception):
+    """No row converted: the output is not written."""
