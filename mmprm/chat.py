@@ -148,20 +148,31 @@ class ReplyCache:
     """Replies on disk: one JSON line per request, `{"key", "text", "prompt_tokens", "completion_tokens"}`.
 
     Each new reply is appended and flushed, so a kill loses at most the line being written; on the
-    next start that torn line is cut off (`store.scan`), so the next reply starts a line of its
-    own. Memory holds each reply's place in the file, not its text: a judge cache grows with
-    problems times distinct answers.
+    next start that torn line is cut off, so the next reply starts a line of its own. A line that
+    does not parse elsewhere (a cache written before torn lines were cut) is skipped: its request
+    is simply asked again. Memory holds each reply's place in the file, not its text: a judge
+    cache grows with problems times distinct answers.
     """
 
     def __init__(self, path: str | Path):
-        from mmprm.data import store
-
         self.path = Path(path)
         self._lock = threading.Lock()
         self._where: dict[str, tuple[int, int]] = {}  # key -> (byte offset, byte length) of its line
-        for offset, length, row in store.scan(self.path, repair=True):
-            if isinstance(row, dict) and "key" in row:
-                self._where[str(row["key"])] = (offset, length)
+        if self.path.exists():
+            end = 0  # just past the last line that ends in a newline
+            with open(self.path, "rb") as f:
+                for raw in f:
+                    if not raw.endswith(b"\n"):
+                        break  # torn by a kill: cut off below
+                    try:
+                        row = json.loads(raw)
+                    except (json.JSONDecodeError, UnicodeDecodeError):
+                        row = None
+                    if isinstance(row, dict) and "key" in row and isinstance(row.get("text"), str):
+                        self._where[str(row["key"])] = (end, len(raw))
+                    end += len(raw)
+            if end < self.path.stat().st_size:
+                os.truncate(self.path, end)
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def __len__(self) -> int:

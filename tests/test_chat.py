@@ -142,6 +142,12 @@ def test_a_reply_written_after_a_torn_line_survives_the_next_start(tmp_path):
     assert len(again) == 2 and again.get("b") is None
     assert (again.get("a").text, again.get("c").text) == ("text a", "text c \u00e9")
     assert (again.get("c").prompt_tokens, again.get("c").completion_tokens, again.get("c").cached) == (5, 6, True)
+    # a cache written before torn lines were cut holds a spliced line mid-file: skipped, asked again
+    cache.write_text(
+        '{"key": "a", "text": "A"}\n{"key": "b", "te{"key": "c", "text": "C"}\n{"key": "d", "text": "D"}\n'
+    )
+    old = ReplyCache(cache)
+    assert len(old) == 2 and old.get("c") is None and old.get("d").text == "D"
 
 
 def test_ask_retries_unreadable_replies_with_fresh_seeds(tmp_path):
