@@ -63,7 +63,8 @@ from mmprm.steps import (
     tokenize_steps,
 )
 
-CACHE_FORMAT = 2  # bump when a cached column changes meaning (2: prompt_length)
+CACHE_FORMAT = 3  # bump when a cached column changes meaning or a build refuses more rows
+# (2: prompt_length; 3: SFT rows with the model's special tokens refused)
 # A step labelled below this is an error step (the threshold balancing and step metrics use too).
 NEGATIVE_BELOW = 0.5
 IGNORE = -100  # label of tokens that carry no loss (cross_entropy's ignore_index)
