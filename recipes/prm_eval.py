@@ -430,7 +430,7 @@ def score_examples(cfg: PRMEvalConfig, exs: list[StepExample]) -> list[list[floa
         convention=cfg.scorer.convention,
         max_length=cfg.scorer.max_length,
     )
-    from mmprm.data.schema import ImageReadError
+    from mmprm.data.schema import ImageDecodeError
     from mmprm.steps import StepTokenError
 
     try:
@@ -448,9 +448,7 @@ def score_examples(cfg: PRMEvalConfig, exs: list[StepExample]) -> list[list[floa
         return scorer.score(exs)
     except StepTokenError as e:  # text this PRM's tokenizer reads as structure; the scorer names the example
         raise DataError([f"{cfg.data.path}: {e}"]) from None
-    except ImageReadError:  # an outage (the file may read next time): not the data's fault
-        raise
-    except OSError as e:  # an image that does not decode; the message names it
+    except ImageDecodeError as e:  # an image that does not decode; the message names it
         raise DataError([f"{cfg.data.path}: {e}"]) from None
     except ValueError as e:  # e.g. a prompt longer than scorer.max_length, the example named
         raise ConfigError(f"scorer: {e}") from None

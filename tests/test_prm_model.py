@@ -7,6 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
+from mmprm.data.schema import ImageDecodeError
 from mmprm.models.loading import load_backbone
 from mmprm.models.prm import (
     PRMScorer,
@@ -217,7 +218,7 @@ def test_malformed_examples_are_refused_by_index_and_field(tiny_models, tmp_path
     # a file that is not an image is named by its path
     fake = tmp_path / "fake.png"
     fake.write_text("not a png")
-    with pytest.raises(OSError, match=re.escape(f"{fake}: not a readable image")):
+    with pytest.raises(ImageDecodeError, match=re.escape(f"{fake}: not a readable image")):
         scorer.score([{**ok, "images": [str(fake)]}])
 
 

@@ -126,8 +126,12 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | None, s
 class ImageReadError(OSError):
     """An image file could not be read (an I/O error, a network filesystem's stale handle or
     timeout) even after retries. A later run may read it: callers treat this as an outage to
-    rerun, never as a bad input to skip for good. A file that reads but does not decode is a
-    plain OSError from PIL, and is the input's fault."""
+    rerun, never as a bad input to skip for good. A file that reads but does not decode is an
+    `ImageDecodeError`, and is the input's fault."""
+
+
+class ImageDecodeError(OSError):
+    """An image file was read but is not an image PIL can decode: the input's fault, named by path."""
 
 
 def load_image(image: Any, attempts: int = 3, wait: float = 0.5) -> Any:
@@ -156,7 +160,9 @@ def load_image(image: Any, attempts: int = 3, wait: float = 0.5) -> Any:
         with Image.open(io.BytesIO(data)) as im:
             return im.convert("RGB")
     except Exception as e:  # PIL raises many types for a broken file; its own message has no path
-        raise OSError(f"{image}: not a readable image ({type(e).__name__}: {e}); replace or re-export the file") from e
+        raise ImageDecodeError(
+            f"{image}: not a readable image ({type(e).__name__}: {e}); replace or re-export the file"
+        ) from e
 
 
 def check_image(path: Path, cache: dict[Path, str | None]) -> str | None:
