@@ -207,7 +207,7 @@ def iter_items(cfg: DataConfig) -> Iterator[dict[str, Any]]:
 
 def _read_items(cfg: DataConfig, path: Path) -> Iterator[dict[str, Any]]:
     if cfg.format == "rpts":
-        rows = rpts_rows(path) if path.suffix == ".json" else read_jsonl_rows(path)
+        rows = rpts_rows(path) if path.suffix == ".json" else ((f"{path}:{n}", r) for n, r in read_jsonl_rows(path))
         image_dir = cfg.image_dir or str((path.parent / "images").resolve())
         for i, (where, r) in enumerate(rows):
             where = f"{where}: id={row_id(r)}"
@@ -229,8 +229,9 @@ def _read_items(cfg: DataConfig, path: Path) -> Iterator[dict[str, Any]]:
                 "where": where,
             }
     elif cfg.format == "think360":
-        for i, (where, r) in enumerate(read_jsonl_rows(path)):
-            where = f"{where}: id={row_id(r)}"
+        for i, (lineno, r) in enumerate(read_jsonl_rows(path)):
+            source = f"{path.name}:{lineno}"  # the report's warnings name the file, not its folder
+            where = f"{path}:{lineno}: id={row_id(r)}"
             if not isinstance(r.get(cfg.response_field), str):
                 raise DataError(
                     [
@@ -240,7 +241,7 @@ def _read_items(cfg: DataConfig, path: Path) -> Iterator[dict[str, Any]]:
                 )
             images = [str((path.parent / p).resolve()) for p in r.get("images", [])]
             text, question = r[cfg.response_field], r.get("question", "")
-            tree = built(where, from_think360_blocks, text, question=question, images=images, source=where)
+            tree = built(where, from_think360_blocks, text, question=question, images=images, source=source)
             correct = verdict(r.get("correct"), where)
             yield {
                 "id": str(r.get("id", i)),
@@ -261,10 +262,10 @@ def _read_items(cfg: DataConfig, path: Path) -> Iterator[dict[str, Any]]:
         if problems:
             raise DataError(problems)
     else:
-        for i, (where, r) in enumerate(read_jsonl_rows(path)):
+        for i, (lineno, r) in enumerate(read_jsonl_rows(path)):
             rid = r.get("id", r.get("question_id", i))
-            where = f"{where}: id={rid}"
-            tree = built(where, from_annotation_tree, r, source=where)
+            source, where = f"{path.name}:{lineno}", f"{path}:{lineno}: id={rid}"
+            tree = built(where, from_annotation_tree, r, source=source)
             yield {
                 "id": f"{rid}#{i}",
                 "tree": tree,
@@ -274,13 +275,13 @@ def _read_items(cfg: DataConfig, path: Path) -> Iterator[dict[str, Any]]:
             }
 
 
-def read_jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """("file:line", row) for each row of a JSONL file, one at a time; a line that is not a JSON
+def read_jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, row) for each row of a JSONL file, one at a time; a line that is not a JSON
     object stops the run, named."""
     for lineno, row, err in iter_jsonl(path):
         if err:
             raise DataError([f"{path}:{lineno}: id=?: line: {err}"])
-        yield f"{path}:{lineno}", row
+        yield lineno, row
 
 
 def rpts_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
