@@ -140,11 +140,9 @@ def read_reasoneval(path: str | Path) -> list[dict[str, Any]]:
                 "(must be a non-empty list of steps, each a list of line strings)"
             )
             continue
-        if not isinstance(obj.get("question"), str):
-            problems.append(f"{where}: question: missing (the problem text)")
-            continue
-        if not isinstance(obj.get("id"), (str, int)) or isinstance(obj.get("id"), bool):
-            problems.append(f"{where}: id: missing (each MR-MATH row has its id; the split and report need it)")
+        missing = [f for f in ("question", "id") if not isinstance(obj.get(f), str if f == "question" else (str, int))]
+        if missing:  # the id names the row in the report and groups it for the dev split
+            problems += [f"{where}: {f}: missing (MR-MATH rows carry it)" for f in missing]
             continue
         steps = ["\n".join(lines) for lines in fmt]
         if kind == "redundant":
@@ -290,6 +288,17 @@ def read_processbench(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _image_problem(images: list[str], path: Path, checked: dict[Path, str | None]) -> str | None:
+    """Why a VisualProcessBench row's images cannot be used (missing, or not an image), or None;
+    each file is opened once per `checked`, however many responses share it."""
+    for image in images:
+        if not Path(image).is_file():
+            return f"not found: {image} (unzip images.zip beside {path.name})"
+        if why := check_image(Path(image), checked):
+            return why
+    return None
+
+
 def read_visualprocessbench(path: str | Path, check_images: bool = True) -> list[dict[str, Any]]:
     """VisualProcessBench rows (OpenGVLab/VisualProcessBench `test.jsonl`) as labelled step examples.
 
@@ -306,7 +315,7 @@ def read_visualprocessbench(path: str | Path, check_images: bool = True) -> list
     path = Path(path)
     rows: list[dict[str, Any]] = []
     problems: list[str] = []
-    image_checks: dict[Path, str | None] = {}  # each image opened once, however many responses share it
+    image_checks: dict[Path, str | None] = {}
     for lineno, obj, err in iter_jsonl(path):
         if err:
             problems.append(f"{path}:{lineno}: id=?: line: {err}")
@@ -336,13 +345,8 @@ def read_visualprocessbench(path: str | Path, check_images: bool = True) -> list
         if bad:
             continue
         resolved = [str(p if Path(p).is_absolute() else path.parent / p) for p in images]
-        missing = [p for p in resolved if check_images and not Path(p).is_file()]
-        if missing:
-            problems.append(f"{where}: image: not found: {missing[0]} (unzip images.zip beside {path.name})")
-            continue
-        unreadable = [why for p in resolved if check_images and (why := check_image(Path(p), image_checks))]
-        if unreadable:
-            problems.append(f"{where}: image: {unreadable[0]}")
+        if check_images and (why := _image_problem(resolved, path, image_checks)):
+            problems.append(f"{where}: image: {why}")
             continue
         question = obj["question"]
         if len(IMAGE_PLACEHOLDER.findall(question)) not in (0, len(resolved)):
@@ -358,9 +362,8 @@ def read_visualprocessbench(path: str | Path, check_images: bool = True) -> list
             "error_steps": errors,
             "neutral_steps": [i for i, m in enumerate(marks) if m == 0],
             "policy_model": obj.get("policy_model"),
+            **({"gold_answer": obj["answer"]} if isinstance(obj.get("answer"), str) else {}),
         }
-        if isinstance(obj.get("answer"), str):
-            meta["gold_answer"] = obj["answer"]
         rows.append(
             {
                 "id": rid,
