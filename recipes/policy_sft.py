@@ -285,8 +285,8 @@ def main(argv: list[str]) -> None:
     config_path, overrides = parse_cli(argv, Config)
     cfg = load_config(Config, config_path, overrides)
     require_model_dir(cfg, "model.name_or_path")
-    require_files(cfg, "data.train_file", "data.eval_file")
     run = TrainingRun("policy_sft", cfg.train, cfg.output_dir, cfg.resume_from_checkpoint)
+    require_files(cfg, "data.train_file", "data.eval_file")  # after the GPU and checkpoint checks, before the model
     model, processor = build_model(cfg)
     # ZeRO-3 / FSDP: a batch without images still runs the vision tower, or the ranks' collectives part
     sync = vision_sync(run.accelerator, model, processor)
