@@ -231,8 +231,7 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
     if done:
         print(f"resuming: {len(done)} problems already sampled in {partial}, {len(todo)} to go")
     if not problems:  # more shards than problems: an empty block, and no engine to start for it
-        partial.touch()
-        os.replace(partial, final)
+        final.touch()
         return final
     backend = make_backend(cfg)
     try:

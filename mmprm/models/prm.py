@@ -32,13 +32,12 @@ from mmprm.models.spec import (
     example_field,
     example_steps,
     group_by_prompt,
-    naming_the_example,
     progress_bar,
     read_spec,
     released_spec,
     reward_token_ids,
     tokenize_example,
-    tokenize_group,
+    tokenize_named_group,
     weight_files,
 )
 from mmprm.steps import TokenizedSteps
@@ -211,14 +210,9 @@ class PRMScorer:
                 trees.clear()
 
         for idx in groups:
-            try:
-                first = self.tokenize(examples[idx[0]])
-                others = [examples[i] for i in idx[1:]]
-                toks = tokenize_group(self.processor, self.spec, first, others, self.max_length, self.tokenize)
-            except ValueError as e:  # a special token in the text, a prompt past max_length, ...
-                raise naming_the_example(e, examples, idx, self.tokenize) from None
+            toks = tokenize_named_group(self.processor, self.spec, examples, idx, self.max_length, self.tokenize)
             if len(idx) == 1:
-                singles.append((idx[0], first))
+                singles.append((idx[0], toks[0]))
                 if len(singles) >= 8 * self.batch_size:
                     flush_singles()
                 continue

@@ -245,6 +245,19 @@ def example_name(examples: Sequence[Any], i: int) -> str:
     return f"examples[{i}]" + (f" (id={rid})" if rid is not None else "")
 
 
+def tokenize_named_group(
+    processor: Any, spec: PRMSpec, examples: Sequence[Any], idx: Sequence[int], max_length: int | None, tokenize: Any
+) -> list[TokenizedSteps]:
+    """The examples `idx`, which share a prompt, tokenized (`tokenize` on the first, `tokenize_group`
+    for the rest); an error (a special token in the text, a prompt past max_length) names the
+    example it came from."""
+    try:
+        first = tokenize(examples[idx[0]])
+        return tokenize_group(processor, spec, first, [examples[i] for i in idx[1:]], max_length, tokenize)
+    except ValueError as e:
+        raise naming_the_example(e, examples, idx, tokenize) from None
+
+
 def naming_the_example(error: ValueError, examples: Sequence[Any], idx: Sequence[int], tokenize: Any) -> ValueError:
     """`error`, raised while tokenizing the group `idx`, with the example it came from named: the
     first that fails tokenized alone by `tokenize` (the group's first when none does)."""

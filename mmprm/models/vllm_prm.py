@@ -42,12 +42,11 @@ from mmprm.models.spec import (
     example_field,
     example_steps,
     group_by_prompt,
-    naming_the_example,
     progress_bar,
     read_spec,
     released_spec,
     tokenize_example,
-    tokenize_group,
+    tokenize_named_group,
     weight_files,
 )
 from mmprm.steps import TokenizedSteps
@@ -319,12 +318,7 @@ class VLLMPRMScorer:
         for idx in groups:
             images = [load_image(p) for p in (example_field(examples[idx[0]], "images") or [])]
             alone = functools.partial(self.tokenize, images=images)
-            try:
-                first = alone(examples[idx[0]])
-                others = [examples[i] for i in idx[1:]]
-                toks = tokenize_group(self.processor, self.spec, first, others, self.max_length, alone)
-            except ValueError as e:  # a special token in the text, a prompt past max_length, ...
-                raise naming_the_example(e, examples, idx, alone) from None
+            toks = tokenize_named_group(self.processor, self.spec, examples, idx, self.max_length, alone)
             pending.extend((i, tok, images) for i, tok in zip(idx, toks))
             if len(pending) >= per_call:
                 self._encode(pending, examples, results, bar)
