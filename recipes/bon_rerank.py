@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from mmprm.chat import ChatConfig
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir
 from mmprm.config_sections import ModelLoadConfig, ShardConfig
 from mmprm.data.schema import DataError
@@ -82,6 +83,12 @@ class GenerateConfig:
         system_prompt: system prompt sent to the policy; unset takes the saved spec, "" sends none
         sampling: sampling settings (section)
         vllm_kwargs: vllm: extra vllm.LLM arguments, e.g. {enforce_eager: true}
+        extraction: how each candidate's answer is read and judged: rules (offline: the answer
+            parsed from the reply, judged by the benchmark's rule) | llm (the benchmark authors' own
+            LLM extraction - MathVista's few-shot GPT extraction, MathVerse's extract-then-judge -
+            asked of generate.judge; MathVista and MathVerse only; mmprm.data.eval_sets.llm_extract)
+        judge: extraction=llm: the OpenAI-compatible endpoint (mmprm.chat.ChatConfig keys); its
+            replies are cached in OUTPUT_DIR/extraction_cache.jsonl
     """
 
     enabled: bool = False
@@ -95,6 +102,8 @@ class GenerateConfig:
     system_prompt: str | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    extraction: Literal["rules", "llm"] = "rules"
+    judge: ChatConfig = field(default_factory=ChatConfig)
 
 
 @dataclass
@@ -191,6 +200,14 @@ class Config:
             raise ValueError("generate.problems_file and generate.benchmark.name: give one, not both")
         if self.generate.n < 1 or self.generate.batch_size < 1:
             raise ValueError("generate.n and generate.batch_size: must be >= 1")
+        if g.extraction == "llm":
+            if g.benchmark.name not in (None, "mathvista", "mathverse"):
+                raise ValueError(
+                    f"generate.extraction=llm: {g.benchmark.name} has no LLM extraction of its authors here "
+                    "(MathVista's and MathVerse's only); use generate.extraction=rules"
+                )
+            if not (g.judge.url and g.judge.model):
+                raise ValueError("generate.extraction=llm: set generate.judge.url and generate.judge.model")
         from mmprm.scoring.aggregators import AGGREGATORS
 
         vote_weights = [m for m in AGGREGATORS if m not in ("sum_logpr", "sum_logodds")]  # must be >= 0
@@ -219,6 +236,8 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
     partial = final.with_name(name + ".partial")
     run = {"policy": str(Path(g.policy).resolve()), "problems_file": str(problems_file.resolve()), "n": g.n}
     run["sampling"] = asdict(g.sampling)
+    if g.extraction != "rules":  # verdicts from another extraction are another run's
+        run["extraction"] = f"{g.extraction}:{g.judge.model}"
     store.check_same_run(final.with_name(name + ".run.json"), run, final, partial)
     if final.exists():
         print(f"candidates already generated ({final}); delete it to sample again")
@@ -233,9 +252,14 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
     if not problems:  # more shards than problems: an empty block, and no engine to start for it
         final.touch()
         return final
+    judge = None
+    if g.extraction == "llm":
+        from mmprm.chat import ChatClient
+
+        judge = ChatClient(g.judge, config_key="generate.judge", cache_path=out_dir / "extraction_cache.jsonl")
     backend = make_backend(cfg)
     try:
-        sample_into(partial, backend, todo, cfg, len(done), len(problems))
+        sample_into(partial, backend, todo, cfg, len(done), len(problems), judge)
     finally:
         # The PRM loads next on the same GPU: stop the engine now (the memory it took), not at exit.
         backend.close()
@@ -264,11 +288,30 @@ def benchmark_problems(bench: BenchmarkConfig, out_dir: Path) -> Path:
     return path
 
 
-def sample_into(partial: Path, backend: Any, todo: list[Any], cfg: Config, n_done: int, n_problems: int) -> None:
+def extraction_label(cfg: Config) -> str:
+    """Which extraction gave the candidates' verdicts, as the report names it."""
+    g = cfg.generate
+    if not g.enabled:
+        return f"as recorded in {cfg.candidates_file}"
+    if g.extraction == "llm":
+        return f"llm ({g.judge.model} at {g.judge.url}; the benchmark authors' prompts)"
+    return "rules"
+
+
+def sample_into(
+    partial: Path,
+    backend: Any,
+    todo: list[Any],
+    cfg: Config,
+    n_done: int,
+    n_problems: int,
+    judge: Any = None,
+) -> None:
     """Sample and verify `todo`'s solutions, appending each problem's row to `partial`.
 
     A candidate is judged by the rule of its problem's benchmark (`mmprm.data.eval_sets.answer_correct`;
-    `mmprm.answers.answers_match` for other problems)."""
+    `mmprm.answers.answers_match` for other problems), or with `judge` (a `ChatClient`) by the
+    benchmark's LLM extraction on the whole reply (`mmprm.data.eval_sets.llm_extract`)."""
     from mmprm.data import store
     from mmprm.data.eval_sets import answer_correct
     from mmprm.generation.base import RolloutRequest, problems_per_call
@@ -283,16 +326,21 @@ def sample_into(partial: Path, backend: Any, todo: list[Any], cfg: Config, n_don
             chunk = todo[lo : lo + per_call]
             texts = backend.generate([RolloutRequest(p.id, p.question, p.images, [], g.n) for p in chunk])
             for p, outs in zip(chunk, texts):
-                for text in outs:
+                verdicts = llm_verdicts(judge, outs, p) if judge is not None else [None] * len(outs)
+                for text, verdict in zip(outs, verdicts):
                     parsed = parse_solution(text, backend.step_mode)
-                    correct = answer_correct(parsed.answer, p)  # None answer -> False
+                    meta: dict[str, Any] = {"complete": parsed.complete}
+                    if verdict is None:
+                        correct = answer_correct(parsed.answer, p)  # None answer -> False
+                    else:
+                        correct, meta["extraction"] = verdict.correct, verdict.extraction
                     p.candidates.append(
                         Candidate(
                             text=text,
                             steps=prm_steps(parsed.steps, parsed.answer),
                             answer=parsed.answer,
                             correct=correct,
-                            meta={"complete": parsed.complete},
+                            meta=meta,
                         )
                     )
                     n_parsed += bool(p.candidates[-1].steps)
@@ -306,6 +354,16 @@ def sample_into(partial: Path, backend: Any, todo: list[Any], cfg: Config, n_don
                 flush=True,
             )
     print(f"{len(todo) * g.n} candidates sampled in this run: {n_parsed} with parsable steps, {n_correct} correct")
+
+
+def llm_verdicts(judge: Any, texts: list[str], problem: Any) -> list[Any]:
+    """Each reply of `problem` judged by its benchmark's LLM extraction, `judge.config.concurrency` at once."""
+    from mmprm.data.eval_sets.llm_extract import llm_answer_correct
+
+    try:
+        return judge.map(lambda text: llm_answer_correct(judge, text, problem), texts)
+    except ValueError as e:  # a problem of a benchmark without an LLM protocol
+        raise ConfigError(f"generate.extraction=llm: {e}") from None
 
 
 def make_backend(cfg: Config):
@@ -519,11 +577,14 @@ def write_report(cfg: Config, out_dir: Path) -> None:
     report.md, bon_curve.png) now, else after `mmprm merge-bon` once every shard is in."""
     from mmprm.rerank.shards import SETTINGS_FILE, merge_scored, report_from_scored
 
-    (out_dir / SETTINGS_FILE).write_text(json.dumps(asdict(cfg.report), indent=2) + "\n")
+    settings = {**asdict(cfg.report), "extraction": extraction_label(cfg)}
+    (out_dir / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
     if cfg.shard.count == 1:
         merged = merge_scored(out_dir, count=1)
         rc = cfg.report
-        report = report_from_scored(merged, out_dir, rc.n_subsets, rc.resamples, rc.seed, rc.weighted_by, rc.title)
+        report = report_from_scored(
+            merged, out_dir, rc.n_subsets, rc.resamples, rc.seed, rc.weighted_by, rc.title, settings["extraction"]
+        )
         n = str(report["n_max"])
         summary = {method: round(v[n]["mean"], 4) for method, v in report["methods"].items()}
         print(json.dumps({"n_max": report["n_max"], "accuracy_at_n_max": summary}))

@@ -304,6 +304,8 @@ def _markdown(report: dict[str, Any], title: str) -> str:
             f"{report['settings']['truncated_rule']}, so none wins on a partial score.",
             "",
         ]
+    if report.get("extraction"):
+        lines += [f"Answers extracted and judged by: {report['extraction']}.", ""]
     lines += [
         "![Best-of-N curve](bon_curve.png)",
         "",
@@ -413,11 +415,13 @@ def write_report(
     n_resamples: int = 1000,
     seed: int = 0,
     metas: Sequence[Mapping[str, Any]] | None = None,
+    extraction: str | None = None,
 ) -> dict[str, Any]:
     """Write report.json, report.md and bon_curve.png to `out_dir`; return the JSON dict.
 
     With `metas` (each problem's `meta`), the report adds accuracy by each column the benchmark
-    breaks its results down by (`category_breakdown`).
+    breaks its results down by (`category_breakdown`). `extraction` (how the verdicts' answers were
+    extracted) is stated in both files.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -425,6 +429,8 @@ def write_report(
     breakdown = category_breakdown(curve, metas) if metas is not None else {}
     if breakdown:
         report["by_category"] = breakdown
+    if extraction is not None:
+        report["extraction"] = extraction
     _atomic_write(out / "report.json", json.dumps(report, indent=2) + "\n")
     _atomic_write(out / "report.md", "\n".join([_markdown(report, title), *_breakdown_markdown(report)]))
     _plot(report, out / "bon_curve.png", title)

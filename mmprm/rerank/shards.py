@@ -112,10 +112,12 @@ def report_from_scored(
     seed: int = 0,
     weighted_by: str = "min",
     title: str = "Best-of-N accuracy",
+    extraction: str | None = None,
 ) -> dict[str, Any]:
     """Best-of-N report (report.json/md, bon_curve.png) from a scored file.
 
-    Votes group answers with `mmprm.answers.answers_match` (so "1/2" and "0.5" agree).
+    Votes group answers with `mmprm.answers.answers_match` (so "1/2" and "0.5" agree). `extraction`
+    names how the candidates' verdicts were extracted (rules, an LLM); the report says it.
     """
     from mmprm.answers import answers_match
     from mmprm.data.schema import iter_jsonl
@@ -136,7 +138,9 @@ def report_from_scored(
             f"first {curve.n_max}: give every problem the same N, or drop the short ones",
             file=sys.stderr,
         )
-    return write_report(curve, out_dir, title=title, n_resamples=resamples, seed=seed, metas=metas)
+    return write_report(
+        curve, out_dir, title=title, n_resamples=resamples, seed=seed, metas=metas, extraction=extraction
+    )
 
 
 def cli_merge_bon(argv: list[str]) -> int:
@@ -152,7 +156,14 @@ def cli_merge_bon(argv: list[str]) -> int:
     ap.add_argument("--weighted-by")
     ap.add_argument("--title")
     args = ap.parse_args(argv)
-    settings = {"n_subsets": 32, "resamples": 1000, "seed": 0, "weighted_by": "min", "title": "Best-of-N accuracy"}
+    settings = {
+        "n_subsets": 32,
+        "resamples": 1000,
+        "seed": 0,
+        "weighted_by": "min",
+        "title": "Best-of-N accuracy",
+        "extraction": None,
+    }
     saved = Path(args.output_dir) / SETTINGS_FILE
     if saved.exists():
         settings.update({k: v for k, v in json.loads(saved.read_text()).items() if k in settings})

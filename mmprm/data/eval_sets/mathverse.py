@@ -89,6 +89,7 @@ def read_mathverse(
                     "subject": md.get("subject"),
                     "subfield": md.get("subfield"),
                     "origin": md.get("source"),
+                    "question": r["question"],  # MathVerse's LLM judge reads the raw question
                     "breakdown": list(BREAKDOWN),
                 },
             }
