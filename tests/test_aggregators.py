@@ -93,3 +93,43 @@ def test_aggregate_by_name():
     assert aggregate("last", [0.1, 0.7]) == pytest.approx(0.7)
     with pytest.raises(ValueError, match="unknown aggregator 'median'"):
         aggregate("median", [0.5])
+
+
+# MM-PRM's edge rules: github:ModalMinds/MM-PRM@b914fd66c8efb3d6667610fba1f8fd1e55cde095:
+# eval/prm/extract_calculate.py (`x else 0`, `math.log(a) if a != 0 else -9999`, `... if a != 1 else 9999`).
+
+
+def test_mm_prm_rules_score_an_empty_candidate_zero_everywhere():
+    from mmprm.scoring.aggregators import MM_PRM_AGGREGATORS
+
+    assert list(MM_PRM_AGGREGATORS) == NAMES
+    assert all(aggregate(name, [], rules="mm_prm") == 0.0 for name in NAMES)
+    # so an empty candidate beats one whose log-scale score is negative, as in MM-PRM's picks
+    assert aggregate("sum_logpr", [0.5], rules="mm_prm") == pytest.approx(math.log(0.5))
+    assert math.log(0.5) < aggregate("sum_logpr", [], rules="mm_prm")
+    assert aggregate("sum_logpr", [], rules="mmprm") == -math.inf
+
+
+def test_mm_prm_rules_use_sentinels_not_clamping():
+    assert aggregate("sum_logpr", [0.0, 0.5], rules="mm_prm") == pytest.approx(-9999 + math.log(0.5))
+    assert aggregate("sum_logodds", [1.0, 0.8], rules="mm_prm") == pytest.approx(9999 + math.log(4))
+    assert aggregate("sum_logodds", [0.0, 0.5], rules="mm_prm") == -9999.0
+    assert aggregate("mean_odds", [1.0, 0.5], rules="mm_prm") == pytest.approx((9999 + 1) / 2)
+    assert aggregate("min", [0.0, 0.5], rules="mm_prm") == 0.0  # not EPS
+    assert aggregate("product", [0.0, 0.5], rules="mm_prm") == 0.0
+    assert aggregate("last", [0.5, 1.0], rules="mm_prm") == 1.0  # not 1 - EPS
+    assert aggregate("average", [0.0, 1.0], rules="mm_prm") == 0.5
+    assert aggregate("max", [0.2, 0.7], rules="mm_prm") == 0.7
+
+
+def test_mm_prm_rules_agree_with_mmprm_away_from_the_edges():
+    p = [0.5, 0.8, 0.2]
+    for name in NAMES:
+        assert aggregate(name, p, rules="mm_prm") == pytest.approx(aggregate(name, p))
+
+
+def test_mm_prm_rules_refuse_what_mmprm_refuses():
+    with pytest.raises(ValueError, match="outside"):
+        aggregate("min", [1.5], rules="mm_prm")
+    with pytest.raises(ValueError, match="edge rules"):
+        aggregate("min", [0.5], rules="paper")

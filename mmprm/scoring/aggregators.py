@@ -14,12 +14,19 @@ Numerical rules, the same for every aggregator:
   ~50 steps at EPS and then ties with an empty candidate).
 * Picking: the highest score wins, ties go to the lowest candidate index
   (`mmprm.scoring.selection.pick_best`).
+
+`MM_PRM_AGGREGATORS` (`aggregate(..., rules="mm_prm")`) are the same eight with MM-PRM's edge rules
+instead (github:ModalMinds/MM-PRM@b914fd66c8efb3d6667610fba1f8fd1e55cde095:eval/prm/extract_calculate.py):
+no clamping; an empty candidate scores 0 under every aggregator; a step with p = 0 adds -9999 to
+`sum_logpr`, and p = 1 adds +9999 to `sum_logodds` and counts 9999 in `mean_odds`. MM-PRM's
+`sum_logit` raises on p = 0; here that step adds -9999.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 EPS = 1e-6
 """Clamp for step probabilities: every p is read as min(max(p, EPS), 1 - EPS)."""
@@ -99,8 +106,55 @@ AGGREGATORS: dict[str, Aggregator] = {
 """Aggregator name -> fn(step probabilities) -> solution score (higher is better)."""
 
 
-def aggregate(name: str, probs: Sequence[float]) -> float:
-    """Score one candidate with the aggregator called `name` (raises on an unknown name)."""
+MM_PRM_SENTINEL = 9999.0
+"""MM-PRM's stand-in for log(0) (as -9999) and for log-odds and odds of p = 1."""
+
+
+def _in_range(probs: Sequence[float]) -> list[float]:
+    out = [float(p) for p in probs]
+    _clamped(out)  # the same range check, its clamped values unused
+    return out
+
+
+def _mm_prm(step: Callable[[float], float], mean: bool = False) -> Aggregator:
+    """A sum (or mean) of `step(p)` over the steps; 0 for an empty candidate."""
+
+    def agg(probs: Sequence[float]) -> float:
+        ps = _in_range(probs)
+        if not ps:
+            return 0.0
+        total = sum(step(p) for p in ps)
+        return total / len(ps) if mean else total
+
+    return agg
+
+
+def _mm_prm_logodds(p: float) -> float:
+    if p == 1.0:
+        return MM_PRM_SENTINEL
+    return -MM_PRM_SENTINEL if p == 0.0 else math.log(p / (1.0 - p))
+
+
+MM_PRM_AGGREGATORS: dict[str, Aggregator] = {
+    "min": lambda probs: min(_in_range(probs), default=0.0),
+    "average": _mm_prm(lambda p: p, mean=True),
+    "max": lambda probs: max(_in_range(probs), default=0.0),
+    "last": lambda probs: (_in_range(probs) or [0.0])[-1],
+    "product": lambda probs: math.prod(ps) if (ps := _in_range(probs)) else 0.0,
+    "sum_logpr": _mm_prm(lambda p: math.log(p) if p != 0.0 else -MM_PRM_SENTINEL),
+    "sum_logodds": _mm_prm(_mm_prm_logodds),
+    "mean_odds": _mm_prm(lambda p: p / (1.0 - p) if p != 1.0 else MM_PRM_SENTINEL, mean=True),
+}
+"""The aggregators of `AGGREGATORS` (same names) with MM-PRM's edge rules (module docstring)."""
+
+EdgeRules = Literal["mmprm", "mm_prm"]
+
+
+def aggregate(name: str, probs: Sequence[float], rules: EdgeRules = "mmprm") -> float:
+    """Score one candidate with the aggregator called `name` (raises on an unknown name), under
+    mmprm's edge rules (clamped, empty -> lowest) or MM-PRM's (`MM_PRM_AGGREGATORS`)."""
     if name not in AGGREGATORS:
         raise ValueError(f"unknown aggregator {name!r}: choose one of {', '.join(AGGREGATORS)}")
-    return AGGREGATORS[name](probs)
+    if rules not in ("mmprm", "mm_prm"):
+        raise ValueError(f"edge rules {rules!r}: choose mmprm or mm_prm")
+    return (MM_PRM_AGGREGATORS if rules == "mm_prm" else AGGREGATORS)[name](probs)
