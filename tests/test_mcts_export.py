@@ -221,3 +221,77 @@ def test_export_counts_unfinished_rollouts_as_truncated():
     ]  # a record from before the count existed
     _, stats = export_examples(recs, ExportConfig(balance=None))
     assert stats["truncated_rollouts"] == 21 and stats["by_status"]["no_answer"] == 1
+
+
+# MM-PRM's export, transcribed from github:ModalMinds/MM-PRM@b914fd66c8efb3d6667610fba1f8fd1e55cde095:
+# data_pipeline/traverse.py (`dfs` before dedup and balancing; `completion_too_short` apart). Its
+# tree nodes hold `partial_solution`, the rollout's slice, whose last element is the answer.
+def _traverse_reference(root: dict, threshold: float = 0.0) -> list[tuple[str, tuple, bool]]:
+    out = []
+
+    def dfs(node, prefix, labels):
+        prefix = prefix + "\n\n".join(map(str.strip, node["partial_solution"])) + "<prm>" + "\n\n"
+        labels = labels + [node["mc_value"]]
+        if node["mc_value"] <= threshold:
+            out.append((prefix.strip(), tuple(labels), True))
+            return
+        if node["children"]:
+            for child in node["children"]:
+                dfs(child, prefix, labels)
+        else:
+            out.append((prefix.strip(), tuple(labels), False))
+
+    for child in root["children"]:
+        dfs(child, "", [])
+    return sorted(out)
+
+
+def _as_mm_prm_tree(nodes: list[dict], node_id: int = 0) -> dict:
+    node = next(n for n in nodes if n["id"] == node_id)
+    answer = [node["answer"]] if node.get("answer") is not None else []
+    return {
+        "partial_solution": list(node["steps"]) + answer,
+        "mc_value": node["mc"],
+        "children": [_as_mm_prm_tree(nodes, n["id"]) for n in nodes if n["parent"] == node_id],
+    }
+
+
+def test_mm_prm_format_writes_paths_as_traverse_does():
+    paths = tree_paths(NODES, "node", negatives="cut", fmt="mm_prm")
+    # each edge's steps joined by a blank line; the answer a plain step, and an answer-only edge
+    # (E: answer 7) a step of its own with its own label
+    assert as_tuples(paths) == sorted(
+        [
+            (("a1\n\na2", "b"), (0.75, 0.0), True),
+            (("a1\n\na2", "c\n\n5"), (0.75, 1.0), False),
+            (("d", "7"), (0.25, 0.0), True),
+            (("d", "e"), (0.25, 0.5), False),
+        ]
+    )
+    mine = sorted(("".join(f"{s}<prm>\n\n" for s in p.steps).strip(), tuple(p.labels), p.negative) for p in paths)
+    assert mine == _traverse_reference(_as_mm_prm_tree(NODES))
+    # a completed negative (negatives=complete) ends on the wrong answer as a plain step too
+    node_paths = as_tuples(tree_paths(KEPT, "node", negatives="complete", fmt="mm_prm"))
+    assert (("a1\n\na2", "b", "g1\n\ng2", "h\n\n4"), (0.75, 0.0, 0.0, 0.0), True) in node_paths
+
+
+def test_mm_prm_format_counts_words_as_traverse_does():
+    from mmprm.annotate.export import traverse_words
+
+    # traverse.py: len(process.split(' ')) <= 10 is too short; a newline does not part words
+    lines = "\n".join(f"w{i}" for i in range(12))  # 12 words by whitespace, 1 by single spaces
+    nodes = [
+        {"id": 0, "parent": None, "steps": [], "mc": 0.5, "n": 16, "visits": 1},
+        {"id": 1, "parent": 0, "steps": [lines], "mc": 0.0, "n": 16, "visits": 0},
+        {"id": 2, "parent": 0, "steps": ["one two three four five six", "seven"], "mc": 1.0, "answer": "8 9 10"},
+    ]
+    assert traverse_words([lines]) == 1
+    assert traverse_words(["one two three four five six\n\nseven\n\n8 9 10"]) == 8
+    rows, stats = export_examples([record(nodes)], ExportConfig(min_words=9, balance=None, negatives="cut"))
+    assert stats["dropped"]["too_short"] == 0 and len(rows) == 2  # 12 and 10 ("<answer>8", "10</answer>") words
+    rows, stats = export_examples(
+        [record(nodes)], ExportConfig(min_words=9, balance=None, negatives="cut", format="mm_prm")
+    )
+    assert stats["dropped"]["too_short"] == 2 and rows == []  # 1 and 8 words
+    rows, _ = export_examples([record(nodes)], ExportConfig(min_words=7, balance=None, format="mm_prm"))
+    assert [r["steps"] for r in rows] == [["one two three four five six\n\nseven\n\n8 9 10"]]

@@ -24,9 +24,16 @@ without an answer while positive paths end with one, and the PRM sees the answer
 (`prm_steps`): it can then learn "has an answer" instead of checking the step, which is why
 `complete` is the default (the demo's figures are in docs/scaling.md).
 
-`edges="node"` makes each tree edge one PRM step (its policy steps joined by newlines, as MM-PRM
-does); `edges="step"` keeps every policy step and gives the steps inside an edge the edge's value
-- exact for the one-step edges where a binary search ended, an approximation elsewhere.
+`edges="node"` makes each tree edge one PRM step, as MM-PRM does; `edges="step"` keeps every
+policy step and gives the steps inside an edge the edge's value - exact for the one-step edges
+where a binary search ended, an approximation elsewhere.
+
+`format` writes the steps: "mmprm" joins an edge's policy steps with "\\n", attaches the answer to
+the last step in `<answer>` tags (`prm_steps`) and counts words by whitespace; "mm_prm" writes them
+as MM-PRM's data_pipeline/traverse.py does (github:ModalMinds/MM-PRM@b914fd66c8efb3d6667610fba1f8fd1e55cde095):
+an edge's steps joined by "\\n\\n", the answer a plain step (the last of its rollout, so an
+answer-only edge is a step of its own), words counted by `traverse_words`. The node example
+above in "mm_prm": ``steps ["A", "C\\n\\nANSWER"]`` for the positive path.
 """
 
 from __future__ import annotations
@@ -39,6 +46,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mmprm.steps import STEP_TOKEN, prm_steps
+
+ExportFormat = Literal["mmprm", "mm_prm"]
+MM_PRM_STEP_TOKEN = "<prm>"  # MM-PRM's internvl/train/constants.py PRM_TOKEN
+
+
+def traverse_words(steps: list[str]) -> int:
+    """Words of a path as MM-PRM's traverse.py counts them: its process text (each step followed by
+    `<prm>` and a blank line) split on single spaces, so newlines do not part words.
+
+    >>> traverse_words(["a b\\n\\nc", "d"])   # "a b\\n\\nc<prm>\\n\\nd<prm>\\n\\n".split(" ")
+    2
+    """
+    return len("".join(f"{s}{MM_PRM_STEP_TOKEN}\n\n" for s in steps).split(" "))
 
 
 @dataclass
@@ -56,6 +76,9 @@ class ExportConfig:
         min_steps: drop paths with fewer PRM steps.
         min_words: drop paths with this many words or fewer (MM-PRM: 10); 0 keeps all.
         seed: for the positive subsampling.
+        format: how steps are written (module doc): "mmprm" (edge steps joined by "\\n", the answer
+            in `<answer>` tags on the last step, words split on whitespace) or "mm_prm" (MM-PRM's
+            traverse.py: joined by "\\n\\n", the answer a plain step, words split on spaces).
     """
 
     edges: Literal["node", "step"] = "node"
@@ -66,8 +89,11 @@ class ExportConfig:
     min_steps: int = 1
     min_words: int = 0
     seed: int = 0
+    format: ExportFormat = "mmprm"
 
     def validate(self) -> None:
+        if self.format not in ("mmprm", "mm_prm"):
+            raise ValueError(f"export.format must be 'mmprm' or 'mm_prm', got {self.format!r}")
         if self.negatives not in ("complete", "cut"):
             raise ValueError(f"export.negatives must be 'complete' or 'cut', got {self.negatives!r}")
         if self.balance is not None and self.balance < 0:
@@ -92,12 +118,16 @@ def tree_paths(
     edges: Literal["node", "step"] = "node",
     negative_threshold: float = 0.0,
     negatives: Literal["complete", "cut"] = "complete",
+    fmt: ExportFormat = "mmprm",
 ) -> list[TreePath]:
     """Root-to-leaf paths of one tree record's `nodes` (see module doc)."""
+    plain = fmt == "mm_prm"
 
     def edge_steps(node: dict[str, Any]) -> list[str]:
         new = [s.strip() for s in node["steps"]]
-        return ["\n".join(new)] if edges == "node" and new else new
+        if plain and node.get("answer") is not None:
+            new.append(str(node["answer"]).strip())  # MM-PRM: the answer is its rollout's last step
+        return [("\n\n" if plain else "\n").join(new)] if edges == "node" and new else new
 
     children: dict[int | None, list[dict[str, Any]]] = {}
     for n in nodes:
@@ -121,7 +151,7 @@ def tree_paths(
             labels = labels[:-1] + [mc]  # answer-only edge: the answer joins the last step below
         else:
             continue  # nothing to label: no new step and no answer
-        if answer is not None:
+        if answer is not None and not plain:
             steps = prm_steps(steps, answer)
         if mc <= negative_threshold:
             tail = _wrong_completion(node, children) if negatives == "complete" and answer is None else None
@@ -133,7 +163,8 @@ def tree_paths(
                 new = edge_steps(below)
                 steps, labels = steps + new, labels + [0.0] * len(new)
             labels = labels[:-1] + [0.0]  # the step that carries the wrong answer (an answer-only edge adds none)
-            out.append(TreePath(prm_steps(steps, final_answer), labels, True, node["id"], completed=True))
+            steps = steps if plain else prm_steps(steps, final_answer)
+            out.append(TreePath(steps, labels, True, node["id"], completed=True))
         elif children.get(node["id"]):
             stack.extend((c, steps, labels) for c in reversed(children[node["id"]]))
         else:
@@ -197,16 +228,17 @@ def iter_examples(
             continue
         kept: list[TreePath] = []
         seen: set[tuple[str, ...]] = set()
-        for p in tree_paths(rec["nodes"], cfg.edges, cfg.negative_threshold, cfg.negatives):
+        for p in tree_paths(rec["nodes"], cfg.edges, cfg.negative_threshold, cfg.negatives, cfg.format):
             key = tuple(p.steps)
             if cfg.dedup and key in seen:
                 stats["dropped"]["duplicate"] += 1
                 continue
             seen.add(key)
-            if len(p.steps) < cfg.min_steps or sum(len(s.split()) for s in p.steps) <= cfg.min_words:
+            words = traverse_words(p.steps) if cfg.format == "mm_prm" else sum(len(s.split()) for s in p.steps)
+            if len(p.steps) < cfg.min_steps or words <= cfg.min_words:
                 stats["dropped"]["too_short"] += 1
                 continue
-            if any(STEP_TOKEN in s for s in p.steps):
+            if any(STEP_TOKEN in s or (cfg.format == "mm_prm" and MM_PRM_STEP_TOKEN in s) for s in p.steps):
                 stats["dropped"]["step_token"] += 1  # the schema rejects it; the policy wrote our reserved token
                 continue
             kept.append(p)
