@@ -52,6 +52,7 @@ import torch
 from mmprm.collate import PER_TOKEN_KEYS, collate_model_inputs, collate_steps
 from mmprm.data.schema import DataError, check_row, iter_jsonl, load_image
 from mmprm.data.sft import sft_row_problems
+from mmprm.models.spec import train_step_format
 from mmprm.steps import (
     STEP_TOKEN,
     StepTokenError,
@@ -334,10 +335,13 @@ def _tokenize_prm_row(
     label_mode: LabelMode,
     hard_threshold: float,
     prompts: _BytesLRU | None = None,
+    layout: str = "mmprm",
 ) -> dict[str, Any]:
     """`prompts`: the tokenized prompts of recent problems (question, images), so that the other
     rows of a problem tokenize only their steps (`extend_steps`: the same ids, without running the
-    processor on the prompt and images again)."""
+    processor on the prompt and images again). `layout`: the PRM's input layout
+    (`mmprm.models.spec.train_step_format`)."""
+    fmt = train_step_format(layout, step_token)
     out = {
         "labels": prm_labels(row["labels"], label_mode, hard_threshold),
         "input_ids": [],
@@ -353,7 +357,7 @@ def _tokenize_prm_row(
     key = _prompt_key(row)
     base = prompts.get(key) if prompts is not None else None
     try:
-        tok = extend_steps(processor, base, row["steps"], out["labels"], max_length, step_token) if base else None
+        tok = extend_steps(processor, base, row["steps"], out["labels"], max_length, step_token, fmt) if base else None
     except (StepTokenError, ValueError) as e:
         out["error"] = f"{_where(source, row)}: steps: {e}"
         return out
@@ -365,7 +369,7 @@ def _tokenize_prm_row(
             return out
         try:
             tok = tokenize_steps(
-                processor, row["question"], row["steps"], images, out["labels"], max_length, step_token, system
+                processor, row["question"], row["steps"], images, out["labels"], max_length, step_token, system, fmt
             )
         except (StepTokenError, ValueError) as e:
             out["error"] = f"{_where(source, row)}: steps: {e}"
@@ -506,7 +510,8 @@ def load_tokenized(
         kind: which tokenization: `tokenize_steps` (prm) or `tokenize_sft` (sft).
         processor: the processor training uses (with the step token already added, for a PRM).
         settings: keyword arguments of the row tokenizer; prm: max_length, step_token, system,
-            label_mode, hard_threshold; sft: max_length, system. All of them key the cache.
+            label_mode, hard_threshold (and layout, when not mmprm's own); sft: max_length, system.
+            All of them key the cache.
         cache_dir: where caches live (default `default_cache_dir()`).
         num_proc: tokenization workers (default `default_num_proc()`).
         accelerator: with several processes, the first to take the cache's file lock builds and the
@@ -758,17 +763,21 @@ class PRMCollator(_Collator):
         system: str | None = None,
         source: str = "",
         prompt_cache_mb: float = 256,
+        layout: str = "mmprm",
         **_: Any,
     ):
         super().__init__(data, processor, pad_id, source)
         self.max_length, self.step_token, self.system = max_length, step_token, system
+        self.fmt = train_step_format(layout, step_token)
         self.prompts = _BytesLRU(int(prompt_cache_mb * 2**20))  # (question, image paths) -> prompt
 
     def tokenize(self, row: dict[str, Any]) -> TokenizedSteps | None:
         key = _prompt_key(row)
         base = self.prompts.get(key)
         if base is not None:
-            tok = extend_steps(self.processor, base, row["steps"], row["labels"], self.max_length, self.step_token)
+            tok = extend_steps(
+                self.processor, base, row["steps"], row["labels"], self.max_length, self.step_token, self.fmt
+            )
             if tok is not None:
                 return tok
         images = [load_image(p) for p in row["images"]]
@@ -781,6 +790,7 @@ class PRMCollator(_Collator):
             self.max_length,
             self.step_token,
             self.system,
+            self.fmt,
         )
         _remember_prompt(self.prompts, key, tok)
         return tok

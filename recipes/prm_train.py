@@ -29,6 +29,7 @@ from mmprm.config import ConfigError, load_config, parse_cli, require_files, req
 from mmprm.data.schema import DataError
 from mmprm.models.loading import resolve_attn_implementation
 from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, save_prm
+from mmprm.models.spec import TrainLayout, trained_spec
 from mmprm.models.vision_sync import vision_sync
 from mmprm.scoring.losses import soft_bce_value, soft_ce_token_pair
 from mmprm.scoring.metrics import step_metrics
@@ -54,11 +55,17 @@ class PRMConfig:
         head: token_pair (softmax over the LM logits of the two reward tokens) | value (a new linear head)
         reward_tokens: token_pair: the good and bad tokens whose logits score a step
         system_prompt: system message of every prompt; null uses none (scoring must use the same)
+        layout: the input layout: mmprm (the question in the user turn, the steps in the assistant
+            turn, each followed by mmprm's step token) | mm_prm (MM-PRM's: InternVL's system
+            message, an empty user turn, then the image, "Question: q", "Process: s1<prm>s2<prm>"
+            in the assistant turn, read at each <prm>; mmprm.models.spec.train_step_format). The
+            PRM directory records it, so scoring lays out its input alike
     """
 
     head: str = "token_pair"
     reward_tokens: list[str] = field(default_factory=lambda: ["+", "-"])
     system_prompt: str | None = None
+    layout: TrainLayout = "mmprm"
 
 
 @dataclass
@@ -138,6 +145,10 @@ class Config:
             raise ValueError("data.train_file: required (step-labelled JSONL, see README)")
         if self.prm.head not in ("token_pair", "value"):
             raise ValueError(f"prm.head: {self.prm.head!r} is not one of ['token_pair', 'value']")
+        if self.prm.layout == "mm_prm" and self.prm.system_prompt is not None:
+            raise ValueError(
+                "prm.system_prompt: the mm_prm layout writes InternVL's system message itself; leave it null"
+            )
         if self.data.pack_trees and self.data.pack_tokens < self.data.max_length:
             raise ValueError(
                 f"data.pack_tokens={self.data.pack_tokens} is below data.max_length={self.data.max_length}: "
@@ -215,7 +226,8 @@ def build_model(cfg: Config) -> tuple[ProcessRewardModel, Any, PRMSpec]:
     if cfg.data.pack_trees and attn == "auto":  # flash-attn takes no tree mask
         attn = "sdpa"
     backbone, processor = load_trainable_backbone(cfg.model, attn)
-    spec = PRMSpec(head=cfg.prm.head, reward_tokens=list(cfg.prm.reward_tokens), system_prompt=cfg.prm.system_prompt)
+    p = cfg.prm
+    spec = trained_spec(p.head, p.reward_tokens, p.system_prompt, p.layout)
     model = build_prm(backbone, processor, spec)
     model.backbone = adapt_backbone(model.backbone, cfg.model)
     return model, processor, spec
@@ -234,6 +246,8 @@ def load_data(cfg: Config, processor, spec: PRMSpec, run: TrainingRun) -> PRMDat
         "max_length": cfg.data.max_length,
         "step_token": spec.step_token,
         "system": spec.system_prompt,
+        # only when set, so that the default's tokenized-data cache keeps its key
+        **({"layout": cfg.prm.layout} if cfg.prm.layout != "mmprm" else {}),
         "label_mode": cfg.data.label_mode,
         "hard_threshold": cfg.data.hard_threshold,
     }

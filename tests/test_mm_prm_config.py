@@ -45,6 +45,7 @@ def test_mcts_annotate_holds_the_papers_and_mm_prm_scripts_values():
     assert s.keep_correct_rollouts and not s.keep_failed_rollouts
     e = cfg.export
     assert (e.edges, e.negative_threshold, e.negatives, e.balance, e.min_words) == ("node", 0.0, "cut", 1.0, 10)
+    assert e.format == "mm_prm"  # traverse.py's "\n\n" joins, plain answer step and word count
     # the SFT'd policy is what the search samples
     assert cfg.model.name_or_path == load("policy_sft").output_dir
 
@@ -55,6 +56,8 @@ def test_prm_train_holds_the_papers_values_and_starts_from_the_sft_policy():
     assert cfg.model.name_or_path == load("policy_sft").output_dir
     assert cfg.data.train_file == str(Path(load("mcts_annotate").output_dir) / "prm_data.jsonl")
     assert cfg.data.label_mode == "soft" and cfg.model.freeze_vision_tower
+    # MM-PRM's input layout, read as Yes/No at each <prm> (tests/test_mm_prm_layout.py)
+    assert cfg.prm.layout == "mm_prm" and cfg.prm.reward_tokens == ["Yes", "No"] and cfg.prm.system_prompt is None
     # one epoch: the comment's example is ceil(256,000 rows / 512) optimizer steps
     assert cfg.train.max_steps == -(-256_000 // 512)
     for processes in (8, 32):  # the global batch holds on one node and on four

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -129,6 +129,44 @@ RELEASED_CONVENTIONS: dict[str, PRMSpec] = {
 
 
 assert set(get_args(ReleasedConvention)) == set(RELEASED_CONVENTIONS), "one name per released convention"
+
+
+TrainLayout = Literal["mmprm", "mm_prm"]
+"""The input layouts mmprm trains a PRM in: its own, or MM-PRM's (that of the mm_prm convention)."""
+
+
+def train_step_format(layout: str, step_token: str = STEP_TOKEN) -> StepFormat | None:
+    """The `StepFormat` a PRM is trained in: None (mmprm's own, with `step_token`) or, for
+    "mm_prm", MM-PRM's input as its evaluation scripts build it (`RELEASED_CONVENTIONS["mm_prm"]`:
+    InternVL's system message, an empty user turn, then the image and
+    `Question: q\\nProcess: s1<prm>s2<prm>` in the assistant turn, read at each `<prm>`)."""
+    if layout == "mmprm":
+        return None
+    if layout != "mm_prm":
+        raise ValueError(f"prm.layout: {layout!r} is not one of {list(get_args(TrainLayout))}")
+    return RELEASED_CONVENTIONS["mm_prm"].step_format
+
+
+def trained_spec(head: str, reward_tokens: Sequence[str], system_prompt: str | None, layout: str = "mmprm") -> PRMSpec:
+    """The spec of a PRM mmprm trains in `layout` (`train_step_format`); it is saved with the PRM,
+    so scoring lays out its input exactly as training did."""
+    fmt = train_step_format(layout)
+    spec = PRMSpec(head=head, reward_tokens=list(reward_tokens), system_prompt=system_prompt)
+    if fmt is None:
+        return spec
+    if system_prompt is not None:
+        raise ValueError("prm.system_prompt: the mm_prm layout writes InternVL's system message itself; leave it null")
+    fields = (
+        "layout",
+        "step_token",
+        "step_join",
+        "tag_prefix",
+        "question_join",
+        "reply",
+        "question_format",
+        "image_text",
+    )
+    return replace(spec, **{f: getattr(fmt, f) for f in fields})
 
 
 def released_spec(convention: str) -> PRMSpec:
