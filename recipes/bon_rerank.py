@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from mmprm.chat import ChatConfig
+from mmprm.chat import ChatConfig, ChatError
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir
 from mmprm.config_sections import ModelLoadConfig, ShardConfig
 from mmprm.data.schema import DataError
@@ -596,6 +596,6 @@ def write_report(cfg: Config, out_dir: Path) -> None:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except (ConfigError, DataError, FileNotFoundError, ChatError) as e:  # ChatError: generate.judge's endpoint
         print(f"bon_rerank: {e}", file=sys.stderr)
         sys.exit(2)
