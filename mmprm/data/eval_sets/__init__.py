@@ -22,7 +22,7 @@ from typing import Any
 
 from mmprm.answers import answers_match
 from mmprm.data.eval_sets.mathverse import mathverse_correct, read_mathverse
-from mmprm.data.eval_sets.mathvision import read_mathvision
+from mmprm.data.eval_sets.mathvision import mathvision_correct, read_mathvision
 from mmprm.data.eval_sets.mathvista import mathvista_correct, read_mathvista
 from mmprm.data.eval_sets.mmk12 import mmk12_correct, read_mmk12
 from mmprm.data.eval_sets.olympiadbench import olympiadbench_correct, read_olympiadbench
@@ -39,14 +39,16 @@ READERS: dict[str, tuple[Callable[..., list[dict[str, Any]]], str, str]] = {
 }
 
 
-def _mathv_correct(pred: str | None, answer: str, choices: list[str] | None, meta: dict[str, Any]) -> bool:
+def _default_correct(pred: str | None, answer: str, choices: list[str] | None, meta: dict[str, Any]) -> bool:
     return answers_match(pred, answer, choices)
 
 
+# name (a problem's meta["source"]) -> its answer rule
 RULES: dict[str, Rule] = {
     "mathvista": mathvista_correct,
     "mathverse": mathverse_correct,
-    "mathv": _mathv_correct,
+    "mathvision": mathvision_correct,
+    "mathv": mathvision_correct,  # deprecated: the source name of problems files written before
     "olympiadbench": olympiadbench_correct,
     "mmk12": mmk12_correct,
 }
@@ -62,7 +64,7 @@ def answer_correct(pred: str | None, problem: Any) -> bool:
     """
     get = problem.get if isinstance(problem, dict) else lambda k: getattr(problem, k)
     meta = get("meta") or {}
-    rule = RULES.get(meta.get("source"), _mathv_correct)
+    rule = RULES.get(meta.get("source"), _default_correct)
     return rule(pred, str(get("answer")), get("choices"), meta)
 
 
