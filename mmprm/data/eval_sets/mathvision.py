@@ -283,11 +283,11 @@ def _evaluate(s: str) -> float:
 
     # MATH-V's latex2sympy2 (1.9) fails on these, which this parser's grammar and clean-ups accept:
     # refuse them, and keep the clean-ups off.
+    s = _parse_prefix(s).replace("\\displaystyle", "")
     if any(t in s for t in _NOT_PARSED):
         raise ValueError("not parsed by MATH-V's latex2sympy")
-    s = s.replace("\\displaystyle", "")
     off = NormalizationConfig(False, False, False, False, "none", False)
-    expr = latex2sympy(_parse_prefix(s), normalization_config=off)
+    expr = latex2sympy(s, normalization_config=off)
     # Python's integer power cannot be interrupted: a power tower would never return.
     for node in sympy.preorder_traversal(expr):
         if node.is_Pow and node.exp.is_number and (node.exp.has(sympy.Pow) or abs(complex(node.exp)) > 1e4):
