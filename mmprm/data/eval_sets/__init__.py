@@ -266,7 +266,9 @@ def cli_eval_set(argv: list[str]) -> int:
     if argv[:1] == ["score"]:
         return cli_eval_set_score(argv[1:])
     ap = argparse.ArgumentParser(
-        prog="mmprm eval-set", description="Write an answer benchmark as DIR/problems.jsonl (+ DIR/images/)."
+        prog="mmprm eval-set",
+        description="Write an answer benchmark as DIR/problems.jsonl (+ DIR/images/).",
+        epilog="`mmprm eval-set score NAME OUTPUTS.jsonl` scores saved outputs by the benchmark's rules.",
     )
     ap.add_argument("name", choices=sorted(READERS))
     ap.add_argument("--source", help="the released file or folder, a save_to_disk folder, or a Hub id (default)")

@@ -286,7 +286,9 @@ def _evaluate(s: str) -> float:
     s = _parse_prefix(s).replace("\\displaystyle", "")
     if any(t in s for t in _NOT_PARSED):
         raise ValueError("not parsed by MATH-V's latex2sympy")
-    off = NormalizationConfig(False, False, False, False, "none", False)
+    off = NormalizationConfig(
+        basic_latex=False, units=False, malformed_operators=False, nits=False, boxed="none", equations=False
+    )
     expr = latex2sympy(s, normalization_config=off)
     # Python's integer power cannot be interrupted: a power tower would never return.
     for node in sympy.preorder_traversal(expr):
@@ -300,11 +302,8 @@ def _eval_tuple(s: str) -> str:
     items = s[1:-1].split(",")
     if len(s) < 2 or len(items) < 2 or (s[0], s[-1]) not in (("(", ")"), ("[", "]")):
         return s
-    try:
-        values = [x if "infty" in x or x in ("a", "-a") else _rounded(x) for x in items]
-    except Exception:  # noqa: BLE001 - as the official code: an item that does not evaluate keeps the text
-        return s
-    if any(v is None for v in values):
+    values = [x if "infty" in x or x in ("a", "-a") else _rounded(x) for x in items]
+    if any(v is None for v in values):  # as the official code: a tuple an item of fails keeps its text
         return s
     inner = ",".join(str(v) for v in values)
     return f"{s[0]}{inner}{s[-1]}"
