@@ -273,6 +273,8 @@ _NOT_PARSED = ("\\circ", "\\$", "\\!", "\\boxed", "%", "π")
 @functools.lru_cache(maxsize=65536)
 def _rounded(s: str) -> float | None:
     """round(eval(str(latex2sympy(s))), 2), as `is_equal` computes a value; None where that fails."""
+    import latex2sympy2_extended  # noqa: F401 - outside the time limit: the first import takes seconds
+
     return call_with_timeout(lambda: _evaluate(s), None)
 
 

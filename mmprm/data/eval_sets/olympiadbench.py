@@ -189,6 +189,8 @@ def _number(s: str) -> float | None:
 def _value(s: str) -> Any | None:
     """The right-hand side of `a = b` (or all of s), parsed to sympy; None if it does not parse."""
     s = s.split("=")[1] if "=" in s else s
+    import math_verify  # noqa: F401 - outside the time limit: the first import takes seconds
+
     return call_with_timeout(lambda: _parse(s), None)
 
 
