@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from real_data import DATA, FULL, full_or_subset
+from real_data import DATA, FULL, REPO_DATA, SHARED_DATA, full_or_subset
 
 from mmprm.cli import main
 from mmprm.data.eval_sets import read_eval_set, read_mathvision, read_olympiadbench, score_answer, score_reply
@@ -29,9 +29,9 @@ OLYMPIAD_FILES = (
 )
 
 
-def _mathv_outputs():
-    rows = {r["id"]: r for r in read_mathvision(DATA / "mathv")}
-    for path in sorted((DATA / "mathv" / "cot_testmini").glob("*.jsonl")):
+def _mathv_outputs(data):
+    rows = {r["id"]: r for r in read_mathvision(data / "mathv")}
+    for path in sorted((data / "mathv" / "cot_testmini").glob("*.jsonl")):
         for line in path.read_text(encoding="utf-8").splitlines():
             out = json.loads(line)
             yield path.stem, rows[out["id"]], out
@@ -40,18 +40,23 @@ def _mathv_outputs():
 # ------------------------------------------------------------------ MATH-V
 
 
-def test_mathvision_verdicts_agree_with_its_released_outputs():
+@pytest.mark.parametrize(
+    "full",
+    [False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.skipif(not FULL, reason="no full sets")])],
+    ids=["subset", "full"],
+)
+def test_mathvision_verdicts_agree_with_its_released_outputs(full):
     # Before: the rule was `answers_match` (relative tolerance, math-verify): 101 of the 912
     # replies were judged otherwise than the `correct` evaluate.py wrote.
     n = differ = extracted_differ = 0
-    for _model, row, out in _mathv_outputs():
+    for _model, row, out in _mathv_outputs(SHARED_DATA if full else REPO_DATA):
         n += 1
         differ += score_reply("mathvision", row, out["response"]) != out["correct"]
         extracted_differ += mathvision_extract(out["response"]) != out["model_answer"]
-    assert n == full_or_subset(912, 111)
+    assert n == (912 if full else 111)
     # Qwen-VL-Max-CoT id 1787 replies "A)": evaluate.py at that commit extracts "a)", the file holds
     # "a" (written by an earlier version); both are scored right.
-    assert differ == 0 and extracted_differ == full_or_subset(1, 0)
+    assert differ == 0 and extracted_differ == (1 if full else 0)
 
 
 # is_equal(a, b) of MATH-V's utils.py, run on each pair (latex2sympy2 1.9.1).
