@@ -59,6 +59,24 @@ COPIED = (
     "rpts_eval/texts_en.json",
     "rpts_eval/texts_zh.json",
 )
+# OlympiadBench first release: the rows the scoring tests judge (a two-answer problem, a row whose
+# `error` tolerance and percent scaling matter, a Tuple answer, Chinese rows), the first row of
+# each file and its first row whose figures are only Mathpix links.
+OLYMPIAD_IDS = {
+    "English_Olympiad_Mathematics": (1664, 1709, 2592, 2595),
+    "English_Olympiad_Physics": (803, 806),
+    "Chinese_Olympiad_Mathematics": (4, 356),
+    "Gaokao_Maths": (),
+    "Gaokao_Physics": (),
+}
+
+
+def keep_rows(src: Path, dst: Path, keep) -> int:
+    """Write the rows of the JSON list SRC that pass KEEP(row), unchanged, serialized as SRC is."""
+    rows = [r for r in json.loads(src.read_text(encoding="utf-8")) if keep(r)]
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text(json.dumps(rows, ensure_ascii=False, indent=4), encoding="utf-8")
+    return len(rows)
 
 
 def keep_lines(src: Path, dst: Path, keep) -> int:
@@ -91,6 +109,12 @@ def build(full: Path) -> None:
     keep_lines(
         full / "prmbench/target_data.jsonl", HERE / "prmbench/target_data.jsonl", lambda i, r: r["idx"] in PRMBENCH_IDX
     )
+    for name, ids in OLYMPIAD_IDS.items():
+        src = full / "olympiadbench" / f"{name}.json"
+        rows = json.loads(src.read_text(encoding="utf-8"))
+        linked = next((r["id"] for r in rows if "](http" in r["question"]), None)
+        keep = {rows[0]["id"], linked, *ids}
+        keep_rows(src, HERE / "olympiadbench" / f"{name}.json", lambda r, keep=keep: r["id"] in keep)
     for rel in COPIED:
         (HERE / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(full / rel, HERE / rel)

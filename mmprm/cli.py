@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "eval-set": (
         "mmprm.data.eval_sets",
         "cli_eval_set",
-        "write MathVista, MathVerse, MATH-V, OlympiadBench or MM-K12 as problems.jsonl",
+        "write MathVista, MathVerse, MATH-V, OlympiadBench or MM-K12 as problems.jsonl; `score`: score saved outputs",
     ),
     "bon-report": ("mmprm.rerank.report", "cli_bon_report", "Best-of-N report from a scored candidates file"),
     "synthetic": ("mmprm.data.synthetic", "cli_synthetic", "write the colour-tile demo task (train/test splits)"),

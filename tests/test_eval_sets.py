@@ -93,7 +93,7 @@ def test_mathvision_test_and_testmini():
     assert [r["question"] for r in test] == [r["question"] for r in mini]
     free, mc = _by_id(test)["4"], _by_id(test)["6"]
     assert free["answer"] == "6" and free["choices"] is None and free["meta"]["subject"] == "counting"
-    assert mc["choices"] == ["A", "B", "C", "D", "E"] and mc["meta"]["source"] == "mathv"
+    assert mc["choices"] == ["A", "B", "C", "D", "E"] and mc["meta"]["source"] == "mathvision"
     assert answer_correct("6", free) and not answer_correct("7", free)
     assert answer_correct(f"({mc['answer']})", mc) and not answer_correct("(F)", mc)
 

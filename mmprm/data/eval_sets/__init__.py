@@ -10,6 +10,11 @@ Hub dataset id, and returns problems rows (`mmprm.data.problems`)::
 `answer_correct(pred, problem)` scores an extracted answer by the rule of the problem's own
 benchmark (`meta["source"]`); `meta["breakdown"]` names the columns its own report breaks accuracy
 down by. `write_problems` / `mmprm eval-set` write a problems.jsonl the recipes read.
+
+Scoring saved outputs (anyone's): `score_reply(name, row, reply)` takes the answer out of a whole
+reply as the benchmark's own code does (`REPLY_ANSWER`) and judges it by its rule (`RULES`);
+`score_answer(name, row, answer)` judges an answer already extracted. `mmprm eval-set score NAME
+OUTPUTS.jsonl` prints the accuracy with the benchmark's own breakdown (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,10 +27,10 @@ from typing import Any
 
 from mmprm.answers import answers_match
 from mmprm.data.eval_sets.mathverse import mathverse_correct, read_mathverse
-from mmprm.data.eval_sets.mathvision import read_mathvision
+from mmprm.data.eval_sets.mathvision import mathvision_correct, read_mathvision
 from mmprm.data.eval_sets.mathvista import mathvista_correct, read_mathvista
 from mmprm.data.eval_sets.mmk12 import mmk12_correct, read_mmk12
-from mmprm.data.eval_sets.olympiadbench import olympiadbench_correct, read_olympiadbench
+from mmprm.data.eval_sets.olympiadbench import olympiad_extract, olympiadbench_correct, read_olympiadbench
 
 Rule = Callable[[str | None, str, list[str] | None, dict[str, Any]], bool]
 
@@ -39,16 +44,25 @@ READERS: dict[str, tuple[Callable[..., list[dict[str, Any]]], str, str]] = {
 }
 
 
-def _mathv_correct(pred: str | None, answer: str, choices: list[str] | None, meta: dict[str, Any]) -> bool:
+def _default_correct(pred: str | None, answer: str, choices: list[str] | None, meta: dict[str, Any]) -> bool:
     return answers_match(pred, answer, choices)
 
 
+# name (a problem's meta["source"]) -> its answer rule
 RULES: dict[str, Rule] = {
     "mathvista": mathvista_correct,
     "mathverse": mathverse_correct,
-    "mathv": _mathv_correct,
+    "mathvision": mathvision_correct,
+    "mathv": mathvision_correct,  # deprecated: the source name of problems files written before
     "olympiadbench": olympiadbench_correct,
     "mmk12": mmk12_correct,
+}
+
+# name -> how its own code takes the answer out of a whole reply; others: `extract_answer`.
+# MATH-V's rule extracts by itself (what it extracts from an extracted answer is that answer).
+REPLY_ANSWER: dict[str, Callable[[str, dict[str, Any]], str | None]] = {
+    "mathvision": lambda reply, meta: reply,
+    "olympiadbench": lambda reply, meta: olympiad_extract(reply, bool(meta.get("chinese"))),
 }
 
 
@@ -62,8 +76,38 @@ def answer_correct(pred: str | None, problem: Any) -> bool:
     """
     get = problem.get if isinstance(problem, dict) else lambda k: getattr(problem, k)
     meta = get("meta") or {}
-    rule = RULES.get(meta.get("source"), _mathv_correct)
+    rule = RULES.get(meta.get("source"), _default_correct)
     return rule(pred, str(get("answer")), get("choices"), meta)
+
+
+def _rule(name: str) -> Rule:
+    if name not in RULES:
+        raise ValueError(f"benchmark {name!r}: no answer rule (known: {', '.join(sorted(RULES))})")
+    return RULES[name]
+
+
+def score_answer(name: str, row: dict[str, Any], answer: str | None) -> bool:
+    """Whether an extracted `answer` is right for problems row `row` by benchmark `name`'s rules.
+
+    Args:
+        name: a benchmark of `RULES` (`mathvista`, `mathverse`, `mathvision`, `olympiadbench`, `mmk12`).
+        row: its problems row (`read_eval_set`, or a line of a problems.jsonl `mmprm eval-set` wrote).
+        answer: the model's final answer, or None (wrong).
+    """
+    rule = _rule(name)
+    return rule(answer, str(row["answer"]), row.get("choices"), row.get("meta") or {})
+
+
+def score_reply(name: str, row: dict[str, Any], reply: str) -> bool:
+    """Whether a model's whole `reply` is right for `row` by benchmark `name`'s rules: its answer
+    taken out as the benchmark's own code does (`REPLY_ANSWER`, else `mmprm.answers.extract_answer`),
+    then judged by `score_answer`."""
+    from mmprm.answers import extract_answer
+
+    _rule(name)
+    take = REPLY_ANSWER.get(name)
+    answer = take(reply, row.get("meta") or {}) if take else extract_answer(reply)
+    return score_answer(name, row, answer)
 
 
 def read_eval_set(
@@ -136,10 +180,95 @@ def write_problems(rows: list[dict[str, Any]], path: str | Path) -> int:
     return write_jsonl(path, out)
 
 
-def cli_eval_set(argv: list[str]) -> int:
-    """`mmprm eval-set NAME --source S --out DIR [--split X] [--subset C] [--image-root R]`."""
+def _read_outputs(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    import json
+
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+            if not isinstance(obj, dict) or obj.get("id") is None:
+                raise ValueError(f"{path}:{lineno}: id: missing (each line is {{id, response | extracted}})")
+            if not isinstance(obj.get("response"), str) and "extracted" not in obj:
+                raise ValueError(f"{path}:{lineno}: id={obj['id']}: response: missing (or give extracted)")
+            out.append((lineno, obj))
+    return out
+
+
+def score_outputs(name: str, rows: list[dict[str, Any]], outputs: str | Path) -> dict[str, Any]:
+    """Score a saved outputs file against benchmark `name`'s problems `rows`.
+
+    Each line of `outputs` is `{"id", "response"}` (a whole reply, `score_reply`) or
+    `{"id", "extracted"}` (an answer, `score_answer`); ids are the rows' `id`s. Returns
+    `accuracy_breakdown`'s report with `benchmark`, `outputs` and `remote_figures` (rows whose
+    figures are only links, read as text) added.
+    """
+    by_id = {str(r["id"]): r for r in rows}
+    metas, verdicts, remote = [], [], 0
+    for lineno, obj in _read_outputs(Path(outputs)):
+        row = by_id.get(str(obj["id"]))
+        if row is None:
+            raise ValueError(
+                f"{outputs}:{lineno}: id={obj['id']}: id: not a problem of {name} (wrong split or subset?)"
+            )
+        if isinstance(obj.get("response"), str):
+            verdicts.append(score_reply(name, row, obj["response"]))
+        else:
+            verdicts.append(score_answer(name, row, obj.get("extracted")))
+        metas.append(row.get("meta") or {})
+        remote += bool((row.get("meta") or {}).get("remote_figures"))
+    return {"benchmark": name, "outputs": str(outputs), **accuracy_breakdown(metas, verdicts), "remote_figures": remote}
+
+
+def cli_eval_set_score(argv: list[str]) -> int:
+    """`mmprm eval-set score NAME OUTPUTS.jsonl [--problems F | --source S [--split X] [--subset C]]`."""
+    import json
+
     ap = argparse.ArgumentParser(
-        prog="mmprm eval-set", description="Write an answer benchmark as DIR/problems.jsonl (+ DIR/images/)."
+        prog="mmprm eval-set score",
+        description="Score saved model outputs by a benchmark's own rules; print accuracy and its breakdown as JSON.",
+    )
+    ap.add_argument("name", choices=sorted(READERS))
+    ap.add_argument("outputs", help="JSONL: one {id, response} (a reply) or {id, extracted} (an answer) per line")
+    ap.add_argument("--problems", help="a problems.jsonl `mmprm eval-set NAME --out` wrote (instead of --source)")
+    ap.add_argument("--source", help="the released file or folder, or a Hub id (default)")
+    ap.add_argument("--split", help="the split (default: the benchmark's evaluation split)")
+    ap.add_argument("--subset", help="OlympiadBench's subset (its file name without .json)")
+    ap.add_argument("--image-root", help="where the rows' relative image paths start")
+    args = ap.parse_args(argv)
+    try:
+        if args.problems:
+            rows = [
+                json.loads(line)
+                for line in Path(args.problems).read_text(encoding="utf-8").splitlines()
+                if line.strip()
+            ]
+        else:
+            rows = read_eval_set(args.name, args.source, args.split, args.subset, args.image_root)
+        report = score_outputs(args.name, rows, args.outputs)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"mmprm eval-set score: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=1, ensure_ascii=False))
+    o = report["overall"]
+    print(f"{args.name}: {o['correct']}/{o['total']} = {100 * o['accuracy']:.2f}%", file=sys.stderr)
+    return 0
+
+
+def cli_eval_set(argv: list[str]) -> int:
+    """`mmprm eval-set NAME --source S --out DIR [--split X] [--subset C] [--image-root R]`, or
+    `mmprm eval-set score NAME OUTPUTS.jsonl ...` (`cli_eval_set_score`)."""
+    if argv[:1] == ["score"]:
+        return cli_eval_set_score(argv[1:])
+    ap = argparse.ArgumentParser(
+        prog="mmprm eval-set",
+        description="Write an answer benchmark as DIR/problems.jsonl (+ DIR/images/).",
+        epilog="`mmprm eval-set score NAME OUTPUTS.jsonl` scores saved outputs by the benchmark's rules.",
     )
     ap.add_argument("name", choices=sorted(READERS))
     ap.add_argument("--source", help="the released file or folder, a save_to_disk folder, or a Hub id (default)")
@@ -158,14 +287,20 @@ def cli_eval_set(argv: list[str]) -> int:
         return 1
     out.mkdir(parents=True, exist_ok=True)
     n = write_problems(rows, out / "problems.jsonl")
-    print(f"{out / 'problems.jsonl'}: {n} problems ({args.name})", file=sys.stderr)
+    remote = sum(bool(r["meta"].get("remote_figures")) for r in rows)
+    note = f", {remote} with figures only as remote links, read as text" if remote else ""
+    print(f"{out / 'problems.jsonl'}: {n} problems ({args.name}{note})", file=sys.stderr)
     return 0
 
 
 __all__ = [
     "READERS",
+    "REPLY_ANSWER",
     "RULES",
     "answer_correct",
+    "score_answer",
+    "score_outputs",
+    "score_reply",
     "accuracy_breakdown",
     "breakdown_groups",
     "read_eval_set",

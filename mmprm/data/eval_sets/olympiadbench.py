@@ -11,6 +11,14 @@ Released rows (`data/<subset>.json` of OlympiadBench's download; `Hothan/Olympia
 `<img_N>` tags in the text become `<image1>`, `<image2>`, ... when there are as many tags as
 images, else the images go before the question. When the problem has several answers or a unit,
 the question says so (OlympiadBench's prompt does the same): answers comma-separated, unit left out.
+
+The first release (`Chinese_Olympiad_Mathematics.json`, `Gaokao_Maths.json`, ...: pass its file
+name as `subset`) has no image fields: its figures are `![](https://cdn.mathpix.com/...)` links in
+the text. Those rows are read as text, links kept, and `meta["remote_figures"]` counts the links.
+
+Scoring is `inference/judge.py`'s (github:OpenBMB/OlympiadBench@ba5b26a7e2849940b598a9159c1190daa2b9175f):
+`olympiad_extract` takes the answer out of a reply, `olympiad_judge(model_answer, gold, precision)`
+is its `MathJudger.judge`, with the row's `error` as precision except for Tuple answers.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ SUBSET = "OE_MM_maths_en_COMP"
 BREAKDOWN = ("subfield", "answer_type")
 DEFAULT_PRECISION = 1e-8
 _IMG_TAG = re.compile(r"<img_\d+>")
+# The first release (Feb 2024) links each figure as a Mathpix crop: `![](https://cdn.mathpix.com/...)`.
+_REMOTE_FIGURE = re.compile(r"!\[[^\]]*\]\(https?://[^)]*\)")
 
 
 def read_olympiadbench(
@@ -72,6 +82,7 @@ def read_olympiadbench(
         final = r["final_answer"]
         answer = final[0] if isinstance(final, list) else final
         solution = r.get("solution")
+        chinese = "_zh_" in subset or subset.startswith(("Chinese_", "Gaokao_"))
         problems.append(
             {
                 "id": rid,
@@ -88,6 +99,9 @@ def read_olympiadbench(
                     "is_multiple_answer": bool(r.get("is_multiple_answer")),
                     "unit": r.get("unit"),
                     "error": r.get("error"),
+                    "chinese": chinese,
+                    # figures that are only links cannot be shown to a model here: the row is read as text
+                    "remote_figures": len(_REMOTE_FIGURE.findall(text)),
                     "breakdown": list(BREAKDOWN),
                 },
             }
@@ -115,7 +129,8 @@ _EDGE = "\n$,.:;^_=+`!@#$%^&*~，。"
 
 
 def _boxed_all(text: str) -> list[str] | None:
-    """Contents of every `\\boxed{...}`; None if there is none or one never closes."""
+    """Contents of every `\\boxed{...}`, None if there is none; ValueError if one never closes
+    (the judge then finds the answer wrong)."""
     found = []
     for m in re.finditer(r"\\boxed{", text):
         depth, i = 1, m.end()
@@ -123,7 +138,7 @@ def _boxed_all(text: str) -> list[str] | None:
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
         if depth:
-            return None
+            raise ValueError("mismatched braces in \\boxed{}")
         found.append(text[m.end() : i - 1])
     return found or None
 
@@ -174,6 +189,8 @@ def _number(s: str) -> float | None:
 def _value(s: str) -> Any | None:
     """The right-hand side of `a = b` (or all of s), parsed to sympy; None if it does not parse."""
     s = s.split("=")[1] if "=" in s else s
+    import math_verify  # noqa: F401 - outside the time limit: the first import takes seconds
+
     return call_with_timeout(lambda: _parse(s), None)
 
 
@@ -280,40 +297,65 @@ def _item_equal(gold: str, pred: str, tol: float) -> bool:
     return "=" in gold and "=" in pred and _equations_equal(gold, pred)
 
 
-def olympiad_equal(pred: str, gold: str, precision: float | list[float] = DEFAULT_PRECISION) -> bool:
-    """OlympiadBench's judgement of a model answer against the gold answer (its MathJudger, re-expressed).
+def olympiad_judge(expression1: str, expression2: str, precision: float | list[float] = DEFAULT_PRECISION) -> bool:
+    """OlympiadBench's `MathJudger.judge(expression1, expression2, precision)`, re-expressed.
 
     Both are prepared (`olympiad_prepare`); equal texts match. Otherwise both split into answers at
-    top-level commas (`\\pm` giving two), the counts must agree, and every gold answer must match a
-    different predicted one: as intervals, as numbers within its precision (also x100 and /100, for
+    top-level commas (`\\pm` giving two), the counts must agree, and each answer of `expression1`,
+    taken in the judge's order with its own precision, must match a different one of `expression2`:
+    as intervals, as numbers within the precision (`expression1`'s value, x100 or /100, for
     percentages), as expressions (evaluated within the precision, or symbolically equal), or as
-    equations that are multiples of each other.
+    equations that are multiples of each other. The scaling and the precisions belong to
+    `expression1`: the ground truth in the judge's examples, the model's answer in
+    `inference/judge.py`.
 
     Args:
-        pred: the model's answer (a `\\boxed{}` in it is found).
-        gold: the gold answer (`final_answer[0]`).
+        expression1: the reference side (a `\\boxed{}` in it is found).
+        expression2: the other side.
         precision: absolute tolerance, one for all answers or one per answer (OlympiadBench's `error`).
     """
     try:
-        p, g = olympiad_prepare(pred), olympiad_prepare(gold)
+        e1, e2 = olympiad_prepare(expression1), olympiad_prepare(expression2)
     except Exception:  # noqa: BLE001 - as the judge: unpreparable text is wrong
         return False
-    if p == g:
+    if e1 == e2:
         return True
-    p, g = re.sub(r"[\u4e00-\u9fff]+", "", p), re.sub(r"[\u4e00-\u9fff]+", "", g)
-    golds, preds = _expand_pm(_split_top_level(g)), _expand_pm(_split_top_level(p))
-    if len(golds) != len(preds):
-        return False
+    e1, e2 = re.sub(r"[\u4e00-\u9fff]+", "", e1), re.sub(r"[\u4e00-\u9fff]+", "", e2)
+    items1, items2 = _expand_pm(_split_top_level(e1)), _expand_pm(_split_top_level(e2))
     tols = list(precision) if isinstance(precision, list) else [precision]
     if len(tols) <= 1:
-        tols = tols * len(golds)
-    left = list(preds)
-    for item, tol in zip(golds, tols):
-        hit = next((j for j, cand in enumerate(left) if _item_equal(item, cand, tol)), None)
+        tols = tols * len(items1)
+    if len(items1) != len(items2):
+        return False
+    # The judge's own walk: a rotating index over what is left, removing each matched pair.
+    idx = -1
+    while items1:
+        idx = (idx + 1) % len(items1)
+        item, tol = items1[idx], tols[idx] if idx < len(tols) else DEFAULT_PRECISION
+        hit = next((cand for cand in items2 if _item_equal(item, cand, tol)), None)
         if hit is None:
             return False
-        left.pop(hit)
+        items1.remove(item)
+        items2.remove(hit)
+        if tol in tols:
+            tols.remove(tol)
     return True
+
+
+def olympiad_equal(pred: str, gold: str, precision: float | list[float] = DEFAULT_PRECISION) -> bool:
+    """The judge with the gold answer as reference, as its examples call it: `judge(gold, pred)`."""
+    return olympiad_judge(gold, pred, precision)
+
+
+_FINAL = {False: re.compile("So the final answer is (.*)"), True: re.compile("所以最终答案是(.*)")}
+
+
+def olympiad_extract(reply: str, chinese: bool = False) -> str:
+    """The answer text `inference/judge.py` `extract_answer` hands the judge: the rest of the line
+    after the last "So the final answer is" ("所以最终答案是" for Chinese rows), else the whole
+    reply, whose every `\\boxed{}` the judge then joins with commas."""
+    found = _FINAL[chinese].findall(reply)
+    return found[-1].strip() if found else reply
 
 
 def olympiad_precision(error: str | float | None) -> float | list[float]:
@@ -328,12 +370,16 @@ def olympiad_precision(error: str | float | None) -> float | list[float]:
 
 
 def olympiadbench_correct(pred: str | None, answer: str, choices: list[str] | None, meta: dict[str, Any]) -> bool:
-    """Whether an extracted answer scores as correct on OlympiadBench (`olympiad_equal` with the row's
-    `error` as precision). A trailing copy of the row's unit is dropped first: the prompt asks for
-    the answer without it, and the judge would compare it as a symbol."""
+    """Whether a reply (or its extracted answer) is right on OlympiadBench, as `inference/judge.py`
+    scores it: `olympiad_extract`, then `judge(model_answer, gold, precision)` with the row's
+    `error` as precision, none for Tuple answers. A trailing copy of the row's unit is dropped
+    first: the prompt asks for the answer without it, and the judge would compare it as a symbol."""
     if pred is None or not pred.strip():
         return False
+    pred = olympiad_extract(pred, bool(meta.get("chinese")))
     unit = (meta.get("unit") or "").strip()
     if unit and pred.strip().endswith(unit):
         pred = pred.strip()[: -len(unit)].strip()
-    return olympiad_equal(pred, answer, olympiad_precision(meta.get("error")))
+    tuple_answer = "Tuple" in (meta.get("answer_type") or "")
+    precision = DEFAULT_PRECISION if tuple_answer else olympiad_precision(meta.get("error"))
+    return olympiad_judge(pred, answer, precision)
