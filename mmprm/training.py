@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -680,6 +681,17 @@ def adapt_backbone(model: Any, cfg: TrainModelConfig) -> Any:
 
         # An adapter on the frozen tower would train it after all, and merging would change its weights.
         exclude = VISION_TOWER_PATTERN if cfg.freeze_vision_tower and tower else None
+        if exclude and not any(
+            not re.fullmatch(exclude, name) and any(name == t or name.endswith(f".{t}") for t in lora.target_modules)
+            for name, _ in model.named_modules()
+        ):
+            from mmprm.config import ConfigError
+
+            raise ConfigError(
+                f"model.lora.target_modules: {lora.target_modules} name no layer of the language model, only of "
+                "the frozen vision tower (model.freeze_vision_tower=true): name the language model's layers "
+                "(e.g. q_proj, v_proj), or set model.freeze_vision_tower=false to adapt the tower"
+            )
         model = get_peft_model(
             model,
             PeftLoraConfig(

@@ -310,11 +310,17 @@ def test_lora_prm_leaves_the_frozen_vision_tower_as_it_was(tiny_models, tmp_path
     assert not torch.equal(saved[q_proj], base[q_proj])  # the adapters were merged into the LM
 
 
-def test_lora_reaches_the_vision_tower_when_it_is_not_frozen(tiny_models):
-    """freeze_vision_tower=false lets target_modules match the tower's layers too."""
+def test_lora_reaches_the_vision_tower_only_when_it_is_not_frozen(tiny_models):
+    """freeze_vision_tower=false lets target_modules match the tower's layers too; names that match
+    only the frozen tower are refused by key, not left to peft's error after the model loaded."""
+    from mmprm.config import ConfigError
     from mmprm.training import LoraConfig, TrainModelConfig, adapt_backbone
 
     backbone, _ = load_backbone(tiny_models("internvl"))
     cfg = TrainModelConfig(freeze_vision_tower=False, lora=LoraConfig(enabled=True, r=4, alpha=8))
     adapted = [n for n, m in adapt_backbone(backbone, cfg).named_modules() if hasattr(m, "lora_A")]
     assert any(_in_vision_tower(n) for n in adapted) and not all(_in_vision_tower(n) for n in adapted)
+    backbone, _ = load_backbone(tiny_models("qwen2_vl"))
+    tower_only = TrainModelConfig(lora=LoraConfig(enabled=True, target_modules=["qkv"]))  # Qwen2-VL's ViT attention
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules: \['qkv'\] name no layer of the language"):
+        adapt_backbone(backbone, tower_only)
