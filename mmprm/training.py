@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,9 @@ class LoraConfig:
         r: adapter rank
         alpha: adapter scaling numerator (scale = alpha / r)
         dropout: dropout on the adapter input
-        target_modules: names of the linear layers that get adapters
+        target_modules: names of the linear layers that get adapters; with
+            `model.freeze_vision_tower` (the default) only the language model's layers of these
+            names get them, as the vision towers of InternVL and LLaVA use the same names
     """
 
     enabled: bool = False
@@ -665,20 +668,38 @@ def load_trainable_backbone(cfg: TrainModelConfig, attn_implementation: str | No
 def adapt_backbone(model: Any, cfg: TrainModelConfig) -> Any:
     """Ready a loaded backbone for training: freeze its vision tower, wrap it in LoRA adapters
     (peft), turn on gradient checkpointing, each as configured; returns the (possibly wrapped) model."""
-    from mmprm.models.loading import vision_tower_parameters
+    from mmprm.models.loading import VISION_TOWER_PATTERN, vision_tower_parameters
 
+    tower = vision_tower_parameters(model)
     if cfg.freeze_vision_tower:
-        for p in vision_tower_parameters(model):
+        for p in tower:
             p.requires_grad_(False)
     lora = cfg.lora
     if lora.enabled:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
 
+        # An adapter on the frozen tower would train it after all, and merging would change its weights.
+        exclude = VISION_TOWER_PATTERN if cfg.freeze_vision_tower and tower else None
+        if exclude and not any(
+            not re.fullmatch(exclude, name) and any(name == t or name.endswith(f".{t}") for t in lora.target_modules)
+            for name, _ in model.named_modules()
+        ):
+            from mmprm.config import ConfigError
+
+            raise ConfigError(
+                f"model.lora.target_modules: {lora.target_modules} name no layer of the language model, only of "
+                "the frozen vision tower (model.freeze_vision_tower=true): name the language model's layers "
+                "(e.g. q_proj, v_proj), or set model.freeze_vision_tower=false to adapt the tower"
+            )
         model = get_peft_model(
             model,
             PeftLoraConfig(
-                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=lora.target_modules,
+                exclude_modules=exclude,
             ),
         )
     if cfg.gradient_checkpointing:

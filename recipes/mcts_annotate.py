@@ -182,20 +182,32 @@ class AnnotateConfig:
         self.export.validate()
 
 
+def rank_sampling(cfg: AnnotateConfig, rank: int) -> SamplingConfig:
+    """The sampling settings of rank `rank`'s backend.
+
+    vLLM seeds every probe by its problem and its place in the search (`probe_seed`), which keeps
+    problems apart on its own: every rank takes the base seed, so a problem draws the same rollouts
+    on any number of ranks. HF generate seeds whole calls, so there each rank takes its own stream
+    (`worker_seed`), else two ranks' calls would draw alike.
+    """
+    if cfg.model.backend == "vllm":
+        return cfg.sampling
+    return replace(cfg.sampling, seed=worker_seed(cfg.sampling.seed, rank))
+
+
 def make_backend(cfg: AnnotateConfig, rank: int = 0):
     """One rollout backend per rank, prompting the policy as its SFT saved it (`mmprm_policy.json`)
-    unless the config sets `model.system_prompt` / `engine.step_mode` (then with a warning).
-    Each rank samples its own seed stream, so no two ranks' rollouts share seeds."""
+    unless the config sets `model.system_prompt` / `engine.step_mode` (then with a warning), and
+    sampling as `rank_sampling` says."""
     try:
         system, step_mode = resolve_prompt_format(
             cfg.model.name_or_path, cfg.model.system_prompt, cfg.engine.step_mode, where="mcts_annotate"
         )
     except ValueError as e:  # a broken mmprm_policy.json
         raise ConfigError(f"model.name_or_path: {e}") from None
-    sampling = replace(cfg.sampling, seed=worker_seed(cfg.sampling.seed, rank))
     return make_rollout_backend(
         cfg.model.name_or_path,
-        sampling,
+        rank_sampling(cfg, rank),
         step_mode,
         system,
         backend=cfg.model.backend,

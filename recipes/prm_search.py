@@ -13,7 +13,8 @@ its cost (generated tokens, PRM-scored sequences, seconds). With `bon.enabled`, 
 sampled solutions per problem with PRM step scores and token counts. When every shard is done:
 report.json, report.md and search_vs_bon.png (accuracy vs generated tokens, 95% bootstrap intervals)
 and trees/*.png (the first problems' search trees). Rows are appended and fsync'ed one problem at a
-time, so a run killed at any point (kill -9 included) resumes where it stopped when rerun.
+time, so a run killed at any point (kill -9 included) resumes where it stopped when rerun; a run
+with another PRM, policy, sampling or problem set on the same OUTPUT_DIR is refused (`check_runs`).
 """
 
 from __future__ import annotations
@@ -208,6 +209,41 @@ def make_backend(cfg: Config, max_new_tokens: int):
     )
 
 
+def check_runs(cfg: Config, out: Path, n_problems: int) -> None:
+    """Refuse rows and `.done` markers that another run wrote into output_dir, before any model loads.
+
+    Each shard records what its rows depend on beside them (`<rows>.run.json`) and compares it with
+    what it and the other shards of the run recorded there: another PRM, policy, sampling or problem
+    set stops with a ConfigError naming the setting, instead of resuming, or merging, two runs as one.
+    """
+    from dataclasses import asdict
+
+    from mmprm.data import store
+
+    where = lambda p: str(Path(p).resolve()) if Path(p).exists() else p  # noqa: E731 - a hub id stays as it is
+    run = {
+        "policy": where(cfg.policy.path),
+        "step_mode": cfg.policy.step_mode,
+        "system_prompt": cfg.policy.system_prompt,
+        "dtype": cfg.policy.dtype,
+        "sampling": asdict(cfg.policy.sampling),
+        "prm": where(cfg.prm),
+        "convention": cfg.scoring.convention,
+        "max_length": cfg.scoring.max_length,
+        "problems_file": where(cfg.problems_file),
+        "problems": n_problems,
+    }
+    runs = [(slug(s.label()), "results", {**run, "search": asdict(s)}) for s in cfg.searches]
+    if cfg.bon.enabled:
+        runs.append(("bon", "candidates", {**run, "n": max(cfg.bon.n), "max_new_tokens": cfg.bon.max_new_tokens}))
+    sh = cfg.shard
+    for folder, stem, settings in runs:
+        for i in [sh.index, *(j for j in range(sh.count) if j != sh.index)]:
+            rows = store.shard_file(out / folder, stem, i, sh.count)
+            done = rows.with_suffix(".done")
+            store.check_same_run(rows.with_name(rows.name + ".run.json"), settings, rows, done, record=i == sh.index)
+
+
 def progress(what: str, done: int, total: int, t0: float, already: int) -> None:
     rate = (done - already) / max(time.time() - t0, 1e-9)
     eta = (total - done) / rate if rate > 0 else float("nan")
@@ -371,6 +407,7 @@ def main(argv: list[str]) -> None:
     in_block = lambda i: lo <= i < hi  # noqa: E731
     problems = load_problems(cfg.problems_file, check_rows=in_block, keep_rows=in_block)  # every row checked
     print(f"shard {sh.index}/{sh.count}: {len(problems)} problems")
+    check_runs(cfg, out, n)
 
     # ---- models: the policy behind a rollout backend, the PRM scorer -------------------------
     from mmprm.models.loading import resolve_device

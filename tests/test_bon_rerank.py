@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -244,6 +245,58 @@ def test_more_shards_than_problems_merge_with_empty_shards(unsharded, prm_dir, m
     merged = read_jsonl(out / "scored.jsonl")
     assert [r["id"] for r in merged] == list(single)[:2]
     assert json.loads((out / "report.json").read_text())["num_problems"] == 2
+
+
+def test_merge_bon_refuses_a_shard_scored_by_another_prm(prm_dir, mathv_file, tmp_path, capsys, one_thread):
+    """Two shards scored into one folder by two PRMs are two runs: merge-bon names the setting."""
+    other = shutil.copytree(prm_dir, tmp_path / "other_prm")  # the same weights, but another PRM to the run
+    mod, out = recipe(), tmp_path / "mixed"
+    args = ["--config", str(CONFIG), f"candidates_file={mathv_file}", f"output_dir={out}", "shard.count=2"]
+    mod.main([*args, f"prm={prm_dir}", "shard.index=0", "report.resamples=50"])
+    mod.main([*args, f"prm={other}", "shard.index=1", "report.resamples=50"])
+    capsys.readouterr()
+    assert cli_merge_bon([str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "not one run" in err and "scored.shard1-of-2.jsonl was made with other settings {'prm'" in err
+    assert str(other) in err and not (out / "scored.jsonl").exists() and not (out / "report.json").exists()
+
+
+def test_merge_bon_takes_shards_that_sampled_their_own_candidates_alike(tiny_models, prm_dir, tmp_path, one_thread):
+    """Each generating shard has its own candidates file (not a difference between runs); a shard
+    whose candidates were sampled otherwise, copied in from another run, is refused by name."""
+    from mmprm.data.synthetic import SyntheticConfig, generate, write_split
+
+    write_split(generate(SyntheticConfig(num_problems=2, seed=0, id_prefix="bon")), tmp_path / "data", "test")
+
+    def run(out, index, *extra):
+        recipe().main(
+            [
+                "--config",
+                str(CONFIG),
+                f"prm={prm_dir}",
+                "generate.enabled=true",
+                f"generate.policy={tiny_models('qwen2_vl')}",
+                f"generate.problems_file={tmp_path / 'data' / 'test_problems.jsonl'}",
+                "generate.n=2",
+                "generate.sampling.max_new_tokens=8",
+                "report.resamples=50",
+                f"output_dir={out}",
+                "shard.count=2",
+                f"shard.index={index}",
+                *extra,
+            ]
+        )
+
+    out, other = tmp_path / "gen", tmp_path / "other"
+    run(out, 0)
+    run(out, 1)
+    assert cli_merge_bon([str(out)]) == 0
+    assert [r["id"] for r in read_jsonl(out / "scored.jsonl")] == ["bon-00000", "bon-00001"]
+    run(other, 1, "generate.sampling.seed=7")
+    for name in ("candidates.shard1-of-2.jsonl", "candidates.shard1-of-2.jsonl.run.json"):
+        shutil.copy(other / name, out / name)
+    with pytest.raises(ValueError, match=r"candidates.shard1-of-2.jsonl was made with other settings {'sampling'"):
+        merge_scored(out)
 
 
 def test_take_shard_blocks_cover_everything_once():

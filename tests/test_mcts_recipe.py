@@ -65,6 +65,46 @@ def test_bad_inputs_fail_before_any_model_loads(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_problem_draws_the_same_rollouts_on_one_rank_or_two(tmp_path):
+    """vLLM seeds each probe by its problem and place (probe_seed), so the recipe gives every rank the
+    same base seed: 1 and 2 ranks write the same records. Run through the recipe's sampling, engine,
+    verifier and tree files, on the simulated policy (seeded per request as vLLM is)."""
+    from mmprm.annotate.engine import TreeFile, iter_records, shard, tree_file_name
+    from mmprm.annotate.simulated import GOLD, SimulatedPolicy, random_problems
+    from mmprm.data.problems import Problem
+
+    mod = recipe_module()
+    cfg = load_config(mod.AnnotateConfig, YAML, ["model.backend=vllm", "engine.concurrency=2"])
+    sims = random_problems(6, seed=5)
+    problems = [Problem(pid, "q", GOLD) for pid in sims]
+
+    def records(world: int) -> dict[str, dict]:
+        out = tmp_path / f"world{world}"
+        for rank in range(world):
+            policy = SimulatedPolicy(sims, seed=mod.rank_sampling(cfg, rank).seed)
+            engine = mod.make_engine(cfg, policy, mod.make_verifier(cfg, out, rank))
+            trees = TreeFile(out / tree_file_name(rank, world), scan_dir=out)
+            try:
+                mod.annotate(engine, shard(problems, rank, world), trees, rank)
+            finally:
+                trees.close()
+        recs = [r for f in sorted(out.glob("trees.rank*.jsonl")) for r in iter_records(f)]
+        return {r["id"]: {k: v for k, v in r.items() if k != "seconds"} for r in recs}
+
+    one, two = records(1), records(2)
+    assert len(one) == len(problems) and one == two
+    assert {r["status"] for r in one.values()} == {"annotated"} and sum(
+        r["stats"]["rollouts"] for r in one.values()
+    ) > 6 * 8
+
+
+def test_hf_ranks_sample_their_own_streams():
+    """HF generate seeds whole calls, not probes: there ranks keep apart seed streams."""
+    mod = recipe_module()
+    cfg = load_config(mod.AnnotateConfig, YAML, [])
+    assert len({mod.rank_sampling(cfg, rank).seed for rank in range(4)}) == 4
+
+
 def _run(args, **kw):
     return subprocess.run(
         [sys.executable, str(RECIPE), *args], capture_output=True, text=True, cwd=REPO, env=ENV, timeout=600, **kw

@@ -269,3 +269,58 @@ def test_saved_lora_prm_scores_as_the_model_in_memory(tiny_models, tmp_path, gat
     assert load_prm(tmp_path).score(ex)[0] == pytest.approx(expected, abs=1e-6)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+# The language model's attention and MLP names: LLaVA's and InternVL's vision towers use the first
+# four too, Qwen2.5-VL's the last three.
+LM_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _in_vision_tower(name):
+    return "vision_tower." in name or ("visual." in name and "merger" not in name)
+
+
+@pytest.mark.parametrize("targets", [None, LM_LINEARS], ids=["default_targets", "lm_linears"])
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "qwen2"])
+def test_lora_prm_leaves_the_frozen_vision_tower_as_it_was(tiny_models, tmp_path, arch, targets):
+    """LoRA as prm_train sets it up puts no adapter in the frozen vision tower: the saved (merged) PRM
+    holds the base model's vision weights, while its language model carries the trained adapters."""
+    from safetensors.torch import load_file
+
+    from mmprm.models.prm import save_prm
+    from mmprm.training import LoraConfig, TrainModelConfig, adapt_backbone
+
+    lora = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0)
+    if targets is not None:
+        lora.target_modules = targets
+    model, processor = _prm(tiny_models, arch, head="value")
+    model.backbone = adapt_backbone(model.backbone, TrainModelConfig(lora=lora))
+    adapted = [n for n, m in model.named_modules() if hasattr(m, "lora_A")]
+    assert [n for n in adapted if _in_vision_tower(n)] == []
+    assert {n.rsplit(".", 1)[-1] for n in adapted} == set(lora.target_modules)  # every name, in the LM
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # adapters start at zero: stand in for training
+                p.normal_(std=0.5, generator=torch.Generator().manual_seed(len(name)))
+    save_prm(model, processor, tmp_path / "prm")
+    base, saved = load_file(tiny_models(arch) / "model.safetensors"), load_file(tmp_path / "prm" / "model.safetensors")
+    tower = [k for k in base if _in_vision_tower(k)]
+    assert tower and [k for k in tower if not torch.equal(saved[k], base[k])] == []
+    q_proj = next(k for k in base if k.endswith("q_proj.weight") and not _in_vision_tower(k))
+    assert not torch.equal(saved[q_proj], base[q_proj])  # the adapters were merged into the LM
+
+
+def test_lora_reaches_the_vision_tower_only_when_it_is_not_frozen(tiny_models):
+    """freeze_vision_tower=false lets target_modules match the tower's layers too; names that match
+    only the frozen tower are refused by key, not left to peft's error after the model loaded."""
+    from mmprm.config import ConfigError
+    from mmprm.training import LoraConfig, TrainModelConfig, adapt_backbone
+
+    backbone, _ = load_backbone(tiny_models("internvl"))
+    cfg = TrainModelConfig(freeze_vision_tower=False, lora=LoraConfig(enabled=True, r=4, alpha=8))
+    adapted = [n for n, m in adapt_backbone(backbone, cfg).named_modules() if hasattr(m, "lora_A")]
+    assert any(_in_vision_tower(n) for n in adapted) and not all(_in_vision_tower(n) for n in adapted)
+    backbone, _ = load_backbone(tiny_models("qwen2_vl"))
+    tower_only = TrainModelConfig(lora=LoraConfig(enabled=True, target_modules=["qkv"]))  # Qwen2-VL's ViT attention
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules: \['qkv'\] name no layer of the language"):
+        adapt_backbone(backbone, tower_only)

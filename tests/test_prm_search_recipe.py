@@ -109,6 +109,37 @@ def test_backend_takes_the_policy_prompt_format_and_a_shard_seed_stream(tiny_mod
     assert (backend.system, backend.step_mode) == (None, "tags")
 
 
+def test_check_runs_names_the_setting_another_run_used(tmp_path):
+    """check_runs (before any model loads) compares this shard's settings with what this and the
+    other shards recorded beside their rows: a changed policy, sampling or search is named."""
+    import importlib.util
+
+    from mmprm.config import ConfigError, load_config
+
+    spec = importlib.util.spec_from_file_location("_recipe_prm_search_runs", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe
+    spec.loader.exec_module(recipe)
+    out = tmp_path / "out"
+    base = [f"policy.path={tmp_path / 'policy'}", f"prm={tmp_path / 'prm'}", "bon.enabled=true", "shard.count=2"]
+
+    def check(*extra, index=0):
+        recipe.check_runs(load_config(recipe.Config, YAML, [*base, f"shard.index={index}", *extra]), out, 6)
+
+    check()
+    beam = out / recipe.slug(load_config(recipe.Config, YAML, base).searches[0].label())
+    (beam / "results.shard0-of-2.jsonl").write_text('{"id": "a"}\n')
+    check()  # the same settings resume
+    with pytest.raises(ConfigError, match=r"results.shard0-of-2.jsonl was made with other settings {'policy'"):
+        check(f"policy.path={tmp_path / 'policy2'}")
+    with pytest.raises(ConfigError, match=r"results.shard0-of-2.jsonl was made .*{'sampling'"):
+        check("policy.sampling.temperature=0.5", index=1)  # shard 1, against shard 0's rows
+    (out / "bon" / "candidates.shard0-of-2.done").write_text("")  # a .done marker alone is another run's too
+    (beam / "results.shard0-of-2.jsonl").unlink()
+    with pytest.raises(ConfigError, match=r"candidates.shard0-of-2.jsonl was made .*{'n'"):
+        check("bon.n=[2, 32]")
+
+
 @pytest.mark.slow
 def test_kill_resume_shards_and_report(inputs, tmp_path):
     policy, prm, problems = inputs
@@ -177,6 +208,55 @@ def test_kill_resume_shards_and_report(inputs, tmp_path):
     assert not (tmp_path / "sharded" / "report.json").exists()
     run([*sharded, "shard.index=1", "shard.count=2"])
     assert json.loads((tmp_path / "sharded" / "report.json").read_text())["num_problems"] == 6
+
+
+@pytest.mark.slow
+def test_another_prm_on_the_same_output_dir_is_refused_by_name(inputs, tmp_path):
+    """Rows and .done markers of one run are never resumed, nor merged, by a run with another PRM:
+    on the same shard, or on another shard of the same output_dir."""
+    import shutil
+
+    policy, prm, problems = inputs
+    other = shutil.copytree(prm, tmp_path / "other_prm")  # the same weights, but another PRM to the run
+
+    def launch(out, *extra):
+        return subprocess.run(
+            [
+                sys.executable,
+                str(RECIPE),
+                "--config",
+                str(YAML),
+                f"policy.path={policy}",
+                f"problems_file={problems}",
+                f"output_dir={out}",
+                "limit=2",
+                "batch_problems=2",
+                "report.resamples=50",
+                "searches=[{method: beam, width: 2, expansions: 2, max_steps: 3}]",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=ENV,
+            timeout=600,
+            check=False,
+        )
+
+    out = tmp_path / "out"
+    assert launch(out, f"prm={prm}").returncode == 0
+    rows = out / "beam_W2xM2" / "results.shard0-of-1.jsonl"
+    before = rows.read_text(), (out / "report.json").read_text()
+    res = launch(out, f"prm={other}")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "results.shard0-of-1.jsonl was made with other settings {'prm'" in res.stderr and str(other) in res.stderr
+    assert (rows.read_text(), (out / "report.json").read_text()) == before
+
+    sharded = tmp_path / "sharded"
+    assert launch(sharded, f"prm={prm}", "shard.index=0", "shard.count=2").returncode == 0
+    res = launch(sharded, f"prm={other}", "shard.index=1", "shard.count=2")
+    assert res.returncode == 2 and "results.shard0-of-2.jsonl was made with other settings {'prm'" in res.stderr
+    assert not (sharded / "beam_W2xM2" / "results.shard1-of-2.jsonl").exists()
 
 
 @pytest.mark.slow

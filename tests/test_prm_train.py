@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from recipe_runs import REPO, cpu_ddp_launcher, read_metrics, run_recipe
 from safetensors.torch import load_file
 from toy_data import write_toy_prm_data, write_uneven_tree_data
@@ -53,6 +54,27 @@ def test_every_arch_trains_and_loss_goes_down(tiny_models, toy, tmp_path, arch):
     assert (out / "mmprm_prm.json").exists() and (out / "checkpoints" / "step_16").is_dir()
     ev_rows = read_metrics(out, "eval")
     assert {"bce", "brier", "step_accuracy", "first_error_f1"} <= set(ev_rows[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "internvl", "llava"])
+def test_lora_training_leaves_the_vision_tower_as_the_base_model_has_it(tiny_models, toy, tmp_path, arch):
+    """With the default frozen tower and LoRA on the default target names, the checkpoint holds no
+    adapter in the tower and the saved (merged) PRM holds the base model's vision weights."""
+    train, ev = toy
+    out = tmp_path / arch
+    lora = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8", "model.lora.dropout=0"]
+    run_recipe("prm_train", *common(tiny_models(arch), train, ev, out, steps=2), *lora)
+
+    def in_tower(name):
+        return "vision_tower." in name or ("visual." in name and "merger" not in name)
+
+    trained = load_file(out / "checkpoints" / "step_2" / "model.safetensors")
+    adapters = [k for k in trained if "lora_" in k]
+    assert adapters and [k for k in adapters if in_tower(k)] == []
+    base, saved = load_file(tiny_models(arch) / "model.safetensors"), load_file(out / "model.safetensors")
+    tower = [k for k in base if in_tower(k)]
+    assert tower and [k for k in tower if not torch.equal(saved[k], base[k])] == []
 
 
 def test_value_head_hard_labels_balance_and_load_prm_round_trip(tiny_models, toy, tmp_path):

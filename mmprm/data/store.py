@@ -127,9 +127,10 @@ def iter_merged(
         yield from iter_rows(shard_file(folder, stem, i, count), fields)
 
 
-def check_same_run(run_file: str | Path, run: dict[str, Any], *outputs: str | Path) -> None:
+def check_same_run(run_file: str | Path, run: dict[str, Any], *outputs: str | Path, record: bool = True) -> None:
     """Refuse to resume or reuse `outputs` made with other settings (ConfigError naming what
-    changed); record this run's settings in `run_file`."""
+    changed); record this run's settings in `run_file` (record=False: only compare, e.g. with the
+    files of another shard of the run)."""
     from mmprm.config import ConfigError
 
     run_file = Path(run_file)
@@ -141,8 +142,9 @@ def check_same_run(run_file: str | Path, run: dict[str, Any], *outputs: str | Pa
                 f"output_dir: {Path(outputs[0]).name} was made with other settings {diff} (was, now): "
                 "use a new output_dir, or delete its files to redo it"
             )
-    run_file.parent.mkdir(parents=True, exist_ok=True)
-    run_file.write_text(json.dumps(run, indent=2) + "\n")
+    if record:
+        run_file.parent.mkdir(parents=True, exist_ok=True)
+        run_file.write_text(json.dumps(run, indent=2) + "\n")
 
 
 def mark_done(path: str | Path) -> None:

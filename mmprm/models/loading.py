@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, get_args
@@ -46,6 +47,7 @@ from mmprm.steps import STEP_TOKEN
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
     "IMAGE_ONLY_PROCESSORS",
+    "VISION_TOWER_PATTERN",
     "InternVLImageOnlyProcessor",
     "LlavaOnevisionImageOnlyProcessor",
     "Qwen2VLImageOnlyProcessor",
@@ -158,6 +160,11 @@ IMAGE_ONLY_PROCESSORS: dict[str, type] = {
 # part of the tower: they are usually trained together with the language model.
 _VISION_TOWER_NAMES = ("visual", "vision_tower", "vision_model")
 _PROJECTOR_NAMES = ("merger", "multi_modal_projector")
+# A module or parameter name inside the vision tower and outside its projector, under re.fullmatch
+# (the form peft's `exclude_modules` takes as a string).
+VISION_TOWER_PATTERN = (
+    rf"(?!(?:.*\.)?(?:{'|'.join(_PROJECTOR_NAMES)})(?:\.|$))(?:.*\.)?(?:{'|'.join(_VISION_TOWER_NAMES)})(?:\..*)?"
+)
 
 
 def _config_of(model_or_config: Any) -> PreTrainedConfig:
@@ -398,9 +405,4 @@ def vision_tower_parameters(model: nn.Module) -> list[nn.Parameter]:
     The multimodal projector (Qwen's `visual.merger`, LLaVA/InternVL `multi_modal_projector`) is
     excluded. Works through wrappers (PRM heads, PEFT) because it matches parameter names.
     """
-    params = []
-    for name, param in model.named_parameters():
-        parts = name.split(".")
-        if any(p in _VISION_TOWER_NAMES for p in parts) and not any(p in _PROJECTOR_NAMES for p in parts):
-            params.append(param)
-    return params
+    return [param for name, param in model.named_parameters() if re.fullmatch(VISION_TOWER_PATTERN, name)]

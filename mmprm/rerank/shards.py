@@ -59,8 +59,8 @@ def merge_scored(out_dir: str | Path, count: int | None = None) -> Path:
             requires all shard files there to come from one run.
 
     Raises:
-        FileNotFoundError: no shard files. ValueError: a shard is missing, runs are mixed, or an
-        id appears in two shards.
+        FileNotFoundError: no shard files. ValueError: a shard is missing, runs are mixed (shard
+        counts or settings, `check_one_run`), or an id appears in two shards.
     """
     out = Path(out_dir)
     shards = {}
@@ -84,6 +84,7 @@ def merge_scored(out_dir: str | Path, count: int | None = None) -> Path:
         raise ValueError(
             f"{out}: shard(s) {missing} of {count} missing: run them (shard.index=I shard.count={count}) before merging"
         )
+    check_one_run(out, [shards[(i, count)] for i in range(count)])
     # Rows are copied one at a time; memory holds the ids only.
     seen: set[str] = set()
     merged = out / "scored.jsonl"
@@ -102,6 +103,38 @@ def merge_scored(out_dir: str | Path, count: int | None = None) -> Path:
                 seen.add(row["id"])
                 dst.write(json.dumps(row, ensure_ascii=False) + "\n")
     return merged
+
+
+def check_one_run(out: Path, files: list[Path]) -> None:
+    """Refuse shards scored with other settings than the first shard with rows, as each recorded
+    them beside its file (`<shard>.run.json`, bon_rerank): merged, they would report two PRMs or
+    candidate sets as one run. A shard that sampled its own candidates may differ in that file's
+    name only, and their sampling settings (`candidates.shard*.jsonl.run.json`) must match too."""
+    from mmprm.config import ConfigError
+    from mmprm.data.store import check_same_run
+
+    def own(i: int) -> Path:  # the candidates file shard i samples for itself (bon_rerank's name)
+        return out / f"candidates.shard{i}-of-{len(files)}.jsonl"
+
+    def run_file(path: Path) -> Path:
+        return path.with_name(path.name + ".run.json")
+
+    ref: tuple[int, dict[str, Any]] | None = None
+    for i, shard in enumerate(files):
+        if not run_file(shard).exists() or shard.stat().st_size == 0:  # no rows: no scores to mix
+            continue
+        if ref is None:
+            ref = i, json.loads(run_file(shard).read_text())
+            continue
+        j, expected = ref[0], dict(ref[1])
+        try:
+            if expected.get("candidates_file") == str(own(j).resolve()) and run_file(own(j)).exists():
+                expected["candidates_file"] = str(own(i).resolve())
+                sampled = json.loads(run_file(own(j)).read_text())
+                check_same_run(run_file(own(i)), sampled, own(i), record=False)
+            check_same_run(run_file(shard), expected, shard, record=False)
+        except ConfigError as e:
+            raise ValueError(f"{out}: not one run: {e} (was: this shard's, now: shard {j}'s)") from None
 
 
 def report_from_scored(
