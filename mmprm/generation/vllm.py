@@ -29,7 +29,7 @@ import contextlib
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from mmprm.generation.base import (
@@ -349,18 +349,31 @@ class VLLMBackend:
         stop strings applied); the submitted requests it finished, all n samples each."""
         if not self._tickets:
             return []
+        engine = self.llm.llm_engine
+        if not engine.has_unfinished_requests():
+            # step() would wait forever on an idle engine: these requests will never be reported.
+            raise RuntimeError(
+                f"vllm {self._vllm.__version__} holds none of the {len(self._tickets)} requests submitted and not yet "
+                f"reported finished (ids {sorted(self._tickets)[:5]}): the engine lost them"
+            )
         start = time.perf_counter()
-        done = [
-            (self._tickets.pop(out.request_id)[0], self._completions(out))
-            for out in self.llm.llm_engine.step()
-            if out.finished
-        ]
+        done = []
+        for out in engine.step():
+            if not out.finished:
+                continue
+            if out.request_id not in self._tickets:
+                raise RuntimeError(
+                    f"vllm {self._vllm.__version__} finished request {out.request_id!r}, which matches no submitted "
+                    f"request ({sorted(self._tickets)[:5]}...): its request-id format is not the one mmprm reads"
+                )
+            done.append((self._tickets.pop(out.request_id)[0], self._completions(out)))
         self.stats.seconds += time.perf_counter() - start
         return done
 
-    def cancel(self) -> None:
-        """Drop every submitted request still in flight (a run that stops midway), so the
-        engine is empty for the next `generate` or run."""
-        if self._tickets:
-            self.llm.llm_engine.abort_request([iid for _, iid in self._tickets.values()], internal=True)
-            self._tickets.clear()
+    def cancel(self, tickets: Collection[int] | None = None) -> None:
+        """Drop these submitted requests (one that took too long), or every one still in flight
+        (a run that stops midway), so the engine is empty for the next `generate` or run."""
+        drop = [rid for rid, (ticket, _) in self._tickets.items() if tickets is None or ticket in tickets]
+        if drop:
+            # enqueue's ids are the engine's internal ones, which is what vLLM itself aborts with.
+            self.llm.llm_engine.abort_request([self._tickets.pop(rid)[1] for rid in drop], internal=True)
