@@ -358,6 +358,17 @@ def test_requests_the_engine_lost_stop_polling_with_a_clear_error(engines):
         backend._tickets.clear()
 
 
+def test_an_untested_vllm_stops_the_engine_start(monkeypatch, tmp_path):
+    import vllm
+
+    from mmprm.generation.base import SamplingConfig
+    from mmprm.generation.vllm import VLLMBackend
+
+    monkeypatch.setattr(vllm, "__version__", "0.40.0")
+    with pytest.raises(RuntimeError, match=r"vllm 0.40.0 is installed, but mmprm is tested on vllm >=0.32,<0.34"):
+        VLLMBackend(str(tmp_path), SamplingConfig())
+
+
 def too_long(e: Engines) -> Any:
     """A problem whose prompt alone is longer than the engine's max_model_len (1024 tokens)."""
     question = " ".join(["The bar shows 2 and then 3 more."] * 150) + " What is the total?"

