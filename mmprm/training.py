@@ -136,6 +136,12 @@ class TrainConfig:
                 f"train.keep_checkpoints: {self.keep_checkpoints} would delete the checkpoint just written "
                 "(use 1 or more, or null to keep every one)"
             )
+        for key in ("log_every", "eval_every", "save_every"):
+            if getattr(self, key) < 1:
+                raise ValueError(
+                    f"train.{key}: {getattr(self, key)} is not a step interval (use 1 or more; a value past "
+                    "train.max_steps acts only at the last step)"
+                )
         if self.schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"train.schedule: {self.schedule!r} is not one of ['cosine', 'linear', 'constant']")
 

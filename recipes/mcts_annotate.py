@@ -110,12 +110,16 @@ class EngineConfig:
         continuous: vllm only: each search's next probe enters the running engine as soon as its last
             returns, instead of one blocking call per round that waits for its longest rollout (the
             same records either way) | null: on for vllm, off for hf (hf generates in rounds only)
+        request_timeout_s: continuous only: a probe the engine has not finished this many seconds after
+            its submission is aborted and its problem gets a transient error record (retried on resume),
+            so a request the engine never reports finished cannot keep the run waiting; null: no limit
     """
 
     step_mode: Literal["tags", "blank_lines"] | None = None
     concurrency: int = 64
     max_consecutive_failures: int = 16
     continuous: bool | None = None
+    request_timeout_s: float | None = 1800.0
 
 
 @dataclass
@@ -170,6 +174,8 @@ class AnnotateConfig:
             raise ValueError("data.problems_file is required (JSONL of id, images, question, answer)")
         if self.engine.concurrency < 1 or self.model.hf_batch_size < 1 or self.engine.max_consecutive_failures < 1:
             raise ValueError("engine.concurrency, engine.max_consecutive_failures and model.hf_batch_size must be >= 1")
+        if self.engine.request_timeout_s is not None and not self.engine.request_timeout_s > 0:
+            raise ValueError(f"engine.request_timeout_s: {self.engine.request_timeout_s} must be > 0 seconds (or null)")
         if self.engine.continuous and self.model.backend != "vllm":
             raise ValueError(
                 f"engine.continuous=true needs model.backend=vllm (the {self.model.backend} backend generates in "
@@ -323,6 +329,7 @@ def make_engine(cfg: AnnotateConfig, backend: Any, verify: Any) -> AnnotationEng
         cfg.engine.max_consecutive_failures,
         prefix_temperature=cfg.sampling.prefix_temperature,
         continuous=cfg.model.backend == "vllm" if cfg.engine.continuous is None else cfg.engine.continuous,
+        request_timeout_s=cfg.engine.request_timeout_s,
     )
 
 

@@ -120,3 +120,27 @@ def test_bon_table_refuses_runs_without_a_report(tmp_path, capsys):
     (tmp_path / "mathvista").mkdir()
     assert cli_bon_table([str(tmp_path / "mathvista")]) == 2
     assert "no report.json in" in capsys.readouterr().err
+
+
+def test_bon_table_defaults_to_the_largest_n_every_report_has(tmp_path, capsys):
+    """Reports with N up to 8 (1, 2, 4, 8) and up to 6 (1, 2, 4, 6) share N=4, not min(n_max)=6."""
+    from mmprm.rerank.shards import report_from_scored
+
+    for name, n in (("mathvista", 8), ("mathverse", 6)):
+        rows = [
+            {
+                "id": f"{name}-{i}",
+                "candidates": [
+                    {"step_probs": [0.1 * ((i + j) % 10)], "answer": str(j % 3), "correct": j % 3 == 0}
+                    for j in range(n)
+                ],
+            }
+            for i in range(3)
+        ]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        report_from_scored(tmp_path / f"{name}.jsonl", tmp_path / name, resamples=20)
+    assert cli_bon_table([str(tmp_path / "mathvista"), str(tmp_path / "mathverse")]) == 0, capsys.readouterr().err
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert table["n"] == 4
+    assert cli_bon_table([str(tmp_path / "mathvista"), str(tmp_path / "mathverse"), "--n", "6"]) == 2
+    assert "mathvista: its report has no N=6" in capsys.readouterr().err

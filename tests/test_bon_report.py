@@ -305,6 +305,15 @@ def test_a_truncated_candidate_never_wins_on_its_partial_score(tmp_path):
         bon_curve([[{**cand([0.5], "1", True), "truncated": "yes"}]])
 
 
+def test_a_truncated_candidate_ranks_below_an_empty_one_under_every_aggregator():
+    # A truncated candidate first, an empty one (no steps) second; the flags tell which was picked.
+    # Log-scale aggregators score the empty one -inf: a plain argmax tie would pick index 0.
+    problems = [[{**cand([0.9, 0.8], "7", False), "truncated": True}, cand([], None, True)]]
+    curve = bon_curve(problems)
+    for m in AGGREGATORS:
+        assert curve.per_problem[m][2].tolist() == [1.0], m
+
+
 def test_percentile_interval_by_hand():
     """The 2.5th and 97.5th percentiles, numpy's linear interpolation: 0..100 -> [2.5, 97.5]."""
     from mmprm.scoring.stats import percentile_interval

@@ -70,6 +70,19 @@ def test_keep_checkpoints_below_one_is_refused():
         TrainConfig(keep_checkpoints=0).validate()
 
 
+@pytest.mark.parametrize("recipe", ["prm_train", "policy_sft"])
+@pytest.mark.parametrize("key", ["log_every", "eval_every", "save_every"])
+def test_a_zero_step_interval_is_refused_when_the_config_loads(recipe, key):
+    """`step % 0` would raise ZeroDivisionError at the first step, after the model has loaded."""
+    from recipe_runs import REPO, load_recipe
+
+    from mmprm.config import ConfigError, load_config
+
+    mod = load_recipe(recipe)
+    with pytest.raises(ConfigError, match=rf"train\.{key}: 0 is not a step interval"):
+        load_config(mod.Config, REPO / "recipes" / "configs" / "tiny" / f"{recipe}.yaml", [f"train.{key}=0"])
+
+
 def marker(out, step: int) -> dict:
     return json.loads((out / "checkpoints" / f"step_{step}" / CHECKPOINT_DONE).read_text())
 

@@ -765,6 +765,48 @@ def test_an_outage_stops_the_run_instead_of_emptying_it(continuous):
     assert policy._pending == []  # the probes still out were dropped, not left in the engine
 
 
+def test_a_request_that_never_finishes_times_out_as_its_problems_transient_error():
+    """A continuous backend that never reports one request finished: the run ends, that problem
+    gets a transient error record (retried on resume), its request is aborted, the rest annotate."""
+    problems = random_problems(6, seed=5)
+    stuck = sorted(problems)[2]
+    policy = SimulatedPolicy(problems, stuck=[stuck])
+    engine = AnnotationEngine(
+        policy, OmegaConfig(max_rollouts=100), exact, concurrency=3, continuous=True, request_timeout_s=0.2
+    )
+    records: list[dict] = []
+    t0 = time.perf_counter()
+    engine.run([Problem(pid, "q", GOLD) for pid in problems], records.append)
+    assert time.perf_counter() - t0 < 30
+    by_id = {r["id"]: r for r in records}
+    assert sorted(by_id) == sorted(problems) and by_id[stuck]["error_kind"] == "transient"
+    assert by_id[stuck]["message"].startswith("RequestTimeout: the backend did not finish this problem's request")
+    assert "engine.request_timeout_s=0.2s" in by_id[stuck]["message"]
+    assert all(r["status"] != "error" for pid, r in by_id.items() if pid != stuck)
+    assert policy._pending == []  # aborted, not left in the engine
+    with pytest.raises(ValueError, match="engine.request_timeout_s must be > 0 seconds"):
+        AnnotationEngine(policy, OmegaConfig(), exact, continuous=True, request_timeout_s=0)
+
+
+def test_requests_that_never_finish_stop_the_run_as_an_outage():
+    """Every request lost (a hung engine): the timeouts are transient errors in a row, an outage."""
+    problems = random_problems(8, seed=6)
+    policy = SimulatedPolicy(problems, stuck=list(problems))
+    engine = AnnotationEngine(
+        policy,
+        OmegaConfig(max_rollouts=100),
+        exact,
+        concurrency=4,
+        max_consecutive_failures=3,
+        continuous=True,
+        request_timeout_s=0.1,
+    )
+    records: list[dict] = []
+    with pytest.raises(AnnotationOutage, match=r"3 problems in a row failed .*RequestTimeout"):
+        engine.run([Problem(pid, "q", GOLD) for pid in problems], records.append)
+    assert len(records) == 3 and policy._pending == []
+
+
 class _DeadBackend(SimulatedPolicy):
     def generate(self, requests):
         raise ConnectionError("engine process died")

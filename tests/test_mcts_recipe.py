@@ -52,6 +52,9 @@ def test_shipped_tiny_yaml_parses_with_overrides():
     assert load_config(mod.AnnotateConfig, YAML, ["model.backend=vllm", "engine.continuous=true"]).engine.continuous
     with pytest.raises(ConfigError, match="engine.continuous=true needs model.backend=vllm"):
         load_config(mod.AnnotateConfig, YAML, ["model.backend=hf", "engine.continuous=true"])
+    assert mod.AnnotateConfig().engine.request_timeout_s == 1800.0
+    with pytest.raises(ConfigError, match=r"engine.request_timeout_s: 0(\.0)? must be > 0 seconds"):
+        load_config(mod.AnnotateConfig, YAML, ["engine.request_timeout_s=0"])
 
 
 def test_bad_inputs_fail_before_any_model_loads(tmp_path, capsys):

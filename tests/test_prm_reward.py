@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from mmprm.search.reward import PRMReward, completion_text
@@ -46,6 +48,36 @@ def test_reward_parses_steps_attaches_the_answer_and_aggregates():
         PRMReward(prm, aggregator="mean")
 
 
+class CuttingPRM(ScriptedPRM):
+    """A scorer whose context holds `fits` steps: later ones come back NaN, as PRMScorer's do."""
+
+    def __init__(self, table: dict[str, float], fits: int):
+        super().__init__(table)
+        self.fits = fits
+
+    def score(self, examples):
+        return [[p if k < self.fits else float("nan") for k, p in enumerate(row)] for row in super().score(examples)]
+
+
+def test_a_completion_the_prm_cut_gets_the_lowest_reward():
+    # Completion 0's third step does not fit: on its prefix `last` would read its middle step b (0.9)
+    # and beat completion 1 (last step 0.3); it gets empty_reward instead, below every complete one.
+    prm = CuttingPRM({"a": 0.6, "b": 0.9, "c\n<answer>1</answer>": 0.05, "d\n<answer>2</answer>": 0.3}, fits=2)
+    comps = [
+        "<step>a</step><step>b</step><step>c</step><answer>1</answer>",
+        "<step>a</step><step>d</step><answer>2</answer>",
+    ]
+    for aggregator, complete in (("last", 0.3), ("min", 0.3), ("average", 0.45)):
+        reward = PRMReward(prm, aggregator=aggregator)
+        assert reward(prompts=["p", "p"], completions=comps) == pytest.approx([0.0, complete]), aggregator
+        assert reward.truncated == 1
+    # Log-scale aggregators have no floor: an empty or cut completion's reward must be given.
+    with pytest.raises(ValueError, match="'sum_logpr' scores completions on an unbounded log scale: give empty_reward"):
+        PRMReward(prm, aggregator="sum_logpr")
+    reward = PRMReward(prm, aggregator="sum_logpr", empty_reward=-100.0)
+    assert reward(prompts=["p", "p"], completions=comps) == pytest.approx([-100.0, math.log(0.6) + math.log(0.3)])
+
+
 def test_reward_scores_with_a_real_prm_sharing_the_prompt(tiny_models):
     from PIL import Image
 
@@ -73,6 +105,23 @@ def test_reward_scores_with_a_real_prm_sharing_the_prompt(tiny_models):
         )
     ]
     assert got == pytest.approx(plain, abs=1e-5) and all(0.0 < r < 1.0 for r in got)
+
+
+def test_a_real_prm_cut_at_max_length_gives_the_lowest_reward(tiny_models):
+    """A real PRMScorer whose max_length holds the short completion but not the long one's steps."""
+    from mmprm.models.loading import load_backbone
+    from mmprm.models.prm import PRMScorer, PRMSpec, build_prm
+
+    backbone, processor = load_backbone(tiny_models("qwen2"))
+    prm = build_prm(backbone, processor, PRMSpec())
+    short = "<step>One.</step>\n<answer>1</answer>"
+    long = "<step>One.</step>\n" + "<step>More words here, and more.</step>\n" * 6 + "<answer>1</answer>"
+    ex = {"question": "Q", "images": [], "steps": ["One.\n<answer>1</answer>"]}
+    fits = len(PRMScorer(prm, processor).tokenize(ex).input_ids)
+    scorer = PRMScorer(prm, processor, max_length=fits + 8)
+    reward = PRMReward(scorer, aggregator="last")
+    got = reward(prompts=["Q", "Q"], completions=[long, short], question=["Q", "Q"])
+    assert got[0] == 0.0 and 0.0 < got[1] < 1.0 and reward.truncated == 1
 
 
 @pytest.mark.slow

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 
 from mmprm.search.core import SearchConfig, SearchTree, run_search
 
+REPO = Path(__file__).resolve().parents[1]
 QUESTION = "The bar shows 2 and then 3 more. What is the total?"
 
 
@@ -131,6 +133,28 @@ def test_make_rollout_backend_vllm_engine_arguments(monkeypatch):
     assert pinned == [1, 1]
     make_rollout_backend("m", sampling, "tags", None, backend="vllm", vllm_kwargs={"tensor_parallel_size": 4})
     assert pinned[-1] == 4  # the engine's GPUs are pinned as a block
+
+
+def test_an_untested_vllm_version_is_refused_unless_the_user_opts_out(monkeypatch):
+    """The engine start refuses a vLLM outside the tested range (its request ids may differ), naming
+    the version and the range; MMPRM_ALLOW_UNTESTED_VLLM=1 runs it with a warning. The range is
+    pyproject's `vllm` extra, so the two cannot drift apart."""
+    import tomllib
+
+    from mmprm.generation.vllm import TESTED_VLLM, check_vllm_version
+
+    monkeypatch.delenv("MMPRM_ALLOW_UNTESTED_VLLM", raising=False)
+    for ok in ("0.32.0", "0.33.1+cu130", "0.33.0rc1"):
+        check_vllm_version(ok)
+    for bad in ("0.34.0", "0.31.2", "1.0.0", "not-a-version"):
+        with pytest.raises(RuntimeError, match=rf"vllm {bad} is installed, but mmprm is tested on vllm >=0.32,<0.34"):
+            check_vllm_version(bad)
+    monkeypatch.setenv("MMPRM_ALLOW_UNTESTED_VLLM", "1")
+    with pytest.warns(UserWarning, match="vllm 0.34.0 is untested"):
+        check_vllm_version("0.34.0")
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+    (lo, hi) = TESTED_VLLM
+    assert extra == [f"vllm>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"]
 
 
 def test_vllm_prompt_length_check_refuses_what_vllm_refuses():

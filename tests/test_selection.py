@@ -26,6 +26,20 @@ def test_pick_best_highest_then_lowest_index():
         pick_best([])
 
 
+def test_pick_best_ranks_a_truncated_candidate_last():
+    # Candidate 0 was cut: its two scored steps give sum_logpr = log 0.9 + log 0.8 = -0.3285, far
+    # above the empty candidate 1 (-inf), yet the complete (empty) one wins.
+    prefix = math.log(0.9) + math.log(0.8)
+    assert pick_best([prefix, -math.inf], truncated=[True, False]) == 1
+    # The tie an index rule would break the wrong way: both at -inf, the truncated one first.
+    assert pick_best([-math.inf, -math.inf], truncated=[True, False]) == 1
+    assert pick_best([0.9, 0.2, 0.3], truncated=[True, False, False]) == 2
+    # Only truncated candidates: the lowest index, whatever the scores.
+    assert pick_best([0.2, 0.9], truncated=[True, True]) == 0
+    with pytest.raises(ValueError, match="3 scores but 2 truncated flags"):
+        pick_best([0.1, 0.2, 0.3], truncated=[True, False])
+
+
 def test_random_and_oracle():
     assert random_pick_accuracy([True, False, False, True]) == 0.5
     assert random_pick_accuracy([False, False, True]) == pytest.approx(1 / 3)

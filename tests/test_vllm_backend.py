@@ -317,6 +317,58 @@ def test_continuous_annotation_writes_the_records_of_rounds(engines):
         backend.submit(RolloutRequest("too-long", too_long(engines).question, engines.problems[2].images, [], 2))
 
 
+def test_a_request_past_its_timeout_is_aborted_in_the_engine(engines):
+    """The continuous engine's per-request timeout on a real engine: a probe not finished in time
+    is aborted by its internal id (the others keep running) and its problem gets a transient error."""
+    from mmprm.annotate.engine import AnnotationEngine, rule_verifier
+    from mmprm.annotate.omega import OmegaConfig
+
+    backend = fresh(engines.vllm)
+    try:
+        first, second = (backend.submit(r) for r in requests(engines, 2))
+        backend.cancel([first])
+        finished = []
+        while backend.llm.llm_engine.has_unfinished_requests():
+            finished += backend.poll()
+        assert [t for t, _ in finished] == [second] and backend._tickets == {}
+    finally:
+        backend.cancel()
+
+    # A timeout no probe can meet: every problem errs, transient, and the engine is left empty.
+    out: list[dict] = []
+    search = OmegaConfig(rollouts_per_estimate=4, max_searches=4, max_rollouts=24)
+    AnnotationEngine(
+        fresh(engines.vllm), search, rule_verifier, "tags", concurrency=2, continuous=True, request_timeout_s=1e-6
+    ).run(engines.problems, out.append)
+    assert len(out) == len(engines.problems)
+    assert all(r["error_kind"] == "transient" and r["message"].startswith("RequestTimeout") for r in out)
+    assert not backend.llm.llm_engine.has_unfinished_requests()
+
+
+def test_requests_the_engine_lost_stop_polling_with_a_clear_error(engines):
+    """step() on an idle engine would wait forever: a request the engine no longer holds is an error."""
+    backend = fresh(engines.vllm)
+    try:
+        ticket = backend.submit(requests(engines, 2)[0])
+        (internal,) = [iid for t, iid in backend._tickets.values() if t == ticket]
+        backend.llm.llm_engine.abort_request([internal], internal=True)  # behind the backend's back
+        with pytest.raises(RuntimeError, match="holds none of the 1 requests submitted .* the engine lost them"):
+            backend.poll()
+    finally:
+        backend._tickets.clear()
+
+
+def test_an_untested_vllm_stops_the_engine_start(monkeypatch, tmp_path):
+    import vllm
+
+    from mmprm.generation.base import SamplingConfig
+    from mmprm.generation.vllm import VLLMBackend
+
+    monkeypatch.setattr(vllm, "__version__", "0.40.0")
+    with pytest.raises(RuntimeError, match=r"vllm 0.40.0 is installed, but mmprm is tested on vllm >=0.32,<0.34"):
+        VLLMBackend(str(tmp_path), SamplingConfig())
+
+
 def too_long(e: Engines) -> Any:
     """A problem whose prompt alone is longer than the engine's max_model_len (1024 tokens)."""
     question = " ".join(["The bar shows 2 and then 3 more."] * 150) + " What is the total?"

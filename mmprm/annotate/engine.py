@@ -67,6 +67,11 @@ class AnnotationOutage(RuntimeError):
     rather than write an error record for every remaining problem."""
 
 
+class RequestTimeout(RuntimeError):
+    """A continuous request the backend did not finish within `request_timeout_s` (a transient
+    error of its problem: retried on resume)."""
+
+
 class RankBusyError(RuntimeError):
     """Another live worker holds this rank's tree file."""
 
@@ -362,6 +367,7 @@ class _Active:
     gen: Any
     probe: Probe
     started: float
+    submitted: float = 0.0  # when its probe went to a continuous backend
     verdicts: dict[str | None, bool] = field(default_factory=dict)
 
 
@@ -380,6 +386,9 @@ class AnnotationEngine:
             (`SamplingConfig.prefix_temperature`); None: the backend's own.
         continuous: submit each probe as its search makes it and take completions as they
             finish (`ContinuousBackend`: vLLM, simulated) instead of one blocking call per round.
+        request_timeout_s: continuous only: a probe the backend has not finished this many
+            seconds after its submission is aborted and its problem gets a transient error record
+            (retried on resume; `max_consecutive_failures` of them stop the run); None waits forever.
     """
 
     def __init__(
@@ -392,6 +401,7 @@ class AnnotationEngine:
         max_consecutive_failures: int = 16,
         prefix_temperature: float | None = None,
         continuous: bool = False,
+        request_timeout_s: float | None = 1800.0,
     ):
         if continuous and not is_continuous(backend):
             raise ValueError(
@@ -402,6 +412,8 @@ class AnnotationEngine:
             raise ValueError("engine.concurrency must be >= 1")
         if max_consecutive_failures < 1:
             raise ValueError("engine.max_consecutive_failures must be >= 1")
+        if request_timeout_s is not None and not request_timeout_s > 0:
+            raise ValueError(f"engine.request_timeout_s must be > 0 seconds (or null), got {request_timeout_s}")
         search.validate()
         self.max_consecutive_failures = max_consecutive_failures
         self._failures_in_a_row = 0
@@ -412,6 +424,7 @@ class AnnotationEngine:
         self.concurrency = concurrency
         self.prefix_temperature = prefix_temperature
         self.continuous = continuous
+        self.request_timeout_s = request_timeout_s
         self.stats = EngineStats()
 
     def run(
@@ -508,11 +521,31 @@ class AnnotationEngine:
                         raise RuntimeError("backend returned a different number of rollouts than requested")
                     if self._advance(item, outs, on_record):
                         self._submit(item, inflight, on_record)
-                if done and on_batch is not None:
+                late = self._late(inflight)
+                if late:
+                    backend.cancel(late)
+                    for ticket in late:
+                        self._finish(inflight.pop(ticket), on_record, error=self._timeout(inflight, ticket))
+                if (done or late) and on_batch is not None:
                     on_batch(self.stats)
         finally:
             if inflight:  # the run stops midway (an outage): its requests must not linger in the engine
                 backend.cancel()
+
+    def _late(self, inflight: dict[int, _Active]) -> list[int]:
+        """Tickets of the probes out longer than `request_timeout_s`: an engine that never reports
+        a request finished would otherwise keep the run polling forever."""
+        if self.request_timeout_s is None:
+            return []
+        now = time.perf_counter()
+        return [t for t, item in inflight.items() if now - item.submitted > self.request_timeout_s]
+
+    def _timeout(self, inflight: dict[int, _Active], ticket: int) -> RequestTimeout:
+        return RequestTimeout(
+            f"the backend did not finish this problem's request (ticket {ticket}) within engine.request_timeout_s="
+            f"{self.request_timeout_s:g}s; it was aborted ({len(inflight)} others in flight). If the engine is "
+            "only slow (long solutions, many requests queued), raise engine.request_timeout_s"
+        )
 
     def _submit(self, item: _Active, inflight: dict[int, _Active], on_record: Callable[[dict[str, Any]], None]) -> None:
         """Send `item`'s probe; a request the backend cannot build a prompt for is its problem's
@@ -525,7 +558,8 @@ class AnnotationEngine:
             return
         except Exception as e:  # noqa: BLE001 - reported with its cause, the run stops
             raise self._outage(e, len(inflight) + 1) from e
-        self.stats.backend_seconds += time.perf_counter() - t0
+        item.submitted = time.perf_counter()
+        self.stats.backend_seconds += item.submitted - t0
         self.stats.backend_calls += 1
         self.stats.sequences_per_call.append(item.probe.n)
         inflight[ticket] = item

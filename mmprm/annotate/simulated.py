@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from mmprm.generation.base import GenerationStats, RolloutRequest, StepMode
@@ -84,6 +84,7 @@ class SimulatedPolicy:
             last one ending in a `\\boxed{}` answer.
         delay_s: sleep per call (to make a subprocess slow enough to kill mid-run).
         unparsable: problem ids for which the policy writes prose with no steps at all.
+        stuck: problem ids whose submitted requests never finish (an engine that loses a request).
 
     A request's `temperature` is ignored: the error rates are the policy's, at any temperature.
     It also takes requests continuously (`submit`, `poll`): a request finishes after one poll per
@@ -97,14 +98,16 @@ class SimulatedPolicy:
         step_mode: StepMode = "tags",
         delay_s: float = 0.0,
         unparsable: Sequence[str] = (),
+        stuck: Sequence[str] = (),
     ):
         self.problems = dict(problems)
         self.seed = seed
         self.step_mode = step_mode
         self.delay_s = delay_s
         self.unparsable = set(unparsable)
+        self.stuck = set(stuck)
         self.stats = GenerationStats()
-        self._pending: list[tuple[int, int, list[str]]] = []  # (polls left, ticket, texts)
+        self._pending: list[tuple[float, int, list[str]]] = []  # (polls left, ticket, texts)
         self._next_ticket = 0
 
     def sample(self, problem: SimProblem, prefix: Sequence[str], rng: random.Random) -> tuple[list[str], str]:
@@ -153,6 +156,8 @@ class SimulatedPolicy:
         """Queue one request (`ContinuousBackend`); its rollouts are drawn now, returned by `poll`."""
         (texts,) = self.generate([request])
         polls = 1 + max((t.count("<step>") or t.count("\n\n") + 1 for t in texts), default=0) // 4
+        if request.problem_id in self.stuck:
+            polls = math.inf
         ticket = self._next_ticket
         self._next_ticket += 1
         self._pending.append((polls, ticket, texts))
@@ -166,9 +171,10 @@ class SimulatedPolicy:
         self._pending = [x for x in left if x[0] > 0]
         return [(ticket, texts) for polls, ticket, texts in left if polls <= 0]
 
-    def cancel(self) -> None:
-        """Drop every submitted request not yet returned."""
-        self._pending.clear()
+    def cancel(self, tickets: Collection[int] | None = None) -> None:
+        """Drop these submitted requests, or every one not yet returned."""
+        drop = None if tickets is None else set(tickets)
+        self._pending = [] if drop is None else [x for x in self._pending if x[1] not in drop]
 
 
 # -- a toy real policy -------------------------------------------------------------------------

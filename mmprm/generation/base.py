@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -255,8 +255,9 @@ class ContinuousBackend(RolloutBackend, Protocol):
         """Advance generation; return (ticket, n continuations) of each request that finished."""
         ...
 
-    def cancel(self) -> None:
-        """Drop every submitted request still in flight (the caller stops midway)."""
+    def cancel(self, tickets: Collection[int] | None = None) -> None:
+        """Drop these submitted requests (one that took too long), or every one still in flight
+        (the caller stops midway)."""
         ...
 
 

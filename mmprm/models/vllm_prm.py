@@ -246,8 +246,9 @@ class VLLMPRMScorer:
                 raise ImportError(
                     "the vllm scorer needs vllm: pip install 'mmprm[vllm]' (or use scorer.backend=hf)"
                 ) from None
-            from mmprm.generation.vllm import _independent_engine
+            from mmprm.generation.vllm import _independent_engine, check_vllm_version
 
+            check_vllm_version(vllm.__version__)
             self._vllm = vllm
             if self.spec.head == "classifier":
                 self.export_dir, engine_args = prm_path, CLASSIFIER_POOLING_ARGS

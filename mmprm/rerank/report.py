@@ -8,8 +8,8 @@ Input, per problem, a list of candidates, each a dict::
      "truncated": False}              # optional: scored steps are only a prefix (scoring.max_length)
 
 A truncated candidate's aggregate would read a middle step as `last` and fewer steps for `min`,
-so it must not win on a partial score: PRM aggregators rank it last (score -inf; among only
-truncated candidates the lowest index wins), it weighs 0 in the weighted vote, and majority vote,
+so it must not win on a partial score: PRM aggregators rank it last, below an empty candidate
+too (`mmprm.scoring.selection.pick_best`; among only truncated candidates the lowest index wins), it weighs 0 in the weighted vote, and majority vote,
 random and oracle, which never read scores, count it as usual. report.json/md count them.
 
 Method. For N in {1, 2, 4, ..., n_max} (plus n_max itself), each problem's accuracy at N is
@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from mmprm.scoring.aggregators import AGGREGATORS, aggregate
-from mmprm.scoring.selection import answer_groups, vote_accuracy
+from mmprm.scoring.selection import answer_groups, best_index, vote_accuracy
 from mmprm.scoring.stats import paired_bootstrap, percentile_interval, resample_means
 
 BASELINES = ("random", "majority", "weighted_vote", "oracle")
@@ -112,7 +112,8 @@ def _candidate_arrays(
                 raise ValueError(f"problem {i} candidate {j}: {fld}: {msg}")
             truncated[i, j] = bool(c.get("truncated", False))
             for name, fn in AGGREGATORS.items():
-                # A partial score must not win: a truncated candidate ranks below every complete one.
+                # A partial score must not win: `best_index` ranks a truncated candidate last; -inf keeps
+                # its prefix score out of anything else that reads the matrix.
                 scores[name][i, j] = -np.inf if truncated[i, j] else fn(c["step_probs"])
             correct[i, j] = bool(c["correct"])
         groups[i] = answer_groups([c["answer"] for c in cands], normalize, same)
@@ -226,9 +227,9 @@ def _block_accuracy(arr: dict[str, Any], idx: np.ndarray, lo: int, hi: int, n_ma
         return np.take_along_axis(np.broadcast_to(block, (hi - lo, k, n_max)), idx, axis=-1)  # (block, K, n)
 
     out = {}
-    corr = take(arr["correct"])
+    corr, cut = take(arr["correct"]), take(arr["truncated"])
     for name, s in arr["scores"].items():
-        pick = take(s).argmax(-1)[..., None]  # (block, K, 1): first maximum = lowest index
+        pick = best_index(take(s), cut)[..., None]  # (block, K, 1)
         out[name] = np.take_along_axis(corr, pick, -1)[..., 0].mean(-1)
     out["random"] = corr.mean(-1).mean(-1)
     out["oracle"] = corr.any(-1).mean(-1)

@@ -220,8 +220,14 @@ def benchmark_table(reports: dict[str, dict[str, Any]], n: int | None = None) ->
     """
     if not reports:
         raise ValueError("no reports to tabulate")
-    n = n or min(int(r["n_max"]) for r in reports.values())
     methods = list(next(iter(reports.values()))["methods"])
+    if n is None:
+        # Each report computed its own N list (1, 2, 4, ..., n_max): the smallest n_max need not be in
+        # another's list (8 has 1, 2, 4, 8; 6 has 1, 2, 4, 6), so take the largest N they all hold.
+        common = set.intersection(*(set(map(int, r["methods"][methods[0]])) for r in reports.values()))
+        if not common:
+            raise ValueError("the reports share no N: pass --n with one every report has")
+        n = max(common)
     rows: dict[str, Any] = {}
     for name, report in reports.items():
         if str(n) not in report["methods"][methods[0]]:

@@ -12,7 +12,8 @@ Numerical rules, the same for every aggregator:
   last, product, mean_odds) and -inf for the log-scale ones (sum_logpr, sum_logodds). Any
   candidate with at least one step scores strictly higher (product can underflow to 0.0 after
   ~50 steps at EPS and then ties with an empty candidate).
-* Picking: the highest score wins, ties go to the lowest candidate index
+* Picking: the highest score wins, ties go to the lowest candidate index, and a candidate
+  scored on a truncated prefix ranks last, below an empty one too
   (`mmprm.scoring.selection.pick_best`).
 
 `MM_PRM_AGGREGATORS` (`aggregate(..., rules="mm_prm")`) are the same eight with MM-PRM's edge rules

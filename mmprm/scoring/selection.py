@@ -5,7 +5,9 @@ was extracted), a correctness flag and, for PRM selection, an aggregated score.
 
 Rules (all deterministic):
 
-* `pick_best`: highest score, ties broken by the lowest candidate index.
+* `pick_best`: highest score, ties broken by the lowest candidate index. A candidate marked
+  truncated (its steps did not all fit the PRM) ranks below every complete one, an empty one
+  included, whatever its partial score; among truncated candidates only, the lowest index wins.
 * `random_pick_accuracy`: the exact expectation of picking uniformly at random (share correct).
 * Votes (`majority_vote`, `weighted_vote`): candidates with answer None abstain. Answers are
   grouped after `normalize` (default: strip whitespace) or, if given, a pairwise `same`
@@ -35,18 +37,43 @@ def _check_nonempty(n: int, what: str) -> None:
         raise ValueError(f"{what}: got no candidates; a problem needs at least one")
 
 
-def pick_best(scores: Sequence[float]) -> int:
-    """Index of the highest score; ties go to the lowest index.
+def pick_best(scores: Sequence[float], truncated: Sequence[bool] | None = None) -> int:
+    """Index of the highest score; ties go to the lowest index; truncated candidates rank last.
 
     Args:
         scores: (N,) aggregated candidate scores; -inf allowed, NaN is an error.
+        truncated: (N,) True where the candidate was scored on a prefix; None: none was.
+
+    >>> pick_best([float("-inf"), 0.9, -3.0], truncated=[False, True, False])
+    2
     """
     s = np.asarray(scores, dtype=float)
     _check_nonempty(s.size, "pick_best")
     if np.isnan(s).any():
         raise ValueError(f"pick_best: score of candidate {int(np.argmax(np.isnan(s)))} is NaN")
-    # np.argmax returns the first maximum, which is the tie rule.
-    return int(np.argmax(s))
+    cut = np.zeros(s.shape, dtype=bool) if truncated is None else np.asarray(truncated, dtype=bool)
+    if cut.shape != s.shape:
+        raise ValueError(f"pick_best: {s.size} scores but {cut.size} truncated flags")
+    return int(best_index(s, cut))
+
+
+def best_index(scores: np.ndarray, truncated: np.ndarray) -> np.ndarray:
+    """`pick_best`'s rule, batched, without checks.
+
+    Args:
+        scores: (..., N) float scores, no NaN.
+        truncated: (..., N) bool.
+
+    Returns:
+        (...) int index of the winner in each row.
+    """
+    complete = ~truncated
+    # Masking truncated scores to -inf is not enough: an empty candidate scores -inf under the
+    # log-scale aggregators, and the tie would go to a truncated one at a lower index.
+    top = np.where(complete, scores, -np.inf).max(-1, keepdims=True)
+    win = complete & (scores == top)  # (..., N); all False only when every candidate is truncated
+    # argmax takes the first True, i.e. the lowest index; a row of all-truncated falls to index 0.
+    return win.argmax(-1)
 
 
 def random_pick_accuracy(correct: Sequence[bool]) -> float:

@@ -15,7 +15,10 @@ parsed in the policy's step format (`parse_solution`), its answer attached to it
 (`prm_steps`, exactly as Best-of-N scores candidates), scored by the PRM in one `score` call
 - the G completions of a prompt share the question and images, so the scorer's shared-prefix path
 encodes the image+question prompt once per group - and reduced to one number by an aggregator
-of `mmprm.scoring.AGGREGATORS`. A completion with no step at all gets `empty_reward`.
+of `mmprm.scoring.AGGREGATORS`. A completion with no step at all gets `empty_reward`, and so does
+one the PRM scored only in part (steps past its `max_length`): as in Best-of-N, which ranks such a
+candidate last, a partial score must not pay (`last` would read a middle step), or the policy
+learns to write past the PRM's context.
 """
 
 from __future__ import annotations
@@ -58,7 +61,10 @@ class PRMReward:
         aggregator: name in `mmprm.scoring.AGGREGATORS` ("min" by default, as Best-of-N).
         step_mode: how completions are split into steps ("tags" or "blank_lines").
         question_column, images_column: dataset columns holding the question and images.
-        empty_reward: reward of a completion with no parsable step (e.g. cut off before `</step>`).
+        empty_reward: reward of a completion with no parsable step (e.g. cut off before `</step>`)
+            or with steps the PRM cut (its `max_length`); keep it at or below every reward a complete
+            completion can get. None: the aggregator's score of no steps, 0.0, the floor of the
+            probability-scale ones; sum_logpr / sum_logodds have no finite floor and need a value.
     """
 
     def __init__(
@@ -68,15 +74,24 @@ class PRMReward:
         step_mode: StepMode = "tags",
         question_column: str = "question",
         images_column: str = "images",
-        empty_reward: float = 0.0,
+        empty_reward: float | None = None,
     ):
         if aggregator not in AGGREGATORS:
             raise ValueError(f"aggregator {aggregator!r} is not one of {list(AGGREGATORS)}")
+        if empty_reward is None:
+            empty_reward = AGGREGATORS[aggregator]([])
+            if not math.isfinite(empty_reward):
+                raise ValueError(
+                    f"PRMReward: aggregator {aggregator!r} scores completions on an unbounded log scale: give "
+                    "empty_reward, the reward of an empty or truncated completion, below any reward you expect "
+                    "(e.g. -100.0), or use a probability-scale aggregator such as 'min'"
+                )
         self.scorer, self.aggregator, self.step_mode = scorer, aggregator, step_mode
         self.question_column, self.images_column = question_column, images_column
         self.empty_reward = empty_reward
         self.__name__ = f"prm_{aggregator}"  # TRL logs each reward under its function's name
         self.calls = 0
+        self.truncated = 0  # completions the PRM cut at its max_length, all calls together
 
     def __call__(
         self,
@@ -106,7 +121,9 @@ class PRMReward:
         rewards = [float(self.empty_reward)] * n
         if examples:
             for i, probs in zip(where, self.scorer.score(examples)):
-                kept = [p for p in probs if not math.isnan(p)]  # NaN: a step cut by the PRM's max_length
-                rewards[i] = float(AGGREGATORS[self.aggregator](kept)) if kept else float(self.empty_reward)
+                if any(math.isnan(p) for p in probs):  # NaN: a step cut by the PRM's max_length
+                    self.truncated += 1
+                    continue  # keeps empty_reward: the lowest, as Best-of-N ranks it last
+                rewards[i] = float(AGGREGATORS[self.aggregator](probs))
         self.calls += 1
         return rewards
