@@ -756,8 +756,9 @@ class TrainingRun:
         from mmprm.models.sharding import log_zero3_partitions
 
         train, accelerator = self.train, self.accelerator
-        self.trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(self.trainable, lr=train.lr, weight_decay=train.weight_decay)
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=train.lr, weight_decay=train.weight_decay
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_factor(s, train.warmup_steps, train.max_steps, train.schedule)
         )
@@ -767,6 +768,9 @@ class TrainingRun:
             ds.deepspeed_config["train_micro_batch_size_per_gpu"] = train.batch_size
             ds.deepspeed_config["gradient_clipping"] = train.max_grad_norm
         self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)
+        # read after prepare: FSDP2's fully_shard replaces every parameter with a sharded one, and
+        # the gradients land on those (the optimizer is remapped to them by accelerate)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         log_zero3_partitions(accelerator, self.model, self.output_dir, self.log)
         return self.model
 
