@@ -133,6 +133,33 @@ def test_exact_resume_matches_straight_run(tiny_models, toy, tmp_path):
     assert worst <= 1e-6, f"resumed run differs from straight run by {worst}"
 
 
+@pytest.mark.slow
+def test_a_run_resumed_on_two_processes_trains_the_rest_of_its_epoch(tiny_models, tmp_path):
+    """64 rows, train.global_batch_size=8: 5 steps on 1 process then 3 on 2 processes train the
+    weights of 8 steps on 1, the whole first epoch (the 2-process rest used to count its position
+    in its own, larger batches, jump to epoch 1 and skip 24 rows)."""
+    train = write_toy_prm_data(tmp_path / "d", 64, 0)
+    args = [*common(tiny_models("qwen2_vl"), train, "null", tmp_path / "x", steps=8), "prm.head=value"]
+    args += ["train.warmup_steps=0", "train.global_batch_size=8", "train.save_every=100"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_recipe("prm_train", *args, f"output_dir={straight}")
+    run_recipe("prm_train", *args, f"output_dir={resumed}", "train.stop_at_step=5")
+    res = run_recipe(
+        "prm_train",
+        *args,
+        f"output_dir={resumed}",
+        "resume_from_checkpoint=latest",
+        launcher=cpu_ddp_launcher(),
+        extra_env={"ACCELERATE_USE_CPU": "true"},
+    )
+    assert json.loads((resumed / "config.resolved.json").read_text())["num_processes"] == 2
+    assert "global batches of 4 rows, this run cuts 8: it trains on from rows 40" in res.stdout + res.stderr
+    for name in ("model.safetensors", "value_head.safetensors"):
+        a, b = load_file(straight / name), load_file(resumed / name)
+        worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+        assert worst <= 1e-5, f"{name}: resumed on 2 processes, the run trained other weights, by {worst}"
+
+
 def test_batches_collated_ahead_train_the_same_weights(tiny_models, toy, tmp_path):
     """train.prefetch_batches collates the next step's micro-batches on a background thread (and
     waits for it around evaluation): the same batches, so the same weights and eval rows bit for bit."""
