@@ -192,8 +192,7 @@ def balanced_step_weights(targets: list[float], splits: list[int]) -> list[float
     """Each step's weight in one window's loss under data.balance, the window's steps run as
     micro-batches of `splits` steps (one step per row), through prm_train's `train_micro_batch`."""
     prm_train = load_recipe("prm_train")
-    accelerator = Accelerator(cpu=True)
-    accelerator.gradient_accumulation_steps = len(splits)  # backward() divides by it
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=len(splits))  # backward() divides by it
     model = StepLogits(len(targets))
     run = SimpleNamespace(
         accelerator=accelerator, model=model, train=SimpleNamespace(grad_accum=len(splits)), progress=SimpleNamespace()
