@@ -277,41 +277,53 @@ def eval_share(n_rows: int, rank: int, world: int) -> tuple[list[int], int]:
 
 
 class BatchStream:
-    """Endless stream of full global batches over epochs; `position` (epoch, index) is resumable."""
+    """Endless stream of full global batches over epochs, resumable on any number of processes.
+
+    Its position is counted in rows: the epoch, how many rows of the epoch's order it has handed
+    out, and the global batch that order was cut with. A checkpoint taken with batches of 4 rows
+    (1 process) and resumed with batches of 8 (2 processes) goes on with the epoch's next row, so
+    no row is skipped; an epoch begun at one size is finished in that order, cut at the new size.
+    """
 
     def __init__(self, lengths: Sequence[int], batch_size: int, seed: int, group_by_length: bool = True):
         if not lengths:
             raise ValueError("no training examples left after tokenization; check data.train_file and max_length")
         self.lengths, self.batch_size, self.seed, self.group = list(lengths), batch_size, seed, group_by_length
-        self.epoch, self.index = 0, 0
-        self._batches = self._epoch(0)
+        self.epoch, self.rows, self.epoch_batch = 0, 0, batch_size
+        self._order = self._epoch_order(0, batch_size)
 
-    def _epoch(self, epoch: int) -> list[list[int]]:
-        # full batches only, so every process gets its share (see rank_share)
-        return epoch_batches(self.lengths, self.batch_size, self.seed, epoch, self.group, pad_last=True)
+    def _epoch_order(self, epoch: int, cut: int) -> list[int]:
+        # the epoch's full batches of `cut` rows (see rank_share), one after the other
+        return [i for b in epoch_batches(self.lengths, cut, self.seed, epoch, self.group, pad_last=True) for i in b]
 
     def next(self) -> list[int]:
-        if self.index >= len(self._batches):
-            self.epoch, self.index = self.epoch + 1, 0
-            self._batches = self._epoch(self.epoch)
-        batch = self._batches[self.index]
-        self.index += 1
+        if self.rows >= len(self._order):
+            self.epoch, self.rows, self.epoch_batch = self.epoch + 1, 0, self.batch_size
+            self._order = self._epoch_order(self.epoch, self.batch_size)
+        batch = self._order[self.rows : self.rows + self.batch_size]
+        self.rows += self.batch_size
+        # short only in an epoch cut at another size before a resume: filled from the epoch's start
+        batch += [self._order[k % len(self._order)] for k in range(self.batch_size - len(batch))]
         return batch
 
     def peek(self, n: int) -> list[list[int]]:
         """The next `n` batches, leaving the stream (and so its checkpointed position) where it is."""
-        saved = self.epoch, self.index, self._batches
+        saved = self.epoch, self.rows, self.epoch_batch, self._order
         try:
             return [self.next() for _ in range(n)]
         finally:
-            self.epoch, self.index, self._batches = saved
+            self.epoch, self.rows, self.epoch_batch, self._order = saved
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
+        return {"epoch": self.epoch, "rows": self.rows, "epoch_batch": self.epoch_batch}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
-        self._batches = self._epoch(self.epoch)
+        if "rows" in state:
+            self.epoch, self.rows, self.epoch_batch = int(state["epoch"]), int(state["rows"]), int(state["epoch_batch"])
+        else:  # a checkpoint that counted global batches, of this run's size
+            self.epoch, self.rows = int(state["epoch"]), int(state["index"]) * self.batch_size
+            self.epoch_batch = self.batch_size
+        self._order = self._epoch_order(self.epoch, self.epoch_batch)
 
 
 class Prefetcher:
@@ -783,8 +795,9 @@ class TrainingRun:
         from mmprm.models.sharding import log_zero3_partitions
 
         train, accelerator = self.train, self.accelerator
-        self.trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(self.trainable, lr=train.lr, weight_decay=train.weight_decay)
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=train.lr, weight_decay=train.weight_decay
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_factor(s, train.warmup_steps, train.max_steps, train.schedule)
         )
@@ -794,13 +807,16 @@ class TrainingRun:
             ds.deepspeed_config["train_micro_batch_size_per_gpu"] = train.batch_size
             ds.deepspeed_config["gradient_clipping"] = train.max_grad_norm
         self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)
+        # read after prepare: FSDP2's fully_shard replaces every parameter with a sharded one, and
+        # the gradients land on those (the optimizer is remapped to them by accelerate)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         log_zero3_partitions(accelerator, self.model, self.output_dir, self.log)
         return self.model
 
     def batch_order(self, unit_lengths: Sequence[int], unit: str = "rows") -> None:
         """The stream of global batches over the training units (rows, or packs of rows), logged."""
         train, processes = self.train, self.accelerator.num_processes
-        self.global_batch = train.batch_size * processes
+        self.global_batch, self.unit = train.batch_size * processes, unit
         self.stream = BatchStream(unit_lengths, self.global_batch, train.seed, train.group_by_length)
         self.log(
             f"global batch: {train.batch_size} {unit} x {train.grad_accum} micro-step(s) x "
@@ -817,6 +833,13 @@ class TrainingRun:
         if self.resume_from is not None:
             accelerator.load_state(str(self.resume_from))
             self.log(f"resumed from {self.resume_from} at step {self.progress.step}")
+            stream = self.stream
+            if stream.epoch_batch != stream.batch_size:  # another number of processes, or batch_size
+                self.log(
+                    f"the checkpoint cut epoch {stream.epoch} into global batches of {stream.epoch_batch} {self.unit}, "
+                    f"this run cuts {stream.batch_size}: it trains on from {self.unit} {stream.rows} of that "
+                    "epoch's order, so none is skipped"
+                )
         self.run_id = start_run(
             accelerator,
             self.output_dir,

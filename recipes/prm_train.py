@@ -81,7 +81,8 @@ class DataConfig:
             hard_any_correct (MM-PRM's hard labels: MC > 0 -> 1 else 0, i.e. some rollout from the step
             reached the answer; `mmprm.training_data.prm_labels`)
         hard_threshold: label_mode=hard only: the cut between good and bad steps
-        balance: weight positive and negative steps (label >= 0.5 or not) to equal total weight
+        balance: weight positive and negative steps (label >= 0.5 or not) to equal total weight over the
+            training data (`balance_weights`); the loss stays a mean over the global batch's step tokens
         num_proc: tokenization workers; null: the CPUs, at most 16
         cache_dir: tokenized-data cache (Arrow); null: $MMPRM_CACHE, else ~/.cache/mmprm/tokenized
         prompt_cache_mb: memory per process for the tokenized prompts and image tensors of recently
@@ -279,12 +280,18 @@ def load_data(cfg: Config, processor, spec: PRMSpec, run: TrainingRun) -> PRMDat
     return data
 
 
+def balance_weights(n_pos: int, n_all: int) -> tuple[float, float]:
+    """Loss weights (positive, negative) of a step that give each side half the weight of all
+    `n_all` steps, `n_pos` of them positive; they average 1 over the data, so the loss is still
+    divided by the step count (`train_micro_batch`)."""
+    return n_all / (2 * max(1, n_pos)), n_all / (2 * max(1, n_all - n_pos))
+
+
 def balance_steps(data: PRMData, log) -> None:
     """Weigh positive and negative steps so that each side carries half the loss (data.balance)."""
     n_pos, n_all = sum(data.train.data.column("n_pos")), sum(data.train.data.column("n_steps"))
     n_neg = n_all - n_pos
-    data.pos_weight = n_all / (2 * max(1, n_pos))
-    data.neg_weight = n_all / (2 * max(1, n_neg))
+    data.pos_weight, data.neg_weight = balance_weights(n_pos, n_all)
     data.balanced = True
     log(
         f"balancing: {n_pos} positive / {n_neg} negative steps -> weights {data.pos_weight:.3f} / {data.neg_weight:.3f}"
@@ -318,10 +325,12 @@ def train_micro_batch(run: TrainingRun, sync, data: PRMData, batch: dict, items:
     targets = batch["targets"]
     # a packed step stands for the rows through it: weighted by their count, it is their loss
     weights = batch.get("step_weights")
-    row_steps = len(targets) if weights is None else float(weights.sum())
     if data.balanced:
-        balance_weights = torch.where(targets >= 0.5, data.pos_weight, data.neg_weight).to(targets.dtype)
-        weights = balance_weights if weights is None else weights * balance_weights
+        sides = torch.where(targets >= 0.5, data.pos_weight, data.neg_weight).to(targets.dtype)
+        weights = sides if weights is None else weights * sides
+    # the micro-batch's total weight, so that loss * row_steps is its weighted sum: divided by the
+    # window's step count below, a step weighs the same whichever micro-batch or rank runs it
+    row_steps = len(targets) if weights is None else float(weights.sum())
     loss = step_loss(logits, targets, weights)
     if not torch.isfinite(loss):
         ids = [t.id for t in items]

@@ -1,14 +1,17 @@
 """prm_train: the real recipe entry point on tiny models - loss, labels, resume, DDP, load_prm."""
 
+import contextlib
 import json
 import math
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
-from recipe_runs import REPO, cpu_ddp_launcher, read_metrics, run_recipe
+from accelerate import Accelerator
+from recipe_runs import REPO, cpu_ddp_launcher, load_recipe, read_metrics, run_recipe
 from safetensors.torch import load_file
 from toy_data import write_toy_prm_data, write_uneven_tree_data
 
@@ -151,6 +154,33 @@ def test_exact_resume_matches_straight_run(tiny_models, toy, tmp_path):
     assert worst <= 1e-6, f"resumed run differs from straight run by {worst}"
 
 
+@pytest.mark.slow
+def test_a_run_resumed_on_two_processes_trains_the_rest_of_its_epoch(tiny_models, tmp_path):
+    """64 rows, train.global_batch_size=8: 5 steps on 1 process then 3 on 2 processes train the
+    weights of 8 steps on 1, the whole first epoch (the 2-process rest used to count its position
+    in its own, larger batches, jump to epoch 1 and skip 24 rows)."""
+    train = write_toy_prm_data(tmp_path / "d", 64, 0)
+    args = [*common(tiny_models("qwen2_vl"), train, "null", tmp_path / "x", steps=8), "prm.head=value"]
+    args += ["train.warmup_steps=0", "train.global_batch_size=8", "train.save_every=100"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_recipe("prm_train", *args, f"output_dir={straight}")
+    run_recipe("prm_train", *args, f"output_dir={resumed}", "train.stop_at_step=5")
+    res = run_recipe(
+        "prm_train",
+        *args,
+        f"output_dir={resumed}",
+        "resume_from_checkpoint=latest",
+        launcher=cpu_ddp_launcher(),
+        extra_env={"ACCELERATE_USE_CPU": "true"},
+    )
+    assert json.loads((resumed / "config.resolved.json").read_text())["num_processes"] == 2
+    assert "global batches of 4 rows, this run cuts 8: it trains on from rows 40" in res.stdout + res.stderr
+    for name in ("model.safetensors", "value_head.safetensors"):
+        a, b = load_file(straight / name), load_file(resumed / name)
+        worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+        assert worst <= 1e-5, f"{name}: resumed on 2 processes, the run trained other weights, by {worst}"
+
+
 def test_batches_collated_ahead_train_the_same_weights(tiny_models, toy, tmp_path):
     """train.prefetch_batches collates the next step's micro-batches on a background thread (and
     waits for it around evaluation): the same batches, so the same weights and eval rows bit for bit."""
@@ -165,6 +195,74 @@ def test_batches_collated_ahead_train_the_same_weights(tiny_models, toy, tmp_pat
     (a, eval_a), (b, eval_b) = runs["true"], runs["false"]
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     assert [r["bce"] for r in eval_a] == [r["bce"] for r in eval_b] and len(eval_a) == 2
+
+
+class StepLogits(torch.nn.Module):
+    """A value head with one logit per step, read through the step's input id: its gradient is
+    the step's weight in the loss."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.logit = torch.nn.Parameter(torch.zeros(n))
+
+    def forward(self, input_ids, attention_mask, step_mask, **_):
+        return self.logit[input_ids[step_mask]]  # (N,)
+
+
+def balanced_step_weights(targets: list[float], splits: list[int]) -> list[float]:
+    """Each step's weight in one window's loss under data.balance, the window's steps run as
+    micro-batches of `splits` steps (one step per row), through prm_train's `train_micro_batch`."""
+    prm_train = load_recipe("prm_train")
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=len(splits))  # backward() divides by it
+    model = StepLogits(len(targets))
+    run = SimpleNamespace(
+        accelerator=accelerator, model=model, train=SimpleNamespace(grad_accum=len(splits)), progress=SimpleNamespace()
+    )
+    pos_weight, neg_weight = prm_train.balance_weights(sum(t >= 0.5 for t in targets), len(targets))
+    data = prm_train.PRMData(None, None, {}, None, [], [], pos_weight, neg_weight, balanced=True)
+    start = 0
+    for k, size in enumerate(splits):
+        ids = torch.arange(start, start + size)
+        batch = {
+            "input_ids": ids[:, None],  # (B, 1): a row of one step token
+            "attention_mask": torch.ones(size, 1, dtype=torch.long),
+            "step_mask": torch.ones(size, 1, dtype=torch.bool),
+            "targets": torch.tensor(targets)[ids],
+        }
+        prm_train.train_micro_batch(run, lambda _: contextlib.nullcontext(), data, batch, [], k, len(targets))
+        start += size
+    # the loss of step i is BCE(logit_i, t_i): at logit 0 its slope is 0.5 - t_i, so the gradient
+    # is weight_i * (0.5 - t_i) / n_window
+    grad = model.logit.grad
+    return [float(g) * len(targets) / (0.5 - t) for g, t in zip(grad, targets)]
+
+
+def test_balance_weighs_a_step_the_same_in_any_split_of_the_window():
+    # 7 positive steps and 1 negative: balancing gives each side half the loss, 4.0 for the
+    # negative and 4/7 for each positive, whether the window runs as 1 x 8 or 2 x 4 micro-batches
+    targets = [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    for splits in ([8], [4, 4], [3, 5], [1] * 8):
+        weights = balanced_step_weights(targets, splits)
+        assert weights[3] == pytest.approx(4.0), f"micro-batches of {splits}: the negative weighs {weights[3]:.3f}"
+        assert weights[:3] + weights[4:] == pytest.approx([4 / 7] * 7), f"micro-batches of {splits}"
+
+
+@pytest.mark.slow
+def test_balance_trains_the_same_weights_in_one_or_two_micro_batches(tiny_models, toy, tmp_path):
+    """data.balance: a global batch of 8 rows trains the same weights as 1 x 8 or 2 x 4 micro-batches."""
+    train, _ = toy
+    args = [*common(tiny_models("qwen2_vl"), train, "null", tmp_path / "x", steps=3), "prm.head=value"]
+    # without group_by_length both splits cut the same shuffled order into the same global batches
+    args += ["data.balance=true", "train.warmup_steps=0", "train.global_batch_size=8", "train.group_by_length=false"]
+    runs = {}
+    for batch_size in (8, 4):
+        out = tmp_path / f"b{batch_size}"
+        run_recipe("prm_train", *args, f"output_dir={out}", f"train.batch_size={batch_size}")
+        runs[batch_size] = out
+    for name in ("model.safetensors", "value_head.safetensors"):
+        a, b = load_file(runs[8] / name), load_file(runs[4] / name)
+        worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+        assert worst <= 1e-5, f"{name}: 2 x 4 micro-batches train other weights than 1 x 8, by {worst}"
 
 
 def write_tree_data(out_dir, n):
@@ -272,10 +370,13 @@ def test_two_process_ddp(tiny_models, toy, tmp_path, head):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "rows"])
-def test_two_processes_train_the_weights_of_one_on_the_same_global_batch(tiny_models, tmp_path, packed):
+@pytest.mark.parametrize(
+    "packed,balance", [(True, False), (False, False), (True, True)], ids=["packed", "rows", "packed+balance"]
+)
+def test_two_processes_train_the_weights_of_one_on_the_same_global_batch(tiny_models, tmp_path, packed, balance):
     """A step token weighs the same whichever rank runs it: 2 ranks of batch 2 with packs (or rows)
-    of unequal step counts train the weights of 1 rank of batch 4, accumulation included."""
+    of unequal step counts train the weights of 1 rank of batch 4, accumulation and data.balance
+    included."""
     train = write_uneven_tree_data(tmp_path / "toy", 8)
     args = [*common(tiny_models("qwen2_vl"), train, "null", tmp_path / "x", steps=3), "prm.head=value"]
     # group_by_length would sort the batch so that the strided shares hold equal step counts
@@ -284,6 +385,7 @@ def test_two_processes_train_the_weights_of_one_on_the_same_global_batch(tiny_mo
         "train.global_batch_size=8",  # accumulates 2 micro-steps on either world size
         "train.group_by_length=false",
         f"data.pack_trees={str(packed).lower()}",
+        f"data.balance={str(balance).lower()}",
     ]
     one, two = tmp_path / "one", tmp_path / "two"
     res = run_recipe("prm_train", *args, f"output_dir={one}", "train.batch_size=4")

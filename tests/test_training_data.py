@@ -553,6 +553,56 @@ def test_peek_shows_the_next_batches_without_moving_the_stream():
     assert [stream.next() for _ in range(4)] == ahead
 
 
+@pytest.mark.parametrize("group_by_length", [False, True])
+def test_a_stream_resumed_on_twice_the_processes_skips_no_row_of_the_epoch(group_by_length):
+    # 64 rows, global_batch_size=8 of batch_size 4: 1 process streams batches of 4 (2 micro-steps
+    # a step), 2 processes batches of 8. A checkpoint after 5 steps on 1 process, resumed on 2.
+    lengths = [random.Random(i).randint(10, 90) for i in range(64)]
+    one = BatchStream(lengths, 4, seed=3, group_by_length=group_by_length)
+    trained = [i for _ in range(5 * 2) for i in one.next()]
+    two = BatchStream(lengths, 8, seed=3, group_by_length=group_by_length)
+    two.load_state_dict(one.state_dict())
+    while two.epoch == 0:
+        batch = two.next()
+        if two.epoch == 0:
+            assert len(batch) == 8
+            trained += batch
+    assert sorted(trained) == list(range(64))  # epoch 0 whole: no row skipped, none twice
+    # the rest of epoch 0 goes in the order 1 process would have trained it
+    assert trained[40:] == [i for _ in range(6) for i in one.next()]
+    # and the next epochs are those of a run on 2 processes from the start
+    fresh = BatchStream(lengths, 8, seed=3, group_by_length=group_by_length)
+    fresh.load_state_dict({"epoch": 1, "rows": 0, "epoch_batch": 8})
+    assert batch == fresh.next()
+
+
+def test_a_stream_resumed_on_more_processes_fills_the_epochs_last_batch():
+    # 20 rows in batches of 8 (2 processes x 4; the epoch's third batch repeats 4 rows), resumed
+    # after two batches on 3 processes: the 8 rows left do not fill a batch of 12, so it takes 4
+    # more from the epoch's start, as every epoch's last batch does
+    lengths = list(range(20))
+    two = BatchStream(lengths, 8, seed=0, group_by_length=False)
+    first = two.next() + two.next()
+    state = two.state_dict()
+    left = two.next()
+    three = BatchStream(lengths, 12, seed=0, group_by_length=False)
+    three.load_state_dict(state)
+    last = three.next()
+    assert len(last) == 12 and last[:8] == left and last[8:] == first[:4]
+    assert sorted(set(first + last)) == lengths and three.epoch == 0
+    assert three.next() == epoch_batches(lengths, 12, seed=0, epoch=1, group_by_length=False, pad_last=True)[0]
+    assert three.epoch == 1
+
+
+def test_a_stream_state_without_rows_still_loads():
+    # checkpoints written before the position was counted in rows hold (epoch, index of the batch)
+    stream = BatchStream(list(range(10)), 2, seed=0)
+    ahead = stream.peek(4)
+    again = BatchStream(list(range(10)), 2, seed=0)
+    again.load_state_dict({"epoch": 0, "index": 2})
+    assert again.next() == ahead[2]
+
+
 def test_prefetcher_collates_ahead_on_one_thread_and_equals_collate():
     import threading
     import time
