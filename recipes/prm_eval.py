@@ -87,7 +87,8 @@ class ScorerConfig:
     Attributes:
         prm_path: PRM directory written by recipes/prm_train.py; required
         batch_size: examples per forward
-        max_length: tokens per example; steps cut by truncation are not scored and their examples are excluded
+        max_length: tokens per example; steps cut by truncation are not scored: their examples stay in the
+            first-error metrics (a miss unless the scored steps decide them), not in the step metrics
         device: auto (cuda when available, else cpu), cpu, cuda or cuda:N
         use_images: show the PRM each example's images
         backend: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
@@ -230,16 +231,22 @@ def counted_steps(rows: list[dict[str, Any]]) -> tuple[list[list[float]], list[l
 def metrics_of(rows: list[dict[str, Any]], threshold: float, soft: bool) -> dict[str, float | int]:
     """Step metrics of scored rows; BCE/Brier only when the labels are soft (they need a target).
 
-    First-error metrics see every step; step metrics leave out neutral steps (`counted_steps`).
+    First-error metrics see every step of every row: a row cut by truncation stays in their
+    denominators, a miss unless its scored steps decide the prediction (ProcessBench counts an
+    example it got no prediction for as a miss). Step metrics see the fully scored rows only and
+    leave out neutral steps (`counted_steps`).
     """
-    out: dict[str, float | int] = {"examples": len(rows), "steps": sum(len(r["scores"]) for r in rows)}
-    neutral = sum(len(r.get("neutral_steps", [])) for r in rows)
+    full = complete(rows)
+    out: dict[str, float | int] = {"examples": len(rows), "steps": sum(len(r["scores"]) for r in full)}
+    if len(full) < len(rows):
+        out["truncated"] = len(rows) - len(full)
+    neutral = sum(len(r.get("neutral_steps", [])) for r in full)
     if neutral:
         out["neutral_steps"] = neutral  # scored, but in no step metric
     # The reader's first error is the truth: PRMBench labels alone do not mark steps after an error.
     fe = first_error_f1([r["scores"] for r in rows], [r["first_error"] for r in rows], threshold)
     out.update({f"first_error_{k}": v for k, v in fe.items()})
-    scores, labels = counted_steps(rows)
+    scores, labels = counted_steps(full)
     out.update(step_f1(scores, labels, threshold))
     out["auroc"] = auroc(scores, labels)
     out["step_accuracy"] = step_accuracy(scores, labels, threshold)
@@ -248,13 +255,21 @@ def metrics_of(rows: list[dict[str, Any]], threshold: float, soft: bool) -> dict
     return out
 
 
-def report_metrics(rows: list[dict[str, Any]], threshold: float, soft: bool) -> dict[str, Any]:
-    """{"metrics": over all rows, "by_category": per category (subset, source) when there are several}."""
+def report_metrics(rows: list[dict[str, Any]], threshold: float, soft: bool, mean_f1: bool = False) -> dict[str, Any]:
+    """{"metrics": over all rows, "by_category": per category (subset, source) when there are several}.
+
+    With `mean_f1` (ProcessBench), `metrics.first_error_f1` is the mean of the categories' F1, the
+    average the paper reports; the F1 of all rows pooled stays as `first_error_f1_pooled`.
+    """
     cats = sorted({r["category"] for r in rows if r["category"] is not None})
     by_category = {}
     if len(cats) > 1:
         by_category = {c: metrics_of([r for r in rows if r["category"] == c], threshold, soft) for c in cats}
-    return {"metrics": metrics_of(rows, threshold, soft), "by_category": by_category}
+    metrics = metrics_of(rows, threshold, soft)
+    if mean_f1 and by_category:
+        metrics["first_error_f1_pooled"] = metrics["first_error_f1"]
+        metrics["first_error_f1"] = float(sum(m["first_error_f1"] for m in by_category.values()) / len(by_category))
+    return {"metrics": metrics, "by_category": by_category}
 
 
 def choose_threshold(dev_rows: list[dict[str, Any]], objective: str) -> float:
@@ -275,9 +290,11 @@ def markdown(report: dict[str, Any]) -> str:
     """report.md: the overall metrics, then one row per category."""
     keys = [
         "examples",
+        "truncated",
         "steps",
         "neutral_steps",
         "first_error_f1",
+        "first_error_f1_pooled",
         "first_error_error_acc",
         "first_error_correct_acc",
         "macro_f1",
@@ -293,14 +310,15 @@ def markdown(report: dict[str, Any]) -> str:
         f"# PRM step-level evaluation: {report['data']}",
         "",
         f"PRM `{report['prm']}`, threshold {report['threshold']:.4f} ({report['threshold_source']}; "
-        f"chosen on: {report['threshold_split']}); {report['excluded_truncated']} examples excluded for truncation.",
+        f"chosen on: {report['threshold_split']}); {report['truncated']} examples cut by truncation (kept in "
+        "the first-error metrics, a miss unless their scored steps decide them; left out of the step metrics).",
         "",
         "| metric | value |",
         "| --- | --- |",
     ]
     lines += [f"| {k} | {fmt(m[k])} |" for k in keys if k in m]
     if report["by_category"]:
-        cols = [k for k in keys if k in m]
+        cols = [k for k in keys if any(k in cm for cm in report["by_category"].values())]
         lines += [
             "",
             "## Per category",
@@ -309,7 +327,7 @@ def markdown(report: dict[str, Any]) -> str:
             "| --- |" + " --- |" * len(cols),
         ]
         for cat, cm in report["by_category"].items():
-            lines.append(f"| {cat} | " + " | ".join(fmt(cm[k]) for k in cols) + " |")
+            lines.append(f"| {cat} | " + " | ".join(fmt(cm.get(k, 0)) for k in cols) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -323,16 +341,16 @@ def main(argv: list[str]) -> int:
     objective = resolve_objective(cfg)
     dev, examples, label_kind = load_data(cfg, objective)
 
-    # ---- score; truncated steps come back NaN and their examples leave the metrics (counted)
+    # ---- score; truncated steps come back NaN (their examples leave the step metrics only)
     require_model_dir(cfg, "scorer.prm_path", hub=False)  # named here, not in a traceback from the loader
     scores = score_examples(cfg, dev + examples)
     dev_rows, test_rows = score_rows("dev", dev, scores[: len(dev)]), score_rows("test", examples, scores[len(dev) :])
-    excluded = len(dev_rows) + len(test_rows) - len(complete(dev_rows)) - len(complete(test_rows))
+    truncated = len(dev_rows) + len(test_rows) - len(complete(dev_rows)) - len(complete(test_rows))
 
     # ---- threshold, metrics, report
     threshold, source, split = threshold_of(cfg, dev_rows, objective)
     print(f"threshold {threshold:.4f} ({source}; chosen on: {split})")
-    report = make_report(cfg, dev_rows, test_rows, (threshold, source, split), label_kind, excluded)
+    report = make_report(cfg, dev_rows, test_rows, (threshold, source, split), label_kind, truncated)
     write_report(Path(cfg.output.dir), report, dev_rows + test_rows)
     return 0
 
@@ -504,15 +522,14 @@ def make_report(
     test_rows: list[dict[str, Any]],
     chosen: tuple[float, str, str],
     label_kind: str,
-    excluded: int,
+    truncated: int,
 ) -> dict[str, Any]:
-    """report.json's content: metrics over the fully scored test rows, overall and per category,
-    and the dev split's at the same threshold (`chosen`: threshold, source, split)."""
+    """report.json's content: metrics over the test rows, overall and per category, and the dev
+    split's at the same threshold (`chosen`: threshold, source, split)."""
     threshold, source, split = chosen
-    rows = complete(test_rows)
-    if not rows:
+    if not complete(test_rows):
         raise SystemExit("every example was truncated: raise scorer.max_length")
-    soft = any(0.0 < y < 1.0 for r in rows for y in r["labels"])
+    soft = any(0.0 < y < 1.0 for r in test_rows for y in r["labels"])
     return {
         "data": cfg.data.path,
         "format": cfg.data.format,
@@ -522,9 +539,9 @@ def make_report(
         "threshold_split": split,
         "labels_soft": soft,
         "label_kind": label_kind,
-        "excluded_truncated": excluded,
-        **report_metrics(rows, threshold, soft),
-        "dev": metrics_of(complete(dev_rows), threshold, soft) if dev_rows else None,
+        "truncated": truncated,
+        **report_metrics(test_rows, threshold, soft, mean_f1=cfg.data.format == "processbench"),
+        "dev": metrics_of(dev_rows, threshold, soft) if dev_rows else None,
         "config": to_dict(cfg),
     }
 
@@ -535,6 +552,8 @@ def write_report(out_dir: Path, report: dict[str, Any], rows: list[dict[str, Any
     out_dir.mkdir(parents=True, exist_ok=True)
     for r in rows:
         r["predicted_first_error"] = predicted_first_error(r["scores"], report["threshold"])
+        # null on a row cut by truncation: no step below the threshold before the cut (a miss)
+        r["truncated"] = any(math.isnan(s) for s in r["scores"])
     write_jsonl(out_dir / "scores.jsonl", rows)
     # NaN is not JSON: write null so any JSON reader opens the report
     clean = json.loads(json.dumps(report), parse_constant=lambda c: None)

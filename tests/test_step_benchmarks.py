@@ -4,10 +4,12 @@ own evaluation procedure on the same predictions.
 The references below re-express, independently of mmprm, what the benchmarks' evaluation code
 computes from the released rows:
 
-* ProcessBench (github:QwenLM/ProcessBench code/run_eval*.py): per subset, a PRM's prediction is
-  the first step whose score is below the threshold, else -1; `match = prediction == label`;
-  accuracy on erroneous samples (label != -1) and on correct ones (label == -1), in percent, and
-  F1 = 2 * acc1 * acc2 / (acc1 + acc2).
+* ProcessBench (github:QwenLM/ProcessBench@e8024636bcabdf8bd514440551b531d3f90dd18b:
+  code/run_eval.py and code/run_eval_prm_rlhflow.py): per subset, a PRM's prediction is the first
+  step whose score is below the threshold, else -1 (None when it got none: a miss);
+  `match = prediction == label`; accuracy on erroneous samples (label != -1) and on correct ones
+  (label == -1), `np.mean(...) * 100`, and F1 = 2 * acc1 * acc2 / (acc1 + acc2) in numpy (NaN when
+  both are 0). The number the paper reports is the mean of the four subsets' F1.
 * VisualProcessBench (VisualPRM, arXiv:2503.10291, Sec. 3.3 "Metrics"; the dataset card's
   `process_correctness` 1 / 0 / -1): per `data_source`, neutral (0) steps are left out, a step is
   predicted correct (1) when its score >= threshold, else incorrect (-1); F1 of the correct class
@@ -25,9 +27,11 @@ import importlib.util
 import json
 import math
 import random
+import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from real_data import SHARED_DATA
 
@@ -59,19 +63,33 @@ def recipe():
 # ---- the benchmarks' own procedures, on released rows (no mmprm code below this line until the tests)
 
 
+def processbench_prediction(scores: list[float], threshold: float) -> int | None:
+    """The first step scored below the threshold, else -1; None (no prediction) when the steps cut
+    by truncation (NaN) come before any step below it."""
+    for i, s in enumerate(scores):
+        if math.isnan(s):
+            return None
+        if s < threshold:
+            return i
+    return -1
+
+
 def processbench_reference(rows: list[dict], scores: dict[str, list[float]], threshold: float) -> dict[str, tuple]:
-    """subset -> (error acc, correct acc, F1), in percent, as ProcessBench's run_eval prints them."""
+    """subset -> (error acc, correct acc, F1), in percent, as ProcessBench's run_eval prints them: an
+    example without a prediction (`pred = None`) is a miss in its class, and F1 is numpy's
+    2 * acc1 * acc2 / (acc1 + acc2), NaN when both are 0."""
     out = {}
     for subset in SUBSETS:
         res = []
         for d in (r for r in rows if r["id"].rsplit("-", 1)[0] == subset and r["id"] in scores):
-            pred = next((i for i, s in enumerate(scores[d["id"]]) if s < threshold), -1)
+            pred = processbench_prediction(scores[d["id"]], threshold)
             res.append({"label": d["label"], "match": pred == d["label"]})
         err = [e["match"] for e in res if e["label"] != -1]
         cor = [e["match"] for e in res if e["label"] == -1]
         if err and cor:
-            acc1, acc2 = sum(err) / len(err) * 100, sum(cor) / len(cor) * 100
-            out[subset] = (acc1, acc2, 2 * acc1 * acc2 / (acc1 + acc2) if acc1 + acc2 else 0.0)
+            acc1, acc2 = np.mean(err) * 100, np.mean(cor) * 100
+            with np.errstate(invalid="ignore"):
+                out[subset] = (float(acc1), float(acc2), float(2 * acc1 * acc2 / (acc1 + acc2)))
     return out
 
 
@@ -237,6 +255,68 @@ def test_prm_eval_matches_processbench_eval():
         assert 100 * m["first_error_f1"] == pytest.approx(f1, abs=1e-9), subset
 
 
+def test_processbench_overall_is_the_mean_of_the_four_f1():
+    """The overall number is the paper's: each subset's F1, then their mean; the F1 of every row
+    pooled stays beside it as `first_error_f1_pooled`."""
+    mod = recipe()
+    rows = scored_rows(mod, mod.read_examples(str(PB_DIR), "processbench"), 5)
+    scores = {r["id"]: r["scores"] for r in rows}
+    got = mod.report_metrics(rows, 0.5, soft=False, mean_f1=True)
+    want = processbench_reference(released_processbench(), scores, 0.5)
+    assert set(want) == set(SUBSETS)
+    assert 100 * got["metrics"]["first_error_f1"] == pytest.approx(sum(f1 for *_, f1 in want.values()) / 4, abs=1e-9)
+    pooled = [processbench_prediction(scores[d["id"]], 0.5) == d["label"] for d in released_processbench()]
+    labels = [d["label"] for d in released_processbench()]
+    acc1 = np.mean([m for m, y in zip(pooled, labels) if y != -1])
+    acc2 = np.mean([m for m, y in zip(pooled, labels) if y == -1])
+    assert got["metrics"]["first_error_f1_pooled"] == pytest.approx(2 * acc1 * acc2 / (acc1 + acc2), abs=1e-12)
+
+
+def test_processbench_f1_is_nan_when_both_accuracies_are_0():
+    """No hit in either class: ProcessBench's numpy F1 is 0/0 = NaN, and so is ours (not 0)."""
+    assert math.isnan(M.first_error_f1([[0.9, 0.9], [0.1]], [1, None])["f1"])
+    mod = recipe()
+    rows = scored_rows(mod, mod.read_examples(str(PB_DIR), "processbench"), 0)
+    for r in rows:  # every error missed (no step flagged), every correct solution flagged at step 0
+        r["scores"] = [1.0 if r["first_error"] is not None else 0.0 for _ in r["scores"]]
+    want = processbench_reference(released_processbench(), {r["id"]: r["scores"] for r in rows}, 0.5)
+    got = mod.report_metrics(rows, 0.5, soft=False, mean_f1=True)
+    for subset, (acc1, acc2, f1) in want.items():
+        m = got["by_category"][subset]
+        assert acc1 == acc2 == m["first_error_error_acc"] == m["first_error_correct_acc"] == 0.0
+        assert math.isnan(f1) and math.isnan(m["first_error_f1"]), subset
+    assert math.isnan(got["metrics"]["first_error_f1"])
+
+
+def test_processbench_counts_truncated_examples_as_its_code_would():
+    """An example cut by truncation stays in its class's denominator: its prediction is the first
+    flagged step when that comes before the cut, else it has none and is a miss."""
+    mod = recipe()
+    rows = scored_rows(mod, mod.read_examples(str(PB_DIR), "processbench"), 6)
+    for r in rows[::2]:  # the later half of every other example's steps unscored
+        keep = len(r["scores"]) // 2
+        r["scores"] = r["scores"][:keep] + [math.nan] * (len(r["scores"]) - keep)
+    cut = sum(any(math.isnan(s) for s in r["scores"]) for r in rows)
+    assert cut > 0
+    for threshold in (0.3, 0.5, 0.7):
+        got = mod.report_metrics(rows, threshold, soft=False)
+        want = processbench_reference(released_processbench(), {r["id"]: r["scores"] for r in rows}, threshold)
+        assert got["metrics"]["examples"] == len(rows) and got["metrics"]["truncated"] == cut
+        for subset, values in want.items():
+            m = got["by_category"][subset]
+            assert m["examples"] == sum(r["category"] == subset for r in rows)
+            mine = [100 * m[f"first_error_{k}"] for k in ("error_acc", "correct_acc", "f1")]
+            assert mine == pytest.approx(list(values), abs=1e-9, nan_ok=True), (subset, threshold)
+
+
+def test_dev_fraction_default_is_the_documented_one():
+    """docs/formats.md states prm_eval's `data.dev_fraction` default; the config has that default."""
+    text = (REPO / "docs" / "formats.md").read_text(encoding="utf-8")
+    stated = re.search(r"`data\.dev_fraction` defaults to `([0-9.]+)`", text)
+    assert stated, "docs/formats.md no longer states the data.dev_fraction default"
+    assert float(stated.group(1)) == recipe().DataConfig().dev_fraction
+
+
 def test_prm_eval_matches_visualprocessbench_eval():
     mod = recipe()
     dev, test = mod.split_dev(mod.read_examples(str(VPB_FILE), "visualprocessbench"), 0.34, seed=0)
@@ -324,3 +404,63 @@ def test_recipe_on_visualprocessbench_reports_its_f1(prm_dir, tmp_path):
         got = [m["f1_correct"], m["f1_error"], m["macro_f1"]]
         assert not any(v is None or math.isnan(v) for v in got)
         assert got == pytest.approx(list(values), abs=1e-12), key
+
+
+@pytest.fixture(scope="module")
+def qwen_math_prm_dir(tmp_path_factory) -> Path:
+    from released_checkpoints import build_qwen_math_prm
+
+    return build_qwen_math_prm(tmp_path_factory.mktemp("qwen_math_prm"))[0]
+
+
+def released_prm_run(prm: Path, data: Path, out: Path, *args: str) -> tuple[dict, list[dict]]:
+    """prm_eval on ProcessBench with the Qwen2.5-Math-PRM convention; (report, scores.jsonl rows)."""
+    overrides = ["data.format=processbench", f"data.path={data}", "data.per_category=null", "data.dev_fraction=0"]
+    overrides += [f"scorer.prm_path={prm}", "scorer.convention=qwen2_5_math_prm", f"output.dir={out}", *args]
+    assert recipe().main(["--config", str(CONFIG), *overrides]) == 0
+    rows = [json.loads(line) for line in (out / "scores.jsonl").read_text().splitlines()]
+    return json.loads((out / "report.json").read_text()), rows
+
+
+def assert_processbench_numbers(report: dict, rows: list[dict], released: list[dict]) -> None:
+    """report.json per subset and overall against ProcessBench's procedure on scores.jsonl."""
+    want = processbench_reference(released, {r["id"]: r["scores"] for r in rows}, report["threshold"])
+    assert set(want) == set(report["by_category"]) == set(SUBSETS)
+    for subset, values in want.items():
+        m = report["by_category"][subset]
+        got = [100 * m[f"first_error_{k}"] for k in ("error_acc", "correct_acc", "f1")]
+        assert got == pytest.approx(list(values), abs=1e-9), subset
+    assert 100 * report["metrics"]["first_error_f1"] == pytest.approx(sum(v[2] for v in want.values()) / 4, abs=1e-9)
+
+
+@pytest.mark.slow
+def test_recipe_on_all_of_processbench_with_a_released_prm(qwen_math_prm_dir, tmp_path):
+    """prm_eval on the four splits (all 3,400 rows from ../shared/data when there, the shipped 24
+    otherwise) with a Qwen2.5-Math-PRM-shaped checkpoint and its convention: every row reported,
+    ProcessBench's numbers per subset and their mean overall; at the default threshold, then again
+    at one inside the scores (from the score cache, nothing rescored)."""
+    released = released_processbench()
+    report, rows = released_prm_run(qwen_math_prm_dir, PB_DIR, tmp_path)
+    assert report["threshold"] == 0.5 and report["threshold_split"] == "none (given)"
+    assert report["metrics"]["examples"] == len(rows) == len(released) and report["truncated"] == 0
+    assert_processbench_numbers(report, rows, released)
+    middle = float(np.median([s for r in rows for s in r["scores"]]))
+    report, rows = released_prm_run(qwen_math_prm_dir, PB_DIR, tmp_path, f"metrics.threshold={middle}")
+    assert_processbench_numbers(report, rows, released)
+    assert 0 < report["metrics"]["first_error_error_acc"] and 0 < report["metrics"]["first_error_correct_acc"] < 1
+
+
+@pytest.mark.slow
+def test_recipe_counts_truncated_processbench_examples(qwen_math_prm_dir, tmp_path):
+    """With scorer.max_length cutting some examples, they stay in ProcessBench's denominators."""
+    released = [r for s in SUBSETS for r in json.loads((FIXTURES / "processbench" / f"{s}.json").read_text("utf-8"))]
+    report, rows = released_prm_run(qwen_math_prm_dir, FIXTURES / "processbench", tmp_path, "scorer.max_length=500")
+    cut = [r for r in rows if r["truncated"]]
+    assert 0 < len(cut) < len(rows) and report["truncated"] == len(cut)
+    assert report["metrics"]["examples"] == len(rows) == len(released)
+    assert report["metrics"]["steps"] == sum(len(r["scores"]) for r in rows if not r["truncated"])
+    middle = float(np.median([s for r in rows for s in r["scores"] if not math.isnan(s)]))
+    report, rows = released_prm_run(
+        qwen_math_prm_dir, FIXTURES / "processbench", tmp_path, "scorer.max_length=500", f"metrics.threshold={middle}"
+    )
+    assert_processbench_numbers(report, rows, released)

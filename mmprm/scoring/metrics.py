@@ -130,23 +130,27 @@ def _first_error_windows(
 
     With m = min of the scores before the true first error e (+inf when e = 0), the prediction
     is e exactly when p_e < t <= m; a correct solution is right when t <= min of all its scores.
-    Returns (lo, hi, is_error), each (M,).
+    A NaN score (a step cut by truncation) leaves the prediction undecided wherever the scored
+    steps do not decide it: the window is empty (a miss that stays counted), as ProcessBench counts
+    an example it got no prediction for. Returns (lo, hi, is_error), each (M,).
     """
     if len(scores) != len(first_errors):
         raise ValueError(f"{len(scores)} scored solutions but {len(first_errors)} first-error indices")
     lo, hi, err = [], [], []
     for i, (s, e) in enumerate(zip(scores, first_errors)):
         s = [float(v) for v in s]
-        if e is None:
+        if e is not None and not 0 <= e < len(s):
+            raise ValueError(f"solution {i}: first error index {e} is outside its {len(s)} steps")
+        err.append(e is not None)
+        if any(math.isnan(v) for v in s[: len(s) if e is None else e + 1]):
+            lo.append(math.inf)
+            hi.append(-math.inf)
+        elif e is None:
             lo.append(-math.inf)
             hi.append(min(s, default=math.inf))
-            err.append(False)
-            continue
-        if not 0 <= e < len(s):
-            raise ValueError(f"solution {i}: first error index {e} is outside its {len(s)} steps")
-        lo.append(s[e])
-        hi.append(min(s[:e], default=math.inf))
-        err.append(True)
+        else:
+            lo.append(s[e])
+            hi.append(min(s[:e], default=math.inf))
     return np.asarray(lo, dtype=float), np.asarray(hi, dtype=float), np.asarray(err, dtype=bool)
 
 
@@ -157,9 +161,9 @@ def _first_error_scores(
     with np.errstate(invalid="ignore", divide="ignore"):
         error_acc = np.asarray(error_hits) / n_error
         correct_acc = np.asarray(correct_hits) / n_correct
-        f1 = np.where(error_acc + correct_acc > 0, 2 * error_acc * correct_acc / (error_acc + correct_acc), 0.0)
-    # A missing class makes its accuracy NaN and F1 undefined.
-    f1 = np.where(np.isnan(error_acc) | np.isnan(correct_acc), np.nan, f1)
+        # Both accuracies 0 give 0/0: NaN, as ProcessBench's numpy F1 prints it; a missing class
+        # makes its accuracy NaN and F1 NaN too.
+        f1 = 2 * error_acc * correct_acc / (error_acc + correct_acc)
     return {"error_acc": error_acc, "correct_acc": correct_acc, "f1": f1}
 
 
@@ -178,8 +182,8 @@ def first_error_f1(
         threshold: error threshold.
 
     Returns:
-        {"error_acc", "correct_acc", "f1"}: f1 is their harmonic mean (0 if both are 0);
-        a class with no solutions gives NaN accuracy and NaN f1.
+        {"error_acc", "correct_acc", "f1"}: f1 is their harmonic mean, NaN when both are 0 (as
+        ProcessBench's code gives it); a class with no solutions gives NaN accuracy and NaN f1.
     """
     lo, hi, err = _first_error_windows(scores, first_errors)
     hit = (lo < threshold) & (threshold <= hi)
@@ -209,6 +213,7 @@ def best_threshold(scores: Sequence[Sequence[float]], first_errors: Sequence[int
     cand = np.r_[0.0, (u[1:] + u[:-1]) / 2, np.nextafter(1.0, 2.0)]  # (T,)
     error_hits, correct_hits = _window_hits(lo[err], hi[err], cand), _window_hits(lo[~err], hi[~err], cand)
     f1 = _first_error_scores(error_hits, correct_hits, err.sum(), (~err).sum())["f1"]
+    f1 = np.nan_to_num(f1, nan=0.0)  # no hit in either class is the worst outcome, not a gap
     best = np.flatnonzero(f1 == f1.max())
     return float(cand[best[np.argmin(np.abs(cand[best] - 0.5))]])
 

@@ -15,11 +15,14 @@ lettered choices), taken from the row or from `query.json` beside the file, as M
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from mmprm.answers import normalize_answer
 from mmprm.data.eval_sets._source import check_exists, image_file, load_rows, require_fields
+
+_LETTER = re.compile(r"\(([a-zA-Z])\)")
 
 # The columns MathVista's calculate_score.py breaks accuracy down by (`origin` is its `source`).
 BREAKDOWN = ("question_type", "answer_type", "language", "origin", "category", "task", "context", "grade", "skills")
@@ -39,11 +42,12 @@ def read_mathvista(
         image_root: where the rows' `images/<pid>.jpg` paths start (default: the file's folder).
         image_dir: where images held in the rows (`decoded_image` from the Hub) are written.
     """
-    rows, root = load_rows(source, split, (f"{split}.json",))
-    root = Path(image_root).resolve() if image_root is not None else root
+    rows, data_root = load_rows(source, split, (f"{split}.json",))
+    root = Path(image_root).resolve() if image_root is not None else data_root
     queries: dict[str, str] = {}
-    if root is not None and (root / "query.json").is_file():
-        queries = json.loads((root / "query.json").read_text(encoding="utf-8"))
+    # query.json ships beside testmini.json in MathVista's data/, wherever the images were unzipped.
+    if data_root is not None and (data_root / "query.json").is_file():
+        queries = json.loads((data_root / "query.json").read_text(encoding="utf-8"))
     out_dir = Path(image_dir) if image_dir is not None else None
     problems = []
     need = ("pid", "question", "question_type", "answer_type") + (("answer",) if split != "test" else ())
@@ -110,17 +114,17 @@ def mathvista_prediction(
 ) -> str | None:
     """MathVista's normalisation of an extracted answer (calculate_score.py), before `==` with the answer.
 
-    multi_choice: the first "(X)" names a letter; a letter of the choices gives that choice's text;
-    anything else gives the choice with the least edit distance (first on ties). integer: `int(float(x))`;
-    float: `round(float(x), precision)`; list: the text. None when the number does not parse.
+    multi_choice: the first "(X)", X an ASCII letter, names a letter; a letter of the choices gives
+    that choice's text; anything else, an empty extraction too, gives the choice with the least edit
+    distance (first on ties). integer: `int(float(x))`; float: `round(float(x), int(precision))`,
+    so a row without a precision never scores; list: the text. None when the number does not parse.
     """
     if question_type == "multi_choice":
         text = str(extraction).strip()
         letters = [chr(65 + i) for i in range(len(choices or []))]
-        for i, ch in enumerate(text):  # the first "(X)" with X a letter, as "(B) 12"
-            if ch == "(" and text[i + 2 : i + 3] == ")" and text[i + 1 : i + 2].isalpha():
-                text = text[i + 1].upper()
-                break
+        named = _LETTER.search(text)  # "(B) 12" -> "B"; "(é)" names no option
+        if named:
+            text = named.group(1).upper()
         if text in letters:
             return (choices or [])[letters.index(text)]
         dists = [edit_distance(text, c) for c in choices or []]
@@ -129,7 +133,7 @@ def mathvista_prediction(
         if answer_type == "integer":
             return str(int(float(extraction)))
         if answer_type == "float":
-            return str(round(float(extraction), int(precision or 0)))
+            return str(round(float(extraction), int(precision)))  # type: ignore[arg-type]
     except (TypeError, ValueError, OverflowError):
         return None
     return str(extraction)
@@ -141,9 +145,10 @@ def mathvista_correct(pred: str | None, answer: str, choices: list[str] | None, 
     MathVista extracts answers with GPT, which drops units and formatting; here the rule-based
     extraction is cleaned the same way for free-form answers (math delimiters, `\\text{}`,
     thousands commas, the row's unit) before MathVista's normalisation and exact comparison.
+    No extraction (None) is MathVista's empty extraction: calculate_score.py, by default, still maps
+    it to the nearest choice of a multiple-choice question, so it can score there.
     """
-    if pred is None or not pred.strip():
-        return False
+    pred = "" if pred is None else pred
     if meta["question_type"] != "multi_choice" and meta["answer_type"] in ("integer", "float"):
         unit = (meta.get("unit") or "").strip()
         if unit and pred.strip().endswith(unit):
