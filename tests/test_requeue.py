@@ -89,3 +89,21 @@ def test_sigusr1_saves_the_step_it_came_in_and_the_rerun_resumes_there(tiny_mode
     assert json.loads((out / TRACKER_FILE).read_text()) == tracker
     events = list((out / "prm_train").glob("events.out.tfevents.*"))
     assert len(events) == 2, events  # both runs logged into the one TensorBoard run folder
+
+
+def test_train_dist_timeout_s_reaches_the_process_group(monkeypatch):
+    from datetime import timedelta
+
+    from mmprm.training import TrainConfig, process_group_kwargs
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert process_group_kwargs(900) == []  # one process, no launcher: no process group
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    (handler,) = process_group_kwargs(900)
+    assert handler.to_kwargs() == {"timeout": timedelta(seconds=900)}  # the backend stays accelerate's
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    (handler,) = process_group_kwargs(900)
+    assert handler.to_kwargs() == {"backend": "gloo", "timeout": timedelta(seconds=900)}
+    with pytest.raises(ValueError, match="train.dist_timeout_s: 0"):
+        TrainConfig(dist_timeout_s=0).validate()
