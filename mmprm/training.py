@@ -436,7 +436,10 @@ def _fsync_tree(folder: Path) -> None:
     the (shared) filesystem before the checkpoint is renamed into place and marked complete."""
     for root, _dirs, files in os.walk(folder, topdown=False):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except FileNotFoundError:  # a temp file another writer has renamed since the listing
+                continue
             try:
                 os.fsync(fd)
             finally:
@@ -498,9 +501,10 @@ def save_checkpoint(
         _clear_leftovers(folder)
     accelerator.wait_for_everyone()  # no rank writes into a leftover being deleted
     accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()  # every rank has written: no file is still being renamed into place
     if accelerator.is_local_main_process:
         _fsync_tree(partial)  # ranks of a node share its page cache: one fsync pass per node
-    accelerator.wait_for_everyone()  # every rank's shards are on disk before the marker says so
+    accelerator.wait_for_everyone()  # every node's shards are on disk before the marker says so
     if accelerator.is_main_process:
         # whole or absent: a marker cut off while written would still pass for complete
         with atomic_write(partial / CHECKPOINT_DONE) as f:
