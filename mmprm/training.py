@@ -104,6 +104,8 @@ class TrainConfig:
         overwrite_output_dir: let a fresh start (no resume_from_checkpoint) delete the checkpoints another run
             left in output_dir; false refuses to start over them
         lr: peak learning rate (AdamW)
+        dist_timeout_s: seconds a collective may wait for the other ranks before the run fails
+            (NCCL's own default, 600, is shorter than a large ZeRO-3 save or data build)
     """
 
     seed: int = 42
@@ -128,9 +130,14 @@ class TrainConfig:
     overwrite_output_dir: bool = False
     require_gpu: bool = False
     prefetch_batches: bool = True
+    dist_timeout_s: int = 1800
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what to do."""
+        if self.dist_timeout_s < 1:
+            raise ValueError(
+                f"train.dist_timeout_s: {self.dist_timeout_s} (give the seconds a collective may wait, e.g. 1800)"
+            )
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(
                 f"train.keep_checkpoints: {self.keep_checkpoints} would delete the checkpoint just written "
@@ -445,35 +452,90 @@ def _refuse_fresh_start(output_dir: str | Path, overwrite: bool) -> None:
         )
 
 
+def _fsync_tree(folder: Path) -> None:
+    """fsync every file and folder under `folder`, deepest first: the bytes this node wrote reach
+    the (shared) filesystem before the checkpoint is renamed into place and marked complete."""
+    for root, _dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except FileNotFoundError:  # a temp file another writer has renamed since the listing
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(root))
+
+
+def _fsync_dir(folder: Path) -> None:
+    """fsync a folder, so the names created or renamed in it are on disk."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a directory; the data files are synced
+        pass
+    finally:
+        os.close(fd)
+
+
+def _clear_leftovers(folder: Path) -> None:
+    """Tidy what a job killed mid-save left in output_dir/checkpoints: a step_N.partial is deleted;
+    a step_N.replaced (the complete old step_N, set aside for its rewrite) is put back when the
+    new one never arrived, else deleted."""
+    import shutil
+
+    for p in folder.glob("step_*.partial"):
+        shutil.rmtree(p, ignore_errors=True)
+    for p in folder.glob("step_*.replaced"):
+        final = p.with_suffix("")
+        if final.exists():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.rename(final)
+
+
 def save_checkpoint(
     accelerator: Any, output_dir: str | Path, step: int, *, run_id: str, keep: int | None = None
 ) -> Path:
     """`accelerator.save_state` into output_dir/checkpoints/step_STEP, marked complete once all ranks wrote.
 
-    A job killed while saving (a Slurm time limit, a preempted node) leaves a folder without the
-    marker, which `find_checkpoint(..., "latest")` passes over. A step_STEP already there is deleted,
-    marker first, before any rank writes, so a kill during the rewrite cannot leave new weights beside
-    an old optimizer under an old marker. The marker records `run_id` (see `start_run`). With `keep`,
-    rank 0 then deletes all but the newest `keep` complete checkpoints of this run (and ones whose
-    marker names no run, written before markers did), and any cut-off one older than `step`; another
-    run's checkpoints are never deleted.
+    Every rank writes into step_STEP.partial (DeepSpeed's layout inside is unchanged: its `latest`
+    file names a tag, not a path); one process per node fsyncs what it wrote; rank 0 then writes
+    the completion marker and renames the folder into place. A job killed while saving (a Slurm
+    time limit, a preempted node) leaves only a .partial folder, which `find_checkpoint` never
+    sees, and every earlier checkpoint intact, including a step_STEP being rewritten. The marker
+    records `run_id` (see `start_run`). With `keep`, rank 0 then deletes all but the newest `keep`
+    complete checkpoints of this run (and ones whose marker names no run, written before markers
+    did), and any cut-off one older than `step`; another run's checkpoints are never deleted.
     """
     import json
     import shutil
 
     from mmprm.data.schema import atomic_write
 
-    path = Path(output_dir) / "checkpoints" / f"step_{step}"
-    if accelerator.is_main_process and path.exists():
-        (path / CHECKPOINT_DONE).unlink(missing_ok=True)
-        shutil.rmtree(path)
-    accelerator.wait_for_everyone()  # no rank writes into the old folder while it is being deleted
-    accelerator.save_state(str(path))
-    accelerator.wait_for_everyone()  # every rank's shards are on disk before the marker says so
+    folder = Path(output_dir) / "checkpoints"
+    path = folder / f"step_{step}"
+    partial = folder / f"step_{step}.partial"
+    if accelerator.is_main_process:
+        folder.mkdir(parents=True, exist_ok=True)
+        _clear_leftovers(folder)
+    accelerator.wait_for_everyone()  # no rank writes into a leftover being deleted
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()  # every rank has written: no file is still being renamed into place
+    if accelerator.is_local_main_process:
+        _fsync_tree(partial)  # ranks of a node share its page cache: one fsync pass per node
+    accelerator.wait_for_everyone()  # every node's shards are on disk before the marker says so
     if accelerator.is_main_process:
         # whole or absent: a marker cut off while written would still pass for complete
-        with atomic_write(path / CHECKPOINT_DONE) as f:
+        with atomic_write(partial / CHECKPOINT_DONE) as f:
             f.write(json.dumps({"step": step, "processes": accelerator.num_processes, "run_id": run_id}))
+        aside = folder / f"step_{step}.replaced"
+        if path.exists():
+            path.rename(aside)
+        partial.rename(path)
+        _fsync_dir(folder)
+        shutil.rmtree(aside, ignore_errors=True)
         if keep is not None:
             found = _step_dirs(output_dir)
             mine = [p for p in found if (m := _marker(p)) is not None and m.get("run_id", run_id) == run_id]
@@ -612,7 +674,7 @@ def start_run(
     return broadcast_object_list([run_id])[0]
 
 
-def accelerator_kwargs() -> list:
+def accelerator_kwargs(timeout_s: int | None = None) -> list:
     """`kwargs_handlers` for the training recipes' `Accelerator`: `process_group_kwargs` plus DDP's
     search for parameters the loss does not reach.
 
@@ -625,28 +687,31 @@ def accelerator_kwargs() -> list:
     """
     from accelerate.utils import DistributedDataParallelKwargs
 
-    return [*process_group_kwargs(), DistributedDataParallelKwargs(find_unused_parameters=True)]
+    return [*process_group_kwargs(timeout_s), DistributedDataParallelKwargs(find_unused_parameters=True)]
 
 
-def process_group_kwargs() -> list:
-    """`kwargs_handlers` for `Accelerator` so DeepSpeed ranks on a machine without GPUs form one group.
+def process_group_kwargs(timeout_s: int | None = None) -> list:
+    """`kwargs_handlers` for `Accelerator`: the collective timeout (`timeout_s`, under a launcher),
+    and gloo so DeepSpeed ranks on a machine without GPUs form one group.
 
     Without a GPU, accelerate gives DeepSpeed no backend and counts one process per rank: two
     processes of `accelerate launch --num_processes 2 --config_file deepspeed_zero3.yaml` each
     train alone on all the data. Naming gloo makes them one group (world size 2). With GPUs, and
-    outside a DeepSpeed launch, this returns nothing and accelerate chooses as usual.
+    outside a DeepSpeed launch, accelerate chooses the backend as usual.
     """
     import os
+    from datetime import timedelta
 
     import torch
+    from accelerate.utils import InitProcessGroupKwargs
 
     launched = os.environ.get("LOCAL_RANK") is not None
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if not (launched and deepspeed) or torch.cuda.is_available():
-        return []
-    from accelerate.utils import InitProcessGroupKwargs
-
-    return [InitProcessGroupKwargs(backend="gloo")]
+    timeout = {"timeout": timedelta(seconds=timeout_s)} if launched and timeout_s else {}
+    if launched and deepspeed and not torch.cuda.is_available():
+        return [InitProcessGroupKwargs(backend="gloo", **timeout)]
+    # the backend stays accelerate's choice: only fields that differ from the defaults are passed
+    return [InitProcessGroupKwargs(**timeout)] if timeout else []
 
 
 def leave_run(accelerator: Any) -> None:
@@ -725,6 +790,74 @@ def adapt_backbone(model: Any, cfg: TrainModelConfig) -> Any:
     return model
 
 
+class SaveNotice:
+    """A request to checkpoint and stop, caught from SIGUSR1 (the notice train.sbatch forwards
+    before a Slurm time limit or preemption) and acted on at the end of an optimizer step.
+
+    The handler only sets a flag: the step under way finishes, then every rank learns in one
+    all-reduce whether any rank was told, so all of them save the same step together.
+    """
+
+    def __init__(self, signum: int | None = None):
+        import signal
+
+        self.signum = signal.SIGUSR1 if signum is None else signum
+        self.received = False
+        try:
+            self._previous = signal.signal(self.signum, self._catch)
+        except ValueError:  # not the main thread (a notebook's worker): no notice, runs as before
+            self._previous = None
+
+    def _catch(self, signum: int, frame: Any) -> None:
+        self.received = True
+
+    def agreed(self, accelerator: Any) -> bool:
+        """True on every rank when any rank was told (a collective: call it on all ranks)."""
+        import torch
+
+        if accelerator.num_processes == 1:
+            return self.received
+        told = torch.tensor(float(self.received), device=accelerator.device)
+        return accelerator.reduce(told, "sum").item() > 0
+
+    def close(self) -> None:
+        """Give the signal back its handler from before."""
+        import signal
+
+        if self._previous is not None:
+            signal.signal(self.signum, self._previous)
+            self._previous = None
+
+
+TRACKER_FILE = "tracker_run.json"
+
+
+def tracker_run(output_dir: str | Path, run_id: str, report_to: str, write: bool = True) -> dict:
+    """The tracker run this training run logs to, kept in OUTPUT_DIR/tracker_run.json so that a
+    requeued or resumed run (same `run_id`, see `start_run`) goes on logging into the same wandb
+    run; a new run id (a fresh start) gets a new tracker id. Rank 0 writes (`write`).
+
+    Returns:
+        {"run_id", "report_to", "tracker_id"}.
+    """
+    import secrets
+
+    path = Path(output_dir) / TRACKER_FILE
+    try:
+        saved = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        saved = {}
+    if saved.get("run_id") == run_id and saved.get("report_to") == report_to and saved.get("tracker_id"):
+        return saved
+    record = {"run_id": run_id, "report_to": report_to, "tracker_id": secrets.token_hex(8)}
+    if write:
+        from mmprm.data.schema import atomic_write
+
+        with atomic_write(path) as f:
+            f.write(json.dumps(record))
+    return record
+
+
 class TrainingRun:
     """One run of a training recipe (prm_train, policy_sft): what they share, in the order they use it.
 
@@ -775,7 +908,7 @@ class TrainingRun:
             project_dir=str(self.output_dir),
             gradient_accumulation_steps=train.grad_accum,
             step_scheduler_with_optimizer=False,
-            kwargs_handlers=accelerator_kwargs(),
+            kwargs_handlers=accelerator_kwargs(train.dist_timeout_s),
         )
         try:
             check_world_size(self.accelerator, world_size)
@@ -786,6 +919,9 @@ class TrainingRun:
         # before loading anything: a fresh start over another run's checkpoints is refused here
         self.resume_from = find_checkpoint(self.output_dir, resume, log=self.log, overwrite=train.overwrite_output_dir)
         self.progress = TrainProgress()
+        # from here on, not only in fit(): a notice that comes while the model loads is kept
+        self.notice = SaveNotice()
+        self.stopped_by: Literal["stop_at_step", "notice"] | None = None
 
     def prepare(self, model: Any) -> Any:
         """AdamW over the trainable weights and the LR schedule, handed with the model to accelerate
@@ -852,7 +988,15 @@ class TrainingRun:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / RESOLVED_CONFIG).write_text(resolved_config_text(cfg, accelerator.num_processes))
         if self.log_with:
-            accelerator.init_trackers(self.name, config={k: str(v) for k, v in to_dict(cfg).items()})
+            tracker = tracker_run(self.output_dir, self.run_id, self.log_with, write=accelerator.is_main_process)
+            init_kwargs = {
+                "wandb": {"id": tracker["tracker_id"], "resume": "allow"},
+                # a resume hides what a killed run logged after its checkpoint
+                "tensorboard": {"purge_step": self.progress.step + 1} if self.resume_from is not None else {},
+            }
+            accelerator.init_trackers(
+                self.name, config={k: str(v) for k, v in to_dict(cfg).items()}, init_kwargs=init_kwargs
+            )
 
     def write_metrics(self, row: dict) -> None:
         """One row (split, step, numbers) to metrics.jsonl (rank 0) and to the trackers."""
@@ -872,7 +1016,8 @@ class TrainingRun:
         count_tokens: bool = False,
     ) -> bool:
         """Train from the current step to train.max_steps, logging, evaluating and checkpointing as
-        configured; True when it stopped at train.stop_at_step instead (its checkpoint written).
+        configured; True when it stopped early instead, its checkpoint written (`stopped_by`:
+        train.stop_at_step, or the save notice, SIGUSR1, at the end of the step it came in).
 
         `collate(indices)` gives (batch, items) of training units; `unit_weights[i]`: the loss terms
         (step tokens, assistant tokens) of unit i. `micro_step(batch, items, k, n_window)` runs the
@@ -916,16 +1061,22 @@ class TrainingRun:
             if evaluate is not None and (progress.step % train.eval_every == 0 or progress.step == train.max_steps):
                 prefetch.wait()  # evaluation tokenizes with the same processor
                 evaluate()
-            stopping = progress.step == train.stop_at_step
+            if progress.step == train.stop_at_step:
+                self.stopped_by = "stop_at_step"
+            elif self.notice.agreed(accelerator) and progress.step < train.max_steps:
+                self.stopped_by = "notice"
+            stopping = self.stopped_by is not None
             if progress.step % train.save_every == 0 or progress.step == train.max_steps or stopping:
                 save_checkpoint(
                     accelerator, self.output_dir, progress.step, run_id=self.run_id, keep=train.keep_checkpoints
                 )
             if stopping:
                 prefetch.close()
+                self.notice.close()
                 return True
         prefetch.close()
         bar.close()
+        self.notice.close()
         return False
 
     def _next_window(self, prefetch: Prefetcher) -> tuple[list[list[int]], list[list[int]]]:

@@ -306,7 +306,8 @@ def main(argv: list[str]) -> None:
 
     n_targets = collate.data.column("n_targets")  # assistant tokens per row, for the loss normaliser
     if run.fit(collate, n_targets, partial(train_micro_batch, run, sync), evaluate_now):
-        run.log(f"stopping at step {run.progress.step} (train.stop_at_step); resume with resume_from_checkpoint=latest")
+        why = "(train.stop_at_step)" if run.stopped_by == "stop_at_step" else "on the save notice (SIGUSR1)"
+        run.log(f"stopping at step {run.progress.step} {why}; resume with resume_from_checkpoint=latest")
     else:
         save_final(run, processor, cfg)
     leave_run(run.accelerator)  # every rank waits for rank 0's save before the group goes down

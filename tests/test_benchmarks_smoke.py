@@ -74,6 +74,53 @@ def test_gpu_check_without_cuda_says_so_and_checks_nothing():
     assert "gpu-check: no CUDA GPU visible" in proc.stderr and "nothing was checked" in proc.stderr
 
 
+def load_gpu_check():
+    """benchmarks/gpu_check.py as a module (by path: benchmarks/ is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_fails_a_check_it_could_not_run(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here: the vLLM checks can run")
+    gpu_check = load_gpu_check()
+    for res in (gpu_check.vllm_engines(tmp_path, 1, 10), gpu_check.vllm_scorer(10)):
+        assert res["ok"] is False and "vllm is not installed" in res["skipped"], res
+    res = gpu_check.vllm_tensor_parallel(tmp_path, 1, 10)
+    assert res["ok"] is False and "--skip vllm_tp" in res["skipped"]
+
+
+def test_gpu_check_verdict_counts_a_skip_only_when_named():
+    gpu_check = load_gpu_check()
+    passed = {name: {"ok": True} for name in gpu_check.CHECKS}
+    assert gpu_check.verdict(passed, set()) == []
+    could_not = {**passed, "flash_attn": gpu_check.cannot_run("flash_attn", "flash-attn is not installed")}
+    assert gpu_check.verdict(could_not, set()) == ["flash_attn"]
+    assert gpu_check.verdict({**could_not, "flash_attn": {"ok": True, "skipped": "--skip"}}, {"flash_attn"}) == []
+    missing = {k: v for k, v in passed.items() if k != "scorer"}  # a check that never reported
+    assert gpu_check.verdict(missing, set()) == ["scorer"]
+    assert gpu_check.verdict({**passed, "zero2": {"ok": False}}, {"vllm"}) == ["zero2"]
+    assert gpu_check.parse_skip(["vllm,vllm_tp", "flash_attn"]) == {"vllm", "vllm_tp", "flash_attn"}
+    with pytest.raises(ValueError, match=r"--skip nope: no such check \(the checks: zero2, "):
+        gpu_check.parse_skip(["vllm,nope"])
+
+
+def test_gpu_check_lists_its_checks_and_refuses_an_unknown_skip():
+    script = [sys.executable, str(REPO / "benchmarks" / "gpu_check.py")]
+    shown = subprocess.run([*script, "--help"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0
+    for name in load_gpu_check().CHECKS:
+        assert name in shown.stdout
+    bad = subprocess.run([*script, "--skip", "vlm"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--skip vlm: no such check" in bad.stderr and bad.stdout == ""
+
+
 @pytest.mark.slow
 def test_gpu_check_logic_on_cpu():
     """The same script end to end on CPU (small model, few steps): every path a GPU run takes."""
@@ -97,6 +144,10 @@ def test_gpu_check_logic_on_cpu():
             "64",
             "--probe-divisor",
             "16",
+            "--skip",
+            "zero3_packed_flex,vllm,vllm_tp",
+            "--skip",
+            "vllm_scorer",
         ],
         cwd=REPO,
         env=env,
@@ -107,7 +158,10 @@ def test_gpu_check_logic_on_cpu():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads(lines[0])
-    assert res["attn_implementation"] == "sdpa"  # auto without flash-attn / CUDA
+    # flash-attn could not run (no GPU) and was not skipped by name: the one failure
+    assert proc.returncode == 1 and res["failed"] == ["flash_attn"] and res["ok"] is False, res
+    assert "--skip flash_attn" in res["flash_attn"]["skipped"]
+    assert res["attn_implementation"] == "sdpa"  # what training used without a working flash-attn
     for stage in ("zero2", "zero3"):
         assert res[stage]["finite"] and "loss_first" in res[stage], res[stage]
     assert res["zero3"]["lm_head"] == {"numel": 1025 * 128, "local_numel": 1025 * 128, "partitioned": True}
@@ -116,9 +170,9 @@ def test_gpu_check_logic_on_cpu():
     assert res["processes"] == 1  # every visible GPU: none here
     packed = res["zero3_packed"]
     assert packed["finite"] and packed["rows_in_packs"][0] > packed["rows_in_packs"][1] > 0, packed
-    assert res["vllm"]["skipped"].startswith("no GPU")
-    assert res["vllm_scorer"]["skipped"].startswith("no GPU")
-    assert res["zero3_packed_flex"]["skipped"].startswith("no GPU")
+    assert res["skipped_by_user"] == ["vllm", "vllm_scorer", "vllm_tp", "zero3_packed_flex"]
+    for name in res["skipped_by_user"]:
+        assert res[name] == {"ok": True, "skipped": "--skip"}
     assert res["memory_7b_layer"]["tokens"] == 64 and res["memory_7b_layer"]["seconds_2_layers"] > 0
 
 

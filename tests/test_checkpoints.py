@@ -87,28 +87,42 @@ def marker(out, step: int) -> dict:
     return json.loads((out / "checkpoints" / f"step_{step}" / CHECKPOINT_DONE).read_text())
 
 
-def test_a_rewrite_is_never_marked_complete_while_half_written(accelerator, tmp_path):
+def test_an_interrupted_save_leaves_every_earlier_checkpoint_intact(accelerator, tmp_path):
+    # Written aside and renamed into place: a job killed mid-save (here while rewriting step_10,
+    # then while writing step_15) leaves step_10 whole, marker and all, and `latest` resumes it.
     for step in (5, 10):
         save_checkpoint(accelerator, tmp_path, step, run_id="a")
-    (tmp_path / "checkpoints" / "step_10" / "left_by_the_first_write").write_text("")
+    folder = tmp_path / "checkpoints"
+    before = {p.name: p.read_bytes() for p in (folder / "step_10").iterdir()}
     save_state = accelerator.save_state
 
     def killed_while_saving(path):  # the model written, then the job dies before the optimizer
-        assert not (tmp_path / "checkpoints" / "step_10" / CHECKPOINT_DONE).exists()
         save_state(path)
-        (tmp_path / "checkpoints" / "step_10" / "optimizer.bin").unlink()
+        (folder / path.rsplit("/", 1)[1] / "optimizer.bin").unlink()
         raise KeyboardInterrupt
 
     accelerator.save_state = killed_while_saving
-    with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(accelerator, tmp_path, 10, run_id="a")
-    said = []
-    assert find_checkpoint(tmp_path, "latest", log=said.append) == tmp_path / "checkpoints" / "step_5"
-    assert "step_10" in said[0] and "cut off while saving" in said[0]
+    for step in (10, 15):
+        with pytest.raises(KeyboardInterrupt):
+            save_checkpoint(accelerator, tmp_path, step, run_id="a")
+        assert {p.name: p.read_bytes() for p in (folder / "step_10").iterdir()} == before
+        assert find_checkpoint(tmp_path, "latest") == folder / "step_10"
+    assert not (folder / "step_15").exists()
     accelerator.save_state = save_state
-    save_checkpoint(accelerator, tmp_path, 10, run_id="a")  # a rewrite starts from an empty folder
-    assert not (tmp_path / "checkpoints" / "step_10" / "left_by_the_first_write").exists()
-    assert find_checkpoint(tmp_path, "latest") == tmp_path / "checkpoints" / "step_10"
+    save_checkpoint(accelerator, tmp_path, 15, run_id="a")  # the next save clears what the kills left
+    assert sorted(p.name for p in folder.iterdir()) == ["step_10", "step_15", "step_5"]
+    assert find_checkpoint(tmp_path, "latest") == folder / "step_15"
+    accelerator.load_state(str(folder / "step_15"))
+
+
+def test_a_checkpoint_set_aside_for_its_rewrite_is_put_back(accelerator, tmp_path):
+    # killed between the two renames of a rewrite: the old step_4 sits as step_4.replaced
+    save_checkpoint(accelerator, tmp_path, 4, run_id="a")
+    folder = tmp_path / "checkpoints"
+    (folder / "step_4").rename(folder / "step_4.replaced")
+    save_checkpoint(accelerator, tmp_path, 6, run_id="a")
+    assert sorted(p.name for p in folder.iterdir()) == ["step_4", "step_6"]
+    assert marker(tmp_path, 4)["step"] == 4
 
 
 def test_the_marker_names_the_run_and_every_resume_keeps_it(accelerator, tmp_path):

@@ -395,7 +395,8 @@ def test_prm_train_on_two_nodes(cluster, tmp_path, tiny_models):
 
 
 def test_prm_train_requeued_at_time_limit_resumes(cluster, tmp_path, tiny_models):
-    """The time-limit notice (USR1 to the batch shell) requeues the job; the rerun resumes and finishes."""
+    """The time-limit notice (USR1 to the batch shell) makes the run save and the job requeue; the
+    rerun resumes from the step the notice came in and finishes."""
     _need("recipes/prm_train.py", "tests/toy_data.py")
     from toy_data import write_toy_prm_data
 
@@ -465,6 +466,9 @@ def test_prm_train_requeued_at_time_limit_resumes(cluster, tmp_path, tiny_models
     assert resumed, report(sub, text, logs)
     step = int(resumed.group(2))
     assert 5 <= step < steps and Path(resumed.group(1)).name == f"step_{step}"
+    # the notice reached the training processes: they saved the step they were on, none is redone
+    stopped = re.search(r"stopping at step (\d+) on the save notice", node0)
+    assert stopped and int(stopped.group(1)) == step, report(sub, text, logs)
     assert (out_dir / "mmprm_prm.json").exists(), report(sub, text, logs)
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["split"] == "train"] == list(range(1, steps + 1))
