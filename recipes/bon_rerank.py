@@ -39,6 +39,7 @@ from mmprm.config_sections import ModelLoadConfig, ShardConfig
 from mmprm.data.schema import DataError
 from mmprm.generation.base import SamplingConfig
 from mmprm.models.spec import ReleasedConvention
+from mmprm.scoring.aggregators import EdgeRules
 
 
 @dataclass
@@ -148,6 +149,10 @@ class ReportConfig:
         resamples: bootstrap resamples over problems for the 95% intervals
         seed: seed of the subsets and resamples
         weighted_by: aggregator whose scores weight the weighted_vote baseline (a probability-scale one)
+        edge_rules: every aggregator's rules for an empty candidate and p = 0 or 1: mmprm (clamped to
+            [1e-6, 1 - 1e-6], an empty candidate lowest) | mm_prm (MM-PRM's eval/prm/extract_calculate.py:
+            an empty candidate 0, +/-9999 sentinels; mmprm.scoring.aggregators); a truncated candidate
+            ranks last under both
         title: title of report.md and the plot
     """
 
@@ -155,6 +160,7 @@ class ReportConfig:
     resamples: int = 1000
     seed: int = 0
     weighted_by: str = "min"
+    edge_rules: EdgeRules = "mmprm"
     title: str = "Best-of-N accuracy"
 
 
@@ -503,6 +509,9 @@ def score_shard(cfg: Config, out_dir: Path, cand_file: Path, lo: int, hi: int | 
         "candidates_file": str(cand_file.resolve()),
         "share_prefix": cfg.scoring.share_prefix,
         "max_length": cfg.scoring.max_length,
+        # The scores do not depend on it, but merge-bon reports every shard under one rule. None for
+        # mmprm's own rules, so that a run file without the key reads as them.
+        "edge_rules": None if cfg.report.edge_rules == "mmprm" else cfg.report.edge_rules,
     }
     store.check_same_run(final.with_name(final.name + ".run.json"), run, final, partial)
     if final.exists():
@@ -583,7 +592,15 @@ def write_report(cfg: Config, out_dir: Path) -> None:
         merged = merge_scored(out_dir, count=1)
         rc = cfg.report
         report = report_from_scored(
-            merged, out_dir, rc.n_subsets, rc.resamples, rc.seed, rc.weighted_by, rc.title, settings["extraction"]
+            merged,
+            out_dir,
+            rc.n_subsets,
+            rc.resamples,
+            rc.seed,
+            rc.weighted_by,
+            rc.title,
+            settings["extraction"],
+            rc.edge_rules,
         )
         n = str(report["n_max"])
         summary = {method: round(v[n]["mean"], 4) for method, v in report["methods"].items()}

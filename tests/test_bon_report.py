@@ -314,6 +314,70 @@ def test_a_truncated_candidate_ranks_below_an_empty_one_under_every_aggregator()
         assert curve.per_problem[m][2].tolist() == [1.0], m
 
 
+# Four problems, N=2, each candidate's correctness telling which one was picked.
+# A: an empty candidate (right) against one step at 0.4: mmprm scores the empty one lowest; MM-PRM
+#    scores it 0, above log(0.4) and log(0.4/0.6) (so sum_logpr and sum_logodds pick it).
+# B: steps [1.0, 1e-4] (right) against [0.999]: clamped, p = 1 gives log-odds log(999999) = 13.8 and
+#    the sum is 4.6 < log(999) = 6.9; MM-PRM's +9999 makes it 9989.8, and its odds 9999 (mean
+#    4999.5, still above 999). max and mean_odds pick the right one under both rules.
+# C: [0.0] (wrong) against [1e-7] (right): clamped, both read 1e-6 and tie (lowest index, wrong);
+#    unclamped, 1e-7 > 0 everywhere and log(1e-7) = -16.1 > -9999.
+# D: a truncated candidate with p = 1 (wrong) before an empty one (right): the cut one ranks last
+#    under both rules.
+EDGE_CASES = [
+    [cand([], None, True), cand([0.4], "2", False)],
+    [cand([1.0, 1e-4], "1", True), cand([0.999], "2", False)],
+    [cand([0.0], "3", False), cand([1e-7], "4", True)],
+    [{**cand([1.0], "5", False), "truncated": True}, cand([], None, True)],
+]
+EDGE_PICKS = {  # aggregator -> accuracy per problem A, B, C, D
+    "mmprm": {
+        "min": [0, 0, 0, 1],
+        "average": [0, 0, 0, 1],
+        "max": [0, 1, 0, 1],
+        "last": [0, 0, 0, 1],
+        "product": [0, 0, 0, 1],
+        "sum_logpr": [0, 0, 0, 1],
+        "sum_logodds": [0, 0, 0, 1],
+        "mean_odds": [0, 1, 0, 1],
+    },
+    "mm_prm": {
+        "min": [0, 0, 1, 1],
+        "average": [0, 0, 1, 1],
+        "max": [0, 1, 1, 1],
+        "last": [0, 0, 1, 1],
+        "product": [0, 0, 1, 1],
+        "sum_logpr": [1, 0, 1, 1],
+        "sum_logodds": [1, 1, 1, 1],
+        "mean_odds": [0, 1, 1, 1],
+    },
+}
+
+
+@pytest.mark.parametrize("rules", ["mmprm", "mm_prm"])
+def test_edge_rules_pick_by_hand_and_are_stated_in_the_report(rules, tmp_path):
+    curve = bon_curve(EDGE_CASES, edge_rules=rules)
+    for m in AGGREGATORS:
+        assert curve.per_problem[m][2].tolist() == EDGE_PICKS[rules][m], m
+    rep = write_report(curve, tmp_path, n_resamples=20)
+    assert rep["settings"]["edge_rules"] == json.loads((tmp_path / "report.json").read_text())["settings"]["edge_rules"]
+    assert rep["settings"]["edge_rules"] == rules
+    md = (tmp_path / "report.md").read_text()
+    assert f"Edge rules of every aggregator: `{rules}`" in md
+    assert ("an empty candidate scores 0" in md) == (rules == "mm_prm")
+
+
+def test_edge_rules_default_to_mmprm_and_refuse_other_names(tmp_path, capsys):
+    assert bon_curve(EDGE_CASES).settings["edge_rules"] == "mmprm"
+    with pytest.raises(ValueError, match="edge rules 'mm-prm': choose mmprm or mm_prm"):
+        bon_curve(EDGE_CASES, edge_rules="mm-prm")
+    path = tmp_path / "c.jsonl"
+    _write_candidates(path, EDGE_CASES)
+    assert cli_bon_report(["--candidates", str(path), "--out", str(tmp_path), "--edge-rules", "mm_prm"]) == 0
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["settings"]["edge_rules"] == "mm_prm" and rep["methods"]["sum_logodds"]["2"]["mean"] == 1.0
+
+
 def test_percentile_interval_by_hand():
     """The 2.5th and 97.5th percentiles, numpy's linear interpolation: 0..100 -> [2.5, 97.5]."""
     from mmprm.scoring.stats import percentile_interval

@@ -526,6 +526,57 @@ def test_candidates_cut_by_scoring_max_length_are_ranked_last_and_counted(prm_di
     assert "3 of 6 candidates were truncated" in (out / "report.md").read_text()
 
 
+def test_mm_prm_edge_rules_carry_through_shards_and_merge_bon(prm_dir, tmp_path, capsys, one_thread):
+    """report.edge_rules=mm_prm on both shards: merge-bon reports under MM-PRM's rules. Each problem
+    has an empty candidate (right) and a scored one (wrong, every step p < 1): sum_logpr scores the
+    empty one 0 under MM-PRM's rules, above any log p < 0, and -inf under mmprm's; min scores both
+    empty ones 0, below the scored p > 0. A shard reported under other rules is refused by name."""
+    from mmprm.rerank.candidates import write_candidates
+
+    problems = [
+        Problem(
+            id=f"q{i}",
+            question="What is 2 + 3?",
+            answer="5",
+            candidates=[
+                Candidate(text=None, steps=[], answer=None, correct=True),
+                Candidate(text=None, steps=["2 + 3 = 6.", "So 6.\n<answer>6</answer>"], answer="6", correct=False),
+            ],
+        )
+        for i in range(2)
+    ]
+    cands = tmp_path / "c.jsonl"
+    write_candidates(cands, problems)
+    mod = recipe()
+
+    def run(out, index, *extra):
+        args = ["--config", str(CONFIG), f"prm={prm_dir}", f"candidates_file={cands}", f"output_dir={out}"]
+        mod.main([*args, "report.resamples=20", "shard.count=2", f"shard.index={index}", *extra])
+
+    out = tmp_path / "mm_prm"
+    run(out, 0, "report.edge_rules=mm_prm")
+    run(out, 1, "report.edge_rules=mm_prm")
+    assert json.loads((out / "report_settings.json").read_text())["edge_rules"] == "mm_prm"
+    assert cli_merge_bon([str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["edge_rules"] == "mm_prm"
+    assert report["methods"]["sum_logpr"]["2"]["mean"] == 1.0 and report["methods"]["min"]["2"]["mean"] == 0.0
+    assert "Edge rules of every aggregator: `mm_prm`" in (out / "report.md").read_text()
+    # the same scores reported under mmprm's rules, by merge-bon's flag: the empty candidate loses
+    assert cli_merge_bon([str(out), "--edge-rules", "mmprm"]) == 0
+    assert json.loads((out / "report.json").read_text())["methods"]["sum_logpr"]["2"]["mean"] == 0.0
+
+    mixed = tmp_path / "mixed"
+    run(mixed, 1)
+    for name in ("scored.shard0-of-2.jsonl", "scored.shard0-of-2.jsonl.run.json"):  # shard 0 as scored above
+        shutil.copy(out / name, mixed / name)
+    capsys.readouterr()
+    assert cli_merge_bon([str(mixed)]) == 2
+    assert "shard1-of-2.jsonl was made with other settings {'edge_rules': (None, 'mm_prm')}" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="edge_rules"):  # a rerun of the shard under other rules
+        run(out, 1)
+
+
 def test_killed_scoring_resumes_after_the_last_written_chunk(unsharded, prm_dir, mathv_file, tmp_path, one_thread):
     """A shard is scored chunk by chunk into `<shard>.partial`; killed after two chunks (plus a torn
     row), the same command scores only the rest and ends with the unsharded run's file. A finished

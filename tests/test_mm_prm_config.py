@@ -22,8 +22,13 @@ def load(name: str):
     return load_config(config_class(name), MM_PRM / f"{name}.yaml")
 
 
-def test_the_set_is_the_three_stages_of_the_paper():
-    assert sorted(p.name for p in MM_PRM.glob("*.yaml")) == ["mcts_annotate.yaml", "policy_sft.yaml", "prm_train.yaml"]
+def test_the_set_is_the_three_stages_of_the_paper_and_its_best_of_n():
+    assert sorted(p.name for p in MM_PRM.glob("*.yaml")) == [
+        "bon_rerank.yaml",
+        "mcts_annotate.yaml",
+        "policy_sft.yaml",
+        "prm_train.yaml",
+    ]
 
 
 def test_policy_sft_holds_the_papers_values():
@@ -79,6 +84,15 @@ def table_rows() -> list[list[str]]:
     return [r for r in rows[2:] if len(r) == 4]
 
 
+def test_bon_rerank_scores_under_mm_prm_edge_rules_with_the_trained_prm():
+    cfg = load("bon_rerank")
+    # eval/prm/extract_calculate.py: an empty candidate scores 0, p = 0 and 1 give -/+9999
+    assert cfg.report.edge_rules == "mm_prm"
+    assert cfg.prm == load("prm_train").output_dir and cfg.generate.policy == load("policy_sft").output_dir
+    assert cfg.scoring.convention is None and cfg.scoring.max_length == load("prm_train").data.max_length
+    assert cfg.generate.n == 16 and cfg.generate.step_mode == "tags"
+
+
 def test_the_docs_table_covers_the_paper_settings():
     rows = table_rows()
     keys = " ".join(r[2] for r in rows)
@@ -101,7 +115,7 @@ def test_the_docs_table_covers_the_paper_settings():
     assert all(r[3] for r in rows), "every row names its source (paper, or an MM-PRM script path)"
 
 
-@pytest.mark.parametrize("name", ["policy_sft", "mcts_annotate", "prm_train"])
+@pytest.mark.parametrize("name", ["policy_sft", "mcts_annotate", "prm_train", "bon_rerank"])
 def test_every_key_the_table_names_is_in_its_config(name):
     """A key written `<recipe>.yaml: a.b` in the table resolves in that config."""
     cfg = load(name)

@@ -18,7 +18,9 @@ the mean over subsets of N of its candidates: every subset when there are at mos
 full set. In a subset, a PRM aggregator picks the highest aggregated score (ties -> lowest
 candidate index); the baselines are random (exact expectation), majority vote, weighted vote
 (sum of `weighted_by` scores, default min) and oracle (pass@N); see
-`mmprm.scoring.selection`. The curve is the mean over problems with a 95% percentile bootstrap
+`mmprm.scoring.selection`. Every aggregator scores under one set of edge rules (`edge_rules`):
+mmprm's (clamped, an empty candidate lowest) or MM-PRM's (an empty candidate 0, +/-9999
+sentinels; `mmprm.scoring.aggregators`); a truncated candidate ranks last under either. The curve is the mean over problems with a 95% percentile bootstrap
 CI over problems (1000 seeded resamples, the same resamples for every method, so differences
 are paired). Everything is deterministic for a fixed seed.
 
@@ -39,12 +41,20 @@ from typing import Any
 
 import numpy as np
 
-from mmprm.scoring.aggregators import AGGREGATORS, aggregate
+from mmprm.scoring.aggregators import AGGREGATORS, MM_PRM_AGGREGATORS, EdgeRules, aggregate
 from mmprm.scoring.selection import answer_groups, best_index, vote_accuracy
 from mmprm.scoring.stats import paired_bootstrap, percentile_interval, resample_means
 
 BASELINES = ("random", "majority", "weighted_vote", "oracle")
 METHODS = (*AGGREGATORS, *BASELINES)
+EDGE_RULES: dict[str, str] = {
+    "mmprm": "mmprm's: step probabilities clamped to [1e-6, 1 - 1e-6], an empty candidate scores lowest",
+    "mm_prm": (
+        "MM-PRM's (eval/prm/extract_calculate.py): no clamping, an empty candidate scores 0, "
+        "log(0) is -9999 and the log-odds and odds of p = 1 are 9999"
+    ),
+}
+"""Edge-rule name (`mmprm.scoring.aggregators.EdgeRules`) -> how report.json/md state it."""
 
 
 @dataclass
@@ -97,8 +107,10 @@ def _candidate_arrays(
     weighted_by: str,
     normalize: Callable[[str], str] | None,
     same: Callable[[str, str], bool] | None,
+    edge_rules: EdgeRules = "mmprm",
 ) -> dict[str, np.ndarray]:
     """(P, n_max) arrays: one score matrix per aggregator, correct, truncated, answer groups, vote weights."""
+    aggregators = MM_PRM_AGGREGATORS if edge_rules == "mm_prm" else AGGREGATORS
     scores = {name: np.empty((len(problems), n_max)) for name in AGGREGATORS}
     correct = np.zeros((len(problems), n_max), dtype=bool)
     truncated = np.zeros((len(problems), n_max), dtype=bool)
@@ -111,7 +123,7 @@ def _candidate_arrays(
                 fld, msg = errs[0]
                 raise ValueError(f"problem {i} candidate {j}: {fld}: {msg}")
             truncated[i, j] = bool(c.get("truncated", False))
-            for name, fn in AGGREGATORS.items():
+            for name, fn in aggregators.items():
                 # A partial score must not win: `best_index` ranks a truncated candidate last; -inf keeps
                 # its prefix score out of anything else that reads the matrix.
                 scores[name][i, j] = -np.inf if truncated[i, j] else fn(c["step_probs"])
@@ -147,6 +159,7 @@ def bon_curve(
     normalize: Callable[[str], str] | None = None,
     same: Callable[[str, str], bool] | None = None,
     ns: Sequence[int] | None = None,
+    edge_rules: EdgeRules = "mmprm",
 ) -> BonCurve:
     """Per-problem Best-of-N accuracy of every method at every N.
 
@@ -159,13 +172,15 @@ def bon_curve(
         weighted_by: aggregator whose scores weight `weighted_vote` (must be >= 0).
         normalize, same: answer equivalence for the votes (see `answer_groups`).
         ns: the subset sizes to compute, each in 1..n_max; default `n_values(n_max)`.
+        edge_rules: how every aggregator treats empty candidates and p = 0 or 1: mmprm (clamped)
+            or mm_prm (MM-PRM's sentinels; `mmprm.scoring.aggregators`).
     """
     if not problems:
         raise ValueError("bon_curve: no problems")
-    aggregate(weighted_by, [])  # fails early on an unknown name
+    aggregate(weighted_by, [], edge_rules)  # fails early on an unknown name or rules
     counts = [len(c) for c in problems]
     n_max = _check_n_max(counts, n_max)
-    arr = _candidate_arrays(problems, n_max, weighted_by, normalize, same)
+    arr = _candidate_arrays(problems, n_max, weighted_by, normalize, same, edge_rules)
     rng = np.random.default_rng(seed)
     p = len(problems)
     ns = _check_ns(ns, n_max)
@@ -183,6 +198,7 @@ def bon_curve(
         "n_subsets": n_subsets,
         "seed": seed,
         "weighted_by": weighted_by,
+        "edge_rules": edge_rules,
         "truncated_problems": sum(c > n_max for c in counts),
         "tie_rule": "highest score, ties -> lowest candidate index; vote ties -> expected accuracy",
         "truncated_candidates": int(arr["truncated"].sum()),
@@ -298,6 +314,8 @@ def _markdown(report: dict[str, Any], title: str) -> str:
         f"Weighted vote weights: `{report['settings']['weighted_by']}` scores. Ties: {report['settings']['tie_rule']}.",
         "",
     ]
+    rules = report["settings"].get("edge_rules", "mmprm")
+    lines += [f"Edge rules of every aggregator: `{rules}`, {EDGE_RULES[rules]}.", ""]
     if report.get("truncated_candidates"):
         lines += [
             f"{report['truncated_candidates']} of {report['settings']['candidates']} candidates were truncated "
@@ -487,6 +505,12 @@ def cli_bon_report(argv: list[str]) -> int:
         choices=["strip", "math"],
         help="vote grouping: exact after strip, or mmprm.answers.answers_match",
     )
+    ap.add_argument(
+        "--edge-rules",
+        default="mmprm",
+        choices=list(EDGE_RULES),
+        help="aggregators' edge rules: mmprm (clamped) or mm_prm (MM-PRM's: empty -> 0, +/-9999)",
+    )
     ap.add_argument("--title", default="Best-of-N accuracy")
     args = ap.parse_args(argv)
     same = None
@@ -503,6 +527,7 @@ def cli_bon_report(argv: list[str]) -> int:
             seed=args.seed,
             weighted_by=args.weighted_by,
             same=same,
+            edge_rules=args.edge_rules,
         )
     except ValueError as e:
         print(f"mmprm bon-report: {e}", file=sys.stderr)

@@ -20,9 +20,10 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 from mmprm.data.schema import atomic_write, iter_jsonl
+from mmprm.scoring.aggregators import EdgeRules
 
 _SHARD_RE = re.compile(r"scored\.shard(\d+)-of-(\d+)\.jsonl$")
 SETTINGS_FILE = "report_settings.json"
@@ -146,11 +147,13 @@ def report_from_scored(
     weighted_by: str = "min",
     title: str = "Best-of-N accuracy",
     extraction: str | None = None,
+    edge_rules: EdgeRules = "mmprm",
 ) -> dict[str, Any]:
     """Best-of-N report (report.json/md, bon_curve.png) from a scored file.
 
     Votes group answers with `mmprm.answers.answers_match` (so "1/2" and "0.5" agree). `extraction`
     names how the candidates' verdicts were extracted (rules, an LLM); the report says it.
+    `edge_rules` (mmprm | mm_prm) are the aggregators' rules for empty candidates and p = 0 or 1.
     """
     from mmprm.answers import answers_match
     from mmprm.data.schema import iter_jsonl
@@ -158,7 +161,12 @@ def report_from_scored(
 
     problems = read_candidates(scored)  # every row checked first; DataError names the line
     curve = bon_curve(
-        problems, n_subsets=n_subsets, seed=seed, weighted_by=weighted_by, same=lambda a, b: answers_match(a, b)
+        problems,
+        n_subsets=n_subsets,
+        seed=seed,
+        weighted_by=weighted_by,
+        same=lambda a, b: answers_match(a, b),
+        edge_rules=edge_rules,
     )
     metas = [row.get("meta") or {} for _, row, _ in iter_jsonl(scored)]  # a benchmark's category columns
     if curve.settings["truncated_problems"]:
@@ -188,6 +196,7 @@ def cli_merge_bon(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int)
     ap.add_argument("--weighted-by")
     ap.add_argument("--title")
+    ap.add_argument("--edge-rules", choices=get_args(EdgeRules))
     args = ap.parse_args(argv)
     settings = {
         "n_subsets": 32,
@@ -196,6 +205,7 @@ def cli_merge_bon(argv: list[str]) -> int:
         "weighted_by": "min",
         "title": "Best-of-N accuracy",
         "extraction": None,
+        "edge_rules": "mmprm",
     }
     saved = Path(args.output_dir) / SETTINGS_FILE
     if saved.exists():
