@@ -53,8 +53,8 @@ test-cluster: $(STAMP)
 	MMPRM_SYSTEM_TESTS=1 $(PYTHON) -m pytest -q --timeout=1800 tests/test_slurm.py tests/test_launch_configs.py
 
 # bf16 PRM training under ZeRO-2 and ZeRO-3, flash-attn, the scorer, vLLM engines (one per GPU,
-# and one over 2 GPUs); prints one JSON line. A check that cannot run fails unless skipped by name:
-# make gpu-check GPU_CHECK_ARGS="--skip vllm_tp" on one GPU. Exit 2 where no CUDA GPU is visible.
+# and one over 2 GPUs); prints one JSON line. A check that cannot run fails unless skipped by name.
+# The TP=2 engine check needs 2+ GPUs and is not applicable on one. Exit 2 where no CUDA GPU is visible.
 GPU_CHECK_ARGS ?=
 gpu-check: $(STAMP)
 	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)

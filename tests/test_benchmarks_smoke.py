@@ -96,6 +96,20 @@ def test_gpu_check_fails_a_check_it_could_not_run(tmp_path):
     assert res["ok"] is False and "--skip vllm_tp" in res["skipped"]
 
 
+def test_gpu_check_tensor_parallel_on_one_gpu_is_not_a_failure(tmp_path, monkeypatch):
+    """A one-GPU machine cannot run TP=2 at all: plain `make gpu-check` must still pass there."""
+    import importlib.util
+
+    gpu_check = load_gpu_check()
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a))
+    res = gpu_check.vllm_tensor_parallel(tmp_path, 1, 10)
+    assert res["ok"] is True and "needs 2 GPUs" in res["not_applicable"]
+    assert "vllm_tp" not in gpu_check.verdict(
+        {name: {"ok": True} for name in gpu_check.CHECKS} | {"vllm_tp": res}, set()
+    )
+
+
 def test_gpu_check_verdict_counts_a_skip_only_when_named():
     gpu_check = load_gpu_check()
     passed = {name: {"ok": True} for name in gpu_check.CHECKS}
