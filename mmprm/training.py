@@ -106,6 +106,8 @@ class TrainConfig:
         lr: peak learning rate (AdamW)
         dist_timeout_s: seconds a collective may wait for the other ranks before the run fails
             (NCCL's own default, 600, is shorter than a large ZeRO-3 save or data build)
+        peak_tflops: the device's peak TFLOP/s that MFU is measured against; null takes the bf16
+            figure of a known GPU (`mmprm.mfu.PEAK_BF16_TFLOPS`) and logs MFU as null elsewhere
     """
 
     seed: int = 42
@@ -131,6 +133,7 @@ class TrainConfig:
     require_gpu: bool = False
     prefetch_batches: bool = True
     dist_timeout_s: int = 1800
+    peak_tflops: float | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what to do."""
@@ -149,6 +152,10 @@ class TrainConfig:
                     f"train.{key}: {getattr(self, key)} is not a step interval (use 1 or more; a value past "
                     "train.max_steps acts only at the last step)"
                 )
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ValueError(
+                f"train.peak_tflops: {self.peak_tflops} is not a FLOP rate (use a positive number, or null)"
+            )
         if self.schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"train.schedule: {self.schedule!r} is not one of ['cosine', 'linear', 'constant']")
 
@@ -858,6 +865,40 @@ def tracker_run(output_dir: str | Path, run_id: str, report_to: str, write: bool
     return record
 
 
+def peak_rss_gb() -> float:
+    """The process's peak resident memory since it started, GiB (the OS keeps no resettable peak)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20  # bytes on macOS, KiB on Linux
+
+
+@dataclass
+class LogWindow:
+    """What this rank saw over the optimizer steps since the last train row: their losses and
+    gradient norms, tokens and model FLOPs, and host seconds spent waiting for data, in forward and
+    backward, and in the optimizer step."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[Any] = field(default_factory=list)
+    tokens: int = 0
+    flops: float = 0.0
+    data_s: float = 0.0
+    fwd_bwd_s: float = 0.0
+    optimizer_s: float = 0.0
+
+    def count(self, batch: dict, shape: tuple[int, int, int]) -> None:
+        """Add a micro-batch's tokens (padding left out) and their training FLOPs (`flops_per_token`
+        of `shape` = (n_params, n_layers, hidden), at the batch's mean sequence length)."""
+        from mmprm.mfu import flops_per_token
+        from mmprm.packing import run_tokens
+
+        tokens = run_tokens(batch)
+        self.tokens += tokens
+        self.flops += tokens * flops_per_token(*shape, tokens / max(1, batch["attention_mask"].shape[0]))
+
+
 class TrainingRun:
     """One run of a training recipe (prm_train, policy_sft): what they share, in the order they use it.
 
@@ -928,6 +969,7 @@ class TrainingRun:
         (DDP, DeepSpeed or FSDP); returns the prepared model (also `self.model`)."""
         import torch
 
+        from mmprm.mfu import model_shape, peak_flops
         from mmprm.models.sharding import log_zero3_partitions
 
         train, accelerator = self.train, self.accelerator
@@ -937,6 +979,14 @@ class TrainingRun:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_factor(s, train.warmup_steps, train.max_steps, train.schedule)
         )
+        # counted before prepare() shards or partitions the weights
+        self.model_shape = model_shape(model)
+        device_name = torch.cuda.get_device_name(accelerator.device) if accelerator.device.type == "cuda" else None
+        self.peak_flops = peak_flops(train.peak_tflops, device_name)
+        if self.peak_flops is None and device_name is not None:
+            self.log(
+                f"MFU is logged as null: {device_name} is not in mmprm.mfu.PEAK_BF16_TFLOPS (set train.peak_tflops)"
+            )
         ds = accelerator.state.deepspeed_plugin
         if ds is not None:
             # No dataloader goes through prepare(), so DeepSpeed cannot infer these "auto" values itself.
@@ -1013,7 +1063,6 @@ class TrainingRun:
         unit_weights: Sequence[int],
         micro_step: Callable[[dict, Any, int, int], float],
         evaluate: Callable[[], None] | None = None,
-        count_tokens: bool = False,
     ) -> bool:
         """Train from the current step to train.max_steps, logging, evaluating and checkpointing as
         configured; True when it stopped early instead, its checkpoint written (`stopped_by`:
@@ -1023,20 +1072,19 @@ class TrainingRun:
         (step tokens, assistant tokens) of unit i. `micro_step(batch, items, k, n_window)` runs the
         forward and backward of micro-batch k of a window whose ranks hold `n_window` loss terms in
         all, and returns its share of the window's mean loss. `evaluate()` runs at train.eval_every
-        and at the end. `count_tokens` adds tokens_per_s to the train rows of metrics.jsonl.
+        and at the end. Every train.log_every steps a train row (`_log_train`) goes to metrics.jsonl.
         """
         from tqdm.auto import tqdm
-
-        from mmprm.packing import run_tokens
 
         train, accelerator, progress = self.train, self.accelerator, self.progress
         self.model.train()
         bar = tqdm(
             total=train.max_steps, initial=progress.step, desc=self.name, disable=not accelerator.is_main_process
         )
-        t0, tokens_seen, running = time.time(), 0, []
+        t0, window = time.time(), LogWindow()
         prefetch = Prefetcher(collate, enabled=train.prefetch_batches)
         while progress.step < train.max_steps:
+            t_data = time.perf_counter()
             global_batches, micro_batches = self._next_window(prefetch)
             # The loss is a mean over the loss terms of the whole window on all ranks, so a term
             # weighs the same whichever rank and micro-batch run it. Every rank holds the global
@@ -1045,19 +1093,24 @@ class TrainingRun:
             window_loss = 0.0
             for k, idx in enumerate(micro_batches):
                 batch, items = prefetch.get(idx)
+                window.count(batch, self.model_shape)  # on the host copy: no device sync
                 batch = {key: v.to(accelerator.device) for key, v in batch.items()}
+                t_model = time.perf_counter()
+                window.data_s += t_model - t_data
                 # accumulate() syncs (DDP all-reduce, DeepSpeed step) on the last of grad_accum micro-batches only
                 with accelerator.accumulate(self.model):
                     window_loss += micro_step(batch, items, k, n_window)
-                if count_tokens:
-                    tokens_seen += run_tokens(batch)
-            window_loss = self._optimizer_step(window_loss)
-            running.append(window_loss)
+                t_data = time.perf_counter()
+                window.fwd_bwd_s += t_data - t_model
+            window_loss, grad_norm = self._optimizer_step(window_loss)
+            window.optimizer_s += time.perf_counter() - t_data
+            window.losses.append(window_loss)
+            window.grad_norms.append(grad_norm)
             bar.update(1)
             bar.set_postfix(loss=f"{window_loss:.4f}")
             if progress.step % train.log_every == 0 or progress.step == train.max_steps:
-                self._log_train(running, time.time() - t0, tokens_seen if count_tokens else None)
-                running = []
+                self._log_train(window, time.time() - t0)
+                window = LogWindow()
             if evaluate is not None and (progress.step % train.eval_every == 0 or progress.step == train.max_steps):
                 prefetch.wait()  # evaluation tokenizes with the same processor
                 evaluate()
@@ -1095,32 +1148,78 @@ class TrainingRun:
         )
         return global_batches, micro_batches
 
-    def _optimizer_step(self, window_loss: float) -> float:
+    def _optimizer_step(self, window_loss: float) -> tuple[float, Any]:
         """Clip, step the optimizer and the schedule, count the step; returns the window's mean loss
-        over all ranks (`window_loss`: this rank's share of it)."""
+        over all ranks (`window_loss`: this rank's share of it) and the global gradient norm before
+        clipping (a tensor or float, read on the host only at log steps; None if the engine has none)."""
         import torch
+        from accelerate.utils import DistributedType
 
         accelerator, train = self.accelerator, self.train
         # this rank's share of the window's mean; the ranks' shares add up to the loss trained on
         window_loss = accelerator.reduce(torch.tensor(window_loss, device=accelerator.device), "sum").item()
+        grad_norm = None
         if train.max_grad_norm > 0:
-            accelerator.clip_grad_norm_(self.trainable, train.max_grad_norm)
+            grad_norm = accelerator.clip_grad_norm_(self.trainable, train.max_grad_norm)
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            # the engine stepped (and clipped) inside backward() at the window's last micro-batch;
+            # it keeps that step's global norm over all partitions
+            grad_norm = self.model.get_global_grad_norm()
+        elif train.max_grad_norm <= 0:
+            grad_norm = self._grad_norm()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
         self.progress.examples_seen += self.global_batch * train.grad_accum  # rows, or packs
-        return window_loss
+        return window_loss, grad_norm
 
-    def _log_train(self, losses: list[float], elapsed: float, tokens_seen: int | None) -> None:
-        """A train row of metrics.jsonl: the mean loss since the last one, the LR, the throughput."""
+    def _grad_norm(self) -> Any:
+        """The global L2 norm of the gradients, without clipping them (train.max_grad_norm=0)."""
+        import torch
+
+        grads = [p.grad for p in self.trainable if p.grad is not None]
+        if not grads:
+            return None
+        norm = torch.nn.utils.get_total_norm(grads)
+        # FSDP2 gradients are DTensor shards: their norm is a DTensor whose full value is the global one
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _log_train(self, window: LogWindow, elapsed: float) -> None:
+        """A train row of metrics.jsonl and the trackers: loss, LR, grad norm, throughput, MFU,
+        peak memory and the step time split, each over the steps since the last row."""
+        import torch
+
+        accelerator = self.accelerator
+        if accelerator.device.type == "cuda":
+            # CUDA runs ahead of the host: wait once per log window, so the window's time holds all
+            # its kernels without a sync per step (the splits count where the host waited)
+            torch.cuda.synchronize(accelerator.device)
+            peak_gb = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(accelerator.device)
+        else:
+            peak_gb = peak_rss_gb()
+        steps = len(window.losses)
+        seconds = max(window.data_s + window.fwd_bwd_s + window.optimizer_s, 1e-9)
+        # one collective per log step: tokens and FLOPs add up over ranks, memory is the largest rank's
+        local = torch.tensor([window.tokens, window.flops, peak_gb], dtype=torch.float64, device=accelerator.device)
+        every = accelerator.gather(local.unsqueeze(0)).reshape(-1, 3)
+        tokens, flops, peak_gb = float(every[:, 0].sum()), float(every[:, 1].sum()), float(every[:, 2].max())
+        norms = [float(g) for g in window.grad_norms if g is not None]
         row = {
             "split": "train",
             "step": self.progress.step,
-            "loss": sum(losses) / len(losses),
+            "loss": sum(window.losses) / steps,
             "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": sum(norms) / len(norms) if norms else None,
+            "tokens_per_s": tokens / seconds,
+            "samples_per_s": steps * self.global_batch * self.train.grad_accum / seconds,
+            "mfu": flops / seconds / (self.peak_flops * accelerator.num_processes) if self.peak_flops else None,
+            ("peak_mem_gb" if accelerator.device.type == "cuda" else "peak_rss_gb"): peak_gb,
+            "data_s": window.data_s / steps,
+            "fwd_bwd_s": window.fwd_bwd_s / steps,
+            "optimizer_s": window.optimizer_s / steps,
+            "step_s": seconds / steps,
+            "seconds": elapsed,
         }
-        if tokens_seen is not None:
-            row["tokens_per_s"] = tokens_seen / max(elapsed, 1e-9)
-        row["seconds"] = elapsed
         self.write_metrics(row)

@@ -396,7 +396,7 @@ def main(argv: list[str]) -> None:
 
     micro_step = partial(train_micro_batch, run, sync, data)
     evaluate_now = partial(run_eval, run, data.eval, sync) if data.eval else None
-    if run.fit(data.units, data.unit_steps, micro_step, evaluate_now, count_tokens=True):
+    if run.fit(data.units, data.unit_steps, micro_step, evaluate_now):
         why = "as asked (train.stop_at_step)" if run.stopped_by == "stop_at_step" else "on the save notice (SIGUSR1)"
         run.log(f"stopping at step {run.progress.step} {why}; resume with resume_from_checkpoint=latest")
     else:

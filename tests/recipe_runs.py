@@ -15,6 +15,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -66,6 +68,26 @@ def read_metrics(out: Path | str, split: str | None = None) -> list[dict[str, An
     """The rows of `out/metrics.jsonl`, only those of `split` when given."""
     rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r for r in rows if split is None or r["split"] == split]
+
+
+# the numbers every train row of metrics.jsonl holds on a CPU run (docs/scaling.md, "What a training run logs")
+TRAIN_KEYS = (
+    "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "mfu", "peak_rss_gb",
+    "data_s", "fwd_bwd_s", "optimizer_s", "step_s", "seconds",
+)  # fmt: skip
+
+
+def check_train_rows(rows: list[dict[str, Any]], mfu: bool) -> None:
+    """Each train row of a CPU run logs every one of TRAIN_KEYS: positive numbers, its step time
+    the sum of its parts, and MFU only when `mfu` (train.peak_tflops set), else null."""
+    assert rows, "no train rows"
+    for r in rows:
+        missing = [k for k in TRAIN_KEYS if k not in r]
+        assert not missing, f"step {r['step']}: no {missing} in {r}"
+        assert (r["mfu"] is not None) == mfu, r
+        numbers = [k for k in TRAIN_KEYS if k not in ("lr", "mfu")] + (["mfu"] if mfu else [])
+        assert all(isinstance(r[k], float) and 0 < r[k] < float("inf") for k in numbers), r
+        assert r["data_s"] + r["fwd_bwd_s"] + r["optimizer_s"] == pytest.approx(r["step_s"], rel=1e-6), r
 
 
 def load_recipe(name: str) -> ModuleType:

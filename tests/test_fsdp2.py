@@ -34,3 +34,22 @@ def test_fsdp2_clips_the_gradient_the_optimizer_steps_with(tiny_models, tmp_path
     assert out["sharded"] > 0  # fully_shard replaced the parameters
     assert out["before"] > 100  # train.max_grad_norm=1.0 has work to do
     assert out["stepped"] == pytest.approx(1.0, rel=1e-3)
+    assert out["logged"] == pytest.approx(out["before"], rel=1e-5)  # metrics.jsonl's grad_norm: before clipping
+
+
+@pytest.mark.slow
+def test_fsdp2_grad_norm_without_clipping(tiny_models, tmp_path):
+    """train.max_grad_norm=0: the logged norm is the global one over the sharded gradients, which
+    the optimizer then steps with untouched."""
+    script = Path(__file__).with_name("fsdp2_step.py")
+    res = subprocess.run(
+        [sys.executable, str(script), str(tiny_models("qwen2_vl")), str(tmp_path / "out"), "frozen", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=recipe_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())),
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["before"] > 100 and out["stepped"] == out["before"]
+    assert out["logged"] == pytest.approx(out["before"], rel=1e-5)

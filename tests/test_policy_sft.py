@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from ports import free_port
-from recipe_runs import REPO, cpu_ddp_launcher, read_metrics, run_recipe
+from recipe_runs import REPO, check_train_rows, cpu_ddp_launcher, read_metrics, run_recipe
 from safetensors.torch import load_file
 
 from mmprm.training import lr_factor
@@ -148,6 +148,7 @@ def test_recipe_trains_saves_and_reloads(tiny_models, synthetic, tmp_path, arch)
         "train.eval_generations=2",
         "train.max_new_tokens=8",
         "train.eval_batch_size=2",
+        "train.peak_tflops=1.5",
     )
     assert (
         f"train: {len(rows)} examples kept, 1 dropped (no assistant token left within max_length=256)" in res.stdout
@@ -157,6 +158,7 @@ def test_recipe_trains_saves_and_reloads(tiny_models, synthetic, tmp_path, arch)
     eval_rows = [r for r in rows if r["split"] == "eval"]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]
     assert all(math.isfinite(r["loss"]) for r in train_rows)
+    check_train_rows(train_rows, mfu=True)
     # The logged LR is the one the next step uses: peak x the cosine factor of the step count.
     assert [r["lr"] for r in train_rows] == pytest.approx([3e-3 * lr_factor(s, 0, 6, "cosine") for s in range(1, 7)])
     # At lr 3e-3 six steps move a random-init model well off its ~ln(vocab) starting loss.

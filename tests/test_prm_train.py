@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate import Accelerator
-from recipe_runs import REPO, cpu_ddp_launcher, load_recipe, read_metrics, run_recipe
+from recipe_runs import REPO, check_train_rows, cpu_ddp_launcher, load_recipe, read_metrics, run_recipe
 from safetensors.torch import load_file
 from toy_data import write_toy_prm_data, write_uneven_tree_data
 
@@ -55,6 +55,7 @@ def test_every_arch_trains_and_loss_goes_down(tiny_models, toy, tmp_path, arch):
     first, last = sum(r["loss"] for r in rows[:4]) / 4, sum(r["loss"] for r in rows[-4:]) / 4
     assert last < first, f"{arch}: loss did not go down ({first:.4f} -> {last:.4f})"
     assert (out / "mmprm_prm.json").exists() and (out / "checkpoints" / "step_16").is_dir()
+    check_train_rows(rows, mfu=False)  # no train.peak_tflops on a CPU: MFU is null
     ev_rows = read_metrics(out, "eval")
     assert {"bce", "brier", "step_accuracy", "first_error_f1"} <= set(ev_rows[-1])
 
