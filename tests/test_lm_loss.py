@@ -171,3 +171,11 @@ def test_demo_sft_step_is_bit_identical_to_the_old_loss(tmp_path):
     assert torch.equal(new, old)
     assert g_new.keys() == g_old.keys() and len(g_old) > 0
     assert all(torch.equal(g_new[k], g) for k, g in g_old.items())
+
+
+def test_liger_is_not_taken_off_cuda():
+    """Liger's kernels are Triton on CUDA: on CPU the chunked path runs, installed or not."""
+    from mmprm.models.lm_loss import _liger_loss
+
+    head = torch.nn.Linear(8, 50)
+    assert _liger_loss(head, torch.randn(3, 8), torch.tensor([1, 2, 3])) is None

@@ -104,7 +104,8 @@ def _liger_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> 
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
     loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")
-    return loss(head.weight, hidden, labels, head.bias)
+    # the kernel multiplies in one dtype; under autocast the final norm may hand back fp32
+    return loss(head.weight, hidden.to(head.weight.dtype), labels, head.bias)
 
 
 def next_token_loss_sum(
