@@ -179,3 +179,20 @@ def test_liger_is_not_taken_off_cuda():
 
     head = torch.nn.Linear(8, 50)
     assert _liger_loss(head, torch.randn(3, 8), torch.tensor([1, 2, 3])) is None
+
+
+def test_lora_model_with_a_lora_lm_head(tiny_models, synthetic):
+    """Through PEFT, LoRA on the LM head included: the head is called as the LoRA module."""
+    from peft import LoraConfig, get_peft_model
+
+    model, processor = load_backbone(tiny_models("qwen2"))
+    model = get_peft_model(
+        model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False)
+    )
+    batch = sft_batch(processor, synthetic, rows=2)
+    full, _, g_full = loss_and_grads(model, batch, chunk_tokens=FULL)
+    chunked, _, g_chunked = loss_and_grads(model, batch, chunk_tokens=6)
+    torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
+    assert any("lm_head.lora" in k for k in g_full) and g_chunked.keys() == g_full.keys()
+    for key, grad in g_full.items():
+        torch.testing.assert_close(g_chunked[key], grad, atol=1e-5, rtol=1e-5, msg=key)
