@@ -61,6 +61,8 @@ def zero3(monkeypatch):
     unset_hf_deepspeed_config()
     torch.distributed.destroy_process_group()
     deepspeed.comm.comm.cdb = None  # let the next test start a fresh group
+    # an engine caches its clone of the world group; the next engine must clone the new one
+    deepspeed.utils.groups._WORLD_GROUP = None
 
 
 def _engine(prm: ProcessRewardModel):
