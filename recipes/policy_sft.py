@@ -29,6 +29,7 @@ from accelerate.utils import gather_object
 from mmprm.config import ConfigError, load_config, parse_cli, require_files, require_model_dir
 from mmprm.data.schema import DataError, load_image
 from mmprm.generation.policy import PolicySpec, save_policy_spec
+from mmprm.models.lm_loss import next_token_loss_sum
 from mmprm.models.loading import resolve_attn_implementation
 from mmprm.models.sharding import merge_lora_copy
 from mmprm.models.vision_sync import vision_sync
@@ -84,11 +85,14 @@ class SFTTrainConfig(TrainConfig):
         lr: peak learning rate (AdamW)
         eval_generations: eval examples to answer greedily for format compliance and accuracy
         max_new_tokens: token cap of those eval generations
+        loss_chunk_tokens: assistant tokens per chunk of LM-head logits (`mmprm.models.lm_loss`);
+            null: 2**27 logits per chunk over the vocabulary (883 tokens at 151,936)
     """
 
     lr: float = 4e-5
     eval_generations: int = 64
     max_new_tokens: int = 256
+    loss_chunk_tokens: int | None = None
 
 
 @dataclass
@@ -116,17 +120,14 @@ class Config:
             raise ValueError("model.name_or_path: required (a HF model directory or hub name)")
         if not self.data.train_file:
             raise ValueError("data.train_file: required (SFT JSONL: id, images, question, steps, answer)")
+        if self.train.loss_chunk_tokens is not None and self.train.loss_chunk_tokens < 1:
+            raise ValueError(f"train.loss_chunk_tokens: must be >= 1 or null, got {self.train.loss_chunk_tokens}")
 
 
-def token_loss_sum(model, batch) -> tuple[torch.Tensor, int]:
-    """Sum of next-token cross-entropy over assistant tokens, and their count."""
-    labels = batch.pop("labels")
-    logits = model(**batch, use_cache=False).logits  # (B, S, V)
-    shift_logits, shift_labels = logits[:, :-1].float(), labels[:, 1:]
-    loss = torch.nn.functional.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), ignore_index=IGNORE, reduction="sum"
-    )
-    return loss, int((shift_labels != IGNORE).sum())
+def token_loss_sum(model, batch, chunk_tokens: int | None = None) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropy over assistant tokens, and their count; the LM head's
+    logits a chunk of tokens at a time (no full-vocabulary logits over a long batch)."""
+    return next_token_loss_sum(model, batch, chunk_tokens)
 
 
 @torch.no_grad()
@@ -179,7 +180,7 @@ def generate_eval(model, processor, data, cfg: Config, accelerator, sync) -> dic
 
 
 @torch.no_grad()
-def eval_loss(model, collate: SFTCollator, batch_size, accelerator, sync) -> float:
+def eval_loss(model, collate: SFTCollator, batch_size, accelerator, sync, chunk_tokens: int | None = None) -> float:
     """Mean token loss on the eval split (each process an even share; wrap-around rows not counted).
     `sync`: `mmprm.models.vision_sync.vision_sync`."""
     model.eval()
@@ -191,7 +192,7 @@ def eval_loss(model, collate: SFTCollator, batch_size, accelerator, sync) -> flo
             keep = torch.arange(batch["labels"].shape[0], device=accelerator.device) < n_real - start
             batch["labels"] = torch.where(keep[:, None], batch["labels"], IGNORE)
         with sync(batch):
-            loss, n = token_loss_sum(model, batch)
+            loss, n = token_loss_sum(model, batch, chunk_tokens)
         total, count = total + loss, count + n
     model.train()
     total, count = accelerator.reduce(total, "sum"), accelerator.reduce(count, "sum")
@@ -234,7 +235,7 @@ def train_micro_batch(run: TrainingRun, sync, batch: dict, items: list, k: int, 
     ranks; returns its share of the window's mean loss. `sync`: `mmprm.models.vision_sync.vision_sync`."""
     accelerator = run.accelerator
     with accelerator.autocast(), sync(batch):
-        loss_sum, _ = token_loss_sum(run.model, batch)
+        loss_sum, _ = token_loss_sum(run.model, batch, run.train.loss_chunk_tokens)
     if not torch.isfinite(loss_sum):
         raise FloatingPointError(
             f"non-finite loss at step {run.progress.step}, micro-batch {k}, example ids "
@@ -252,7 +253,9 @@ def run_eval(run: TrainingRun, processor, collate: SFTCollator, cfg: Config, syn
     row = {
         "split": "eval",
         "step": run.progress.step,
-        "loss": eval_loss(run.model, collate, cfg.train.eval_batch_size, run.accelerator, sync),
+        "loss": eval_loss(
+            run.model, collate, cfg.train.eval_batch_size, run.accelerator, sync, cfg.train.loss_chunk_tokens
+        ),
     }
     if cfg.train.eval_generations > 0:
         row.update(generate_eval(run.model, processor, collate.data, cfg, run.accelerator, sync))

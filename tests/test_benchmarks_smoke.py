@@ -242,3 +242,12 @@ def test_prm_packing_quick():
     assert res["rows_per_problem"] > 5 and 0.2 < res["packed_token_share"] < 0.8
     assert res["rows_per_s"]["rows"] > 0 and res["rows_per_s"]["packed"] > 0 and res["ratio"] > 0
     assert res["rows_per_s"]["packed_full_mask"] > 0 and res["ratio_blocks_vs_full_mask"] > 0
+
+
+@pytest.mark.slow
+def test_sft_memory_quick():
+    res = run_benchmark("sft_memory.py")
+    assert res["chunk_tokens"] == 128 and res["tokens"] == 512
+    assert res["full"]["loss"] == pytest.approx(res["chunked"]["loss"], rel=1e-5)
+    # 512 tokens x 32,000 logits in four chunks: the chunked step's rise is the smaller
+    assert 0 < res["step_rise_ratio"] < 1 and res["peak_rss_ratio"] > 0

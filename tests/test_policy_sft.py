@@ -293,6 +293,28 @@ def test_two_processes_train_the_weights_of_one_on_the_same_global_batch(tiny_mo
     assert loss == pytest.approx([r["loss"] for r in read_metrics(one, "train")], abs=1e-4)
 
 
+@pytest.mark.slow
+def test_chunked_loss_under_ddp_trains_the_weights_of_full_logits(tiny_models, synthetic, tmp_path):
+    """train.loss_chunk_tokens=16 calls the LM head outside DDP's forward, 16 tokens at a time and
+    again in backward: 2 DDP ranks train the weights 1 rank trains with full logits."""
+    train = write_uneven_sft_data(synthetic[0])
+    full, chunked = tmp_path / "full", tmp_path / "chunked"
+    args = [*common(tiny_models("qwen2_vl"), train, full, steps=3), "train.group_by_length=false"]
+    run_recipe("policy_sft", *args, "train.batch_size=4")
+    run_recipe(
+        "policy_sft",
+        *args,
+        f"output_dir={chunked}",
+        "train.batch_size=2",
+        "train.loss_chunk_tokens=16",
+        launcher=cpu_ddp_launcher(),
+        extra_env={"ACCELERATE_USE_CPU": "true"},
+    )
+    a, b = load_file(full / "model.safetensors"), load_file(chunked / "model.safetensors")
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst <= 1e-4, f"the chunked loss under DDP trains other weights, by {worst}"
+
+
 def test_demo_size_tiny_model(tmp_path):
     """The wider preset the slow test and the demo train: same class and tokenizer, 16-dim heads."""
     from mmprm.models.tiny import build_tiny_model

@@ -61,6 +61,8 @@ def zero3(monkeypatch):
     unset_hf_deepspeed_config()
     torch.distributed.destroy_process_group()
     deepspeed.comm.comm.cdb = None  # let the next test start a fresh group
+    # an engine caches its clone of the world group; the next engine must clone the new one
+    deepspeed.utils.groups._WORLD_GROUP = None
 
 
 def _engine(prm: ProcessRewardModel):
@@ -137,3 +139,33 @@ def test_token_pair_head_under_zero3_equals_the_unpartitioned_model(models, zero
     with gathered([lm_head]):
         moved = (lm_head.detach() - ref.backbone.get_output_embeddings().weight.detach()).abs().sum(dim=1)
     assert moved[prm.reward_ids].min() > 0
+
+
+def test_chunked_sft_loss_under_zero3_equals_the_unpartitioned_full_logits(models, zero3):
+    """The chunked loss calls the partitioned LM head as a module, a chunk at a time, forward and
+    recomputed in backward: the loss and the gradients equal the whole model's full-logits ones."""
+    from deepspeed.utils import safe_get_full_grad
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from mmprm.models.lm_loss import next_token_loss_sum
+
+    plain, _ = models
+    model, _ = load_backbone(plain)
+    assert model.get_output_embeddings().weight.shape == (0,)  # partitioned
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ZERO3)
+    unset_hf_deepspeed_config()
+    ref, _ = load_backbone(plain)
+
+    ids = torch.randint(0, 1024, (2, 24), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :9] = -100  # a prompt without loss; 2 x 15 labelled tokens in chunks of 7
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    loss, n = next_token_loss_sum(engine, dict(batch), chunk_tokens=7)
+    engine.backward(loss)
+    expected, n_ref = next_token_loss_sum(ref, dict(batch), chunk_tokens=10**9)
+    expected.backward()
+    assert n == n_ref == 30
+    torch.testing.assert_close(loss.detach(), expected.detach(), atol=1e-5, rtol=1e-5)
+    for (name, param), (_, ref_param) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(safe_get_full_grad(param), ref_param.grad, atol=1e-5, rtol=1e-5, msg=name)
