@@ -169,7 +169,7 @@ def _hold_lock(path: Path, tree_file: Path) -> Any:
         )
     f.seek(0)
     f.truncate()
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}) + "\n")
     f.flush()
     return f
