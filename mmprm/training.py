@@ -1108,17 +1108,18 @@ class TrainingRun:
             window.grad_norms.append(grad_norm)
             bar.update(1)
             bar.set_postfix(loss=f"{window_loss:.4f}")
-            if progress.step % train.log_every == 0 or progress.step == train.max_steps:
-                self._log_train(window, time.time() - t0)
-                window = LogWindow()
-            if evaluate is not None and (progress.step % train.eval_every == 0 or progress.step == train.max_steps):
-                prefetch.wait()  # evaluation tokenizes with the same processor
-                evaluate()
             if progress.step == train.stop_at_step:
                 self.stopped_by = "stop_at_step"
             elif self.notice.agreed(accelerator) and progress.step < train.max_steps:
                 self.stopped_by = "notice"
             stopping = self.stopped_by is not None
+            # a run that stops logs the steps since its last row: the resumed run starts a new window
+            if progress.step % train.log_every == 0 or progress.step == train.max_steps or stopping:
+                self._log_train(window, time.time() - t0)
+                window = LogWindow()
+            if evaluate is not None and (progress.step % train.eval_every == 0 or progress.step == train.max_steps):
+                prefetch.wait()  # evaluation tokenizes with the same processor
+                evaluate()
             if progress.step % train.save_every == 0 or progress.step == train.max_steps or stopping:
                 save_checkpoint(
                     accelerator, self.output_dir, progress.step, run_id=self.run_id, keep=train.keep_checkpoints

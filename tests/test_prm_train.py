@@ -155,6 +155,18 @@ def test_exact_resume_matches_straight_run(tiny_models, toy, tmp_path):
     assert worst <= 1e-6, f"resumed run differs from straight run by {worst}"
 
 
+def test_a_run_that_stops_early_logs_the_steps_since_its_last_row(tiny_models, toy, tmp_path):
+    """Stopping (train.stop_at_step, or the SIGUSR1 save notice, which shares the path) between
+    two log steps writes a row for the steps since the last one; the resumed run logs the rest."""
+    train, ev = toy
+    out = tmp_path / "run"
+    args = [*common(tiny_models("qwen2_vl"), train, ev, out, steps=8), "train.log_every=3", "train.eval_every=100"]
+    run_recipe("prm_train", *args, "train.stop_at_step=5")
+    assert [r["step"] for r in read_metrics(out, "train")] == [3, 5]
+    run_recipe("prm_train", *args, "resume_from_checkpoint=latest")
+    assert [r["step"] for r in read_metrics(out, "train")] == [3, 5, 6, 8]
+
+
 @pytest.mark.slow
 def test_a_run_resumed_on_two_processes_trains_the_rest_of_its_epoch(tiny_models, tmp_path):
     """64 rows, train.global_batch_size=8: 5 steps on 1 process then 3 on 2 processes train the
