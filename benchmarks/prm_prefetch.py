@@ -1,5 +1,5 @@
 """What collating ahead saves: PRM training steps with the batches collated inline and on a
-background thread (`mmprm.training.Prefetcher`, `train.prefetch_batches`).
+background thread (`mmprm.training.run.Prefetcher`, `train.prefetch_batches`).
 
     python benchmarks/prm_prefetch.py            # ~2 min on 2 CPU cores
     python benchmarks/prm_prefetch.py --quick    # smoke test
@@ -59,7 +59,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     from mmprm.collate import model_input_keys
     from mmprm.models import build_tiny_model, load_backbone
     from mmprm.models.prm import PRMSpec, build_prm
-    from mmprm.training import BatchStream, Prefetcher
+    from mmprm.training.run import BatchStream, Prefetcher
     from mmprm.training_data import PRMCollator, load_tokenized
 
     path = write_paths(args, work)

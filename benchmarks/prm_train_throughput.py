@@ -165,7 +165,7 @@ def ours_child(a: argparse.Namespace) -> None:
     from mmprm.collate import collate_steps, model_input_keys
     from mmprm.models.loading import load_backbone
     from mmprm.models.prm import PRMSpec, build_prm
-    from mmprm.training import BatchStream, lr_factor
+    from mmprm.training.run import BatchStream, lr_factor
 
     spec = importlib.util.spec_from_file_location("prm_train_recipe", REPO / "recipes" / "prm_train.py")
     recipe = importlib.util.module_from_spec(spec)
@@ -220,7 +220,7 @@ def floor_child(a: argparse.Namespace) -> None:
     from mmprm.collate import collate_steps
     from mmprm.models.loading import add_step_token, load_backbone
     from mmprm.steps import STEP_TOKEN
-    from mmprm.training import BatchStream
+    from mmprm.training.run import BatchStream
 
     torch.manual_seed(42)
     backbone, processor = load_backbone(a.model, dtype=torch.float32)

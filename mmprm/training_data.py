@@ -726,7 +726,7 @@ class _Collator:
 
     def rows(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         if not indices:
-            raise ValueError("empty batch: every process needs at least one row (see mmprm.training.epoch_batches)")
+            raise ValueError("empty batch: every process needs at least one row (see mmprm.training.run.epoch_batches)")
         cols = self.data[list(indices)]
         return [{k: cols[k][i] for k in cols} for i in range(len(indices))]
 

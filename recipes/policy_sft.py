@@ -49,7 +49,7 @@ from mmprm.training_data import IGNORE, SFTCollator, load_tokenized
 
 @dataclass
 class ModelConfig(TrainModelConfig):
-    """The policy to fine-tune (mmprm.training.TrainModelConfig), with the system prompt it learns under.
+    """The policy to fine-tune (mmprm.training.run.TrainModelConfig), with the system prompt it learns under.
 
     Attributes:
         system_prompt: system message of every prompt; annotation and Best-of-N must send the same
@@ -79,7 +79,7 @@ class DataConfig:
 
 @dataclass
 class SFTTrainConfig(TrainConfig):
-    """The training loop (mmprm.training.TrainConfig), with SFT's learning rate and eval generations.
+    """The training loop (mmprm.training.run.TrainConfig), with SFT's learning rate and eval generations.
 
     Attributes:
         lr: peak learning rate (AdamW)

@@ -26,7 +26,7 @@ def main(model_dir: str, out_dir: str, trainable: str, max_grad_norm: str = "1.0
     from mmprm.models.prm import PRMSpec, build_prm
     from mmprm.scoring.losses import soft_ce_token_pair
     from mmprm.steps import tokenize_steps
-    from mmprm.training import TrainConfig, TrainingRun, TrainModelConfig, adapt_backbone, load_trainable_backbone
+    from mmprm.training.run import TrainConfig, TrainingRun, TrainModelConfig, adapt_backbone, load_trainable_backbone
 
     train = TrainConfig(max_steps=1, batch_size=1, lr=1e-3, max_grad_norm=float(max_grad_norm), report_to="none")
     run = TrainingRun("fsdp2", train, out_dir, None)

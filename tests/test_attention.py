@@ -129,7 +129,7 @@ def test_recipe_exits_2_with_the_message():
 
 @pytest.mark.parametrize("recipe", ["prm_train", "policy_sft"])
 def test_training_recipes_refuse_an_unknown_dtype_before_loading(recipe):
-    """The shared model section (mmprm.training.TrainModelConfig) names the accepted dtypes."""
+    """The shared model section (mmprm.training.run.TrainModelConfig) names the accepted dtypes."""
     config = REPO / "recipes" / "configs" / "tiny" / f"{recipe}.yaml"
     with pytest.raises(ConfigError, match=r"model\.dtype: 'bf16' is not one of \['float32', 'bfloat16', 'float16'\]"):
         recipe_main(recipe)(["--config", str(config), "model.dtype=bf16"])

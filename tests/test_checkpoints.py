@@ -13,7 +13,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from mmprm.training import CHECKPOINT_DONE, TrainConfig, find_checkpoint, save_checkpoint, start_run
+from mmprm.training.run import CHECKPOINT_DONE, TrainConfig, find_checkpoint, save_checkpoint, start_run
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ launch/accelerate/deepspeed_zero{2,3}.yaml, 1 and 2 CPU processes (gloo), plus r
 The model is the tiny qwen2_vl at hidden 128: its embeddings and LM head (1025 x 128 = 131,200
 elements with the step token) pass ZeRO-3's `stage3_param_persistence_threshold` (1e5), so they
 are really partitioned - each of 2 ranks holds 65,600 elements of each. Two processes are one
-group: `mmprm.training.process_group_kwargs` names gloo, without which accelerate starts two
+group: `mmprm.training.run.process_group_kwargs` names gloo, without which accelerate starts two
 separate one-rank DeepSpeed runs on a machine without GPUs.
 """
 

@@ -12,7 +12,7 @@ import pytest
 from test_recipe_configs import CONFIGS, REPO, config_class
 
 from mmprm.config import load_config
-from mmprm.training import resolve_grad_accum
+from mmprm.training.run import resolve_grad_accum
 
 MM_PRM = CONFIGS / "mm_prm"
 DOC = REPO / "docs" / "mm-prm.md"

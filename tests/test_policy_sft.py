@@ -13,7 +13,7 @@ from ports import free_port
 from recipe_runs import REPO, check_train_rows, cpu_ddp_launcher, read_metrics, run_recipe
 from safetensors.torch import load_file
 
-from mmprm.training import lr_factor
+from mmprm.training.run import lr_factor
 
 RECIPE = REPO / "recipes" / "policy_sft.py"
 IGNORE = -100

@@ -288,7 +288,7 @@ def test_lora_prm_leaves_the_frozen_vision_tower_as_it_was(tiny_models, tmp_path
     from safetensors.torch import load_file
 
     from mmprm.models.prm import save_prm
-    from mmprm.training import LoraConfig, TrainModelConfig, adapt_backbone
+    from mmprm.training.run import LoraConfig, TrainModelConfig, adapt_backbone
 
     lora = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0)
     if targets is not None:
@@ -314,7 +314,7 @@ def test_lora_reaches_the_vision_tower_only_when_it_is_not_frozen(tiny_models):
     """freeze_vision_tower=false lets target_modules match the tower's layers too; names that match
     only the frozen tower are refused by key, not left to peft's error after the model loaded."""
     from mmprm.config import ConfigError
-    from mmprm.training import LoraConfig, TrainModelConfig, adapt_backbone
+    from mmprm.training.run import LoraConfig, TrainModelConfig, adapt_backbone
 
     backbone, _ = load_backbone(tiny_models("internvl"))
     cfg = TrainModelConfig(freeze_vision_tower=False, lora=LoraConfig(enabled=True, r=4, alpha=8))

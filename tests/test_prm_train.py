@@ -15,7 +15,7 @@ from recipe_runs import REPO, check_train_rows, cpu_ddp_launcher, load_recipe, r
 from safetensors.torch import load_file
 from toy_data import write_toy_prm_data, write_uneven_tree_data
 
-from mmprm.training import CHECKPOINT_DONE
+from mmprm.training.run import CHECKPOINT_DONE
 
 RECIPE = REPO / "recipes" / "prm_train.py"
 

@@ -12,7 +12,7 @@ import torch
 from recipe_runs import load_recipe
 
 from mmprm.config import load_config
-from mmprm.training import resolve_grad_accum
+from mmprm.training.run import resolve_grad_accum
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "recipes" / "configs"

@@ -15,7 +15,7 @@ import pytest
 from recipe_runs import REPO, read_metrics, recipe_env, run_recipe
 from toy_data import write_toy_prm_data
 
-from mmprm.training import CHECKPOINT_DONE, TRACKER_FILE, SaveNotice, tracker_run
+from mmprm.training.run import CHECKPOINT_DONE, TRACKER_FILE, SaveNotice, tracker_run
 
 
 def test_save_notice_is_caught_and_its_handler_given_back():
@@ -94,7 +94,7 @@ def test_sigusr1_saves_the_step_it_came_in_and_the_rerun_resumes_there(tiny_mode
 def test_train_dist_timeout_s_reaches_the_process_group(monkeypatch):
     from datetime import timedelta
 
-    from mmprm.training import TrainConfig, process_group_kwargs
+    from mmprm.training.run import TrainConfig, process_group_kwargs
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert process_group_kwargs(900) == []  # one process, no launcher: no process group

@@ -24,7 +24,7 @@ from ports import free_port
 from slurm_cluster import APT_PACKAGES, SLURM_BINARIES, JobResult, SlurmCluster, ensure_debian_packages
 
 from mmprm.config import load_config, parse_cli
-from mmprm.training import CHECKPOINT_DONE
+from mmprm.training.run import CHECKPOINT_DONE
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM_DIR = REPO / "launch" / "slurm"

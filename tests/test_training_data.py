@@ -19,7 +19,7 @@ from mmprm.collate import collate_steps
 from mmprm.data.schema import DataError, load_examples, load_image
 from mmprm.models.loading import add_step_token, load_processor
 from mmprm.steps import tokenize_steps
-from mmprm.training import (
+from mmprm.training.run import (
     BatchStream,
     Prefetcher,
     TrainConfig,
