@@ -84,8 +84,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     from mmprm.collate import model_input_keys
     from mmprm.models import build_tiny_model, load_backbone
     from mmprm.models.prm import PRMSpec, build_prm
+    from mmprm.training.data import PRMCollator, load_tokenized
     from mmprm.training.run import BatchStream
-    from mmprm.training_data import PRMCollator, load_tokenized
 
     path = write_paths(args, work)
     backbone, processor = load_backbone(

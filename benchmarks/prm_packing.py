@@ -102,8 +102,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     from mmprm.models.prm import PRMSpec, build_prm
     from mmprm.packing import run_tokens, tree_attention
     from mmprm.scoring.losses import soft_bce_value
+    from mmprm.training.data import PackedPRMCollator, PRMCollator, load_tokenized, plan_tree_packs
     from mmprm.training.run import BatchStream
-    from mmprm.training_data import PackedPRMCollator, PRMCollator, load_tokenized, plan_tree_packs
 
     if args.run:  # the demo's own rows: real MCTS trees, larger than the shaped ones below
         rows_file, model_dir = args.run / "mcts" / "prm_data.jsonl", args.run / "policy"

@@ -10,7 +10,7 @@ r"""Teach a (multimodal) policy to solve in tagged steps: `<step>...</step>` per
 The rendering is `mmprm.steps.render_solution`, the very format MCTS annotation parses. Loss is on
 assistant tokens only; eval reports loss, format compliance (greedy generations that parse into
 steps + an answer) and answer accuracy with `mmprm.answers`. Rows are tokenized once into an
-on-disk cache and their images opened per micro-batch (`mmprm.training_data`), as in prm_train.
+on-disk cache and their images opened per micro-batch (`mmprm.training.data`), as in prm_train.
 The prompt format (system prompt, step mode) is saved beside the weights as `mmprm_policy.json`
 (`mmprm.generation.policy`), and annotation and Best-of-N generation read it, so they prompt the policy
 exactly as it was trained.
@@ -44,7 +44,7 @@ from mmprm.training import (
     load_trainable_backbone,
     wrap_padding,
 )
-from mmprm.training_data import IGNORE, SFTCollator, load_tokenized
+from mmprm.training.data import IGNORE, SFTCollator, load_tokenized
 
 
 @dataclass

@@ -11,7 +11,7 @@ The head is read at the step token after every step (`mmprm.steps.tokenize_steps
 with cross-entropy against the float label; eval metrics go to OUTPUT_DIR/metrics.jsonl and the
 trackers; the final PRM is a standard HF directory in OUTPUT_DIR that `mmprm.load_prm` restores.
 Rows are tokenized once into an on-disk cache (`data.cache_dir`, `data.num_proc` workers) and
-their images opened per micro-batch (`mmprm.training_data`), so memory does not grow with the data.
+their images opened per micro-batch (`mmprm.training.data`), so memory does not grow with the data.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from mmprm.training import (
     load_trainable_backbone,
     wrap_padding,
 )
-from mmprm.training_data import LabelMode, PackedPRMCollator, PRMCollator, load_tokenized, plan_tree_packs
+from mmprm.training.data import LabelMode, PackedPRMCollator, PRMCollator, load_tokenized, plan_tree_packs
 
 
 @dataclass
@@ -79,7 +79,7 @@ class DataConfig:
             first error step would be cut is dropped whole (both counted in the log and metrics.jsonl)
         label_mode: soft (the MC value is the target) | hard (MC >= hard_threshold -> 1 else 0) |
             hard_any_correct (MM-PRM's hard labels: MC > 0 -> 1 else 0, i.e. some rollout from the step
-            reached the answer; `mmprm.training_data.prm_labels`)
+            reached the answer; `mmprm.training.data.prm_labels`)
         hard_threshold: label_mode=hard only: the cut between good and bad steps
         balance: weight positive and negative steps (label >= 0.5 or not) to equal total weight over the
             training data (`balance_weights`); the loss stays a mean over the global batch's step tokens

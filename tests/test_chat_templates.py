@@ -376,7 +376,7 @@ def test_string_concatenating_template_on_a_text_only_model(checkpoint):
     add_step_token(processor, model)
     ts = tokenize_steps(processor, TEXT_QUESTION, STEPS, labels=LABELS)  # prm_train, prm scoring, export
     assert len(ts.step_positions) == len(STEPS)
-    from mmprm.training_data import tokenize_sft
+    from mmprm.training.data import tokenize_sft
 
     sft = tokenize_sft(processor, TEXT_QUESTION, STEPS[:2], "12", [], 512, None)  # policy_sft
     assert sft is not None and any(label != -100 for label in sft["labels"])

@@ -256,7 +256,7 @@ def saved_policy_eval_loss(out: Path, eval_file: Path) -> float:
 
     from mmprm.models.loading import load_backbone
     from mmprm.models.vision_sync import no_vision_sync
-    from mmprm.training_data import SFTCollator, load_tokenized
+    from mmprm.training.data import SFTCollator, load_tokenized
 
     spec = importlib.util.spec_from_file_location("policy_sft_recipe", REPO / "recipes" / "policy_sft.py")
     recipe = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up

@@ -11,7 +11,7 @@ import torch
 from mmprm.models.lm_loss import CHUNK_LOGITS, chunked_cross_entropy, next_token_loss_sum
 from mmprm.models.loading import load_backbone
 from mmprm.models.tiny import TINY_ARCHS
-from mmprm.training_data import IGNORE, collate_sft, tokenize_sft
+from mmprm.training.data import IGNORE, collate_sft, tokenize_sft
 
 FULL = 10**9  # one chunk holds every position: the full-logits path
 

@@ -59,7 +59,7 @@ def test_loss_mask_is_exactly_the_rendered_solution(tiny_models, synthetic, arch
     from mmprm.data.schema import load_examples
     from mmprm.models.loading import load_processor
     from mmprm.steps import prompt_text, render_solution
-    from mmprm.training_data import tokenize_sft
+    from mmprm.training.data import tokenize_sft
 
     processor = load_processor(tiny_models(arch))
     tok = getattr(processor, "tokenizer", processor)
@@ -106,7 +106,7 @@ def test_loss_mask_is_exactly_the_rendered_solution(tiny_models, synthetic, arch
 def test_collate_pads_labels_with_ignore(tiny_models, synthetic):
     from mmprm.data.schema import load_examples, load_image
     from mmprm.models.loading import load_processor
-    from mmprm.training_data import collate_sft, tokenize_sft
+    from mmprm.training.data import collate_sft, tokenize_sft
 
     processor = load_processor(tiny_models("qwen2_vl"))
     rows = [
@@ -394,7 +394,7 @@ def test_annotation_and_generation_prompt_the_policy_exactly_as_sft_trained_it(t
 
     processor = load_processor(out)
     ex = load_examples(train)[0]
-    from mmprm.training_data import IGNORE, tokenize_sft
+    from mmprm.training.data import IGNORE, tokenize_sft
 
     row = tokenize_sft(processor, ex.question, ex.steps, ex.answer, [load_image(p) for p in ex.images], 4096, system)
     n_prompt = next(i for i, label in enumerate(row["labels"]) if label != IGNORE)

@@ -19,6 +19,15 @@ from mmprm.collate import collate_steps
 from mmprm.data.schema import DataError, load_examples, load_image
 from mmprm.models.loading import add_step_token, load_processor
 from mmprm.steps import tokenize_steps
+from mmprm.training.data import (
+    PRMCollator,
+    SFTCollator,
+    collate_sft,
+    load_tokenized,
+    prm_labels,
+    tokenize_sft,
+    truncation_keeps_row,
+)
 from mmprm.training.run import (
     BatchStream,
     Prefetcher,
@@ -30,15 +39,6 @@ from mmprm.training.run import (
     rank_share,
     resolve_grad_accum,
     wrap_padding,
-)
-from mmprm.training_data import (
-    PRMCollator,
-    SFTCollator,
-    collate_sft,
-    load_tokenized,
-    prm_labels,
-    tokenize_sft,
-    truncation_keeps_row,
 )
 
 ARCHS = ["qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2"]
@@ -247,7 +247,7 @@ def test_cache_is_reused_and_keyed_by_file_processor_and_settings(tiny_models, t
 def test_cached_rows_read_what_datasets_wrote_across_shards(tmp_path):
     import datasets
 
-    from mmprm.training_data import CachedRows
+    from mmprm.training.data import CachedRows
 
     rows = {"id": [f"r{i}" for i in range(7)], "input_ids": [[i] * (i % 3 + 1) for i in range(7)]}
     datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "data"), num_shards=3)
@@ -269,7 +269,7 @@ def test_cached_rerun_does_not_import_datasets(tiny_models, tmp_path):
     script = f"""
 import sys
 from mmprm.models.loading import add_step_token, load_processor
-from mmprm.training_data import load_tokenized
+from mmprm.training.data import load_tokenized
 processor = load_processor({str(model)!r})
 add_step_token(processor, None)
 rows, stats = load_tokenized({str(path)!r}, "prm", processor, {SETTINGS!r}, cache_dir={str(tmp_path / "cache")!r})
@@ -301,7 +301,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, InitProcessGroupKwargs
 from mmprm.models.loading import add_step_token, load_processor
-from mmprm.training_data import load_tokenized
+from mmprm.training.data import load_tokenized
 
 # a mismatched collective fails after 60 s instead of hanging the suite
 acc = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=60))])
@@ -347,7 +347,7 @@ def test_a_build_longer_than_the_collective_timeout_does_not_kill_the_waiting_ra
 import datetime, time
 import torch
 from accelerate import Accelerator, InitProcessGroupKwargs
-from mmprm import training_data
+from mmprm.training import data as training_data
 from mmprm.data.schema import DataError
 from mmprm.models.loading import add_step_token, load_processor
 

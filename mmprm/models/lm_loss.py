@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mmprm.training_data import IGNORE
+from mmprm.training.data import IGNORE
 
 # Logits per chunk by default: 512 MiB in fp32, a few copies of which live in a chunk's backward.
 CHUNK_LOGITS = 2**27
