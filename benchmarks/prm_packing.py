@@ -5,7 +5,7 @@
     python benchmarks/prm_packing.py --run runs/demo   # the demo's own annotation and policy
 
 An MCTS export has many rows per problem that share the prompt and their first steps.
-`data.pack_trees=true` (`mmprm.packing`) trains on one sequence per problem in which every shared
+`data.pack_trees=true` (`mmprm.training.packing`) trains on one sequence per problem in which every shared
 token appears once, with an attention mask that keeps each row's view; the loss is the rows' loss.
 
 Both sides run the training step of `recipes/prm_train.py` (its collators, the value head, the
@@ -16,7 +16,7 @@ go wrong there (a changed number) and carry on as written, with soft labels. Bat
 2 packs (a pack is a problem's rows: about as many rows per batch). The sides alternate for
 `--rounds` rounds of `--batches` batches; each keeps its fastest round. A third side runs the
 same packs with the one masked kernel over the whole pack instead of attention by blocks of the
-tree (`mmprm.packing.tree_attention`, what packed training does on CPU).
+tree (`mmprm.training.packing.tree_attention`, what packed training does on CPU).
 
 Prints ONE JSON line: rows per second of each side, the ratio (packed / rows), the ratio of
 attention by blocks to the full mask, and the share of row tokens a packed batch still runs.
@@ -94,15 +94,15 @@ def mcts_shaped_rows(problems: list, rng: random.Random) -> list[dict]:
 def measure(args: argparse.Namespace, work: Path) -> dict:
     import torch
 
-    from mmprm import packing
     from mmprm.collate import model_input_keys
     from mmprm.data.schema import write_jsonl
     from mmprm.data.synthetic import SyntheticConfig, generate, write_split
     from mmprm.models import build_tiny_model, load_backbone
     from mmprm.models.prm import PRMSpec, build_prm
-    from mmprm.packing import run_tokens, tree_attention
     from mmprm.scoring.losses import soft_bce_value
+    from mmprm.training import packing
     from mmprm.training.data import PackedPRMCollator, PRMCollator, load_tokenized, plan_tree_packs
+    from mmprm.training.packing import run_tokens, tree_attention
     from mmprm.training.run import BatchStream
 
     if args.run:  # the demo's own rows: real MCTS trees, larger than the shaped ones below
@@ -144,7 +144,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
 
     @contextlib.contextmanager
     def full_mask():
-        """The one masked kernel over the whole pack, as before `mmprm.packing.tree_attention`."""
+        """The one masked kernel over the whole pack, as before `mmprm.training.packing.tree_attention`."""
         packing.tree_attention = lambda *args: contextlib.nullcontext()
         try:
             yield

@@ -11,7 +11,7 @@ policy's samples). All four ways score the same examples with the same scorer, b
 (tokenization and image preprocessing included):
 
   shared_prefix    PRMScorer.score(share_prefix=True): a problem's candidates packed into one tree
-                   (`mmprm.packing`), the prompt and every repeated step run once (ours, sdpa)
+                   (`mmprm.training.packing`), the prompt and every repeated step run once (ours, sdpa)
   prompt_cache     the same, where attention takes no tree mask (flash-attn): the prompt is
                    encoded once per problem, its KV cache reused by every candidate
   per_candidate    PRMScorer.score(share_prefix=False): one forward per candidate (batched 16)

@@ -87,7 +87,7 @@ class DataConfig:
         cache_dir: tokenized-data cache (Arrow); null: $MMPRM_CACHE, else ~/.cache/mmprm/tokenized
         prompt_cache_mb: memory per process for the tokenized prompts and image tensors of recently
             seen problems (an MCTS export has several rows per problem; `PRMCollator`); 0: off
-        pack_trees: train on one sequence per problem (`mmprm.packing`): its prompt and every step
+        pack_trees: train on one sequence per problem (`mmprm.training.packing`): its prompt and every step
             that several rows share are computed once, the loss is the rows' loss; train.batch_size
             then counts packs (a problem's rows, split at pack_tokens). Needs sdpa or eager attention
             (model.attn_implementation=auto then picks sdpa)

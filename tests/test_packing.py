@@ -6,14 +6,14 @@ import pytest
 import torch
 from PIL import Image
 
-from mmprm import packing
 from mmprm.collate import collate_steps, model_input_keys
 from mmprm.models import prm as prm_module
 from mmprm.models.loading import load_backbone
 from mmprm.models.prm import PRMScorer, PRMSpec, build_prm
-from mmprm.packing import collate_packed, pack_rows, plan_packs
 from mmprm.scoring.losses import soft_bce_value
 from mmprm.steps import TokenizedSteps, tokenize_steps
+from mmprm.training import packing
+from mmprm.training.packing import collate_packed, pack_rows, plan_packs
 
 ARCHS = ["qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2"]
 
@@ -272,7 +272,7 @@ def test_packed_logits_equal_row_logits_on_real_chat_templates(tmp_path, family,
 def test_tree_block_mask_skips_the_blocks_no_path_sees():
     """A 128-token prompt and two 256-token branches (five 128-token blocks): branch B's queries
     never visit branch A's key blocks, so 11 of the 25 blocks run (a causal mask runs 15)."""
-    from mmprm.packing import tree_block_mask
+    from mmprm.training.packing import tree_block_mask
 
     tree = packing.PackedTree(
         input_ids=[0] * 640,

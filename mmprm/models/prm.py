@@ -44,7 +44,7 @@ from mmprm.steps import TokenizedSteps
 
 if TYPE_CHECKING:
     from mmprm.models.vllm_prm import VLLMPRMScorer
-    from mmprm.packing import PackedTree
+    from mmprm.training.packing import PackedTree
 
 
 def _decoder(backbone: nn.Module) -> nn.Module:
@@ -108,13 +108,13 @@ class ProcessRewardModel(nn.Module):
         row_positions: torch.Tensor | None = None,
         **model_inputs: Any,
     ) -> torch.Tensor:
-        """`row_positions` marks a tree-packed batch (`mmprm.packing.collate_packed`): attention_mask
+        """`row_positions` marks a tree-packed batch (`mmprm.training.packing.collate_packed`): attention_mask
         is then its (B, 1, L, L) mask and every token takes the position it has in its row."""
         decoder = _decoder(self.backbone)
         if row_positions is None:
             out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_inputs)
         else:
-            from mmprm.packing import packed_attention_mask, packed_position_ids, tree_attention
+            from mmprm.training.packing import packed_attention_mask, packed_position_ids, tree_attention
 
             config = self.backbone.config
             additive = packed_attention_mask(
@@ -139,7 +139,7 @@ class PRMScorer:
 
     `score(examples)` returns one probability per step per example. Candidates that share a
     question and images (Best-of-N; `share_prefix=True`) are packed into one tree
-    (`mmprm.packing`) where that runs at most `TREE_TOKEN_SHARE` of their tokens (a policy's
+    (`mmprm.training.packing`) where that runs at most `TREE_TOKEN_SHARE` of their tokens (a policy's
     samples repeat their steps), so that their prompt and every step they repeat run once;
     otherwise, and where attention takes no tree mask (flash-attn), they share one forward of the
     prompt, its KV cache reused for every candidate. Both give the scores of the unshared path (tests).
@@ -252,7 +252,7 @@ class PRMScorer:
     def _score_trees(self, trees: list[tuple[list[int], PackedTree]]) -> list[tuple[list[int], list[list[float]]]]:
         """Packed groups (`_pack_group`) in batches of `batch_size` trees of similar length; each
         tree's scores per node read back as its rows' (`PackedTree.row_steps`)."""
-        from mmprm.packing import collate_packed
+        from mmprm.training.packing import collate_packed
 
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ordered = sorted(trees, key=lambda t: len(t[1].input_ids))
@@ -343,13 +343,13 @@ def _packs_trees(backbone: nn.Module) -> bool:
 
 
 def _pack_group(toks: list[TokenizedSteps], idx: list[int]) -> list[tuple[list[int], PackedTree]] | None:
-    """The candidates of one question as trees (`mmprm.packing.pack_rows`) of at most
+    """The candidates of one question as trees (`mmprm.training.packing.pack_rows`) of at most
     SCORE_PACK_TOKENS tokens, each with the example indices of its rows: every distinct step runs
     once, and a policy's samples repeat many of their steps.
     None when the rows do not share their prompt, or the tree would run more than TREE_TOKEN_SHARE
     of the tokens the prompt cache runs (prompt once, then every candidate's own): the prompt
     cache scores them then."""
-    from mmprm.packing import pack_rows
+    from mmprm.training.packing import pack_rows
 
     try:
         tree = pack_rows(toks)

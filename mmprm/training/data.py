@@ -813,9 +813,9 @@ class PRMCollator(_Collator):
 
 
 def plan_tree_packs(data: Any, max_tokens: int, chunk: int = 1024) -> Any:
-    """`mmprm.packing.plan_packs` over cached PRM rows: each problem's rows (same question and
+    """`mmprm.training.packing.plan_packs` over cached PRM rows: each problem's rows (same question and
     images) in packs of at most `max_tokens`, read a chunk of rows at a time."""
-    from mmprm.packing import plan_packs
+    from mmprm.training.packing import plan_packs
 
     columns = ["question", "images", "input_ids", "step_positions", "prompt_length"]
 
@@ -836,7 +836,7 @@ def plan_tree_packs(data: Any, max_tokens: int, chunk: int = 1024) -> Any:
 
 
 class PackedPRMCollator:
-    """Packs of cached PRM rows -> one tree-packed batch (`mmprm.packing`).
+    """Packs of cached PRM rows -> one tree-packed batch (`mmprm.training.packing`).
 
     `packs[i]` lists the row indices of pack i (`plan_tree_packs`); a batch is a list of pack
     indices. Rows are tokenized and checked by the `PRMCollator` `rows`, so the prompt cache and
@@ -847,7 +847,7 @@ class PackedPRMCollator:
         self.rows, self.packs = rows, packs
 
     def __call__(self, indices: Sequence[int]) -> tuple[dict[str, torch.Tensor], list[TokenizedSteps]]:
-        from mmprm.packing import collate_packed, pack_rows
+        from mmprm.training.packing import collate_packed, pack_rows
 
         trees, flat = [], []
         for i in indices:

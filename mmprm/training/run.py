@@ -892,7 +892,7 @@ class LogWindow:
         """Add a micro-batch's tokens (padding left out) and their training FLOPs (`flops_per_token`
         of `shape` = (n_params, n_layers, hidden), at the batch's mean sequence length)."""
         from mmprm.mfu import flops_per_token
-        from mmprm.packing import run_tokens
+        from mmprm.training.packing import run_tokens
 
         tokens = run_tokens(batch)
         self.tokens += tokens
