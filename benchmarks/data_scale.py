@@ -187,12 +187,12 @@ def eager_child(a: argparse.Namespace) -> None:
     images and kept (pixel_values included), then one optimizer step like the recipe's first."""
     import torch
 
-    from mmprm.collate import collate_steps, model_input_keys
     from mmprm.data.schema import load_examples, load_image
     from mmprm.models.loading import load_backbone
     from mmprm.models.prm import PRMSpec, build_prm
     from mmprm.scoring.losses import soft_ce_token_pair
     from mmprm.steps import tokenize_steps
+    from mmprm.training.collate import collate_steps, model_input_keys
 
     t0 = time.perf_counter()
     backbone, processor = load_backbone(a.model, dtype=torch.float32)

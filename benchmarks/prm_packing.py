@@ -94,13 +94,13 @@ def mcts_shaped_rows(problems: list, rng: random.Random) -> list[dict]:
 def measure(args: argparse.Namespace, work: Path) -> dict:
     import torch
 
-    from mmprm.collate import model_input_keys
     from mmprm.data.schema import write_jsonl
     from mmprm.data.synthetic import SyntheticConfig, generate, write_split
     from mmprm.models import build_tiny_model, load_backbone
     from mmprm.models.prm import PRMSpec, build_prm
     from mmprm.scoring.losses import soft_bce_value
     from mmprm.training import packing
+    from mmprm.training.collate import model_input_keys
     from mmprm.training.data import PackedPRMCollator, PRMCollator, load_tokenized, plan_tree_packs
     from mmprm.training.packing import run_tokens, tree_attention
     from mmprm.training.run import BatchStream

@@ -56,9 +56,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     import torch
     from prm_collate import write_paths
 
-    from mmprm.collate import model_input_keys
     from mmprm.models import build_tiny_model, load_backbone
     from mmprm.models.prm import PRMSpec, build_prm
+    from mmprm.training.collate import model_input_keys
     from mmprm.training.data import PRMCollator, load_tokenized
     from mmprm.training.run import BatchStream, Prefetcher
 

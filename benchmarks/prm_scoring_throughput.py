@@ -109,8 +109,8 @@ def floor_forward(scorer: Any, groups: list[list[Any]], prompt_len: int) -> Call
     and no scores. Returns the timed function; its inputs are built here, outside the timing."""
     import torch
 
-    from mmprm.collate import PER_TOKEN_KEYS
     from mmprm.models.prm import _decoder, _mrope_delta
+    from mmprm.training.collate import PER_TOKEN_KEYS
 
     decoder = _decoder(scorer.model.backbone)
     runs = []

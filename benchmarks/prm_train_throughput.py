@@ -162,9 +162,9 @@ def ours_child(a: argparse.Namespace) -> None:
     import torch
     from accelerate import Accelerator
 
-    from mmprm.collate import collate_steps, model_input_keys
     from mmprm.models.loading import load_backbone
     from mmprm.models.prm import PRMSpec, build_prm
+    from mmprm.training.collate import collate_steps, model_input_keys
     from mmprm.training.run import BatchStream, lr_factor
 
     spec = importlib.util.spec_from_file_location("prm_train_recipe", REPO / "recipes" / "prm_train.py")
@@ -217,9 +217,9 @@ def floor_child(a: argparse.Namespace) -> None:
     read off its last hidden states at the step tokens (what no PRM head can undercut)."""
     import torch
 
-    from mmprm.collate import collate_steps
     from mmprm.models.loading import add_step_token, load_backbone
     from mmprm.steps import STEP_TOKEN
+    from mmprm.training.collate import collate_steps
     from mmprm.training.run import BatchStream
 
     torch.manual_seed(42)

@@ -50,13 +50,13 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     """Both sides on the same rows and batches, in `work`; the JSON line as a dict."""
     import torch
 
-    from mmprm.collate import collate_steps, model_input_keys
     from mmprm.data.schema import load_image, read_jsonl
     from mmprm.data.synthetic import SyntheticConfig, add_slips, generate, write_split
     from mmprm.models import build_tiny_model, load_backbone
     from mmprm.models.prm import PRMSpec, build_prm
     from mmprm.models.tiny import corpus_text
     from mmprm.steps import tokenize_steps
+    from mmprm.training.collate import collate_steps, model_input_keys
 
     task = SyntheticConfig(
         num_problems=args.rows, seed=0, ops=("+",), max_ops=4, templates=("running_sum",), marks=True

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from mmprm.collate import model_input_keys
 from mmprm.config import ConfigError, load_config, parse_cli, require_files, require_model_dir
 from mmprm.data.schema import DataError
 from mmprm.models.loading import resolve_attn_implementation
@@ -44,6 +43,7 @@ from mmprm.training import (
     load_trainable_backbone,
     wrap_padding,
 )
+from mmprm.training.collate import model_input_keys
 from mmprm.training.data import LabelMode, PackedPRMCollator, PRMCollator, load_tokenized, plan_tree_packs
 
 

@@ -22,10 +22,10 @@ def main(model_dir: str, out_dir: str, trainable: str, max_grad_norm: str = "1.0
     from torch.distributed.tensor import DTensor
     from torch.nn.utils import get_total_norm
 
-    from mmprm.collate import collate_steps
     from mmprm.models.prm import PRMSpec, build_prm
     from mmprm.scoring.losses import soft_ce_token_pair
     from mmprm.steps import tokenize_steps
+    from mmprm.training.collate import collate_steps
     from mmprm.training.run import TrainConfig, TrainingRun, TrainModelConfig, adapt_backbone, load_trainable_backbone
 
     train = TrainConfig(max_steps=1, batch_size=1, lr=1e-3, max_grad_norm=float(max_grad_norm), report_to="none")

@@ -6,13 +6,13 @@ import pytest
 import torch
 from PIL import Image
 
-from mmprm.collate import collate_steps, model_input_keys
 from mmprm.models import prm as prm_module
 from mmprm.models.loading import load_backbone
 from mmprm.models.prm import PRMScorer, PRMSpec, build_prm
 from mmprm.scoring.losses import soft_bce_value
 from mmprm.steps import TokenizedSteps, tokenize_steps
 from mmprm.training import packing
+from mmprm.training.collate import collate_steps, model_input_keys
 from mmprm.training.packing import collate_packed, pack_rows, plan_packs
 
 ARCHS = ["qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2"]

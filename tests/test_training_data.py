@@ -15,10 +15,10 @@ import pytest
 import torch
 from PIL import Image
 
-from mmprm.collate import collate_steps
 from mmprm.data.schema import DataError, load_examples, load_image
 from mmprm.models.loading import add_step_token, load_processor
 from mmprm.steps import tokenize_steps
+from mmprm.training.collate import collate_steps
 from mmprm.training.data import (
     PRMCollator,
     SFTCollator,

@@ -14,12 +14,12 @@ from ports import free_port
 
 deepspeed = pytest.importorskip("deepspeed")
 
-from mmprm.collate import collate_steps
 from mmprm.models.loading import add_step_token, load_backbone
 from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm
 from mmprm.models.sharding import full_shape, gathered, partition_report
 from mmprm.models.tiny import build_tiny_model
 from mmprm.steps import tokenize_steps
+from mmprm.training.collate import collate_steps
 
 ZERO3 = {
     "train_micro_batch_size_per_gpu": 1,

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mmprm.collate import PER_TOKEN_KEYS, collate_steps, model_input_keys
 from mmprm.data.schema import load_image
 from mmprm.models.sharding import merge_lora_copy
 from mmprm.models.spec import (
@@ -41,6 +40,7 @@ from mmprm.models.spec import (
     weight_files,
 )
 from mmprm.steps import TokenizedSteps
+from mmprm.training.collate import PER_TOKEN_KEYS, collate_steps, model_input_keys
 
 if TYPE_CHECKING:
     from mmprm.models.vllm_prm import VLLMPRMScorer

@@ -49,7 +49,6 @@ from typing import Any, Literal
 
 import torch
 
-from mmprm.collate import PER_TOKEN_KEYS, collate_model_inputs, collate_steps
 from mmprm.data.schema import DataError, check_row, iter_jsonl, load_image
 from mmprm.data.sft import sft_row_problems
 from mmprm.models.spec import train_step_format
@@ -63,6 +62,7 @@ from mmprm.steps import (
     render_solution,
     tokenize_steps,
 )
+from mmprm.training.collate import PER_TOKEN_KEYS, collate_model_inputs, collate_steps
 
 CACHE_FORMAT = 3  # bump when a cached column changes meaning or a build refuses more rows
 # (2: prompt_length; 3: SFT rows with the model's special tokens refused)

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from mmprm.collate import PER_TOKEN_KEYS, collate_model_inputs
 from mmprm.steps import TokenizedSteps, torch_cat_zeros
+from mmprm.training.collate import PER_TOKEN_KEYS, collate_model_inputs
 
 
 @dataclass
