@@ -32,7 +32,6 @@ from mmprm.generation.policy import PolicySpec, save_policy_spec
 from mmprm.models.lm_loss import next_token_loss_sum
 from mmprm.models.loading import resolve_attn_implementation
 from mmprm.models.sharding import merge_lora_copy
-from mmprm.models.vision_sync import vision_sync
 from mmprm.steps import parse_solution, prompt_text
 from mmprm.training import (
     TrainConfig,
@@ -45,6 +44,7 @@ from mmprm.training import (
     wrap_padding,
 )
 from mmprm.training.data import IGNORE, SFTCollator, load_tokenized
+from mmprm.training.vision_sync import vision_sync
 
 
 @dataclass
@@ -133,7 +133,7 @@ def token_loss_sum(model, batch, chunk_tokens: int | None = None) -> tuple[torch
 @torch.no_grad()
 def generate_eval(model, processor, data, cfg: Config, accelerator, sync) -> dict[str, float]:
     """Greedy solutions for the first eval rows: format compliance and answer accuracy.
-    `sync`: `mmprm.models.vision_sync.vision_sync`."""
+    `sync`: `mmprm.training.vision_sync.vision_sync`."""
     from mmprm.answers import answers_match
 
     tokenizer = getattr(processor, "tokenizer", processor)
@@ -182,7 +182,7 @@ def generate_eval(model, processor, data, cfg: Config, accelerator, sync) -> dic
 @torch.no_grad()
 def eval_loss(model, collate: SFTCollator, batch_size, accelerator, sync, chunk_tokens: int | None = None) -> float:
     """Mean token loss on the eval split (each process an even share; wrap-around rows not counted).
-    `sync`: `mmprm.models.vision_sync.vision_sync`."""
+    `sync`: `mmprm.training.vision_sync.vision_sync`."""
     model.eval()
     total, count = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
     mine, n_real = eval_share(len(collate.data), accelerator.process_index, accelerator.num_processes)
@@ -232,7 +232,7 @@ def load_data(cfg: Config, processor, run: TrainingRun) -> tuple[SFTCollator, SF
 
 def train_micro_batch(run: TrainingRun, sync, batch: dict, items: list, k: int, n_window: int) -> float:
     """Forward and backward of micro-batch k of a window holding `n_window` assistant tokens on all
-    ranks; returns its share of the window's mean loss. `sync`: `mmprm.models.vision_sync.vision_sync`."""
+    ranks; returns its share of the window's mean loss. `sync`: `mmprm.training.vision_sync.vision_sync`."""
     accelerator = run.accelerator
     with accelerator.autocast(), sync(batch):
         loss_sum, _ = token_loss_sum(run.model, batch, run.train.loss_chunk_tokens)

@@ -29,7 +29,6 @@ from mmprm.data.schema import DataError
 from mmprm.models.loading import resolve_attn_implementation
 from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, save_prm
 from mmprm.models.spec import TrainLayout, trained_spec
-from mmprm.models.vision_sync import vision_sync
 from mmprm.scoring.losses import soft_bce_value, soft_ce_token_pair
 from mmprm.scoring.metrics import step_metrics
 from mmprm.steps import StepTokenError
@@ -45,6 +44,7 @@ from mmprm.training import (
 )
 from mmprm.training.collate import model_input_keys
 from mmprm.training.data import LabelMode, PackedPRMCollator, PRMCollator, load_tokenized, plan_tree_packs
+from mmprm.training.vision_sync import vision_sync
 
 
 @dataclass
@@ -167,7 +167,7 @@ def step_loss(head_logits: torch.Tensor, targets: torch.Tensor, weights: torch.T
 @torch.no_grad()
 def evaluate(model, collate: PRMCollator, batch_size, accelerator, sync) -> tuple[dict[str, float], list[dict]]:
     """Step-level metrics on the eval split (each process scores an even share, gathered on all), and
-    the per-step scores by example id. `sync`: `mmprm.models.vision_sync.vision_sync`."""
+    the per-step scores by example id. `sync`: `mmprm.training.vision_sync.vision_sync`."""
     model.eval()
     # An even share: under ZeRO-3 each forward gathers weights from all ranks, so a rank with one
     # batch fewer would leave the others waiting for ever.
@@ -318,7 +318,7 @@ def pack_trees(data: PRMData, pack_tokens: int, log) -> None:
 
 def train_micro_batch(run: TrainingRun, sync, data: PRMData, batch: dict, items: list, k: int, n_window: int) -> float:
     """Forward and backward of micro-batch k of a window holding `n_window` step tokens on all
-    ranks; returns its share of the window's mean loss. `sync`: `mmprm.models.vision_sync.vision_sync`."""
+    ranks; returns its share of the window's mean loss. `sync`: `mmprm.training.vision_sync.vision_sync`."""
     accelerator = run.accelerator
     with accelerator.autocast(), sync(batch):
         logits = run.model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))

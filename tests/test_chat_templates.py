@@ -20,7 +20,6 @@ import torch
 from template_families import FAMILIES, FIXTURES, NAMES, TEXT_ARCHS, build_family_checkpoint
 
 from mmprm.models import add_step_token, load_backbone
-from mmprm.models.vision_sync import no_vision_sync
 from mmprm.steps import (
     STEP_TOKEN,
     assistant_start,
@@ -33,6 +32,7 @@ from mmprm.steps import (
     render_prefix,
     tokenize_steps,
 )
+from mmprm.training.vision_sync import no_vision_sync
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = [None, "Answer in short numbered steps."]

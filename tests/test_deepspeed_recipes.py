@@ -255,8 +255,8 @@ def saved_policy_eval_loss(out: Path, eval_file: Path) -> float:
     from types import SimpleNamespace
 
     from mmprm.models.loading import load_backbone
-    from mmprm.models.vision_sync import no_vision_sync
     from mmprm.training.data import SFTCollator, load_tokenized
+    from mmprm.training.vision_sync import no_vision_sync
 
     spec = importlib.util.spec_from_file_location("policy_sft_recipe", REPO / "recipes" / "policy_sft.py")
     recipe = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
@@ -359,7 +359,7 @@ def mix_text_only_rows(src: Path, dest: Path) -> Path:
 
 
 # Batches of 1 row per rank: a step where one rank's row has an image and the other's has none.
-# Before mmprm.models.vision_sync, gloo aborted at the first such step ("Received data size doesn't
+# Before mmprm.training.vision_sync, gloo aborted at the first such step ("Received data size doesn't
 # match") and NCCL hangs; the timeout turns a hang into a failure.
 MIXED = ["train.batch_size=1", "train.eval_batch_size=1", "train.group_by_length=false"]
 VISUAL_PATCH = "model.visual.patch_embed.proj.weight"

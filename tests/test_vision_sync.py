@@ -1,4 +1,4 @@
-"""`mmprm.models.vision_sync`: a text-only batch runs the vision tower on a blank image, counting 0.
+"""`mmprm.training.vision_sync`: a text-only batch runs the vision tower on a blank image, counting 0.
 
 The ZeRO-3 runs with two ranks (one text-only, one with an image) are in test_deepspeed_recipes.py.
 """
@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from mmprm.models.loading import load_backbone
-from mmprm.models.vision_sync import VisionSync, dummy_image_inputs, shards_parameters, vision_sync
+from mmprm.training.vision_sync import VisionSync, dummy_image_inputs, shards_parameters, vision_sync
 
 VLM_ARCHS = ("qwen2_vl", "qwen2_5_vl", "internvl", "llava")
 # What the blank image becomes: Qwen patches 56 px into 4 rows of 2*3*14*14 values; the others one tile.
