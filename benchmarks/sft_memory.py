@@ -4,7 +4,7 @@
     python benchmarks/sft_memory.py --quick    # smoke test: 32,000-token vocabulary, 512 tokens, chunks of 128
 
 One SFT step (forward + backward, as `recipes/policy_sft.py` takes it through
-`mmprm.models.lm_loss.next_token_loss_sum`) of the demo's tiny Qwen2-VL (hidden 128, 4 layers)
+`mmprm.training.lm_loss.next_token_loss_sum`) of the demo's tiny Qwen2-VL (hidden 128, 4 layers)
 resized to Qwen2-VL's 151,936-token vocabulary, on one row of 4,096 tokens, every position
 labelled (the chunked side's worst case). Each side runs in its own process, so the peaks do not
 mix: "full" forces one chunk (the old full-logits loss), "chunked" takes the default chunk size
@@ -39,8 +39,8 @@ def one_step(model_dir: str, tokens: int, chunk: int | None) -> dict:
     """Forward and backward of one row of `tokens` labelled tokens; memory in MiB."""
     import torch
 
-    from mmprm.models.lm_loss import next_token_loss_sum
     from mmprm.models.loading import load_backbone
+    from mmprm.training.lm_loss import next_token_loss_sum
 
     torch.manual_seed(0)
     model, _ = load_backbone(model_dir)
@@ -71,9 +71,9 @@ def main() -> None:
         print(json.dumps(one_step(args.model, args.tokens, chunk)))
         return
 
-    from mmprm.models.lm_loss import CHUNK_LOGITS
     from mmprm.models.loading import load_backbone
     from mmprm.models.tiny import build_tiny_model
+    from mmprm.training.lm_loss import CHUNK_LOGITS
 
     with tempfile.TemporaryDirectory() as tmp:
         tiny = build_tiny_model("qwen2_vl", Path(tmp) / "tiny", seed=0, hidden_size=128, num_layers=4)

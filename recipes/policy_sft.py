@@ -29,7 +29,6 @@ from accelerate.utils import gather_object
 from mmprm.config import ConfigError, load_config, parse_cli, require_files, require_model_dir
 from mmprm.data.schema import DataError, load_image
 from mmprm.generation.policy import PolicySpec, save_policy_spec
-from mmprm.models.lm_loss import next_token_loss_sum
 from mmprm.models.loading import resolve_attn_implementation
 from mmprm.models.sharding import merge_lora_copy
 from mmprm.steps import parse_solution, prompt_text
@@ -44,6 +43,7 @@ from mmprm.training import (
     wrap_padding,
 )
 from mmprm.training.data import IGNORE, SFTCollator, load_tokenized
+from mmprm.training.lm_loss import next_token_loss_sum
 from mmprm.training.vision_sync import vision_sync
 
 
@@ -85,7 +85,7 @@ class SFTTrainConfig(TrainConfig):
         lr: peak learning rate (AdamW)
         eval_generations: eval examples to answer greedily for format compliance and accuracy
         max_new_tokens: token cap of those eval generations
-        loss_chunk_tokens: assistant tokens per chunk of LM-head logits (`mmprm.models.lm_loss`);
+        loss_chunk_tokens: assistant tokens per chunk of LM-head logits (`mmprm.training.lm_loss`);
             null: 2**27 logits per chunk over the vocabulary (883 tokens at 151,936)
     """
 

@@ -1,4 +1,4 @@
-"""Chunked next-token loss (mmprm.models.lm_loss): the same loss and gradients as full logits on
+"""Chunked next-token loss (mmprm.training.lm_loss): the same loss and gradients as full logits on
 every tiny arch, tied embeddings too; chunks that split the label tokens unevenly."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmprm.models.lm_loss import CHUNK_LOGITS, chunked_cross_entropy, next_token_loss_sum
 from mmprm.models.loading import load_backbone
 from mmprm.models.tiny import TINY_ARCHS
 from mmprm.training.data import IGNORE, collate_sft, tokenize_sft
+from mmprm.training.lm_loss import CHUNK_LOGITS, chunked_cross_entropy, next_token_loss_sum
 
 FULL = 10**9  # one chunk holds every position: the full-logits path
 
@@ -175,7 +175,7 @@ def test_demo_sft_step_is_bit_identical_to_the_old_loss(tmp_path):
 
 def test_liger_is_not_taken_off_cuda():
     """Liger's kernels are Triton on CUDA: on CPU the chunked path runs, installed or not."""
-    from mmprm.models.lm_loss import _liger_loss
+    from mmprm.training.lm_loss import _liger_loss
 
     head = torch.nn.Linear(8, 50)
     assert _liger_loss(head, torch.randn(3, 8), torch.tensor([1, 2, 3])) is None

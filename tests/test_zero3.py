@@ -147,7 +147,7 @@ def test_chunked_sft_loss_under_zero3_equals_the_unpartitioned_full_logits(model
     from deepspeed.utils import safe_get_full_grad
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    from mmprm.models.lm_loss import next_token_loss_sum
+    from mmprm.training.lm_loss import next_token_loss_sum
 
     plain, _ = models
     model, _ = load_backbone(plain)
