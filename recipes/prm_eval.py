@@ -439,7 +439,7 @@ def score_examples(cfg: PRMEvalConfig, exs: list[StepExample]) -> list[list[floa
     the next: a killed run resumes after the last chunk, and a rerun that changes only the slice, the
     dev split or the metrics scores nothing it has scored (without loading the PRM, when that is all).
     """
-    from mmprm.models.score_cache import CachedScorer
+    from mmprm.data.score_cache import CachedScorer
 
     scorer = CachedScorer(
         Path(cfg.output.dir) / "score_cache.jsonl",

@@ -601,8 +601,8 @@ def score_nodes(
         unjudged = judge_trees(client, scorer_cfg, cfg.tree.kind, trees, scored, by_id)
     elif scorer_cfg.kind == "prm":
         from mmprm import load_prm
+        from mmprm.data.score_cache import CachedScorer
         from mmprm.models.loading import resolve_device
-        from mmprm.models.score_cache import CachedScorer
 
         def load() -> Any:
             return load_prm(

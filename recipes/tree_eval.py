@@ -479,8 +479,8 @@ def make_scorer(cfg: TreeEvalConfig, out_dir: Path) -> tuple[Any, JudgeScorer | 
     prm = judge = None
     if scorer_cfg.kind == "prm":
         from mmprm import load_prm
+        from mmprm.data.score_cache import CachedScorer
         from mmprm.models.loading import resolve_device
-        from mmprm.models.score_cache import CachedScorer
 
         def load() -> Any:
             return load_prm(

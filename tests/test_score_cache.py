@@ -1,4 +1,4 @@
-"""mmprm.models.score_cache: a real tiny PRM behind the cache, its calls counted."""
+"""mmprm.data.score_cache: a real tiny PRM behind the cache, its calls counted."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from mmprm.config import ConfigError
 from mmprm.data.schema import StepExample
-from mmprm.models.score_cache import CachedScorer, example_key
+from mmprm.data.score_cache import CachedScorer, example_key
 
 EXAMPLES = [
     {"question": "What is 2 + 3?", "steps": ["2 + 3 = 5.", "The answer is 5."]},
