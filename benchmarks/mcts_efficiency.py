@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mmprm.annotate.engine import AnnotationEngine  # noqa: E402
 from mmprm.annotate.omega import OmegaConfig, OmegaSearch, Rollout, drive  # noqa: E402
-from mmprm.annotate.simulated import GOLD, SimulatedPolicy, first_error, random_problems  # noqa: E402
+from mmprm.annotate.simulated import GOLD, SimulatedPolicy, first_wrong_step, random_problems  # noqa: E402
 from mmprm.generation.base import RolloutRequest  # noqa: E402
 from mmprm.steps import parse_solution  # noqa: E402
 
@@ -64,7 +64,7 @@ def ours(policy: SimulatedPolicy, pid: str, cfg: OmegaConfig) -> tuple[int, int,
     correct = 0
     for node, step in errors.items():
         steps = _prefix(res.nodes, node)
-        correct += first_error(steps) == step == len(steps)
+        correct += first_wrong_step(steps) == step == len(steps)
     return res.rollouts, len(errors), correct
 
 
@@ -92,7 +92,7 @@ def per_step_mc(policy: SimulatedPolicy, pid: str, k: int, budget: int, early_st
                     if early_stop:
                         break
             errors += 1
-            correct += first_error(sol.steps) == located
+            correct += first_wrong_step(sol.steps) == located
     return spent, errors, correct
 
 

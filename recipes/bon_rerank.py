@@ -230,7 +230,7 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
     killed run resumes after the last one written, and the finished file is only renamed into place.
     """
     from mmprm.data import store
-    from mmprm.rerank.candidates import count_rows, load_problems
+    from mmprm.rerank.candidates import count_rows, load_problems_for_generation
     from mmprm.rerank.shards import shard_bounds
 
     g = cfg.generate
@@ -251,7 +251,7 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
     done = store.resume(partial)
     lo, hi = shard_bounds(count_rows(problems_file), cfg.shard.index, cfg.shard.count)
     in_block = lambda i: lo <= i < hi  # noqa: E731
-    problems = load_problems(problems_file, check_rows=in_block, keep_rows=in_block)  # every row checked
+    problems = load_problems_for_generation(problems_file, check_rows=in_block, keep_rows=in_block)  # every row checked
     todo = [p for p in problems if p.id not in done]
     if done:
         print(f"resuming: {len(done)} problems already sampled in {partial}, {len(todo)} to go")

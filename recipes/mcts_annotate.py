@@ -43,7 +43,7 @@ from mmprm.annotate.engine import (
     rule_verifier,
     tree_file_name,
 )
-from mmprm.annotate.export import ExportConfig, iter_examples, write_report
+from mmprm.annotate.export import ExportConfig, iter_examples, write_export_report
 from mmprm.annotate.omega import OmegaConfig
 from mmprm.chat import ChatClient, ChatConfig
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
@@ -402,7 +402,9 @@ def export_prm_data(cfg: AnnotateConfig, out_dir: Path) -> None:
     write_jsonl(
         out_dir / "prm_data.jsonl", iter_examples(iter_records(out_dir / "trees.jsonl"), cfg.export, export_stats)
     )
-    write_report({**export_stats, "merge": merged}, out_dir / "export_report.json", out_dir / "export_report.png")
+    write_export_report(
+        {**export_stats, "merge": merged}, out_dir / "export_report.json", out_dir / "export_report.png"
+    )
     negatives, whole = export_stats["negative_paths"], export_stats["completed_negative_paths"]
     print(
         f"merged {merged['records']} problems {merged['by_status']}; wrote {export_stats['paths']} PRM training rows "

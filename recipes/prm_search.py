@@ -398,14 +398,16 @@ def main(argv: list[str]) -> None:
     sh = cfg.shard
 
     # ---- problems of this shard ------------------------------------------------------------
-    from mmprm.rerank.candidates import count_rows, load_problems
+    from mmprm.rerank.candidates import count_rows, load_problems_for_generation
     from mmprm.rerank.shards import shard_bounds
 
     n = count_rows(cfg.problems_file)
     n = n if cfg.limit is None else min(cfg.limit, n)
     lo, hi = shard_bounds(n, sh.index, sh.count)  # only this shard's images are opened to check them
     in_block = lambda i: lo <= i < hi  # noqa: E731
-    problems = load_problems(cfg.problems_file, check_rows=in_block, keep_rows=in_block)  # every row checked
+    problems = load_problems_for_generation(
+        cfg.problems_file, check_rows=in_block, keep_rows=in_block
+    )  # every row checked
     print(f"shard {sh.index}/{sh.count}: {len(problems)} problems")
     check_runs(cfg, out, n)
 

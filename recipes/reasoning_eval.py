@@ -273,7 +273,7 @@ class ReasoningEvalConfig:
             resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
 
 
-def load_problems(cfg: ProblemsConfig) -> list[dict[str, Any]]:
+def load_reasoning_problems(cfg: ProblemsConfig) -> list[dict[str, Any]]:
     """[{id, question (what the model is asked), images, answer, choices, record, gold_reasoning}]."""
     path = Path(cfg.path)
     if not path.exists():
@@ -368,7 +368,7 @@ def run(cfg: ReasoningEvalConfig) -> int:
     start = time.time()
 
     # ---- problems
-    problems = load_problems(cfg.problems)
+    problems = load_reasoning_problems(cfg.problems)
     if not problems:
         raise SystemExit(f"{cfg.problems.path}: no problems")
     by_id = {p["id"]: p for p in problems}

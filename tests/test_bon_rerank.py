@@ -21,7 +21,7 @@ from recipe_runs import REPO, recipe_env, run_recipe
 from mmprm.answers import answers_match
 from mmprm.config import ConfigError
 from mmprm.data.schema import DataError, read_jsonl
-from mmprm.rerank.candidates import Candidate, Problem, load_candidates, load_problems
+from mmprm.rerank.candidates import Candidate, ProblemWithCandidates, load_candidates, load_problems_for_generation
 from mmprm.rerank.shards import cli_merge_bon, merge_scored, shard_path, take_shard
 
 RECIPE = REPO / "recipes" / "bon_rerank.py"
@@ -352,7 +352,7 @@ def test_generate_with_tiny_vlm_policy_writes_candidates_and_report(tiny_models,
             f"output_dir={out}",
         ]
     )
-    gold = {p.id: p for p in load_problems(problems_file)}
+    gold = {p.id: p for p in load_problems_for_generation(problems_file)}
     written = load_candidates(out / "candidates.jsonl")
     assert [p.id for p in written] == list(gold)
     scored = read_jsonl(out / "scored.jsonl")
@@ -420,7 +420,7 @@ def test_load_problems_names_file_line_id_and_field(tmp_path):
     path = tmp_path / "problems.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{not json\n")
     with pytest.raises(DataError) as e:
-        load_problems(path)
+        load_problems_for_generation(path)
     lines = e.value.problems
     assert any(line.startswith(f"{path}:2: id=p2: images[0]: image not found") for line in lines)
     assert f"{path}:3: id=p3: answer: missing (the gold answer is needed to verify generated solutions)" in lines
@@ -429,13 +429,13 @@ def test_load_problems_names_file_line_id_and_field(tmp_path):
     assert any(line.startswith(f"{path}:5: id=p5: choices:") for line in lines)
     assert any(line.startswith(f"{path}:6: id=?: line: invalid JSON") for line in lines)
     path.write_text(json.dumps(rows[0]) + "\n")
-    (p,) = load_problems(path)
+    (p,) = load_problems_for_generation(path)
     assert p.id == "p1" and p.answer == "3" and p.images == [str((tmp_path / "a.png").resolve())]
     assert p.candidates == []
 
 
 def test_unparsed_candidate_is_scored_on_its_whole_text():
-    p = Problem(
+    p = ProblemWithCandidates(
         id="x",
         question="Q?",
         answer="1",
@@ -491,7 +491,7 @@ def test_candidates_cut_by_scoring_max_length_are_ranked_last_and_counted(prm_di
 
     long_steps = [f"Step {k}: add {k} to the running total and keep going." for k in range(30)]
     problems = [
-        Problem(
+        ProblemWithCandidates(
             id=f"q{i}",
             question="What is 2 + 3?",
             answer="5",
@@ -534,7 +534,7 @@ def test_mm_prm_edge_rules_carry_through_shards_and_merge_bon(prm_dir, tmp_path,
     from mmprm.rerank.candidates import write_candidates
 
     problems = [
-        Problem(
+        ProblemWithCandidates(
             id=f"q{i}",
             question="What is 2 + 3?",
             answer="5",

@@ -13,7 +13,7 @@ from real_data import DATA, full_or_subset
 from mmprm.data.schema import DataError
 from mmprm.rerank.candidates import (
     Candidate,
-    Problem,
+    ProblemWithCandidates,
     candidate_steps,
     cli_convert_candidates,
     count_label_disagreements,
@@ -290,7 +290,7 @@ def test_load_candidates_reports_every_problem(tmp_path):
 
 
 def test_dataclass_json_round_trip():
-    p = Problem(id="x", question="Q", answer=None, candidates=[Candidate(text="t", steps=["t"])])
+    p = ProblemWithCandidates(id="x", question="Q", answer=None, candidates=[Candidate(text="t", steps=["t"])])
     assert p.to_json() == {
         "id": "x",
         "images": [],

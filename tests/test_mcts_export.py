@@ -8,7 +8,7 @@ import pytest
 from real_data import DATA
 
 from mmprm.annotate.engine import AnnotationEngine, Problem
-from mmprm.annotate.export import ExportConfig, export_examples, tree_paths, write_report
+from mmprm.annotate.export import ExportConfig, export_examples, tree_paths, write_export_report
 from mmprm.annotate.omega import OmegaConfig
 from mmprm.annotate.simulated import GOLD, SimulatedPolicy, random_problems
 from mmprm.data.schema import load_examples, write_jsonl
@@ -162,7 +162,7 @@ def test_export_of_a_real_search_is_valid_training_data(tmp_path):
         else:
             assert all(x > 0 for x in ex.labels)
     assert whole == stats["completed_negative_paths"]
-    write_report(stats, tmp_path / "r.json", tmp_path / "r.png")
+    write_export_report(stats, tmp_path / "r.json", tmp_path / "r.png")
     assert json.loads((tmp_path / "r.json").read_text())["paths"] == len(rows)
     assert (tmp_path / "r.png").stat().st_size > 1000
 

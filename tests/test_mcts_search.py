@@ -8,7 +8,7 @@ import random
 import pytest
 
 from mmprm.annotate.omega import CandidatePool, OmegaConfig, OmegaSearch, Probe, Rollout, drive, q_value, u_value
-from mmprm.annotate.simulated import GOLD, SimProblem, SimulatedPolicy, first_error, random_problems, true_mc
+from mmprm.annotate.simulated import GOLD, SimProblem, SimulatedPolicy, first_wrong_step, random_problems, true_mc
 from mmprm.generation.base import RolloutRequest
 from mmprm.steps import parse_solution
 
@@ -93,12 +93,12 @@ def test_binary_search_finds_the_planted_first_error():
     assert res.first_errors and all(e["step"] == 6 for e in res.first_errors)
     for e in res.first_errors:
         steps = full_prefix(res.nodes, e["node"])
-        assert len(steps) == 6 and first_error(steps) == 6
+        assert len(steps) == 6 and first_wrong_step(steps) == 6
     # Probes only ever land on good prefixes before step 6 or bad ones from it on.
     for node in search.nodes:
         if not node.terminal and node.prefix:
-            assert node.mc == (0.0 if first_error(node.prefix) else pytest.approx(node.mc))
-            if first_error(node.prefix):
+            assert node.mc == (0.0 if first_wrong_step(node.prefix) else pytest.approx(node.mc))
+            if first_wrong_step(node.prefix):
                 assert node.mc == 0.0
 
 
@@ -129,7 +129,7 @@ def test_localised_errors_match_the_true_first_error_on_random_problems():
         for e in res.first_errors:
             steps = full_prefix(res.nodes, e["node"])
             found += 1
-            exact += first_error(steps) == e["step"] == len(steps)
+            exact += first_wrong_step(steps) == e["step"] == len(steps)
     # A miss needs all k=16 rollouts of a good prefix to fail; with these problems that is rare.
     assert found > 200 and exact / found > 0.97
 

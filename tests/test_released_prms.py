@@ -163,11 +163,11 @@ def test_bon_rerank_scores_candidates_with_a_released_prm(qwen_math_prm, tmp_pat
     from recipe_runs import REPO, load_recipe
 
     from mmprm.data.schema import read_jsonl
-    from mmprm.rerank.candidates import Candidate, Problem, write_candidates
+    from mmprm.rerank.candidates import Candidate, ProblemWithCandidates, write_candidates
 
     path, model = qwen_math_prm
     problems = [
-        Problem(
+        ProblemWithCandidates(
             id="p0",
             question=QUESTION,
             answer="8",

@@ -1,7 +1,7 @@
 """Annotation trees -> step-labelled PRM training rows (`mmprm.data.schema`) + a stats report.
 
     rows, stats = export_examples(read_jsonl("out/trees.jsonl"), ExportConfig())
-    write_jsonl("out/prm_train.jsonl", rows); write_report(stats, "out/export_report.json")
+    write_jsonl("out/prm_train.jsonl", rows); write_export_report(stats, "out/export_report.json")
 
 or, streamed (memory: one tree at a time, whatever the number of problems)::
 
@@ -311,7 +311,7 @@ class _Histograms:
         }
 
 
-def write_report(stats: dict[str, Any], json_path: str | Path, png_path: str | Path | None = None) -> None:
+def write_export_report(stats: dict[str, Any], json_path: str | Path, png_path: str | Path | None = None) -> None:
     """Write the export statistics as JSON, and as a two-panel PNG when `png_path` is given."""
     Path(json_path).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
     if png_path is None:

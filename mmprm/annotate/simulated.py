@@ -40,7 +40,7 @@ def step_ok(step: str) -> bool:
     return step.split()[1] == "ok"
 
 
-def first_error(steps: Sequence[str]) -> int | None:
+def first_wrong_step(steps: Sequence[str]) -> int | None:
     """1-based position of the first wrong simulated step, or None if all are right."""
     for i, s in enumerate(steps, start=1):
         if not step_ok(s):
@@ -50,7 +50,7 @@ def first_error(steps: Sequence[str]) -> int | None:
 
 def true_mc(problem: SimProblem, prefix: Sequence[str]) -> float:
     """Exact MC value of `prefix` (see module doc)."""
-    if first_error(prefix) is not None:
+    if first_wrong_step(prefix) is not None:
         return 0.0
     return math.prod(1.0 - e for e in problem.error_probs[len(prefix) :])
 
@@ -112,7 +112,7 @@ class SimulatedPolicy:
 
     def sample(self, problem: SimProblem, prefix: Sequence[str], rng: random.Random) -> tuple[list[str], str]:
         """One continuation of `prefix`: (new steps, final answer)."""
-        wrong = first_error(prefix) is not None
+        wrong = first_wrong_step(prefix) is not None
         steps = []
         for i in range(len(prefix), len(problem.error_probs)):
             wrong = wrong or rng.random() < problem.error_probs[i]

@@ -579,7 +579,7 @@ def _mc(node: Any, where: str) -> float:
     return float(value)
 
 
-def tree_paths(root: dict[str, Any]) -> list[tuple[list[str], list[float]]]:
+def openr_tree_paths(root: dict[str, Any]) -> list[tuple[list[str], list[float]]]:
     """Root-to-leaf paths of an openr/OmegaPRM tree: (step texts, mc_values), root excluded.
 
     The root holds the question, so it is not a step; every other node is one step labelled
@@ -646,7 +646,7 @@ def convert_openr_tree(
     check_images: bool = True,
     sink: Callable[[StepExample], None] | None = None,
 ) -> Converted:
-    """openr / OmegaPRM trees: one example per distinct root-to-leaf path (see `tree_paths`).
+    """openr / OmegaPRM trees: one example per distinct root-to-leaf path (see `openr_tree_paths`).
 
     Empty node texts are dropped with their label (the next node's value covers the same
     prefix). Paths that repeat (equal texts on sibling nodes) are merged by `_PathPool`.
@@ -658,7 +658,7 @@ def convert_openr_tree(
             raise RowError("reasoning_steps", "no tree", "missing or not a node object {text, mc_value, children}")
         question = _text(row, ("question",)) if row.get("question") else _text(root, ("text",))
         images = _images(row, Path(image_root))
-        paths = tree_paths(root)
+        paths = openr_tree_paths(root)
         if not paths:
             raise RowError("reasoning_steps", "tree has no steps", "the root has no children")
         cleaned = []
@@ -837,7 +837,7 @@ def _save_embedded(item: Any, image_dir: Path | None) -> Any:
     return str(target.resolve())
 
 
-def read_rows(path: str | Path, image_dir: str | Path | None = None) -> Iterator[dict[str, Any]]:
+def read_input_rows(path: str | Path, image_dir: str | Path | None = None) -> Iterator[dict[str, Any]]:
     """Rows of a `.jsonl` file, a `.json` array, a `.parquet` file or a `datasets.save_to_disk` folder.
 
     Image columns of a datasets input are read as paths, never decoded; images embedded as
@@ -907,14 +907,14 @@ def convert_file(
 ) -> Converted:
     """Convert one input file of format `fmt` (one of FORMATS).
 
-    `image_dir` receives images embedded as bytes in a datasets/parquet input (see `read_rows`);
+    `image_dir` receives images embedded as bytes in a datasets/parquet input (see `read_input_rows`);
     `sink` takes each example as it is made (see `Converted`).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
     path = Path(path)
     root = Path(image_root) if image_root is not None else (path if path.is_dir() else path.parent)
-    rows: Iterable[dict[str, Any]] = read_rows(path, image_dir)
+    rows: Iterable[dict[str, Any]] = read_input_rows(path, image_dir)
     if limit is not None:
         rows = itertools.islice(rows, limit)
     common = {"source": str(path), "id_prefix": id_prefix, "check_images": check_images, "sink": sink}

@@ -18,9 +18,9 @@ JSONL, one problem per line::
 Steps come from our `<step>` tags when present (answer attached to the last step, as
 `mmprm.steps.prm_steps` does), else from `mmprm.data.sft.split_solution` (blank lines, else lines,
 else sentences). `steps: []` is allowed (a generation nothing could be parsed from): the PRM then
-scores the whole text as one step (`Problem.prm_inputs`); a candidate with no text either scores 0.
+scores the whole text as one step (`ProblemWithCandidates.prm_inputs`); a candidate with no text either scores 0.
 
-`load_problems` reads the input of generation (`mmprm.data.problems`) as problems without candidates.
+`load_problems_for_generation` reads the input of generation (`mmprm.data.problems`) as problems without candidates.
 
 Converters turn public BoN data into this format: MATH-V (3 models' CoTs per problem),
 GSM8K's example model solutions (4), Qwen2.5-Math's rm@8 example (8), and a generic
@@ -73,7 +73,7 @@ class Candidate:
 
 
 @dataclass
-class Problem:
+class ProblemWithCandidates:
     """A problem with its gold answer and N candidate solutions. `images` are absolute paths."""
 
     id: str
@@ -148,7 +148,7 @@ def make_candidate(
     return Candidate(text=text, steps=candidate_steps(text), answer=answer, correct=correct, meta=meta)
 
 
-def count_label_disagreements(problems: list[Problem]) -> int:
+def count_label_disagreements(problems: list[ProblemWithCandidates]) -> int:
     """Candidates whose source flag and our verifier disagree."""
     return sum(
         c.meta["flag_correct"] != c.meta["verifier_correct"]
@@ -161,7 +161,7 @@ def count_label_disagreements(problems: list[Problem]) -> int:
 # ---------------------------------------------------------------- converters
 
 
-def from_mathv(mathv_dir: str | Path, label: Label = "file", limit: int | None = None) -> list[Problem]:
+def from_mathv(mathv_dir: str | Path, label: Label = "file", limit: int | None = None) -> list[ProblemWithCandidates]:
     """MATH-V testmini with the CoTs of its 3 models (`cot_testmini/*.jsonl`) as N=3 candidates.
 
     Args:
@@ -204,7 +204,7 @@ def from_mathv(mathv_dir: str | Path, label: Label = "file", limit: int | None =
             for stem, r in records
         ]
         problems.append(
-            Problem(
+            ProblemWithCandidates(
                 id=f"mathv-{p['id']}",
                 question=p["question"],
                 answer=p["answer"],
@@ -217,7 +217,7 @@ def from_mathv(mathv_dir: str | Path, label: Label = "file", limit: int | None =
     return problems
 
 
-def from_gsm8k_solutions(path: str | Path, label: Label = "file") -> list[Problem]:
+def from_gsm8k_solutions(path: str | Path, label: Label = "file") -> list[ProblemWithCandidates]:
     """GSM8K's `example_model_solutions.jsonl`: 4 GPT-3 solutions per problem (N=4).
 
     Gold is the `A: N` of `ground_truth`; flags are each solution's `is_correct`.
@@ -251,7 +251,7 @@ def from_gsm8k_solutions(path: str | Path, label: Label = "file") -> list[Proble
             for m in GSM8K_MODELS
         ]
         problems.append(
-            Problem(
+            ProblemWithCandidates(
                 id=f"gsm8k-{lineno - 1}",
                 question=obj["question"],
                 answer=gold,
@@ -262,7 +262,7 @@ def from_gsm8k_solutions(path: str | Path, label: Label = "file") -> list[Proble
     return problems
 
 
-def from_qwen_math_bon(path: str | Path, label: Label = "file") -> list[Problem]:
+def from_qwen_math_bon(path: str | Path, label: Label = "file") -> list[ProblemWithCandidates]:
     """Qwen2.5-Math's `math_cot_100.jsonl`: 8 responses per MATH problem (N=8).
 
     Gold is `gt`; flags are `score`; the upstream reward-model score goes to `meta.rm_score`.
@@ -303,7 +303,7 @@ def from_qwen_math_bon(path: str | Path, label: Label = "file") -> list[Problem]
             for k, (text, flag) in enumerate(zip(responses, scores))
         ]
         problems.append(
-            Problem(
+            ProblemWithCandidates(
                 id=f"qwen-math-{obj['idx']}",
                 question=obj["question"],
                 answer=str(obj["gt"]),
@@ -314,7 +314,7 @@ def from_qwen_math_bon(path: str | Path, label: Label = "file") -> list[Problem]
     return problems
 
 
-def from_text_solutions(path: str | Path) -> list[Problem]:
+def from_text_solutions(path: str | Path) -> list[ProblemWithCandidates]:
     """A generic JSONL of `{id, question, answer, solutions: [str], images?, choices?}`.
 
     Correctness is our verifier's; steps are split from each solution text.
@@ -374,8 +374,8 @@ def _check_candidate(c: Any, where: str) -> tuple[list[tuple[str, str]], dict[st
 
 def _check_problem(
     obj: dict[str, Any], base_dir: Path, check_images: bool
-) -> tuple[list[tuple[str, str]], Problem | None]:
-    """Validate one problem row; returns ([(field, message)], Problem-or-None) with answers filled in."""
+) -> tuple[list[tuple[str, str]], ProblemWithCandidates | None]:
+    """Validate one problem row; returns ([(field, message)], ProblemWithCandidates-or-None) with answers filled in."""
     errs, resolved = check_problem_fields(obj, base_dir, check_images, need_answer=False)
     rid, question, gold, choices = obj.get("id"), obj.get("question"), obj.get("answer"), obj.get("choices")
     cands = obj.get("candidates")
@@ -407,7 +407,7 @@ def _check_problem(
                 extra={k: v for k, v in c.items() if k not in _CANDIDATE_KEYS},
             )
         )
-    return [], Problem(
+    return [], ProblemWithCandidates(
         id=str(rid),
         question=question,
         answer=gold_s,
@@ -420,7 +420,7 @@ def _check_problem(
 
 def _scan(
     path: Path, check_images: bool, start: int = 0, stop: int | None = None
-) -> Iterator[tuple[list[str], Problem | None]]:
+) -> Iterator[tuple[list[str], ProblemWithCandidates | None]]:
     """(errors, problem) for rows start..stop-1 (0-based, blank lines not counted), streamed."""
     if not path.exists():
         raise DataError([f"{path}: file not found (write it with `mmprm convert-candidates`)"])
@@ -449,7 +449,7 @@ def _scan(
         yield bad, problem
 
 
-def load_candidates(path: str | Path, check_images: bool = True) -> list[Problem]:
+def load_candidates(path: str | Path, check_images: bool = True) -> list[ProblemWithCandidates]:
     """Load and validate a candidates JSONL; raise DataError listing every problem found.
 
     Missing steps, answers and correctness are filled in (see the module docstring).
@@ -502,7 +502,7 @@ def check_candidates(
 
 def iter_candidates(
     path: str | Path, start: int = 0, stop: int | None = None, check_images: bool = False
-) -> Iterator[Problem]:
+) -> Iterator[ProblemWithCandidates]:
     """The problems of rows start..stop-1, one at a time (validate them first with `check_candidates`)."""
     path = Path(path)
     for errs, problem in _scan(path, check_images, start, stop):
@@ -512,16 +512,16 @@ def iter_candidates(
             yield problem
 
 
-def load_problems(
+def load_problems_for_generation(
     path: str | Path,
     check_images: bool = True,
     check_rows: Callable[[int], bool] | None = None,
     keep_rows: Callable[[int], bool] | None = None,
-) -> list[Problem]:
+) -> list[ProblemWithCandidates]:
     """The problems of `mmprm.data.problems.load_problems` with no candidates yet (the input of generation);
     `check_rows` limits the image checks, and `keep_rows` the problems returned, to a worker's own rows."""
     return [
-        Problem(
+        ProblemWithCandidates(
             id=p.id,
             question=p.question,
             answer=p.answer,
@@ -534,7 +534,7 @@ def load_problems(
     ]
 
 
-def write_candidates(path: str | Path, problems: list[Problem]) -> int:
+def write_candidates(path: str | Path, problems: list[ProblemWithCandidates]) -> int:
     """Write problems as candidates JSONL (atomically); image paths stay absolute."""
     return write_jsonl(path, (p.to_json() for p in problems))
 

@@ -200,7 +200,7 @@ def check_file(path: str | Path, kind: Kind, allow_images: bool = True) -> int:
     return n_rows
 
 
-def iter_rows(path: str | Path, kind: Kind) -> Iterator[dict[str, Any]]:
+def iter_checked_rows(path: str | Path, kind: Kind) -> Iterator[dict[str, Any]]:
     """The valid rows of a file `check_file` passed, as plain dicts."""
     for _problem, row in _scan(Path(path), kind):
         if row is not None:
@@ -673,7 +673,7 @@ def _tokenize_file(
         "answer": datasets.Value("string"),
     }
     raw = datasets.Dataset.from_generator(
-        iter_rows,
+        iter_checked_rows,
         gen_kwargs={"path": str(path), "kind": kind},
         features=datasets.Features(row_features),
         cache_dir=str(tmp / "raw"),
