@@ -105,7 +105,11 @@ _LAUNCHER_VARS = (
 
 
 @contextlib.contextmanager
-def _independent_engine() -> Iterator[None]:
+def independent_engine() -> Iterator[None]:
+    """Start a vLLM engine inside this block: it runs on its own, not as a rank of the launcher's job.
+
+    The generation backends and the vLLM PRM scorer each start one engine per rank.
+    """
     saved = {k: os.environ.pop(k) for k in _LAUNCHER_VARS if k in os.environ}
     try:
         yield
@@ -256,7 +260,7 @@ class VLLMBackend:
         self.max_images_per_prompt: int = limit_mm_per_prompt["image"]
         # The engine's image processor settings (max_pixels, ...), which our own count must share.
         self._mm_processor_kwargs = dict(llm_kwargs.get("mm_processor_kwargs") or {})
-        with _independent_engine():
+        with independent_engine():
             self.llm = vllm.LLM(
                 model=model_path,
                 enable_prefix_caching=True,

@@ -246,7 +246,7 @@ class VLLMPRMScorer:
                 raise ImportError(
                     "the vllm scorer needs vllm: pip install 'mmprm[vllm]' (or use scorer.backend=hf)"
                 ) from None
-            from mmprm.generation.vllm import _independent_engine, check_vllm_version
+            from mmprm.generation.vllm import check_vllm_version, independent_engine
 
             check_vllm_version(vllm.__version__)
             self._vllm = vllm
@@ -256,7 +256,7 @@ class VLLMPRMScorer:
                 self._tmp = None if export_dir is not None else tempfile.mkdtemp(prefix="mmprm-vllm-prm-")
                 self.export_dir = export_for_vllm(prm_path, export_dir or self._tmp, spec=self.spec)
                 engine_args = POOLING_ARGS
-            with _independent_engine():
+            with independent_engine():
                 self.llm = vllm.LLM(
                     model=str(self.export_dir), limit_mm_per_prompt=limit or None, **{**engine_args, **llm_kwargs}
                 )
