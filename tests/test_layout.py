@@ -175,3 +175,134 @@ def test_no_function_in_the_library_or_recipes_is_over_80_lines():
     """A function a reader can hold in view: longer ones are split into named steps."""
     files = sorted(LIBRARY.rglob("*.py")) + sorted((REPO / "recipes").rglob("*.py"))
     assert [f for p in files for f in long_functions(p)] == []
+
+
+def private_imports(library: Path) -> list[str]:
+    """`module: from X import _name` for each import of a private name (or from a private module)
+    of another package. A package is `mmprm.<first part>`: `mmprm.data.eval_sets` may use
+    `mmprm.data.eval_sets._source`, `mmprm.models` may not use `mmprm.generation`'s `_helpers`."""
+    root = library.parent
+
+    def package(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    def private(part: str) -> bool:
+        return part.startswith("_") and not part.startswith("__")
+
+    found = []
+    for path in sorted(library.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
+                names = [f"{base}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] != library.name or package(name) == package(module):
+                    continue
+                if any(private(p) for p in name.split(".")[1:]):
+                    found.append(f"{module}: {name}")
+    return sorted(found)
+
+
+def test_the_private_import_finder_finds_one_across_packages(tmp_path):
+    lib = tmp_path / "mmprm"
+    for pkg in ("models", "generation", "data/eval_sets"):
+        (lib / pkg).mkdir(parents=True)
+        (lib / pkg / "__init__.py").write_text("")
+    (lib / "generation" / "vllm.py").write_text("def _engine(): pass\ndef engine(): pass\n")
+    (lib / "data" / "eval_sets" / "_source.py").write_text("def load(): pass\n")
+    (lib / "data" / "eval_sets" / "mmk12.py").write_text("from mmprm.data.eval_sets._source import load\n")
+    (lib / "data" / "readers.py").write_text("from .eval_sets._source import load\n")
+    (lib / "models" / "prm.py").write_text(
+        "from mmprm.generation.vllm import engine\n"
+        "def f():\n    from mmprm.generation.vllm import _engine\n"
+        "import mmprm.data.eval_sets._source\n"
+    )
+    assert private_imports(lib) == [
+        "mmprm.models.prm: mmprm.data.eval_sets._source",
+        "mmprm.models.prm: mmprm.generation.vllm._engine",
+    ]
+
+
+def test_no_module_imports_a_private_name_from_another_package():
+    """A name another package needs is part of its owner's interface: public, documented, kept."""
+    assert private_imports(LIBRARY) == []
+
+
+def top_level_names(library: Path) -> dict[str, list[str]]:
+    """Public top-level function and class name -> the modules that define it. A package's
+    `__init__` that defines a name only to import it lazily from its own package (`mmprm.load_prm`)
+    defines nothing new and is left out."""
+    root = library.parent
+    defined: dict[str, list[str]] = {}
+    for path in sorted(library.rglob("*.py")):
+        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name.startswith("_"):
+                continue
+            forwards = path.name == "__init__.py" and any(
+                isinstance(n, ast.ImportFrom)
+                and (n.module or "").startswith(module + ".")
+                and any(a.name == node.name for a in n.names)
+                for n in ast.walk(node)
+            )
+            if not forwards:
+                defined.setdefault(node.name, []).append(module)
+    return defined
+
+
+def test_the_name_finder_finds_a_name_defined_twice(tmp_path):
+    lib = tmp_path / "mmprm"
+    (lib / "rerank").mkdir(parents=True)
+    (lib / "__init__.py").write_text("def load_prm(p):\n    from mmprm.models.prm import load_prm\n")
+    (lib / "models").mkdir()
+    (lib / "models" / "prm.py").write_text("def load_prm(p): pass\nclass _Private: pass\n")
+    (lib / "problems.py").write_text("class Problem: pass\ndef _helper(): pass\n")
+    (lib / "rerank" / "candidates.py").write_text("class Problem: pass\nclass _Private: pass\n")
+    names = top_level_names(lib)
+    assert names["load_prm"] == ["mmprm.models.prm"]
+    assert names["Problem"] == ["mmprm.problems", "mmprm.rerank.candidates"]
+    assert "_Private" not in names and "_helper" not in names
+
+
+def test_no_two_library_modules_define_the_same_public_name():
+    """Each public top-level function or class name in the library means one thing: a reader who
+    meets `load_problems` or `Problem` knows which without looking at the import."""
+    names = top_level_names(LIBRARY)
+    assert len(names) > 300  # the scan read the library
+    assert {name: modules for name, modules in names.items() if len(modules) > 1} == {}
+
+
+def names_imported_from(module: str, roots: list[Path]) -> dict[str, list[str]]:
+    """name -> files that `from <module> import name`."""
+    found: dict[str, list[str]] = {}
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and node.module == module and not node.level:
+                    for a in node.names:
+                        found.setdefault(a.name, []).append(str(path.relative_to(REPO)))
+    return found
+
+
+def test_every_name_imported_from_the_training_package_is_exported():
+    """Recipes import the run's names from `mmprm.training` (its lazy exports): a name added to
+    `mmprm.training.run` that a recipe imports is exported too, or the recipe fails on import."""
+    import importlib
+
+    training = importlib.import_module("mmprm.training")
+    imported = names_imported_from("mmprm.training", [REPO / d for d in ("mmprm", "recipes", "tests", "benchmarks")])
+    assert "TrainingRun" in imported  # the scan read the recipes
+    submodules = {p.stem for p in (LIBRARY / "training").glob("*.py")}
+    missing = {n: files for n, files in imported.items() if n not in submodules and n not in training.__all__}
+    assert missing == {}
+    for name in training.__all__:
+        assert getattr(training, name).__module__ == "mmprm.training.run"
