@@ -278,7 +278,7 @@ def benchmark_problems(bench: BenchmarkConfig, out_dir: Path) -> Path:
 
     Written once, atomically (shards that start together write the same rows); a rerun reuses it.
     """
-    from mmprm.data.eval_sets import READERS, read_eval_set, write_problems
+    from mmprm.data.eval_sets import SOURCES, read_eval_set, write_problems
 
     path = out_dir / "problems.jsonl"
     if path.exists():
@@ -289,7 +289,7 @@ def benchmark_problems(bench: BenchmarkConfig, out_dir: Path) -> Path:
     tmp = path.with_name(f"problems.jsonl.{os.getpid()}.tmp")
     write_problems(rows, tmp)
     os.replace(tmp, path)
-    _, split, hub = READERS[bench.name]
+    split, hub = SOURCES[bench.name]
     print(f"{bench.name}: {len(rows)} problems from {bench.source or hub} ({bench.split or split}) in {path}")
     return path
 
