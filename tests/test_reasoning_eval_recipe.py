@@ -146,7 +146,7 @@ def test_think360_on_mathv_cot_files(tmp_path):
         argv = [
             "--config",
             str(CONFIG),
-            "problems.format=mathv",
+            "problems.format=mathvision",
             f"problems.path={folder}",
             "answers.source=file",
             f"answers.path={cot}",
@@ -191,7 +191,7 @@ def test_tiny_hf_model_answers_and_mc_scores(tmp_path, tiny_model_dir):
     argv = [
         "--config",
         str(CONFIG),
-        "problems.format=jsonl",
+        "problems.format=problems",
         f"problems.path={problems}",
         "answers.source=hf",
         f"answers.model={model}",
@@ -249,7 +249,7 @@ def test_prm_scorer_gives_each_node_the_prms_score_of_its_step(tmp_path, tiny_mo
     argv = [
         "--config",
         str(CONFIG),
-        "problems.format=jsonl",
+        "problems.format=problems",
         f"problems.path={problems}",
         "answers.source=file",
         f"answers.path={answers}",
