@@ -14,7 +14,7 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def test_every_kind_has_its_builtin_readers():
-    assert set(KINDS) == {"step_benchmark", "answer_benchmark", "tree_format", "candidates", "sft"}
+    assert set(KINDS) == {"step_benchmark", "answer_benchmark", "tree_format", "candidates", "sft", "prm_data"}
     assert reader_names("step_benchmark") == ["prmbench", "processbench", "reasoneval", "steps", "visualprocessbench"]
     assert {"mathvista", "mathverse", "mathvision", "olympiadbench", "mmk12", "rpts", "problems"} <= set(
         reader_names("answer_benchmark")
@@ -22,6 +22,18 @@ def test_every_kind_has_its_builtin_readers():
     assert reader_names("tree_format") == ["mc_tree", "rpts", "steps", "think360"]
     assert {"mmprm", "mathv", "gsm8k", "qwen_math", "text"} <= set(reader_names("candidates"))
     assert {"steps", "gsm8k", "mathv"} <= set(reader_names("sft"))
+    assert reader_names("prm_data") == sorted(
+        ["trl", "math_shepherd", "prm800k", "openr_tree", "openr_flat", "mmprm_prm"]
+    )
+
+
+def test_a_prm_data_reader_is_convert_file_of_its_format():
+    from mmprm.data.convert import convert_file
+
+    path = DATA / "openr_samples" / "samples_math-shepherd.jsonl"
+    got = get_reader("prm_data", "math_shepherd")(path, limit=3)
+    want = convert_file("math_shepherd", path, limit=3)
+    assert [ex.to_json() for ex in got.examples] == [ex.to_json() for ex in want.examples] and got.count > 0
 
 
 def test_an_unknown_name_is_refused_with_the_kind_and_the_known_names():

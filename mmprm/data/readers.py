@@ -12,6 +12,8 @@ kinds, each with the call its readers answer:
                       ({"id", "tree", "correct", "reference", "where"}; tree_eval)
     candidates        (path) -> list[mmprm.rerank.candidates.Problem]     Best-of-N candidates (bon_rerank)
     sft               (path) -> list[StepExample]                         policy SFT rows
+    prm_data          (path, **options) -> Converted                      PRM training data in another
+                      project's format (`mmprm.data.convert.convert_file`'s options; `mmprm convert`)
 
 A reader of your own (docs/extending.md)::
 
@@ -48,6 +50,7 @@ def _load_builtins() -> None:
     if _loaded:
         return
     import mmprm.data.benchmarks  # noqa: F401
+    import mmprm.data.convert  # noqa: F401
     import mmprm.data.eval_sets  # noqa: F401
     import mmprm.data.sft  # noqa: F401
     import mmprm.rerank.candidates  # noqa: F401

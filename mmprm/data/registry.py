@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, get_args
 
-ReaderKind = Literal["step_benchmark", "answer_benchmark", "tree_format", "candidates", "sft"]
+ReaderKind = Literal["step_benchmark", "answer_benchmark", "tree_format", "candidates", "sft", "prm_data"]
 KINDS: tuple[str, ...] = get_args(ReaderKind)
 
 F = TypeVar("F", bound=Callable[..., Any])
