@@ -27,7 +27,7 @@ from typing import Any
 
 from mmprm.answers import extract_answer
 from mmprm.chat import ChatClient, ChatConfig, ChatRequestError, messages_for
-from mmprm.data.registry import register_reader
+from mmprm.data.registry import lookup, register_reader
 from mmprm.data.schema import DataError, StepExample, check_row, iter_jsonl, raise_if_bad, row_id, write_jsonl
 from mmprm.steps import STEP_CLOSE, STEP_OPEN, parse_solution, render_solution
 
@@ -302,7 +302,7 @@ def cli_convert_sft(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if bool(args.rewrite_url) != bool(args.rewrite_model):
         ap.error("--rewrite-url and --rewrite-model go together")
-    examples = sft_from_gsm8k(args.input) if args.source == "gsm8k" else sft_from_mathv(args.input)
+    examples = lookup("sft", args.source)(args.input)
     if args.rewrite_url:
         # Replies are cached next to the output, so rerunning after a crash pays only for the rest.
         client = ChatClient(
