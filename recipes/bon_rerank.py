@@ -170,7 +170,11 @@ class Config:
 
     Attributes:
         prm: PRM directory written by recipes/prm_train.py; required
-        candidates_file: our candidates JSONL (`mmprm convert-candidates`); unused when generate.enabled
+        candidates_file: our candidates JSONL (`mmprm convert-candidates`), or a file that
+            candidates_reader reads; unused when generate.enabled
+        candidates_reader: null: candidates_file is our candidates JSONL; a name: the Best-of-N
+            candidates reader (mmprm.data.readers: mathv, gsm8k, qwen_math, text, or one you
+            registered) that reads candidates_file, written as OUTPUT_DIR/candidates.<name>.jsonl first
         model: model loading (section)
         generate: generation (section)
         scoring: scoring (section)
@@ -181,6 +185,7 @@ class Config:
 
     prm: str = ""
     candidates_file: str | None = None
+    candidates_reader: str | None = None
     model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
@@ -196,6 +201,13 @@ class Config:
         resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
         if not self.generate.enabled and not self.candidates_file:
             raise ValueError("candidates_file: required unless generate.enabled=true")
+        if self.candidates_reader is not None:
+            from mmprm.data.readers import UnknownReaderError, get_reader
+
+            try:
+                get_reader("candidates", self.candidates_reader)
+            except UnknownReaderError as e:
+                raise ValueError(f"candidates_reader: {e}") from None
         g = self.generate
         if g.enabled and not (g.policy and (g.problems_file or g.benchmark.name)):
             raise ValueError(
@@ -278,7 +290,7 @@ def benchmark_problems(bench: BenchmarkConfig, out_dir: Path) -> Path:
 
     Written once, atomically (shards that start together write the same rows); a rerun reuses it.
     """
-    from mmprm.data.eval_sets import READERS, read_eval_set, write_problems
+    from mmprm.data.eval_sets import SOURCES, read_eval_set, write_problems
 
     path = out_dir / "problems.jsonl"
     if path.exists():
@@ -289,7 +301,7 @@ def benchmark_problems(bench: BenchmarkConfig, out_dir: Path) -> Path:
     tmp = path.with_name(f"problems.jsonl.{os.getpid()}.tmp")
     write_problems(rows, tmp)
     os.replace(tmp, path)
-    _, split, hub = READERS[bench.name]
+    split, hub = SOURCES[bench.name]
     print(f"{bench.name}: {len(rows)} problems from {bench.source or hub} ({bench.split or split}) in {path}")
     return path
 
@@ -478,6 +490,8 @@ def shard_candidates(cfg: Config, out_dir: Path) -> tuple[Path, int, int | None,
         cand_file = Path(cfg.candidates_file)
         if not cand_file.exists():
             raise DataError([f"{cand_file}: file not found (write it with `mmprm convert-candidates`)"])
+        if cfg.candidates_reader is not None:
+            cand_file = read_candidates(cfg.candidates_reader, cand_file, out_dir)
         n_rows = count_rows(cand_file)
         lo, hi = shard_bounds(n_rows, cfg.shard.index, cfg.shard.count)
         empty = n_rows > 0 and lo == hi  # an empty file is refused below, as bad input
@@ -489,6 +503,19 @@ def shard_candidates(cfg: Config, out_dir: Path) -> tuple[Path, int, int | None,
     n_problems, n_cands = check_candidates(cand_file, lo, hi, need_correct=True)
     print(f"shard {cfg.shard.index}/{cfg.shard.count}: {n_problems} problems, {n_cands} candidates")
     return cand_file, lo, hi, n_problems
+
+
+def read_candidates(reader: str, source: Path, out_dir: Path) -> Path:
+    """OUT_DIR/candidates.<reader>.jsonl: `source` read by the candidates reader `reader`, written
+    in our format (atomically: shards that start together write the same rows)."""
+    from mmprm.data.readers import get_reader
+    from mmprm.rerank.candidates import write_candidates
+
+    path = out_dir / f"candidates.{reader}.jsonl"
+    problems = get_reader("candidates", reader)(source)
+    write_candidates(path, problems)
+    print(f"{source}: {len(problems)} problems read by the {reader} candidates reader into {path}")
+    return path
 
 
 def score_shard(cfg: Config, out_dir: Path, cand_file: Path, lo: int, hi: int | None, n_problems: int) -> None:

@@ -40,7 +40,8 @@ from typing import Any, Literal
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.config_sections import ModelLoadConfig
-from mmprm.data.schema import DataError, StepExample, load_examples, write_jsonl
+from mmprm.data.readers import UnknownReaderError, get_reader
+from mmprm.data.schema import DataError, StepExample, write_jsonl
 from mmprm.models.spec import ReleasedConvention
 from mmprm.scoring.metrics import (
     auroc,
@@ -62,8 +63,9 @@ class DataConfig:
 
     Attributes:
         path: input file in data.format; required
-        format: steps (our JSONL) | prmbench (target_data.jsonl) | reasoneval (MR-MATH file) |
-            processbench (<subset>.json or their folder) | visualprocessbench (test.jsonl)
+        format: the step_benchmark reader (mmprm.data.readers): steps (our JSONL) | prmbench
+            (target_data.jsonl) | reasoneval (MR-MATH file) | processbench (<subset>.json or their
+            folder) | visualprocessbench (test.jsonl) | a name you registered
         limit: first N examples only (after reading, before the dev split); null takes all
         per_category: first N examples of each meta.category (PRMBench is sorted by it); null takes all
         dev_file: a separate dev set (same format) to choose the threshold on
@@ -72,7 +74,7 @@ class DataConfig:
     """
 
     path: str = ""
-    format: Literal["steps", "prmbench", "reasoneval", "processbench", "visualprocessbench"] = "steps"
+    format: str = "steps"
     limit: int | None = None
     per_category: int | None = None
     dev_file: str | None = None
@@ -165,6 +167,10 @@ class PRMEvalConfig:
             raise ValueError("data.path: required (step-labelled JSONL, or a PRMBench / ReasonEval file)")
         if not self.scorer.prm_path:
             raise ValueError("scorer.prm_path: required (a PRM directory from recipes/prm_train.py)")
+        try:
+            get_reader("step_benchmark", self.data.format)
+        except UnknownReaderError as e:
+            raise ValueError(f"data.format: {e}") from None
         from mmprm.models.loading import resolve_attn_implementation
 
         resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
@@ -177,19 +183,11 @@ class PRMEvalConfig:
 
 
 def read_examples(path: str, fmt: str, check_images: bool = True) -> list[StepExample]:
-    """Labelled examples of one file; benchmark rows keep their category and first error in `meta`."""
+    """Labelled examples of one file, read by the step_benchmark reader `fmt` (`mmprm.data.readers`);
+    benchmark rows keep their category and first error in `meta`."""
     if not Path(path).exists():
         raise FileNotFoundError(f"{path}: input not found (set data.path / data.dev_file)")
-    if fmt == "steps":
-        return load_examples(path, require_labels=True, check_images=check_images)
-    from mmprm.data import benchmarks as B
-
-    if fmt == "visualprocessbench":
-        rows = B.read_visualprocessbench(path, check_images=check_images)
-    else:
-        read = {"prmbench": B.read_prmbench, "reasoneval": B.read_reasoneval, "processbench": B.read_processbench}
-        rows = read[fmt](path)
-    return [StepExample(**r) for r in rows]
+    return get_reader("step_benchmark", fmt)(path, check_images=check_images)
 
 
 def true_first_error(ex: StepExample) -> int | None:

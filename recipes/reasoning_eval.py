@@ -3,7 +3,7 @@ scores -> accuracy, Think360 width/depth, RPTS and RPTS-filtered accuracy.
 
     # MATH-V CoT responses already written by a model, Think360 trees extracted and judged by an LLM
     python recipes/reasoning_eval.py --config recipes/configs/tiny/reasoning_eval.yaml \\
-        problems.format=mathv problems.path=../shared/data/mathv \\
+        problems.format=mathvision problems.path=../shared/data/mathv \\
         answers.source=file answers.path=../shared/data/mathv/cot_testmini/Gemini-Pro-CoT.jsonl \\
         tree.kind=think360 tree.extractor.url=http://127.0.0.1:8000/v1 tree.extractor.model=JUDGE \\
         scorer.kind=judge scorer.judge.url=http://127.0.0.1:8000/v1 scorer.judge.model=JUDGE
@@ -13,7 +13,8 @@ scores -> accuracy, Think360 width/depth, RPTS and RPTS-filtered accuracy.
         answers.source=vllm answers.model=Qwen/Qwen2.5-VL-7B-Instruct scorer.judge.model=JUDGE
 
 Stages (each a step of `run`):
-    problems  rpts (RPTS-Eval texts JSON), mathv (MATH-V folder), jsonl (mmprm problems file)
+    problems  an answer_benchmark reader (mmprm.data.readers): rpts (RPTS-Eval texts JSON),
+              mathvision (MATH-V folder), problems (mmprm problems file), mathvista, ...
     answers   file (JSONL {id, response, [correct]}, e.g. MATH-V's CoT files), gold (the benchmark's
               own reasoning, a sanity check of the judge), hf or vllm (the model answers now;
               written to answers.jsonl and reused on a rerun)
@@ -44,6 +45,7 @@ from mmprm.answers import answers_match, extract_answer
 from mmprm.chat import ChatClient, ChatConfig, ChatError
 from mmprm.config import ConfigError, load_config, parse_cli, to_dict
 from mmprm.config_sections import ModelLoadConfig
+from mmprm.data.readers import UnknownReaderError, get_reader
 from mmprm.data.schema import read_jsonl, write_jsonl
 from mmprm.data.sft import split_solution
 from mmprm.generation.base import RolloutRequest, SamplingConfig
@@ -62,7 +64,6 @@ from mmprm.treeval import (
     render_tree,
     rollout_mc_scores,
     rpts,
-    rpts_answer_prompt,
     rpts_lines,
     rpts_question,
     rpts_verdict,
@@ -78,13 +79,16 @@ class ProblemsConfig:
     """The problems the model under test answers.
 
     Attributes:
-        format: rpts (RPTS-Eval texts JSON) | mathv (MATH-V folder) | jsonl (our problems file)
-        path: rpts: the texts JSON; mathv: the folder; jsonl: the problems file
-        image_dir: rpts: folder of the visual_clue files; null: <path folder>/images
+        format: the answer_benchmark reader (mmprm.data.readers): rpts (RPTS-Eval texts JSON) |
+            mathvision (MATH-V folder) | problems (our problems file) | mathvista | ... (mathv and
+            jsonl: deprecated names of mathvision and problems)
+        path: rpts: the texts JSON; mathvision: the folder; problems: the problems file
+        image_dir: where the images start (the reader's image_root): rpts: folder of the
+            visual_clue files; null: the reader's default (rpts: <path folder>/images)
         limit: first N problems only; null takes all
     """
 
-    format: Literal["rpts", "mathv", "jsonl"] = "rpts"
+    format: str = "rpts"
     path: str = "data/rpts_eval/texts_en.json"
     image_dir: str | None = None
     limit: int | None = None
@@ -251,8 +255,10 @@ class ReasoningEvalConfig:
             raise ValueError("answers.path: set the JSONL of responses when answers.source=file")
         if a.source in ("hf", "vllm") and not a.model:
             raise ValueError(f"answers.model: set the model under test when answers.source={a.source}")
-        if a.source == "gold" and self.problems.format == "jsonl":
-            raise ValueError("answers.source=gold needs problems.format rpts or mathv (they ship reasoning)")
+        try:
+            get_reader("answer_benchmark", self.problems.format)
+        except UnknownReaderError as e:
+            raise ValueError(f"problems.format: {e}") from None
         if t.kind == "think360" and not t.extractor.model:
             raise ValueError("tree.extractor.model: tree.kind=think360 needs an extracting LLM (and its url)")
         if t.kind == "rpts" and self.problems.format != "rpts":
@@ -274,45 +280,14 @@ class ReasoningEvalConfig:
 
 
 def load_reasoning_problems(cfg: ProblemsConfig) -> list[dict[str, Any]]:
-    """[{id, question (what the model is asked), images, answer, choices, record, gold_reasoning}]."""
+    """[{id, question (what the model is asked), images, answer, choices, record, gold_reasoning}],
+    read by the answer_benchmark reader `problems.format` (`mmprm.data.readers`)."""
     path = Path(cfg.path)
     if not path.exists():
         raise SystemExit(f"{path}: not found (set problems.path)")
-    out = []
-    if cfg.format == "rpts":
-        image_dir = Path(cfg.image_dir) if cfg.image_dir else path.parent / "images"
-        for r in json.loads(path.read_text(encoding="utf-8")):
-            out.append(
-                {
-                    "id": str(r["id"]),
-                    "question": rpts_answer_prompt(r),
-                    "answer": r["answer"],
-                    "choices": None,
-                    "images": [str((image_dir / v).resolve()) for v in r.get("visual_clue", [])],
-                    "record": r,
-                    "gold": "\n".join(r.get("reasoning", [])),
-                }
-            )
-    elif cfg.format == "mathv":
-        from mmprm.data.mathv import read_mathv
-
-        for p in read_mathv(path):
-            out.append({**p, "record": None, "gold": p.get("solution")})
-    else:
-        from mmprm.data.problems import load_problems as read_problems
-
-        out = [
-            {
-                "id": p.id,
-                "question": p.question,
-                "images": p.images,
-                "answer": p.answer,
-                "choices": p.choices,
-                "record": None,
-                "gold": None,
-            }
-            for p in read_problems(path)
-        ]
+    options = {"image_root": cfg.image_dir} if cfg.image_dir else {}
+    rows = get_reader("answer_benchmark", cfg.format)(path, **options)
+    out = [{**p, "record": (p.get("meta") or {}).get("record"), "gold": p.get("solution")} for p in rows]
     return out[: cfg.limit] if cfg.limit is not None else out
 
 
@@ -419,6 +394,11 @@ def collect_answers(
     elif answers_cfg.source == "gold":
         # the benchmark's own reasoning reaches its own answer
         answers = {p["id"]: {"response": p["gold"], "correct": True} for p in problems if p["gold"]}
+        if not answers:
+            raise SystemExit(
+                f"answers.source=gold: {cfg.problems.path} ({cfg.problems.format}) ships no reasoning; use a "
+                "benchmark that does (rpts, mathvision) or answers.source=file|hf|vllm"
+            )
     if answers_cfg.source in ("hf", "vllm") or cfg.scorer.kind == "mc":
         backend = make_backend(answers_cfg, cfg.model.attn_implementation)
         proc = getattr(backend, "processor", None)  # vLLM keeps the processor, HF the tokenizer too

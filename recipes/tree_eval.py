@@ -37,17 +37,14 @@ from typing import Any, Literal
 from mmprm.chat import ChatClient, ChatConfig
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
 from mmprm.config_sections import ModelLoadConfig
-from mmprm.data.schema import DataError, atomic_write, iter_jsonl, row_id, scan_examples
+from mmprm.data.readers import UnknownReaderError, get_reader
+from mmprm.data.schema import DataError, atomic_write
 from mmprm.models.spec import ReleasedConvention
 from mmprm.treeval import (
     JudgeScorer,
     Tree,
     constant_scores,
     filtered_accuracy,
-    from_annotation_tree,
-    from_rpts_record,
-    from_steps,
-    from_think360_blocks,
     mc_scores,
     path_scores,
     prm_scores,
@@ -58,6 +55,7 @@ from mmprm.treeval import (
     think360_valid,
     think360_width,
 )
+from mmprm.treeval.readers import built
 
 
 @dataclass
@@ -66,15 +64,15 @@ class DataConfig:
 
     Attributes:
         path: input file in data.format (default: in the repository, data/README.md)
-        format: rpts (RPTS-Eval texts) | think360 ([NODE] blocks) | steps (our JSONL, a chain) | mc_tree (openr
-            MC trees)
+        format: the tree_format reader (mmprm.data.readers): rpts (RPTS-Eval texts) | think360 ([NODE]
+            blocks) | steps (our JSONL, a chain) | mc_tree (openr MC trees) | a name you registered
         image_dir: rpts: folder of the visual_clue files; null: <path folder>/images
         response_field: think360: the field holding the node blocks
         limit: first N items only; null takes all
     """
 
     path: str = "data/rpts_eval/texts_en.json"
-    format: Literal["rpts", "think360", "steps", "mc_tree"] = "rpts"
+    format: str = "rpts"
     image_dir: str | None = None
     response_field: str = "response"
     limit: int | None = None
@@ -177,6 +175,10 @@ class TreeEvalConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def validate(self) -> None:
+        try:
+            get_reader("tree_format", self.data.format)
+        except UnknownReaderError as e:
+            raise ValueError(f"data.format: {e}") from None
         if self.scorer.kind == "prm" and not self.scorer.prm_path:
             raise ValueError("scorer.prm_path: set it to a PRM directory when scorer.kind=prm")
         if self.scorer.kind == "prm":
@@ -202,118 +204,8 @@ def iter_items(cfg: DataConfig) -> Iterator[dict[str, Any]]:
             "" if path.is_absolute() else f"; relative paths are read from {Path.cwd()}, run from the repository root"
         )
         raise SystemExit(f"data.path: {path} not found (set data.path{hint})")
-    return itertools.islice(_read_items(cfg, path), cfg.limit)
-
-
-def _read_items(cfg: DataConfig, path: Path) -> Iterator[dict[str, Any]]:
-    if cfg.format == "rpts":
-        rows = rpts_rows(path) if path.suffix == ".json" else ((f"{path}:{n}", r) for n, r in read_jsonl_rows(path))
-        image_dir = cfg.image_dir or str((path.parent / "images").resolve())
-        for i, (where, r) in enumerate(rows):
-            where = f"{where}: id={row_id(r)}"
-            if not isinstance(r.get("reasoning"), list):
-                raise DataError([f"{where}: reasoning: missing or not a list of step lines"])
-            tree = built(where, from_rpts_record, r, image_dir=image_dir, source=f"{path.name}: id={row_id(r)}")
-            gold = str(r.get("answer", "")).strip().lower()
-            if "correct" in r:
-                correct = verdict(r["correct"], where)
-            elif "prediction" in r:
-                correct = bool(gold) and str(r["prediction"]).strip().lower() == gold
-            else:
-                correct = True if gold else None  # gold reasoning reaches the gold answer
-            yield {
-                "id": str(r.get("id", i)),
-                "tree": tree,
-                "correct": correct,
-                "reference": gold or None,
-                "where": where,
-            }
-    elif cfg.format == "think360":
-        for i, (lineno, r) in enumerate(read_jsonl_rows(path)):
-            source = f"{path.name}:{lineno}"  # the report's warnings name the file, not its folder
-            where = f"{path}:{lineno}: id={row_id(r)}"
-            if not isinstance(r.get(cfg.response_field), str):
-                raise DataError(
-                    [
-                        f"{where}: {cfg.response_field}: missing; it must hold the [NODE:...] blocks "
-                        "(or set data.response_field)"
-                    ]
-                )
-            images = [str((path.parent / p).resolve()) for p in r.get("images", [])]
-            text, question = r[cfg.response_field], r.get("question", "")
-            tree = built(where, from_think360_blocks, text, question=question, images=images, source=source)
-            correct = verdict(r.get("correct"), where)
-            yield {
-                "id": str(r.get("id", i)),
-                "tree": tree,
-                "correct": correct,
-                "reference": r.get("answer"),
-                "where": where,
-            }
-    elif cfg.format == "steps":
-        problems = []  # every bad row is named, after the good ones before it were read
-        for ex, lines in scan_examples(path, check_images=False):
-            problems += lines
-            if ex is not None and not problems:
-                tree = from_steps(ex.steps, question=ex.question, images=ex.images)
-                where = f"{path}: id={ex.id}"
-                correct = verdict(ex.meta.get("correct"), f"{where}: meta")
-                yield {"id": ex.id, "tree": tree, "correct": correct, "reference": ex.answer, "where": where}
-        if problems:
-            raise DataError(problems)
-    else:
-        for i, (lineno, r) in enumerate(read_jsonl_rows(path)):
-            rid = r.get("id", r.get("question_id", i))
-            source, where = f"{path.name}:{lineno}", f"{path}:{lineno}: id={rid}"
-            tree = built(where, from_annotation_tree, r, source=source)
-            yield {
-                "id": f"{rid}#{i}",
-                "tree": tree,
-                "correct": verdict(r.get("correct"), where),
-                "reference": r.get("final_answer", r.get("answer")),
-                "where": where,
-            }
-
-
-def read_jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, row) for each row of a JSONL file, one at a time; a line that is not a JSON
-    object stops the run, named."""
-    for lineno, row, err in iter_jsonl(path):
-        if err:
-            raise DataError([f"{path}:{lineno}: id=?: line: {err}"])
-        yield lineno, row
-
-
-def rpts_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """("file: item i", row) for each object of an RPTS-Eval JSON array."""
-    try:
-        rows = json.loads(path.read_text(encoding="utf-8-sig"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError([f"{path}: not a JSON array of items ({e}); RPTS-Eval's texts_*.json is one"]) from None
-    if not isinstance(rows, list):
-        raise DataError([f"{path}: a JSON {type(rows).__name__}, where a JSON array of items is expected"])
-    for i, r in enumerate(rows):
-        if not isinstance(r, dict):
-            raise DataError([f"{path}: item {i}: a JSON {type(r).__name__}, where an object is expected"])
-        yield f"{path}: item {i}", r
-
-
-def verdict(value: Any, where: str) -> bool | None:
-    """A row's `correct`: true, false or absent. Text such as "false" is refused rather than read
-    as true, which would count a wrong answer as right."""
-    if value is None or isinstance(value, bool):
-        return value
-    if type(value) is int and value in (0, 1):
-        return bool(value)
-    raise DataError([f"{where}: correct: {value!r} is not true or false (write a JSON boolean, or leave it out)"])
-
-
-def built(where: str, build: Any, *args: Any, **kwargs: Any) -> Any:
-    """build(*args, **kwargs), its refusal of a malformed row named by file, line and id."""
-    try:
-        return build(*args, **kwargs)
-    except (ValueError, TypeError, KeyError) as e:
-        raise DataError([f"{where}: {e}"]) from None
+    read = get_reader("tree_format", cfg.format)
+    return itertools.islice(read(path, image_dir=cfg.image_dir, response_field=cfg.response_field), cfg.limit)
 
 
 def mean(values: list[float | None]) -> float | None:

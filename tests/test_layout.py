@@ -306,3 +306,84 @@ def test_every_name_imported_from_the_training_package_is_exported():
     assert missing == {}
     for name in training.__all__:
         assert getattr(training, name).__module__ == "mmprm.training.run"
+
+
+# A recipe names its reader (`data.format=...`) and calls `mmprm.data.readers.get_reader`; the
+# readers themselves live in the library. A "format switch" is code that picks among behaviours by
+# a format value (a name or attribute called format, fmt or reader): one function comparing the
+# same value with string literals two or more times (an if/elif chain, or ifs in a row), a dict of
+# string keys indexed by it (written in place or bound to a name first), or a `match` on it. A single
+# check in a function (a requirement such as "scorer.kind=mc needs data.format=mc_tree") is not one.
+FORMAT_NAMES = {"format", "fmt", "reader"}
+
+
+def _format_value(node: ast.AST) -> str | None:
+    """The dotted text of `node` when it is a format value (`cfg.data.format`, `fmt`), else None."""
+    last = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+    return ast.unparse(node) if last in FORMAT_NAMES else None
+
+
+def _has_str(node: ast.AST) -> bool:
+    items = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
+    return any(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in items)
+
+
+def _str_keyed(node: ast.AST) -> bool:
+    return isinstance(node, ast.Dict) and len(node.keys) >= 2 and all(_has_str(k) for k in node.keys if k)
+
+
+def format_switches(path: Path) -> list[str]:
+    """`file:line: what` for each format switch in the Python file at `path` (see above)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    where = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+    found: set[tuple[int, str]] = set()
+    for fn in [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef))]:
+        compared: dict[str, list[int]] = {}
+        tables = {  # names bound to a dict of string keys
+            t.id
+            for n in ast.walk(fn)
+            if isinstance(n, ast.Assign) and _str_keyed(n.value)
+            for t in n.targets
+            if isinstance(t, ast.Name)
+        }
+        for node in ast.walk(fn) if fn is not tree else ():
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(_has_str(s) for s in sides):
+                    for value in filter(None, map(_format_value, sides)):
+                        compared.setdefault(value, []).append(node.lineno)
+            elif isinstance(node, ast.Subscript) and (value := _format_value(node.slice)):
+                if _str_keyed(node.value) or isinstance(node.value, ast.Name) and node.value.id in tables:
+                    found.add((node.lineno, f"dict dispatch on {value}"))
+            elif isinstance(node, ast.Match) and (value := _format_value(node.subject)):
+                found.add((node.lineno, f"match on {value}"))
+        found |= {(min(lines), f"{len(lines)} tests of {v}") for v, lines in compared.items() if len(lines) >= 2}
+    return [f"{where}:{line}: {what}" for line, what in sorted(found)]
+
+
+def test_the_switch_finder_finds_each_shape(tmp_path):
+    src = tmp_path / "recipe.py"
+    src.write_text(
+        "def read(cfg, fmt):\n"
+        "    if cfg.data.format == 'rpts':\n        a = 1\n"
+        "    elif cfg.data.format in ('steps', 'mc'):\n        a = 2\n"
+        "    table = {'x': 1, 'y': 2}\n"
+        "    b = table[fmt]\n"
+        "    match cfg.reader:\n        case 'z':\n            pass\n"
+        "def check(cfg):\n"
+        "    if cfg.data.format != 'mc_tree':\n        raise ValueError('one check is not a switch')\n"
+        "    if cfg.kind == 'a':\n        pass\n    elif cfg.kind == 'b':\n        pass\n"
+    )
+    assert format_switches(src) == [
+        f"{src}:2: 2 tests of cfg.data.format",
+        f"{src}:7: dict dispatch on fmt",
+        f"{src}:8: match on cfg.reader",
+    ]
+
+
+def test_no_format_switch_in_the_recipes():
+    """Recipes pick a reader by name from `mmprm.data.readers`; the formats are read in the library."""
+    found = [s for p in sorted((REPO / "recipes").rglob("*.py")) for s in format_switches(p)]
+    assert not found, "format switches in recipes (register a reader in mmprm.data.readers instead):\n" + "\n".join(
+        found
+    )

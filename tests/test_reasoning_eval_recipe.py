@@ -146,7 +146,7 @@ def test_think360_on_mathv_cot_files(tmp_path):
         argv = [
             "--config",
             str(CONFIG),
-            "problems.format=mathv",
+            "problems.format=mathvision",
             f"problems.path={folder}",
             "answers.source=file",
             f"answers.path={cot}",
@@ -191,7 +191,7 @@ def test_tiny_hf_model_answers_and_mc_scores(tmp_path, tiny_model_dir):
     argv = [
         "--config",
         str(CONFIG),
-        "problems.format=jsonl",
+        "problems.format=problems",
         f"problems.path={problems}",
         "answers.source=hf",
         f"answers.model={model}",
@@ -249,7 +249,7 @@ def test_prm_scorer_gives_each_node_the_prms_score_of_its_step(tmp_path, tiny_mo
     argv = [
         "--config",
         str(CONFIG),
-        "problems.format=jsonl",
+        "problems.format=problems",
         f"problems.path={problems}",
         "answers.source=file",
         f"answers.path={answers}",
@@ -271,3 +271,18 @@ def test_prm_scorer_gives_each_node_the_prms_score_of_its_step(tmp_path, tiny_mo
         assert [nodes[f"S{k}"]["text"] for k in range(len(ss))] == ss
         assert [nodes[f"S{k}"]["score"] for k in range(len(ss))] == pytest.approx(expected, abs=1e-5)
     assert len({round(p, 6) for ss in trees.values() for p in (n["score"] for n in ss["nodes"])}) > 1
+
+
+def test_problems_format_is_a_reader_name_and_gold_needs_shipped_reasoning(tmp_path):
+    """problems.format names an answer_benchmark reader (a wrong name is refused with the known
+    ones); answers.source=gold on problems without reasoning stops, naming the file."""
+    from mmprm.config import ConfigError, load_config
+
+    mod = recipe()
+    with pytest.raises(ConfigError, match="problems.format: answer_benchmark reader 'rpt': unknown; the known names"):
+        load_config(mod.ReasoningEvalConfig, str(CONFIG), ["problems.format=rpt"])
+    problems = write_jsonl(tmp_path / "problems.jsonl", [{"id": "p0", "question": "1 + 1?", "answer": "2"}])
+    argv = ["problems.format=problems", f"problems.path={problems}", "answers.source=gold", "tree.kind=steps"]
+    cfg = load_config(mod.ReasoningEvalConfig, str(CONFIG), [*argv, f"output.dir={tmp_path / 'out'}"])
+    with pytest.raises(SystemExit, match=rf"answers.source=gold: {problems} \(problems\) ships no reasoning"):
+        mod.run(cfg)

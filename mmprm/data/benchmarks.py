@@ -23,7 +23,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mmprm.data.schema import DataError, check_image, iter_jsonl, row_id
+from mmprm.data.registry import register_reader
+from mmprm.data.schema import DataError, StepExample, check_image, iter_jsonl, load_examples, row_id
 from mmprm.steps import IMAGE_PLACEHOLDER
 
 PROCESSBENCH_SUBSETS = ("gsm8k", "math", "olympiadbench", "omnimath")
@@ -379,3 +380,37 @@ def read_visualprocessbench(path: str | Path, check_images: bool = True) -> list
     if problems:
         raise DataError(problems)
     return rows
+
+
+# The step_benchmark readers of `mmprm.data.readers`: labelled examples, each benchmark row's
+# category and first error kept in `meta`.
+
+
+@register_reader("step_benchmark", "steps")
+def steps_examples(path: str | Path, check_images: bool = True) -> list[StepExample]:
+    """Our step-labelled JSONL (`mmprm.data.schema`), every step labelled."""
+    return load_examples(path, require_labels=True, check_images=check_images)
+
+
+@register_reader("step_benchmark", "prmbench")
+def prmbench_examples(path: str | Path, check_images: bool = True) -> list[StepExample]:
+    """PRMBench rows (`read_prmbench`) as examples; text only, so `check_images` has nothing to check."""
+    return [StepExample(**r) for r in read_prmbench(path)]
+
+
+@register_reader("step_benchmark", "reasoneval")
+def reasoneval_examples(path: str | Path, check_images: bool = True) -> list[StepExample]:
+    """ReasonEval MR-MATH rows (`read_reasoneval`) as examples; text only."""
+    return [StepExample(**r) for r in read_reasoneval(path)]
+
+
+@register_reader("step_benchmark", "processbench")
+def processbench_examples(path: str | Path, check_images: bool = True) -> list[StepExample]:
+    """ProcessBench rows (`read_processbench`) as examples; text only."""
+    return [StepExample(**r) for r in read_processbench(path)]
+
+
+@register_reader("step_benchmark", "visualprocessbench")
+def visualprocessbench_examples(path: str | Path, check_images: bool = True) -> list[StepExample]:
+    """VisualProcessBench rows (`read_visualprocessbench`) as examples."""
+    return [StepExample(**r) for r in read_visualprocessbench(path, check_images=check_images)]

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mmprm.data.registry import register_reader
 from mmprm.data.schema import DataError, StepExample, atomic_write, check_row, iter_jsonl
 
 FORMATS = ("trl", "math_shepherd", "prm800k", "openr_tree", "openr_flat", "mmprm_prm")
@@ -927,6 +928,20 @@ def convert_file(
         "mmprm_prm": lambda: convert_mmprm_prm(rows, separator=separator, image_root=root, **common),
     }
     return converters[fmt]()
+
+
+def _prm_data_reader(fmt: str) -> Callable[..., Converted]:
+    def read(path: str | Path, **options: Any) -> Converted:
+        return convert_file(fmt, path, **options)
+
+    read.__doc__ = f"`convert_file({fmt!r}, path, **options)`: {fmt} rows as step-labelled examples."
+    read.__qualname__ = f"convert_file[{fmt}]"
+    return read
+
+
+# The prm_data readers of `mmprm.data.readers`, one per input format.
+for _fmt in FORMATS:
+    register_reader("prm_data", _fmt)(_prm_data_reader(_fmt))
 
 
 def cli_convert(argv: list[str]) -> int:

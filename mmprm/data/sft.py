@@ -27,6 +27,7 @@ from typing import Any
 
 from mmprm.answers import extract_answer
 from mmprm.chat import ChatClient, ChatConfig, ChatRequestError, messages_for
+from mmprm.data.registry import lookup, register_reader
 from mmprm.data.schema import DataError, StepExample, check_row, iter_jsonl, raise_if_bad, row_id, write_jsonl
 from mmprm.steps import STEP_CLOSE, STEP_OPEN, parse_solution, render_solution
 
@@ -117,6 +118,7 @@ def split_solution(text: str, by_lines: bool = False) -> tuple[list[str], str | 
     return split_sentences(body), answer
 
 
+@register_reader("sft", "gsm8k")
 def sft_from_gsm8k(path: str | Path) -> list[StepExample]:
     """GSM8K rows (`test.jsonl`/`train.jsonl`: question + answer with `#### N`; or the example
     solutions file's `ground_truth` with `A: N`) as SFT examples with ids `gsm8k-<line index>`."""
@@ -153,6 +155,7 @@ def sft_from_gsm8k(path: str | Path) -> list[StepExample]:
     return out
 
 
+@register_reader("sft", "mathv")
 def sft_from_mathv(mathv_dir: str | Path) -> list[StepExample]:
     """The MATH-V problems that ship a worked `solution` (25 in testmini) as SFT examples.
 
@@ -194,6 +197,7 @@ def sft_row_problems(obj: dict[str, Any]) -> list[tuple[str, str]]:
     return errs
 
 
+@register_reader("sft", "steps")
 def load_sft(path: str | Path, check_images: bool = True) -> list[StepExample]:
     """Load and validate an SFT JSONL file; raise DataError listing every problem.
 
@@ -298,7 +302,7 @@ def cli_convert_sft(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if bool(args.rewrite_url) != bool(args.rewrite_model):
         ap.error("--rewrite-url and --rewrite-model go together")
-    examples = sft_from_gsm8k(args.input) if args.source == "gsm8k" else sft_from_mathv(args.input)
+    examples = lookup("sft", args.source)(args.input)
     if args.rewrite_url:
         # Replies are cached next to the output, so rerunning after a crash pays only for the rest.
         client = ChatClient(

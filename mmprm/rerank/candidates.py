@@ -41,6 +41,7 @@ from typing import Any, Literal
 from mmprm.answers import answers_match, extract_answer
 from mmprm.data.problems import check_problem_fields
 from mmprm.data.problems import load_problems as load_problem_rows
+from mmprm.data.registry import register_reader
 from mmprm.data.schema import DataError, iter_jsonl, raise_if_bad, row_id, write_jsonl
 from mmprm.data.sft import FINAL_ANSWER_LINE, split_solution
 from mmprm.steps import STEP_TOKEN, parse_solution, prm_steps
@@ -161,6 +162,7 @@ def count_label_disagreements(problems: list[ProblemWithCandidates]) -> int:
 # ---------------------------------------------------------------- converters
 
 
+@register_reader("candidates", "mathv")
 def from_mathv(mathv_dir: str | Path, label: Label = "file", limit: int | None = None) -> list[ProblemWithCandidates]:
     """MATH-V testmini with the CoTs of its 3 models (`cot_testmini/*.jsonl`) as N=3 candidates.
 
@@ -217,6 +219,7 @@ def from_mathv(mathv_dir: str | Path, label: Label = "file", limit: int | None =
     return problems
 
 
+@register_reader("candidates", "gsm8k")
 def from_gsm8k_solutions(path: str | Path, label: Label = "file") -> list[ProblemWithCandidates]:
     """GSM8K's `example_model_solutions.jsonl`: 4 GPT-3 solutions per problem (N=4).
 
@@ -262,6 +265,7 @@ def from_gsm8k_solutions(path: str | Path, label: Label = "file") -> list[Proble
     return problems
 
 
+@register_reader("candidates", "qwen_math")
 def from_qwen_math_bon(path: str | Path, label: Label = "file") -> list[ProblemWithCandidates]:
     """Qwen2.5-Math's `math_cot_100.jsonl`: 8 responses per MATH problem (N=8).
 
@@ -314,6 +318,7 @@ def from_qwen_math_bon(path: str | Path, label: Label = "file") -> list[ProblemW
     return problems
 
 
+@register_reader("candidates", "text")
 def from_text_solutions(path: str | Path) -> list[ProblemWithCandidates]:
     """A generic JSONL of `{id, question, answer, solutions: [str], images?, choices?}`.
 
@@ -449,6 +454,7 @@ def _scan(
         yield bad, problem
 
 
+@register_reader("candidates", "mmprm")
 def load_candidates(path: str | Path, check_images: bool = True) -> list[ProblemWithCandidates]:
     """Load and validate a candidates JSONL; raise DataError listing every problem found.
 

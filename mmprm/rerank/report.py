@@ -184,7 +184,9 @@ def bon_curve(
     rng = np.random.default_rng(seed)
     p = len(problems)
     ns = _check_ns(ns, n_max)
-    per_problem: dict[str, dict[int, np.ndarray]] = {m: {n: np.empty(p) for n in ns} for m in METHODS}
+    # Every aggregator registered by now (`register_aggregator`), not only the built-in `METHODS`.
+    methods = (*AGGREGATORS, *BASELINES)
+    per_problem: dict[str, dict[int, np.ndarray]] = {m: {n: np.empty(p) for n in ns} for m in methods}
     for n in ns:
         # Problems in blocks (the draws are the same as for all at once: the generator's stream is
         # consumed in the same order), so the (block, K, n) subsets and (block, n, n) vote tensors

@@ -5,7 +5,7 @@ Aggregators, selection and metrics need only numpy; `mmprm.scoring.losses` impor
 is not imported here.
 """
 
-from mmprm.scoring.aggregators import AGGREGATORS, EPS, aggregate
+from mmprm.scoring.aggregators import AGGREGATORS, EPS, aggregate, register_aggregator
 from mmprm.scoring.selection import (
     answer_groups,
     majority_vote,
@@ -25,6 +25,7 @@ __all__ = [
     "oracle",
     "pick_best",
     "random_pick_accuracy",
+    "register_aggregator",
     "vote_accuracy",
     "weighted_vote",
 ]

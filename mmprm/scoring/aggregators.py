@@ -151,6 +151,24 @@ MM_PRM_AGGREGATORS: dict[str, Aggregator] = {
 EdgeRules = Literal["mmprm", "mm_prm"]
 
 
+def register_aggregator(name: str, fn: Aggregator, mm_prm: Aggregator | None = None) -> None:
+    """Add an aggregator under `name`: Best-of-N reports it beside the built-in ones, and every
+    `aggregator` setting (bon_rerank's report.weighted_by, prm_search's search.aggregator) accepts it.
+
+    Args:
+        name: a new name.
+        fn: step probabilities -> solution score, higher is better (mmprm's edge rules).
+        mm_prm: the same under MM-PRM's edge rules (`aggregate(..., rules="mm_prm")`); default `fn`.
+
+    Raises:
+        ValueError: the name is taken.
+    """
+    if name in AGGREGATORS:
+        raise ValueError(f"aggregator {name!r}: already registered; choose another name")
+    AGGREGATORS[name] = fn
+    MM_PRM_AGGREGATORS[name] = mm_prm or fn
+
+
 def aggregate(name: str, probs: Sequence[float], rules: EdgeRules = "mmprm") -> float:
     """Score one candidate with the aggregator called `name` (raises on an unknown name), under
     mmprm's edge rules (clamped, empty -> lowest) or MM-PRM's (`MM_PRM_AGGREGATORS`)."""

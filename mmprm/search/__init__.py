@@ -11,22 +11,28 @@ PRM into a TRL GRPO reward, `store` keeps per-problem results resumable.
 """
 
 from mmprm.search.core import (
+    SEARCH_METHODS,
+    Search,
     SearchConfig,
     SearchNode,
     SearchTree,
     StepProposal,
     StepRequest,
+    register_search,
     run_search,
 )
 from mmprm.search.policy import BackendProposer, parse_step, sample_solutions
 from mmprm.search.reward import PRMReward
 
 __all__ = [
+    "SEARCH_METHODS",
+    "Search",
     "SearchConfig",
     "SearchNode",
     "SearchTree",
     "StepProposal",
     "StepRequest",
+    "register_search",
     "run_search",
     "BackendProposer",
     "parse_step",

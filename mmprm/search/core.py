@@ -42,7 +42,6 @@ from typing import Any, Literal, Protocol
 from mmprm.scoring.aggregators import AGGREGATORS
 from mmprm.steps import ANSWER_CLOSE, ANSWER_OPEN, prm_steps
 
-Method = Literal["beam", "dvts", "best_first"]
 NodeStatus = Literal["root", "open", "finished", "dead", "cut"]
 
 
@@ -51,7 +50,8 @@ class SearchConfig:
     """How to search.
 
     Attributes:
-        method: "beam", "dvts" or "best_first" (see the module docstring).
+        method: "beam", "dvts", "best_first" (see the module docstring) or one added with
+            `register_search`.
         width: W - beams kept (beam), subtrees (dvts), nodes expanded per round (best_first).
         expansions: M - next steps sampled per expanded node.
         max_steps: depth limit; a node at this depth is never expanded.
@@ -62,7 +62,7 @@ class SearchConfig:
             a sampled duplicate would spend a beam on a prefix already kept.
     """
 
-    method: Method = "beam"
+    method: str = "beam"
     width: int = 4
     expansions: int = 4
     max_steps: int = 12
@@ -71,8 +71,8 @@ class SearchConfig:
     distinct: bool = True
 
     def validate(self) -> None:
-        if self.method not in ("beam", "dvts", "best_first"):
-            raise ValueError(f"search.method: {self.method!r} is not one of ['beam', 'dvts', 'best_first']")
+        if self.method not in SEARCH_METHODS:
+            raise ValueError(f"search.method: {self.method!r} is not one of {list(SEARCH_METHODS)}")
         if self.width < 1 or self.expansions < 1 or self.max_steps < 1 or self.max_expansions < 1:
             raise ValueError("search: width, expansions, max_steps and max_expansions must all be >= 1")
         if self.aggregator not in AGGREGATORS:
@@ -296,8 +296,12 @@ class SearchTree:
         return tree
 
 
-class _Search:
-    """One problem's search: which nodes to expand next, and what to keep of their children."""
+class Search:
+    """One problem's search: which nodes to expand next, and what to keep of their children.
+
+    A method subclasses it (`requests`, `update`, setting `done` when finished) and is added with
+    `register_search`; `run_search` drives every problem's search in lockstep.
+    """
 
     def __init__(self, tree: SearchTree, cfg: SearchConfig):
         self.tree, self.cfg = tree, cfg
@@ -327,7 +331,7 @@ class _Search:
         return out
 
 
-class _BeamSearch(_Search):
+class _BeamSearch(Search):
     def __init__(self, tree: SearchTree, cfg: SearchConfig):
         super().__init__(tree, cfg)
         self.active: list[SearchNode] = []
@@ -347,7 +351,7 @@ class _BeamSearch(_Search):
         self.done = not self.active
 
 
-class _DiverseTreeSearch(_Search):
+class _DiverseTreeSearch(Search):
     def __init__(self, tree: SearchTree, cfg: SearchConfig):
         super().__init__(tree, cfg)
         self.active: dict[int, SearchNode] = {}  # subtree -> its node to expand next
@@ -376,7 +380,7 @@ class _DiverseTreeSearch(_Search):
         self.done = not self.active
 
 
-class _BestFirstSearch(_Search):
+class _BestFirstSearch(Search):
     def __init__(self, tree: SearchTree, cfg: SearchConfig):
         super().__init__(tree, cfg)
         self.frontier: list[SearchNode] = []
@@ -414,7 +418,25 @@ class _BestFirstSearch(_Search):
         )
 
 
-_METHODS = {"beam": _BeamSearch, "dvts": _DiverseTreeSearch, "best_first": _BestFirstSearch}
+SEARCH_METHODS: dict[str, type[Search]] = {
+    "beam": _BeamSearch,
+    "dvts": _DiverseTreeSearch,
+    "best_first": _BestFirstSearch,
+}
+"""`search.method` name -> its `Search` class."""
+
+
+def register_search(name: str, method: type[Search]) -> None:
+    """Make `method` (a `Search` subclass) the search `search.method=<name>` runs.
+
+    Raises:
+        ValueError: the name is taken, or `method` is not a `Search`.
+    """
+    if name in SEARCH_METHODS:
+        raise ValueError(f"search method {name!r}: already registered; choose another name")
+    if not (isinstance(method, type) and issubclass(method, Search)):
+        raise ValueError(f"search method {name!r}: {method!r} is not a subclass of mmprm.search.core.Search")
+    SEARCH_METHODS[name] = method
 
 
 def run_search(
@@ -430,7 +452,7 @@ def run_search(
     cfg.validate()
     start = time.perf_counter()
     trees = [SearchTree(str(_get(p, "id")), _get(p, "question"), list(_get(p, "images") or [])) for p in problems]
-    searches = [_METHODS[cfg.method](t, cfg) for t in trees]
+    searches = [SEARCH_METHODS[cfg.method](t, cfg) for t in trees]
     for t in trees:
         t.stats = {"generated_tokens": 0, "proposals": 0, "prm_sequences": 0, "cut_nodes": 0, "rounds": 0}
     while True:

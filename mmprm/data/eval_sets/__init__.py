@@ -31,17 +31,19 @@ from mmprm.data.eval_sets.mathvision import mathvision_correct, read_mathvision
 from mmprm.data.eval_sets.mathvista import mathvista_correct, read_mathvista
 from mmprm.data.eval_sets.mmk12 import mmk12_correct, read_mmk12
 from mmprm.data.eval_sets.olympiadbench import olympiad_extract, olympiadbench_correct, read_olympiadbench
+from mmprm.data.registry import lookup, register_alias, register_reader
 
 Rule = Callable[[str | None, str, list[str] | None, dict[str, Any]], bool]
 
-# name -> (reader, default split, Hub id)
-READERS: dict[str, tuple[Callable[..., list[dict[str, Any]]], str, str]] = {
-    "mathvista": (read_mathvista, "testmini", "AI4Math/MathVista"),
-    "mathverse": (read_mathverse, "testmini", "AI4Math/MathVerse"),
-    "mathvision": (read_mathvision, "testmini", "MathLLMs/MathVision"),
-    "olympiadbench": (read_olympiadbench, "train", "Hothan/OlympiadBench"),
-    "mmk12": (read_mmk12, "test", "Cierra0506/MM-K12"),
+# name -> (default split, Hub id); the readers are `mmprm.data.readers`' answer_benchmark ones
+SOURCES: dict[str, tuple[str, str]] = {
+    "mathvista": ("testmini", "AI4Math/MathVista"),
+    "mathverse": ("testmini", "AI4Math/MathVerse"),
+    "mathvision": ("testmini", "MathLLMs/MathVision"),
+    "olympiadbench": ("train", "Hothan/OlympiadBench"),
+    "mmk12": ("test", "Cierra0506/MM-K12"),
 }
+register_alias("answer_benchmark", "mathv", "mathvision")
 
 
 def _default_correct(pred: str | None, answer: str, choices: list[str] | None, meta: dict[str, Any]) -> bool:
@@ -118,15 +120,39 @@ def read_eval_set(
     image_root: str | Path | None = None,
     image_dir: str | Path | None = None,
 ) -> list[dict[str, Any]]:
-    """The problems rows of benchmark `name` (`READERS`) from `source` (default its Hub id), in its
+    """The problems rows of benchmark `name` (`SOURCES`) from `source` (default its Hub id), in its
     evaluation split unless `split` says otherwise. `subset` is OlympiadBench's only."""
-    reader, default_split, hub = READERS[name]
+    reader = lookup("answer_benchmark", name)
+    default_split, hub = SOURCES[name]
     kwargs: dict[str, Any] = {"split": split or default_split, "image_root": image_root, "image_dir": image_dir}
     if subset:
         if name != "olympiadbench":
             raise ValueError(f"subset={subset!r}: only OlympiadBench has subsets, not {name}")
         kwargs["subset"] = subset
     return reader(source or hub, **kwargs)
+
+
+@register_reader("answer_benchmark", "problems")
+def read_problems_file(source: str | Path, image_root: str | Path | None = None) -> list[dict[str, Any]]:
+    """Our problems file (`mmprm.data.problems`; what `write_problems` writes) as problems rows."""
+    from mmprm.data.problems import load_problems
+
+    if image_root is not None:
+        raise ValueError(f"{source}: a problems file's images start at the file's folder; leave image_root unset")
+    return [
+        {
+            "id": p.id,
+            "question": p.question,
+            "images": p.images,
+            "answer": p.answer,
+            "choices": p.choices,
+            "meta": p.meta,
+        }
+        for p in load_problems(source)
+    ]
+
+
+register_alias("answer_benchmark", "jsonl", "problems")
 
 
 def breakdown_groups(metas: Sequence[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:
@@ -233,7 +259,7 @@ def cli_eval_set_score(argv: list[str]) -> int:
         prog="mmprm eval-set score",
         description="Score saved model outputs by a benchmark's own rules; print accuracy and its breakdown as JSON.",
     )
-    ap.add_argument("name", choices=sorted(READERS))
+    ap.add_argument("name", choices=sorted(SOURCES))
     ap.add_argument("outputs", help="JSONL: one {id, response} (a reply) or {id, extracted} (an answer) per line")
     ap.add_argument("--problems", help="a problems.jsonl `mmprm eval-set NAME --out` wrote (instead of --source)")
     ap.add_argument("--source", help="the released file or folder, or a Hub id (default)")
@@ -270,7 +296,7 @@ def cli_eval_set(argv: list[str]) -> int:
         description="Write an answer benchmark as DIR/problems.jsonl (+ DIR/images/).",
         epilog="`mmprm eval-set score NAME OUTPUTS.jsonl` scores saved outputs by the benchmark's rules.",
     )
-    ap.add_argument("name", choices=sorted(READERS))
+    ap.add_argument("name", choices=sorted(SOURCES))
     ap.add_argument("--source", help="the released file or folder, a save_to_disk folder, or a Hub id (default)")
     ap.add_argument("--out", required=True, help="output folder: problems.jsonl, and images/ for in-memory images")
     ap.add_argument("--split", help="the split (default: the benchmark's evaluation split)")
@@ -294,7 +320,7 @@ def cli_eval_set(argv: list[str]) -> int:
 
 
 __all__ = [
-    "READERS",
+    "SOURCES",
     "REPLY_ANSWER",
     "RULES",
     "answer_correct",
@@ -304,6 +330,7 @@ __all__ = [
     "accuracy_breakdown",
     "breakdown_groups",
     "read_eval_set",
+    "read_problems_file",
     "write_problems",
     "read_mathvista",
     "read_mathverse",

@@ -22,6 +22,7 @@ from typing import Any
 
 from mmprm.answers import answers_match, choice_letter
 from mmprm.data.eval_sets._source import check_exists, image_file, load_rows, require_fields
+from mmprm.data.registry import register_reader
 
 BREAKDOWN = ("problem_version", "subject", "subfield", "question_type")
 _CHOICE_LINE = re.compile(r"^\s*\(?([A-H])\)?\s*[:.：]\s*(.*?)\s*$")
@@ -64,6 +65,7 @@ def mathverse_choices(question: str) -> list[str] | None:
     return _inline_options(tail if sep else question)
 
 
+@register_reader("answer_benchmark", "mathverse")
 def read_mathverse(
     source: str | Path,
     split: str = "testmini",

@@ -32,6 +32,7 @@ from typing import Any
 
 from mmprm.answers import call_with_timeout
 from mmprm.data.eval_sets._source import check_exists, image_file, load_rows
+from mmprm.data.registry import register_reader
 from mmprm.steps import IMAGE_PLACEHOLDER
 
 BREAKDOWN = ("subject", "level")
@@ -57,6 +58,7 @@ def _refuse(where: str, field: str, why: str) -> ValueError:
     return ValueError(f"{where}: {field}: {why} (use MATH-V's rows as released)")
 
 
+@register_reader("answer_benchmark", "mathvision")
 def read_mathvision(
     source: str | Path,
     split: str = "testmini",

@@ -21,6 +21,7 @@ from typing import Any
 
 from mmprm.answers import normalize_answer
 from mmprm.data.eval_sets._source import check_exists, image_file, load_rows, require_fields
+from mmprm.data.registry import register_reader
 
 _LETTER = re.compile(r"\(([a-zA-Z])\)")
 
@@ -28,6 +29,7 @@ _LETTER = re.compile(r"\(([a-zA-Z])\)")
 BREAKDOWN = ("question_type", "answer_type", "language", "origin", "category", "task", "context", "grade", "skills")
 
 
+@register_reader("answer_benchmark", "mathvista")
 def read_mathvista(
     source: str | Path,
     split: str = "testmini",

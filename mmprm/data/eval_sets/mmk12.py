@@ -13,10 +13,12 @@ from typing import Any
 
 from mmprm.answers import answers_match
 from mmprm.data.eval_sets._source import check_exists, image_file, load_rows, require_fields
+from mmprm.data.registry import register_reader
 
 BREAKDOWN = ("subject",)
 
 
+@register_reader("answer_benchmark", "mmk12")
 def read_mmk12(
     source: str | Path,
     split: str = "test",

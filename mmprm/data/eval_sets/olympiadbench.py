@@ -29,6 +29,7 @@ from typing import Any
 
 from mmprm.answers import call_with_timeout, math_verify_equal, sympy_answer
 from mmprm.data.eval_sets._source import check_exists, image_file, load_rows, require_fields
+from mmprm.data.registry import register_reader
 
 SUBSET = "OE_MM_maths_en_COMP"
 BREAKDOWN = ("subfield", "answer_type")
@@ -38,6 +39,7 @@ _IMG_TAG = re.compile(r"<img_\d+>")
 _REMOTE_FIGURE = re.compile(r"!\[[^\]]*\]\(https?://[^)]*\)")
 
 
+@register_reader("answer_benchmark", "olympiadbench")
 def read_olympiadbench(
     source: str | Path,
     subset: str = SUBSET,
