@@ -158,7 +158,8 @@ def floor_forward(scorer: Any, groups: list[list[Any]], prompt_len: int) -> Call
     return run
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line (`benchmarks/gpu_check.py` passes its GPU mode's arguments)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 problem, 4 candidates, small image (smoke test)")
     parser.add_argument("--problems", type=int, default=2)
@@ -170,7 +171,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--hidden-size", type=int, default=64, help="tiny model width (default 64)")
     parser.add_argument("--layers", type=int, default=2, help="tiny model decoder layers (default 2)")
     parser.add_argument("--batch-size", type=int, default=16, help="scorer rows per forward (default 16)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
 
     import torch
 
