@@ -445,10 +445,6 @@ class PRMScorer:
                 out.append((idx, [[probs[n] for n in steps] for steps in tree.row_steps]))
         return out
 
-    def _score_shared(self, toks: list[TokenizedSteps]) -> list[list[float]]:
-        """One question's candidates on one forward of their shared prompt (`_score_shared_groups`)."""
-        return self._score_shared_groups([toks])[0]
-
     def _score_shared_groups(self, groups: list[list[TokenizedSteps]]) -> list[list[list[float]]]:
         """Candidates of several questions, each question's prompt encoded once; only each
         candidate's own tokens run, against its prompt's KV cache, with rows of several questions
