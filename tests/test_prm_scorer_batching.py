@@ -189,3 +189,40 @@ def test_scorer_refuses_a_batch_it_cannot_run(tiny_models):
     model, processor = _prm(tiny_models, "qwen2_vl")
     with pytest.raises(ValueError, match="max_batch_tokens=0"):
         PRMScorer(model, processor, max_batch_tokens=0)
+
+
+def test_prefetch_holds_a_few_groups_ahead_not_all(tiny_models, tmp_path, monkeypatch):
+    """The background thread runs at most `2 x batch_size` groups ahead of the model: inputs (pixel
+    values included) held at once stay a few groups', however many the call scores."""
+    import gc
+    import weakref
+
+    import mmprm.models.spec as spec_module
+
+    model, processor = _prm(tiny_models, "qwen2_vl")
+    scorer = PRMScorer(model, processor, batch_size=2, prefetch=True)
+    examples = []
+    for i in range(16):
+        path = tmp_path / f"p{i}.png"
+        Image.new("RGB", (56, 42), (10 * i, 30, 30)).save(path)
+        examples += [{"question": f"Q{i}", "images": [str(path)], "steps": [f"Tile {j}.", "So."]} for j in range(3)]
+    alive: list[weakref.ref] = []
+    peak = [0]
+
+    def tracked(fn):
+        def wrapper(*args, **kwargs):
+            gc.collect()
+            peak[0] = max(peak[0], sum(r() is not None for r in alive))
+            out = fn(*args, **kwargs)
+            if out is not None:
+                alive.append(weakref.ref(out))
+            return out
+
+        return wrapper
+
+    monkeypatch.setattr(spec_module, "tokenize_steps", tracked(spec_module.tokenize_steps))
+    monkeypatch.setattr(spec_module, "extend_steps", tracked(spec_module.extend_steps))
+    scores = scorer.score(examples)
+    assert len(alive) == 48 and all(len(s) == 2 for s in scores)
+    # 4 groups queued, one being tokenized, one being scored: 3 inputs each
+    assert peak[0] <= 18, peak[0]
