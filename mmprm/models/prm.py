@@ -107,11 +107,12 @@ class ProcessRewardModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        step_mask: torch.Tensor,
+        step_mask: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         row_positions: torch.Tensor | None = None,
         **model_inputs: Any,
     ) -> torch.Tensor:
-        """`row_positions` marks a tree-packed batch (`mmprm.packing.collate_packed`): attention_mask
+        """`step_mask` is a (B, S) bool mask of the step tokens, or their (rows, columns) indices.
+        `row_positions` marks a tree-packed batch (`mmprm.packing.collate_packed`): attention_mask
         is then its (B, 1, L, L) mask and every token takes the position it has in its row."""
         decoder = _decoder(self.backbone)
         if row_positions is None:
@@ -417,10 +418,18 @@ class PRMScorer:
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=self.device.type == "cuda")
 
+    def _step_index(self, step_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, columns) of the step tokens in a host (B, S) mask, on the device. Indexing with
+        them queues a gather; indexing with a device mask waits for the device to count it."""
+        rows, cols = step_mask.nonzero(as_tuple=True)
+        return self._to_device(rows), self._to_device(cols)
+
     def _run(self, batch: dict[str, torch.Tensor]) -> list[list[float]]:
-        counts = batch["step_mask"].sum(dim=1).tolist()  # on the host: the device is synced once, below
+        step_mask = batch.pop("step_mask")
+        counts = step_mask.sum(dim=1).tolist()  # on the host: the probabilities' copy is the one sync
         batch = {k: self._to_device(v) for k, v in batch.items()}
-        logits = self.model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))
+        index = self._step_index(step_mask)
+        logits = self.model(batch["input_ids"], batch["attention_mask"], index, **model_input_keys(batch))
         return _split(ProcessRewardModel.probabilities(logits).tolist(), counts)
 
     def _score_plain(self, toks: list[TokenizedSteps]) -> list[list[float]]:
@@ -514,6 +523,7 @@ class PRMScorer:
             step_mask[row, [q - p.length for q in p.toks[i].step_positions]] = True
             positions[row] = torch.arange(p.length, p.length + width) + p.delta
         counts = step_mask.sum(dim=1).tolist()
+        index = self._step_index(step_mask)  # copied with the inputs, before the forward is queued
         cache = _rows_cache([p.cache for p in prompts], [prompts.index(p) for p, _ in members], span)
         res = _decoder(self.model.backbone)(
             input_ids=self._to_device(ids),
@@ -523,7 +533,7 @@ class PRMScorer:
             use_cache=True,
         )
         hidden = res.last_hidden_state  # (b, width, H)
-        logits = self.model.head_logits(hidden[self._to_device(step_mask)])
+        logits = self.model.head_logits(hidden[index])
         return _split(ProcessRewardModel.probabilities(logits).tolist(), counts)
 
 
