@@ -16,6 +16,10 @@ On tiny random-init models (nothing is downloaded), with every visible GPU unles
   family has no FlexAttention in transformers), whose backward runs on a GPU only;
 - the saved PRM, loaded with `mmprm.load_prm` in bf16 on the GPU, scores the eval rows as the
   trained model did in memory, and returns float32 probabilities; scorer steps per second;
+- the scoring benchmark's GPU mode (`benchmarks/prm_scoring_throughput.py --device cuda`, bf16, a
+  tiny Qwen2-VL of hidden 512 and 4 layers, 8 problems x 16 candidates): steps/s of every way of
+  scoring, ours against the bare-forward floor (aim 0.8, reported, not a failure), and the ways'
+  scores agree;
 - flash-attn: imported and run against sdpa on one GPU; `model.attn_implementation=auto` would pick
   it, so a flash-attn missing, or built against another torch, is a failure here, not a quiet sdpa;
   the training runs use it when it works;
@@ -64,6 +68,7 @@ CHECKS: dict[str, str] = {
     "zero3_packed": "ZeRO-3 with tree packing (sdpa)",
     "zero3_packed_flex": "ZeRO-3 with tree packing under FlexAttention (GPU only)",
     "scorer": "load_prm in bf16 scores as the trained model did; steps/s",
+    "scoring_throughput": "the scoring benchmark on one GPU: ours vs the bare-forward floor; scores agree",
     "flash_attn": "flash-attn imports and agrees with sdpa on a GPU",
     "vllm": "one vLLM engine per GPU under torchrun, each on its own GPU",
     "vllm_tp": "one vLLM engine with tensor_parallel_size=2 (2 or more GPUs)",
@@ -301,6 +306,48 @@ def vllm_engines(root: Path, processes: int, timeout: int) -> dict[str, Any]:
         "visible_devices": [r["visible"] for r in ranks],
         "ok": len(ranks) == processes and len(set(devices)) == processes and all(r["generated_tokens"] for r in ranks),
     }
+
+
+def scoring_benchmark_args(device: str) -> list[str]:
+    """The scoring benchmark's command-line arguments: its GPU mode, or a smoke run on CPU."""
+    if device == "cuda":
+        return ["--device", "cuda", "--dtype", "bfloat16", "--hidden-size", "512", "--layers", "4", "--problems", "8"]
+    return ["--quick"]
+
+
+def scoring_verdict(bench: dict[str, Any]) -> dict[str, Any]:
+    """The scoring benchmark's JSON, as this check reports it: ok when the ways of scoring agree
+    (bf16 within 2e-2, float32 within 1e-4); the ratio to the floor is reported against its aim."""
+    worst = max(bench["max_abs_score_diff"].values())
+    ratio, aim = bench["ratio_ours_vs_bare_forward"], bench["aim_ours_vs_bare_forward"]
+    return {
+        "device": bench["device"],
+        "dtype": bench["dtype"],
+        "steps_per_s": bench["steps_per_s"],
+        "ratio_ours_vs_bare_forward": ratio,
+        "ratio_prefetch_thread_vs_bare_forward": bench["ratio_prefetch_thread_vs_bare_forward"],
+        "ratio_no_prefetch_thread_vs_bare_forward": bench["ratio_no_prefetch_thread_vs_bare_forward"],
+        "aim_ours_vs_bare_forward": aim,
+        "aim_met": ratio >= aim,
+        "across_problems": bench["across_problems"],
+        "max_abs_score_diff": worst,
+        "ok": worst <= (1e-4 if bench["dtype"] == "float32" else 2e-2),
+    }
+
+
+def scoring_throughput(device: str, timeout: int) -> dict[str, Any]:
+    """`benchmarks/prm_scoring_throughput.py` on one GPU (`scoring_benchmark_args`), judged by
+    `scoring_verdict`."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "prm_scoring_throughput.py"), *scoring_benchmark_args(device)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+    try:
+        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False, env=env)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {timeout}s"}
+    lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
+    if res.returncode != 0 or not lines:
+        return {"ok": False, "error": (res.stdout + res.stderr)[-1500:]}
+    return scoring_verdict(json.loads(lines[-1]))
 
 
 def vllm_scorer(timeout: int) -> dict[str, Any]:
@@ -592,6 +639,7 @@ def main(argv: list[str]) -> int:
         run("scorer", score, root / "zero3", eval_file, device, attn, 3)
     elif "scorer" not in skip:
         result["scorer"] = cannot_run("scorer", "the ZeRO-3 run it scores did not pass")
+    run("scoring_throughput", scoring_throughput, device, args.timeout * 2)
     if device == "cuda":
         run("vllm", vllm_engines, root, args.processes, args.timeout)
         run("vllm_tp", vllm_tensor_parallel, root, torch.cuda.device_count(), args.timeout * 2)

@@ -33,8 +33,17 @@ def run_benchmark(name: str) -> dict:
 def test_prm_scoring_throughput_quick():
     res = run_benchmark("prm_scoring_throughput.py")
     rates = res["steps_per_s"]
-    assert set(rates) == {"shared_prefix", "prompt_cache", "per_candidate", "per_step_prefix"}
+    assert set(rates) == {
+        "shared_prefix",
+        "prompt_cache",
+        "per_candidate",
+        "per_step_prefix",
+        "prefetch_thread",
+        "no_prefetch_thread",
+    }
     assert all(v > 0 for v in rates.values())
+    assert res["device"] == "cpu" and res["prefetch_default"] is False  # the thread is a GPU's default
+    assert all(v > 0 for v in res["across_problems"]["steps_per_s"].values())
     assert res["ratio_ours_vs_per_candidate"] > 0 and res["ratio_ours_vs_per_step_prefix"] > 0
     assert res["ratio_ours_vs_prompt_cache"] > 0 and res["ratio_ours_vs_bare_forward"] > 0
     assert res["steps_scored"] == res["n"] * res["problems"] * res["steps_per_candidate"]
@@ -94,6 +103,40 @@ def test_gpu_check_fails_a_check_it_could_not_run(tmp_path):
         assert res["ok"] is False and "vllm is not installed" in res["skipped"], res
     res = gpu_check.vllm_tensor_parallel(tmp_path, 1, 10)
     assert res["ok"] is False and "--skip vllm_tp" in res["skipped"]
+
+
+def load_benchmark(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_runs_the_scoring_benchmark_in_its_gpu_mode():
+    """`make gpu-check` runs prm_scoring_throughput.py on the GPU in bf16 at a size where the GPU
+    has work; it passes where the ways of scoring agree and reports the floor ratio with its aim."""
+    gpu_check = load_gpu_check()
+    args = load_benchmark("prm_scoring_throughput").build_parser().parse_args(gpu_check.scoring_benchmark_args("cuda"))
+    assert (args.device, args.dtype, args.hidden_size, args.quick) == ("cuda", "bfloat16", 512, False)
+    assert "scoring_throughput" in gpu_check.CHECKS
+    bench = {
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "steps_per_s": {"shared_prefix": 900.0},
+        "ratio_ours_vs_bare_forward": 0.7,
+        "ratio_prefetch_thread_vs_bare_forward": 0.7,
+        "ratio_no_prefetch_thread_vs_bare_forward": 0.5,
+        "aim_ours_vs_bare_forward": 0.8,
+        "across_problems": {"ratio_one_call_vs_per_question": 1.5},
+        "max_abs_score_diff": {"shared_vs_per_candidate": 0.01, "prefetch_thread_vs_shared": 0.0},
+    }
+    res = gpu_check.scoring_verdict(bench)
+    assert res["ok"] is True and res["aim_met"] is False and res["max_abs_score_diff"] == 0.01
+    assert gpu_check.scoring_verdict({**bench, "dtype": "float32"})["ok"] is False  # 0.01 is a bug in fp32
+    wrong = gpu_check.scoring_verdict({**bench, "max_abs_score_diff": {"shared_vs_per_candidate": 0.3}})
+    assert wrong["ok"] is False
 
 
 def test_gpu_check_tensor_parallel_on_one_gpu_is_not_a_failure(tmp_path, monkeypatch):
@@ -181,6 +224,7 @@ def test_gpu_check_logic_on_cpu():
     assert res["zero3"]["lm_head"] == {"numel": 1025 * 128, "local_numel": 1025 * 128, "partitioned": True}
     assert res["scorer"]["probabilities_dtype"] == "float32" and res["scorer"]["round_trip_max_diff"] <= 2e-2
     assert res["scorer"]["steps_per_s"] > 0
+    assert res["scoring_throughput"]["ok"] and res["scoring_throughput"]["device"] == "cpu", res["scoring_throughput"]
     assert res["processes"] == 1  # every visible GPU: none here
     packed = res["zero3_packed"]
     assert packed["finite"] and packed["rows_in_packs"][0] > packed["rows_in_packs"][1] > 0, packed

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mmprm.data.schema import load_image
@@ -104,11 +107,12 @@ class ProcessRewardModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        step_mask: torch.Tensor,
+        step_mask: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         row_positions: torch.Tensor | None = None,
         **model_inputs: Any,
     ) -> torch.Tensor:
-        """`row_positions` marks a tree-packed batch (`mmprm.training.packing.collate_packed`): attention_mask
+        """`step_mask` is a (B, S) bool mask of the step tokens, or their (rows, columns) indices.
+        `row_positions` marks a tree-packed batch (`mmprm.training.packing.collate_packed`): attention_mask
         is then its (B, 1, L, L) mask and every token takes the position it has in its row."""
         decoder = _decoder(self.backbone)
         if row_positions is None:
@@ -134,6 +138,152 @@ class ProcessRewardModel(nn.Module):
         return torch.sigmoid(head_logits.float())
 
 
+MAX_BATCH_TOKENS = 65536  # padded tokens per scoring forward: batch 16 of the longest packed tree
+
+
+def batch_chunks(
+    lengths: Sequence[int], batch_size: int, max_tokens: int | None, prefixes: Sequence[int] | None = None
+) -> list[list[int]]:
+    """Positions 0..len(lengths)-1 cut, in order, into runs of at most `batch_size` rows whose padded
+    size stays within `max_tokens` (None: no limit); a row longer than that runs alone.
+
+    The padded size is rows x the longest row; with `prefixes` (rows on prompt caches: row i's first
+    `prefixes[i]` tokens are its cached prompt), rows x (longest prompt + longest rest).
+
+    >>> batch_chunks([3, 3, 5, 9], batch_size=3, max_tokens=10)
+    [[0, 1], [2], [3]]
+    """
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    head = tail = 0
+    for i, n in enumerate(lengths):
+        pre = prefixes[i] if prefixes is not None else 0
+        wide_head, wide_tail = max(head, pre), max(tail, n - pre)
+        too_big = max_tokens is not None and (wide_head + wide_tail) * (len(current) + 1) > max_tokens
+        if current and (len(current) >= batch_size or too_big):
+            chunks.append(current)
+            current, wide_head, wide_tail = [], pre, n - pre
+        current.append(i)
+        head, tail = wide_head, wide_tail
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _split(values: list[float], counts: list[int]) -> list[list[float]]:
+    """`values` cut into consecutive runs of `counts`."""
+    out, pos = [], 0
+    for c in counts:
+        out.append(values[pos : pos + c])
+        pos += c
+    return out
+
+
+@dataclass(eq=False)  # hashed by identity: a chunk lists the prompts it holds
+class _Prompt:
+    """A question's shared prompt, run once: its candidates, its length, KV cache and M-RoPE shift."""
+
+    group: int
+    toks: list[TokenizedSteps]
+    length: int
+    cache: Any
+    delta: int
+
+
+def _stackable(cache: Any) -> bool:
+    """Caches whose every layer is a plain `DynamicLayer`, whose keys and values `_rows_cache` can
+    pad, stack and broadcast (a sliding-window or offloaded layer keeps more state)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    return (
+        bool(layers)
+        and all(type(layer) is DynamicLayer for layer in layers)
+        and not getattr(cache, "offloading", False)
+    )
+
+
+def _rows_cache(caches: list[Any], rows: list[int], span: int) -> Any:
+    """A KV cache whose row r is `caches[rows[r]]` (each of batch 1), zero-padded to `span` tokens
+    (the attention mask hides the padding). The prompts' own caches are not changed: one prompt is
+    broadcast as a view, and the forward's append makes the one copy it needs."""
+    base = caches[0]
+    if not _stackable(base):  # one prompt, a cache of another kind: copy it whole
+        if len(caches) > 1:
+            raise ValueError("rows of several prompts need caches of plain DynamicLayer layers")
+        cache = copy.deepcopy(base)
+        cache.batch_repeat_interleave(len(rows))
+        return cache
+    cache = copy.copy(base)
+    cache.layers = []
+    for n, layer in enumerate(base.layers):
+        new = copy.copy(layer)
+        if len(caches) == 1:
+            new.keys = layer.keys.expand(len(rows), *layer.keys.shape[1:])
+            new.values = layer.values.expand(len(rows), *layer.values.shape[1:])
+        else:
+            index = torch.tensor(rows, device=layer.keys.device)
+            for name in ("keys", "values"):
+                parts = [getattr(c.layers[n], name) for c in caches]
+                stacked = torch.cat([F.pad(t, (0, 0, 0, span - t.shape[-2])) for t in parts])  # (G, heads, span, D)
+                setattr(new, name, stacked.index_select(0, index))  # (b, heads, span, D)
+        cache.layers.append(new)
+    return cache
+
+
+class _Prefetch:
+    """The items of `source` computed on a background thread, up to `depth` ahead of the loop that
+    reads them, so that tokenization and image preprocessing overlap the model. An error raised
+    there is raised in the reading loop. `enabled=False` reads `source` in the loop itself."""
+
+    def __init__(self, source: Iterable[Any], depth: int, enabled: bool = True):
+        self.source = source
+        self.enabled = enabled
+        self._queue: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Iterator[Any]:
+        if not self.enabled:
+            return iter(self.source)
+        self._thread = threading.Thread(target=self._produce, name="mmprm-score-prefetch", daemon=True)
+        self._thread.start()
+        return self._read()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()  # a reader that stopped early (an error) releases the producer
+        if self._thread is not None:
+            self._thread.join()
+
+    def _put(self, item: tuple[bool, Any]) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _produce(self) -> None:
+        try:
+            for item in self.source:
+                if not self._put((True, item)):
+                    return
+            self._put((False, None))
+        except BaseException as error:  # handed to the reader, which raises it
+            self._put((False, error))
+
+    def _read(self) -> Iterator[Any]:
+        while True:
+            ok, item = self._queue.get()
+            if ok:
+                yield item
+            elif item is None:
+                return
+            else:
+                raise item
+
+
 class PRMScorer:
     """Scores steps with a trained PRM, using the training step tokenization.
 
@@ -143,6 +293,11 @@ class PRMScorer:
     samples repeat their steps), so that their prompt and every step they repeat run once;
     otherwise, and where attention takes no tree mask (flash-attn), they share one forward of the
     prompt, its KV cache reused for every candidate. Both give the scores of the unshared path (tests).
+
+    Every forward holds rows of many questions, sorted by length: at most `batch_size` rows and
+    `max_batch_tokens` padded tokens (a row longer than that runs alone). With `prefetch` (default:
+    on a CUDA device) inputs are tokenized and their images processed on a background thread while
+    the model runs.
     """
 
     def __init__(
@@ -152,13 +307,21 @@ class PRMScorer:
         device: str | torch.device = "cpu",
         batch_size: int = 8,
         max_length: int | None = None,
+        max_batch_tokens: int | None = MAX_BATCH_TOKENS,
+        prefetch: bool | None = None,
     ):
+        if batch_size < 1 or (max_batch_tokens is not None and max_batch_tokens < 1):
+            raise ValueError(f"batch_size={batch_size}, max_batch_tokens={max_batch_tokens}: both must be >= 1")
         self.model = model.eval().to(device)
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.device = torch.device(device)
         self.batch_size = batch_size
         self.max_length = max_length
+        self.max_batch_tokens = max_batch_tokens
+        # On a GPU the host is idle while kernels run; on CPU the model's own thread needs the
+        # cores (and the GIL), and the thread made scoring slower (docs/performance.md).
+        self.prefetch = self.device.type == "cuda" if prefetch is None else prefetch
         self.spec = model.spec
         self.dropped_steps = 0
 
@@ -175,14 +338,23 @@ class PRMScorer:
         images = [load_image(p) for p in (example_field(ex, "images") or [])]
         return tokenize_example(self.processor, self.spec, ex, images, self.max_length)
 
+    @property
+    def _pad(self) -> int:
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def _chunks(self, lengths: Sequence[int]) -> list[list[int]]:
+        """`batch_chunks` with this scorer's limits."""
+        return batch_chunks(lengths, self.batch_size, self.max_batch_tokens)
+
     @torch.no_grad()
     def score(self, examples: Sequence[Any], share_prefix: bool = True, progress: bool = False) -> list[list[float]]:
         """One probability per step per example (steps cut by max_length get NaN).
 
         Examples with the same question and images form a group whose prompt is encoded once
-        (`share_prefix`). Inputs are tokenized (images processed) one group at a time and dropped
-        once scored; single examples wait in a buffer of a few batches, so they still run batched.
-        What stays for the whole call is the scores, never the inputs or their pixel values.
+        (`share_prefix`). Inputs are tokenized (images processed) one group at a time, a few groups
+        ahead of the model, and dropped once scored; groups wait in buffers of a few batches so that
+        rows of many questions run in one forward. What stays for the whole call is the scores,
+        never the inputs or their pixel values.
         """
         results: list[list[float] | None] = [None] * len(examples)
         groups, empty = group_by_prompt(examples, share_prefix)
@@ -191,6 +363,7 @@ class PRMScorer:
         bar = progress_bar(sum(map(len, groups)), progress)
         singles: list[tuple[int, TokenizedSteps]] = []
         trees: list[tuple[list[int], PackedTree]] = []  # packed groups waiting for a batch
+        shared: list[tuple[list[int], list[TokenizedSteps]]] = []  # prompt-cache groups waiting
         packed = _packs_trees(self.model.backbone)
 
         def keep(idx: list[int], scores: list[list[float]]) -> None:
@@ -209,62 +382,107 @@ class PRMScorer:
                     keep(idx, scores)
                 trees.clear()
 
-        for idx in groups:
-            toks = tokenize_named_group(self.processor, self.spec, examples, idx, self.max_length, self.tokenize)
-            if len(idx) == 1:
-                singles.append((idx[0], toks[0]))
-                if len(singles) >= 8 * self.batch_size:
-                    flush_singles()
-                continue
-            split = _pack_group(toks, idx) if packed else None
-            if split is None:
-                keep(idx, self._score_shared(toks))
-                continue
-            trees.extend(split)
-            if len(trees) >= self.batch_size:
-                flush_trees()
+        def flush_shared() -> None:
+            if shared:
+                for (idx, _), scores in zip(shared, self._score_shared_groups([t for _, t in shared])):
+                    keep(idx, scores)
+                shared.clear()
+
+        tokenized = (self.tokenize_group(examples, idx) for idx in groups)
+        with _Prefetch(tokenized, depth=2 * self.batch_size, enabled=self.prefetch) as stream:
+            for idx, toks in zip(groups, stream):
+                if len(idx) == 1:
+                    singles.append((idx[0], toks[0]))
+                    if len(singles) >= 8 * self.batch_size:
+                        flush_singles()
+                    continue
+                split = _pack_group(toks, idx) if packed else None
+                if split is None:
+                    shared.append((idx, toks))
+                    if sum(len(t) for _, t in shared) >= self.batch_size:
+                        flush_shared()
+                    continue
+                trees.extend(split)
+                if len(trees) >= self.batch_size:
+                    flush_trees()
         flush_singles()
+        flush_shared()
         flush_trees()
         bar.close()
         return results  # type: ignore[return-value]
 
+    def tokenize_group(self, examples: Sequence[Any], idx: list[int]) -> list[TokenizedSteps]:
+        """The examples `idx`, which share a prompt, tokenized (the prompt and images once)."""
+        return tokenize_named_group(self.processor, self.spec, examples, idx, self.max_length, self.tokenize)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=self.device.type == "cuda")
+
+    def _step_index(self, step_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, columns) of the step tokens in a host (B, S) mask, on the device. Indexing with
+        them queues a gather; indexing with a device mask waits for the device to count it."""
+        rows, cols = step_mask.nonzero(as_tuple=True)
+        return self._to_device(rows), self._to_device(cols)
+
     def _run(self, batch: dict[str, torch.Tensor]) -> list[list[float]]:
-        batch = {k: v.to(self.device) for k, v in batch.items()}
-        logits = self.model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))
-        probs = ProcessRewardModel.probabilities(logits).tolist()
-        counts = batch["step_mask"].sum(dim=1).tolist()
-        out, pos = [], 0
-        for c in counts:
-            out.append(probs[pos : pos + c])
-            pos += c
-        return out
+        step_mask = batch.pop("step_mask")
+        counts = step_mask.sum(dim=1).tolist()  # on the host: the probabilities' copy is the one sync
+        batch = {k: self._to_device(v) for k, v in batch.items()}
+        index = self._step_index(step_mask)
+        logits = self.model(batch["input_ids"], batch["attention_mask"], index, **model_input_keys(batch))
+        return _split(ProcessRewardModel.probabilities(logits).tolist(), counts)
 
     def _score_plain(self, toks: list[TokenizedSteps]) -> list[list[float]]:
         order = sorted(range(len(toks)), key=lambda i: len(toks[i].input_ids))  # length-bucketed batches
         out: list[list[float]] = [[] for _ in toks]
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        for start in range(0, len(order), self.batch_size):
-            chunk = order[start : start + self.batch_size]
-            for i, s in zip(chunk, self._run(collate_steps([toks[i] for i in chunk], pad))):
+        for chunk in self._chunks([len(toks[i].input_ids) for i in order]):
+            rows = [order[c] for c in chunk]
+            for i, s in zip(rows, self._run(collate_steps([toks[i] for i in rows], self._pad))):
                 out[i] = s
         return out
 
     def _score_trees(self, trees: list[tuple[list[int], PackedTree]]) -> list[tuple[list[int], list[list[float]]]]:
-        """Packed groups (`_pack_group`) in batches of `batch_size` trees of similar length; each
-        tree's scores per node read back as its rows' (`PackedTree.row_steps`)."""
+        """Packed groups (`_pack_group`) in batches of trees of similar length; each tree's
+        scores per node read back as its rows' (`PackedTree.row_steps`)."""
         from mmprm.training.packing import collate_packed
 
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ordered = sorted(trees, key=lambda t: len(t[1].input_ids))
         out = []
-        for start in range(0, len(ordered), self.batch_size):
-            chunk = ordered[start : start + self.batch_size]
-            for (idx, tree), probs in zip(chunk, self._run(collate_packed([t for _, t in chunk], pad))):
+        for chunk in self._chunks([len(t.input_ids) for _, t in ordered]):
+            batch = [ordered[c] for c in chunk]
+            for (idx, tree), probs in zip(batch, self._run(collate_packed([t for _, t in batch], self._pad))):
                 out.append((idx, [[probs[n] for n in steps] for steps in tree.row_steps]))
         return out
 
-    def _score_shared(self, toks: list[TokenizedSteps]) -> list[list[float]]:
-        """Encode the shared prompt once; run only each candidate's own tokens against its cache."""
+    def _score_shared_groups(self, groups: list[list[TokenizedSteps]]) -> list[list[list[float]]]:
+        """Candidates of several questions, each question's prompt encoded once; only each
+        candidate's own tokens run, against its prompt's KV cache, with rows of several questions
+        in one forward. Scores per group, per candidate."""
+        out: list[list[list[float]]] = [[] for _ in groups]
+        prompts: list[_Prompt] = []
+        for g, toks in enumerate(groups):
+            prompt = self._encode_prompt(toks, g)
+            if prompt is None:
+                out[g] = self._score_plain(toks)
+            else:
+                prompts.append(prompt)
+                out[g] = [[] for _ in toks]
+        # Rows of several questions share a forward only where their caches can be padded and
+        # stacked (`_stackable`); a question's candidates stay together, shortest first.
+        runs = [prompts] if all(_stackable(p.cache) for p in prompts) else [[p] for p in prompts]
+        for run in runs:
+            rows = [(p, i) for p in run for i in sorted(range(len(p.toks)), key=lambda i: len(p.toks[i].input_ids))]
+            lengths = [len(p.toks[i].input_ids) for p, i in rows]
+            prefixes = [p.length for p, _ in rows]
+            for chunk in batch_chunks(lengths, self.batch_size, self.max_batch_tokens, prefixes):
+                members = [rows[c] for c in chunk]
+                for (p, i), probs in zip(members, self._run_on_prompts(members)):
+                    out[p.group][i] = probs
+        return out
+
+    def _encode_prompt(self, toks: list[TokenizedSteps], group: int) -> _Prompt | None:
+        """The prompt the candidates `toks` share, run once: its KV cache (batch 1) and M-RoPE
+        shift; None when they share fewer than 2 tokens before a step token."""
         first = toks[0].input_ids
         prefix_len = min(min(t.step_positions) for t in toks)  # never share a step token
         for t in toks[1:]:
@@ -273,49 +491,50 @@ class PRMScorer:
                 k += 1
             prefix_len = k
         if prefix_len < 2:
-            return self._score_plain(toks)
+            return None
         decoder = _decoder(self.model.backbone)
-        mm = {k: v.to(self.device) for k, v in toks[0].model_inputs.items()}
+        mm = dict(toks[0].model_inputs)
         for key in PER_TOKEN_KEYS:
             if key in mm:
                 mm[key] = mm[key][:, :prefix_len]
-        prefix_ids = torch.tensor([first[:prefix_len]], device=self.device)
+        prefix_ids = torch.tensor([first[:prefix_len]])
+        delta = _mrope_delta(decoder, prefix_ids, mm)  # on the host copies: no device sync
+        mm = {k: self._to_device(v) for k, v in mm.items()}
+        prefix_ids = self._to_device(prefix_ids)
         pre = decoder(input_ids=prefix_ids, attention_mask=torch.ones_like(prefix_ids), use_cache=True, **mm)
-        cache = pre.past_key_values
-        delta = _mrope_delta(decoder, prefix_ids, mm)
-        out: list[list[float]] = [[] for _ in toks]
-        order = sorted(range(len(toks)), key=lambda i: len(toks[i].input_ids))
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        for start in range(0, len(order), self.batch_size):
-            chunk = order[start : start + self.batch_size]
-            width = max(len(toks[i].input_ids) for i in chunk) - prefix_len
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(chunk), prefix_len + width), dtype=torch.long)
-            mask[:, :prefix_len] = 1
-            step_mask = torch.zeros((len(chunk), width), dtype=torch.bool)
-            for row, i in enumerate(chunk):
-                suffix = toks[i].input_ids[prefix_len:]
-                ids[row, : len(suffix)] = torch.tensor(suffix)
-                mask[row, prefix_len : prefix_len + len(suffix)] = 1
-                step_mask[row, [p - prefix_len for p in toks[i].step_positions]] = True
-            positions = torch.arange(prefix_len, prefix_len + width).unsqueeze(0).expand(len(chunk), -1) + delta
-            batch_cache = copy.deepcopy(cache)
-            batch_cache.batch_repeat_interleave(len(chunk))
-            res = decoder(
-                input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                position_ids=positions.to(self.device),
-                past_key_values=batch_cache,
-                use_cache=True,
-            )
-            hidden = res.last_hidden_state  # (b, width, H)
-            probs = ProcessRewardModel.probabilities(self.model.head_logits(hidden[step_mask.to(self.device)])).tolist()
-            pos = 0
-            for row, i in enumerate(chunk):
-                c = int(step_mask[row].sum())
-                out[i] = probs[pos : pos + c]
-                pos += c
-        return out
+        return _Prompt(group=group, toks=toks, length=prefix_len, cache=pre.past_key_values, delta=delta)
+
+    def _run_on_prompts(self, members: list[tuple[_Prompt, int]]) -> list[list[float]]:
+        """One forward of the candidates `members` ((prompt, candidate index) pairs, a prompt's
+        candidates next to each other) on their prompts' KV caches: probabilities per candidate."""
+        prompts = list(dict.fromkeys(p for p, _ in members))
+        span = max(p.length for p in prompts)  # the caches padded to the longest prompt
+        width = max(len(p.toks[i].input_ids) - p.length for p, i in members)
+        b = len(members)
+        ids = torch.full((b, width), self._pad, dtype=torch.long)
+        mask = torch.zeros((b, span + width), dtype=torch.long)
+        step_mask = torch.zeros((b, width), dtype=torch.bool)
+        positions = torch.empty((b, width), dtype=torch.long)
+        for row, (p, i) in enumerate(members):
+            suffix = p.toks[i].input_ids[p.length :]
+            ids[row, : len(suffix)] = torch.tensor(suffix)
+            mask[row, : p.length] = 1
+            mask[row, span : span + len(suffix)] = 1
+            step_mask[row, [q - p.length for q in p.toks[i].step_positions]] = True
+            positions[row] = torch.arange(p.length, p.length + width) + p.delta
+        counts = step_mask.sum(dim=1).tolist()
+        index = self._step_index(step_mask)  # copied with the inputs, before the forward is queued
+        cache = _rows_cache([p.cache for p in prompts], [prompts.index(p) for p, _ in members], span)
+        res = _decoder(self.model.backbone)(
+            input_ids=self._to_device(ids),
+            attention_mask=self._to_device(mask),
+            position_ids=self._to_device(positions),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        hidden = res.last_hidden_state  # (b, width, H)
+        logits = self.model.head_logits(hidden[index])
+        return _split(ProcessRewardModel.probabilities(logits).tolist(), counts)
 
 
 def _mrope_delta(decoder: nn.Module, input_ids: torch.Tensor, model_inputs: dict[str, torch.Tensor]) -> int:
@@ -418,6 +637,7 @@ def load_prm(
     backend: str = "hf",
     vllm_kwargs: dict[str, Any] | None = None,
     convention: str | None = None,
+    max_batch_tokens: int | None = MAX_BATCH_TOKENS,
 ) -> PRMScorer | VLLMPRMScorer:
     """Restore a PRM saved by `save_prm` (or `recipes/prm_train.py`) as a scorer.
 
@@ -429,7 +649,8 @@ def load_prm(
     flash_attention_2 (needs flash-attn and CUDA), eager or auto; checked before any weight loads.
     backend "vllm": a `mmprm.models.vllm_prm.VLLMPRMScorer`, the same scores from a vLLM engine
     (`vllm_kwargs` go to `vllm.LLM`; `device` and `attn_implementation` are vLLM's to choose).
-    Scores are float32 whatever `dtype` the model runs in.
+    Scores are float32 whatever `dtype` the model runs in. An HF scorer's forwards hold at most
+    `batch_size` rows and `max_batch_tokens` padded tokens (None: rows only).
     """
     from safetensors.torch import load_file
 
@@ -447,13 +668,17 @@ def load_prm(
         return VLLMPRMScorer(path, batch_size=batch_size, max_length=max_length, convention=convention, **kwargs)
     if convention is not None and convention != "mmprm":
         spec = released_spec(convention)
-        return _load_released(path, spec, device, batch_size, max_length, dtype, attn_implementation)
+        scorer = _load_released(path, spec, device, batch_size, max_length, dtype, attn_implementation)
+        scorer.max_batch_tokens = max_batch_tokens
+        return scorer
     spec = read_spec(path)
     backbone, processor = load_backbone(path, dtype=dtype, attn_implementation=attn_implementation)
     model = build_prm(backbone, processor, spec)
     if spec.head == "value":
         model.value_head.load_state_dict(load_file(str(path / VALUE_HEAD_FILE)))
-    return PRMScorer(model, processor, device=device, batch_size=batch_size, max_length=max_length)
+    return PRMScorer(
+        model, processor, device=device, batch_size=batch_size, max_length=max_length, max_batch_tokens=max_batch_tokens
+    )
 
 
 def _load_released(
