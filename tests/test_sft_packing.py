@@ -1,0 +1,158 @@
+"""Sequence packing for policy SFT (mmprm.packing.collate_sequence_packs, sequence_pack_inputs):
+the same summed loss, label count and gradients as the padded rows on the tiny VLMs, images and
+M-RoPE included, with full logits and chunked; the pack planner; the recipe's config checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmprm.models.lm_loss import next_token_loss_sum
+from mmprm.models.loading import load_backbone
+from mmprm.packing import (
+    collate_sequence_packs,
+    flatten_packs,
+    plan_sequence_packs,
+    sequence_pack_inputs,
+)
+from mmprm.training_data import IGNORE, collate_sft, tokenize_sft
+
+FULL = 10**9  # one chunk: the full-logits path
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    from mmprm.data.synthetic import cli_synthetic
+
+    d = tmp_path_factory.mktemp("synthetic_sft_packing")
+    assert cli_synthetic(["--out", str(d), "--train", "5", "--test", "1", "--seed", "1"]) == 0
+    return d / "train_sft.jsonl"
+
+
+def sft_items(processor, path, rows: int, text_rows: int = 0) -> list[dict]:
+    """`rows` tokenized rows with their images, the last `text_rows` of them without."""
+    from mmprm.data.schema import load_examples, load_image
+
+    out = []
+    for k, ex in enumerate(load_examples(path)[:rows]):
+        images = [] if k >= rows - text_rows else [load_image(p) for p in ex.images]
+        out.append(tokenize_sft(processor, ex.question, ex.steps, ex.answer, images, 1024))
+    return out
+
+
+def loss_and_grads(model, batch, chunk_tokens, packed: bool):
+    model.zero_grad()
+    if packed:
+        with sequence_pack_inputs(model, batch) as inputs:
+            loss, n = next_token_loss_sum(model, inputs, chunk_tokens)
+    else:
+        loss, n = next_token_loss_sum(model, dict(batch), chunk_tokens)
+    loss.backward()
+    return loss.detach(), n, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(a, b):
+    loss_a, n_a, g_a = a
+    loss_b, n_b, g_b = b
+    assert n_a == n_b
+    torch.testing.assert_close(loss_b, loss_a, atol=1e-5, rtol=1e-5)
+    assert set(g_a) == set(g_b)
+    for name, grad in g_a.items():
+        torch.testing.assert_close(g_b[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "llava", "internvl"])
+def test_packed_loss_and_gradients_equal_padding(tiny_models, synthetic, arch):
+    model, processor = load_backbone(tiny_models(arch))
+    model.train()
+    pad = processor.tokenizer.pad_token_id or 0
+    items = sft_items(processor, synthetic, rows=5, text_rows=1)
+    padded = collate_sft(items, pad)
+    # three rows (two images, then the text-only row) in one pack, two in the other
+    packed = collate_sequence_packs([[items[0], items[1], items[4]], [items[2], items[3]]], pad)
+    assert packed["input_ids"].shape[0] == 2 and (packed["attention_mask"] == 0).any()  # a padded tail
+    n_labels = int((padded["labels"][:, 1:] != IGNORE).sum())
+    assert int((packed["labels"][:, 1:] != IGNORE).sum()) == n_labels == sum(t["n_targets"] for t in items)
+
+    rows = loss_and_grads(model, padded, FULL, packed=False)
+    assert rows[1] == n_labels
+    assert_same(rows, loss_and_grads(model, packed, FULL, packed=True))
+    # the chunked LM-head loss on both sides, chunks that split the label tokens unevenly
+    chunk = next(c for c in (7, 9, 11, 13) if n_labels % c)
+    assert_same(rows, loss_and_grads(model, padded, chunk, packed=False))
+    assert_same(rows, loss_and_grads(model, packed, chunk, packed=True))
+    assert any("vision" in k or "visual" in k for k in rows[2])  # the image rows reach the tower
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
+def test_flattened_layout_of_flash_attention_equals_padding(tiny_models, synthetic, arch):
+    """flash-attn's layout (one sequence, no mask, positions restarting per row), run with sdpa:
+    transformers builds the block-diagonal mask from those positions, as flash-attn cuts by them."""
+    model, processor = load_backbone(tiny_models(arch))
+    model.train()
+    pad = processor.tokenizer.pad_token_id or 0
+    items = sft_items(processor, synthetic, rows=4)
+    rows = loss_and_grads(model, collate_sft(items, pad), FULL, packed=False)
+    batch = collate_sequence_packs([items[:3], items[3:]], pad)
+    config = model.config.get_text_config()
+    config._attn_implementation = "flash_attention_2"  # the inputs flash-attn gets, without running it
+    with sequence_pack_inputs(model, batch) as inputs:
+        pass
+    config._attn_implementation = "sdpa"
+    assert inputs["input_ids"].shape == (1, int(batch["attention_mask"].sum())) and "attention_mask" not in inputs
+    model.zero_grad()
+    loss, n = next_token_loss_sum(model, inputs, FULL)
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    assert_same(rows, (loss.detach(), n, grads))
+
+
+def test_flatten_drops_padding_and_keeps_mrope_rows():
+    real = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    pos = torch.tensor([[0, 1, 0, 0], [0, 1, 0, 1]])
+    batch = {"input_ids": torch.arange(8).view(2, 4), "labels": torch.arange(8).view(2, 4), "position_ids": pos}
+    flat = flatten_packs(batch, real)
+    assert flat["input_ids"].tolist() == [[0, 1, 2, 4, 5]] and flat["position_ids"].tolist() == [[0, 1, 0, 0, 1]]
+    mrope = flatten_packs({**batch, "position_ids": pos.expand(4, -1, -1)}, real)["position_ids"]
+    assert mrope.shape == (4, 1, 5) and mrope[3].tolist() == [[0, 1, 0, 0, 1]]
+
+
+def test_plan_fits_the_budget_and_is_deterministic():
+    lengths = [120, 30, 250, 90, 256, 60, 60, 10, 200, 45]
+    packs = plan_sequence_packs(lengths, 256)
+    assert sorted(i for p in packs for i in p) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in p) <= 256 for p in packs)
+    assert len(packs) == 5  # 1,121 tokens need at least 5 packs of 256
+    assert packs == plan_sequence_packs(lengths, 256)
+
+
+def test_packing_refuses_attention_without_a_mask(tiny_models, synthetic):
+    model, processor = load_backbone(tiny_models("qwen2"))
+    items = sft_items(processor, synthetic, rows=2, text_rows=2)
+    batch = collate_sequence_packs([items], processor.pad_token_id or 0)
+    model.config._attn_implementation = "sdpa_paged"
+    with pytest.raises(ValueError, match="data.pack_sequences"):
+        with sequence_pack_inputs(model, batch):
+            pass
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_packed_mrope_positions_are_each_rows_own(tiny_models, synthetic, arch):
+    """RoPE is relative, so a row's positions shifted by a constant give the same loss: the test
+    above cannot see the shift. Here the M-RoPE positions of each row in a pack (image tokens
+    included) equal those the model gives the row alone, and the text positions restart at 0."""
+    model, processor = load_backbone(tiny_models(arch))
+    items = sft_items(processor, synthetic, rows=3)
+    batch = collate_sequence_packs([items], processor.tokenizer.pad_token_id or 0)
+    with sequence_pack_inputs(model, batch) as inputs:
+        pos = inputs["position_ids"]  # (4, 1, L)
+    start = 0
+    for t in items:
+        alone = collate_sft([t], 0)
+        kwargs = {k: alone[k] for k in ("image_grid_thw",) if k in alone}
+        own, _ = model.model.get_rope_index(alone["input_ids"], mm_token_type_ids=alone["mm_token_type_ids"], **kwargs)
+        n = len(t["input_ids"])
+        assert (alone["mm_token_type_ids"] == 1).any()  # the row has image tokens
+        assert torch.equal(pos[1:, 0, start : start + n], own[:, 0])
+        assert torch.equal(pos[0, 0, start : start + n], torch.arange(n))
+        start += n
