@@ -260,7 +260,7 @@ class _TreeBlocks:
     the keys some query in the block sees, the block's additive mask over those keys)."""
 
     mask: torch.Tensor
-    blocks: list[list[tuple[int, int, torch.Tensor, torch.Tensor]]]
+    blocks: list[list[tuple[int, int, torch.Tensor | slice, torch.Tensor | None]]]
     calls: int = 0  # attention layers that ran by blocks (tests check the path is taken)
 
 
@@ -300,6 +300,7 @@ def _tree_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
                 key[b : b + 1, :, keys],
                 value[b : b + 1, :, keys],
                 attn_mask=sub,
+                is_causal=sub is None,  # a whole sequence of a sequence pack (`document_blocks`)
                 dropout_p=dropout,
                 scale=kwargs.get("scaling"),
             )
@@ -310,7 +311,9 @@ def _tree_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
 
 
 @contextmanager
-def tree_attention(backbone: Any, sees: torch.Tensor, additive: torch.Tensor) -> Iterator[_TreeBlocks | None]:
+def tree_attention(
+    backbone: Any, sees: torch.Tensor, additive: torch.Tensor, blocks: _TreeBlocks | None = None
+) -> Iterator[_TreeBlocks | None]:
     """Within this context, the backbone's text attention runs `additive` (the packed mask) by blocks.
 
     Only for sdpa on CPU, and not under gradient checkpointing (its recomputation runs outside the
@@ -332,7 +335,7 @@ def tree_attention(backbone: Any, sees: torch.Tensor, additive: torch.Tensor) ->
         return
     AttentionInterface.register(TREE_ATTENTION, _tree_sdpa)  # a dict entry: registering again is free
     ALL_MASK_ATTENTION_FUNCTIONS.register(TREE_ATTENTION, sdpa_mask)
-    tree = tree_blocks(sees, additive, TREE_BLOCK)
+    tree = blocks if blocks is not None else tree_blocks(sees, additive, TREE_BLOCK)
     token = _active_tree.set(tree)
     config._attn_implementation = TREE_ATTENTION
     try:
@@ -540,8 +543,18 @@ def sequence_pack_inputs(model: Any, batch: dict[str, torch.Tensor]) -> Iterator
             f"flash_attention_2, not {attn!r}: set model.attn_implementation or data.pack_sequences=false"
         )
     out["attention_mask"] = packed_attention_mask(sees, attn, base.dtype)
-    with tree_attention(base, sees, out["attention_mask"]):
+    with tree_attention(base, sees, out["attention_mask"], document_blocks(rows, out["attention_mask"])):
         yield out
+
+
+def document_blocks(positions: torch.Tensor, additive: torch.Tensor) -> _TreeBlocks:
+    """The blocks `tree_attention` runs for a sequence-packed batch: each sequence (positions
+    restarting at 0) against its own keys only, causal, with no mask to build or read."""
+    out = []
+    for row in positions.tolist():
+        starts = [t for t, p in enumerate(row) if p == 0] + [len(row)]
+        out.append([(a, b, slice(a, b), None) for a, b in zip(starts, starts[1:])])
+    return _TreeBlocks(additive, out)
 
 
 def flatten_packs(inputs: dict[str, torch.Tensor], real: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mmprm import packing
 from mmprm.models.lm_loss import next_token_loss_sum
 from mmprm.models.loading import load_backbone
 from mmprm.packing import (
@@ -45,6 +46,10 @@ def loss_and_grads(model, batch, chunk_tokens, packed: bool):
     if packed:
         with sequence_pack_inputs(model, batch) as inputs:
             loss, n = next_token_loss_sum(model, inputs, chunk_tokens)
+            # on CPU sdpa each sequence of a pack attends alone, causal, without the pack's mask
+            blocks = packing._active_tree.get()
+            assert blocks.calls == model.config.get_text_config().num_hidden_layers
+            assert all(sub is None for row in blocks.blocks for *_, sub in row)
     else:
         loss, n = next_token_loss_sum(model, dict(batch), chunk_tokens)
     loss.backward()
