@@ -212,3 +212,20 @@ def test_recipe_refuses_a_pack_smaller_than_a_row():
     with pytest.raises(Exception, match="data.pack_tokens=100 is below data.max_length=2048"):
         load_config(Config, None, overrides)
     assert load_config(Config, None, overrides[:2]).data.pack_sequences is False  # off by default
+
+
+@pytest.mark.slow  # FlexAttention compiles its kernel (torch.compile) on first use
+def test_flex_attention_block_mask_gives_the_padded_loss(tiny_models, synthetic):
+    """attn_implementation=flex_attention: the packs' block-diagonal mask as a FlexAttention block
+    mask gives the padded rows' loss (forward only: FlexAttention has no backward on CPU)."""
+    model, processor = load_backbone(tiny_models("internvl"))
+    flex, _ = load_backbone(tiny_models("internvl"), attn_implementation="flex_attention")
+    pad = processor.tokenizer.pad_token_id or 0
+    items = sft_items(processor, synthetic, rows=4, text_rows=1)
+    with torch.no_grad():
+        rows, n_rows = next_token_loss_sum(model, collate_sft(items, pad), FULL)
+        with sequence_pack_inputs(flex, collate_sequence_packs([items[:3], items[3:]], pad)) as inputs:
+            assert type(inputs["attention_mask"]).__name__ == "BlockMask"
+            packed, n_packed = next_token_loss_sum(flex, inputs, FULL)
+    assert n_rows == n_packed
+    torch.testing.assert_close(packed, rows, atol=1e-4, rtol=1e-5)
