@@ -6,17 +6,18 @@
 The data is the demo's SFT split (`make demo`: recipes/quickstart.py with
 recipes/configs/tiny/quickstart.yaml; its `make_data` writes train_sft.jsonl, `--rows` of them used
 here) and its model (the tiny Qwen2-VL of that config, tokenizer trained on the same rows, seed 0).
-Both sides run the training step of `recipes/policy_sft.py` (its collators, `token_loss_sum` with
-the chunked LM-head loss, AdamW) on the same cached rows, in one process on one thread:
+Every side runs the training step of `recipes/policy_sft.py` (its collators, its loss
+`token_loss_sum`, AdamW) on the same cached rows, in one process on one thread:
 "padded" takes batches of `--batch-size` rows, grouped by length as `train.group_by_length` does;
 "packed" takes one pack a step (`data.pack_sequences=true`, `data.pack_tokens` = `--batch-size`
 times the mean row length, so a step holds about as many rows); "padded_unsorted" takes batches
 of rows in random order (`train.group_by_length=false`), the padding packing removes when rows are
-not grouped. The sides alternate for
-`--rounds` rounds of one epoch each (every row once); each keeps its fastest round.
+not grouped. The sides alternate, each starting a round in turn, for `--rounds` rounds of one
+epoch each (every row once); each keeps its fastest round.
 
 Prints ONE JSON line: rows per second of each side, the ratios (packed / padded, packed /
-padded_unsorted), and the share of each side's tokens that are padding.
+padded_unsorted), the share of each side's tokens that are padding, and `same_rows`: forward and
+backward of the same rows of next-to-equal length padded and packed, padded time / packed time.
 """
 
 from __future__ import annotations
@@ -120,8 +121,10 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     tokens = {name: 0.0 for name in sides}
     real = {name: 0 for name in sides}
     run = {name: 0 for name in sides}
-    for _ in range(args.rounds):
-        for name, (collate, stream) in sides.items():
+    names = list(sides)
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # each side first in turn
+            collate, stream = sides[name]
             # a whole epoch of batches: every row once (packs differ in rows, batches in length)
             n_batches = -(-len(stream.lengths) // stream.batch_size)
             done = ran = 0
@@ -133,6 +136,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
             real[name] += ran
             if done / seconds > best[name]:
                 best[name], tokens[name] = done / seconds, ran / seconds
+    same = same_rows(policy_sft, model, by_row, lengths, args.batch_size, args.rounds)
     return {
         "benchmark": "sft_packing",
         "rows": len(lengths),
@@ -145,7 +149,35 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         "tokens_per_s": {name: round(v) for name, v in tokens.items()},
         "ratio": round(best["packed"] / best["padded"], 2),
         "ratio_vs_unsorted": round(best["packed"] / best["padded_unsorted"], 2),
+        "same_rows": same,
     }
+
+
+def same_rows(policy_sft, model, by_row, lengths, batch_size: int, rounds: int) -> dict:
+    """Forward and backward of the same rows padded and packed, batches of `batch_size` rows of
+    next-to-equal length (sorted: little padding to remove): padded time / packed time, what
+    packing costs or saves beyond removing padding, and the padded side's padding share."""
+    from mmprm.packing import collate_sequence_packs
+    from mmprm.training_data import collate_sft
+
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    groups = [order[k : k + batch_size] for k in range(0, len(order) - batch_size + 1, batch_size)]
+    items = [by_row.items(g) for g in groups[len(groups) // 2 :][:8]]  # mid-length rows
+    sides = {"padded": [collate_sft(t, by_row.pad_id) for t in items]}
+    sides["packed"] = [collate_sequence_packs([t], by_row.pad_id) for t in items]
+    best = {name: float("inf") for name in sides}
+    for _ in range(rounds):
+        for name, batches in sides.items():
+            start = time.perf_counter()
+            for batch in batches:
+                loss, n = policy_sft.token_loss_sum(model, dict(batch))
+                (loss / n).backward()
+                model.zero_grad(set_to_none=True)
+            best[name] = min(best[name], time.perf_counter() - start)
+    padding = 1 - sum(int(b["attention_mask"].sum()) for b in sides["padded"]) / sum(
+        b["input_ids"].numel() for b in sides["padded"]
+    )
+    return {"ratio": round(best["padded"] / best["packed"], 2), "padding_share": round(padding, 3)}
 
 
 if __name__ == "__main__":

@@ -262,3 +262,4 @@ def test_sft_packing_quick():
     assert res["rows"] == 48 and 80 < res["mean_row_tokens"] < 256 and res["rows_per_pack"] > 4
     assert res["padding_share"]["packed"] == 0 and res["padding_share"]["padded_unsorted"] > 0
     assert all(v > 0 for v in res["rows_per_s"].values()) and res["ratio"] > 0 and res["ratio_vs_unsorted"] > 0
+    assert res["same_rows"]["ratio"] > 0 and res["same_rows"]["padding_share"] < 0.1
