@@ -414,6 +414,10 @@ def plan_packs(rows: Iterable[dict[str, Any]], max_tokens: int, max_open: int = 
 # Several whole rows one after another in one sequence, each attending only to itself: no padding
 # between rows, and attention by blocks keeps the cost near that of the rows alone.
 
+# The label that carries no loss, cross_entropy's ignore_index (mmprm.training_data.IGNORE, which
+# imports this module: not imported from there)
+IGNORE = -100
+
 
 def plan_sequence_packs(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Row indices in packs of at most `max_tokens` tokens (best fit, longest rows first).
@@ -448,8 +452,6 @@ def collate_sequence_packs(packs: Sequence[Sequence[dict[str, Any]]], pad_id: in
     next one's start; every other label is the row's own (the same tokens carry loss as padded).
     Image tensors are concatenated in row order, as the models consume them.
     """
-    from mmprm.training_data import IGNORE
-
     width = max(sum(len(t["input_ids"]) for t in pack) for pack in packs)
     ids = torch.full((len(packs), width), pad_id, dtype=torch.long)
     labels = torch.full((len(packs), width), IGNORE, dtype=torch.long)

@@ -122,6 +122,10 @@ def test_flatten_drops_padding_and_keeps_mrope_rows():
     assert mrope.shape == (4, 1, 5) and mrope[3].tolist() == [[0, 1, 0, 0, 1]]
 
 
+def test_packs_ignore_the_label_the_loss_ignores():
+    assert packing.IGNORE == IGNORE
+
+
 def test_plan_fits_the_budget_and_is_deterministic():
     lengths = [120, 30, 250, 90, 256, 60, 60, 10, 200, 45]
     packs = plan_sequence_packs(lengths, 256)
