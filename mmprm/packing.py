@@ -545,7 +545,9 @@ def sequence_pack_inputs(model: Any, batch: dict[str, torch.Tensor]) -> Iterator
             f"flash_attention_2, not {attn!r}: set model.attn_implementation or data.pack_sequences=false"
         )
     out["attention_mask"] = packed_attention_mask(sees, attn, base.dtype)
-    with tree_attention(base, sees, out["attention_mask"], document_blocks(rows, out["attention_mask"])):
+    # the rows' bounds are read on the host: only where the blocks can run (CPU), no sync on a GPU
+    blocks = document_blocks(rows, out["attention_mask"]) if rows.device.type == "cpu" else None
+    with tree_attention(base, sees, out["attention_mask"], blocks):
         yield out
 
 
