@@ -44,6 +44,7 @@ from mmprm.training import (
 )
 from mmprm.training.data import IGNORE, SFTCollator, load_tokenized
 from mmprm.training.lm_loss import next_token_loss_sum
+from mmprm.training.packing import collate_sequence_packs, plan_sequence_packs, sequence_pack_inputs
 from mmprm.training.vision_sync import vision_sync
 
 
@@ -68,6 +69,11 @@ class DataConfig:
         max_length: tokens per example (prompt + target); longer examples are dropped and counted
         num_proc: tokenization workers; null: the CPUs, at most 16
         cache_dir: tokenized-data cache (Arrow); null: $MMPRM_CACHE, else ~/.cache/mmprm/tokenized
+        pack_sequences: train on sequences of several whole rows (`mmprm.training.packing`), each attending
+            only to itself, instead of rows padded to the longest of their batch; the loss is the
+            same. train.batch_size then counts packs. Needs sdpa, eager, flex_attention or
+            flash_attention_2 (flash-attn's varlen kernel)
+        pack_tokens: pack_sequences: most tokens in one pack (at least max_length)
     """
 
     train_file: str = ""
@@ -75,6 +81,8 @@ class DataConfig:
     max_length: int = 2048
     num_proc: int | None = None
     cache_dir: str | None = None
+    pack_sequences: bool = False
+    pack_tokens: int = 4096
 
 
 @dataclass
@@ -122,12 +130,49 @@ class Config:
             raise ValueError("data.train_file: required (SFT JSONL: id, images, question, steps, answer)")
         if self.train.loss_chunk_tokens is not None and self.train.loss_chunk_tokens < 1:
             raise ValueError(f"train.loss_chunk_tokens: must be >= 1 or null, got {self.train.loss_chunk_tokens}")
+        if self.data.pack_sequences and self.data.pack_tokens < self.data.max_length:
+            raise ValueError(
+                f"data.pack_tokens={self.data.pack_tokens} is below data.max_length={self.data.max_length}: "
+                "a pack must hold at least one row"
+            )
 
 
 def token_loss_sum(model, batch, chunk_tokens: int | None = None) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropy over assistant tokens, and their count; the LM head's
-    logits a chunk of tokens at a time (no full-vocabulary logits over a long batch)."""
-    return next_token_loss_sum(model, batch, chunk_tokens)
+    logits a chunk of tokens at a time (no full-vocabulary logits over a long batch). A batch of
+    sequence packs (`PackedSFTCollator`: it carries position_ids) runs with attention within rows."""
+    if "position_ids" not in batch:
+        return next_token_loss_sum(model, batch, chunk_tokens)
+    with sequence_pack_inputs(model, batch) as inputs:
+        return next_token_loss_sum(model, inputs, chunk_tokens)
+
+
+class PackedSFTCollator:
+    """Packs of cached SFT rows -> one batch row per pack (`mmprm.training.packing.collate_sequence_packs`).
+
+    `packs[i]` lists the row indices of pack i; a batch is a list of pack indices. Rows are
+    tokenized and checked by the `SFTCollator`. Returns (batch, the rows' items).
+    """
+
+    def __init__(self, rows: SFTCollator, packs: list[list[int]]):
+        self.rows, self.packs = rows, packs
+
+    def __call__(self, indices: list[int]) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+        groups = [self.rows.items(self.packs[i]) for i in indices]
+        return collate_sequence_packs(groups, self.rows.pad_id), [t for g in groups for t in g]
+
+
+def pack_sequences(collate: SFTCollator, pack_tokens: int, log) -> tuple[PackedSFTCollator, list[int], list[int]]:
+    """The training units as packs of whole rows (data.pack_sequences): their collator, token
+    counts and assistant tokens (the loss normaliser), logged with how full the packs are."""
+    lengths, n_targets = collate.data.column("length"), collate.data.column("n_targets")
+    packs = plan_sequence_packs(lengths, pack_tokens)
+    pack_lengths = [sum(lengths[i] for i in p) for p in packs]
+    log(
+        f"sequence packing: {len(lengths)} rows in {len(packs)} packs of at most {pack_tokens} tokens "
+        f"({sum(lengths) / max(1, len(packs) * pack_tokens):.0%} full, {len(lengths) / max(1, len(packs)):.1f} rows a pack)"
+    )
+    return PackedSFTCollator(collate, packs), pack_lengths, [sum(n_targets[i] for i in p) for p in packs]
 
 
 @torch.no_grad()
@@ -295,20 +340,25 @@ def main(argv: list[str]) -> None:
     sync = vision_sync(run.accelerator, model, processor)
     collate, eval_collate = load_data(cfg, processor, run)
     run.prepare(model)
-    run.batch_order(collate.data.column("length"))
-    n_rows, global_batch = len(collate.data), run.global_batch
-    if padded := wrap_padding(n_rows, global_batch):
+    # assistant tokens per unit (row or pack), for the loss normaliser
+    if cfg.data.pack_sequences:
+        units, lengths, n_targets = pack_sequences(collate, cfg.data.pack_tokens, run.log)
+        run.batch_order(lengths, unit="packs")
+    else:
+        units, n_targets = collate, collate.data.column("n_targets")
+        run.batch_order(collate.data.column("length"))
+    n_units, global_batch, unit = len(n_targets), run.global_batch, run.unit
+    if padded := wrap_padding(n_units, global_batch):
         run.log(
-            f"{n_rows} rows do not fill whole global batches of {global_batch}: each epoch's last batch "
-            f"repeats {padded} rows from the epoch's start, so every process gets {cfg.train.batch_size} rows"
+            f"{n_units} {unit} do not fill whole global batches of {global_batch}: each epoch's last batch "
+            f"repeats {padded} {unit} from the epoch's start, so every process gets {cfg.train.batch_size} {unit}"
         )
     run.resume(cfg)
     evaluate_now = partial(run_eval, run, processor, eval_collate, cfg, sync) if eval_collate else None
     if evaluate_now and run.progress.step == 0:
         evaluate_now()  # the untrained policy's numbers, to compare against
 
-    n_targets = collate.data.column("n_targets")  # assistant tokens per row, for the loss normaliser
-    if run.fit(collate, n_targets, partial(train_micro_batch, run, sync), evaluate_now):
+    if run.fit(units, n_targets, partial(train_micro_batch, run, sync), evaluate_now):
         why = "(train.stop_at_step)" if run.stopped_by == "stop_at_step" else "on the save notice (SIGUSR1)"
         run.log(f"stopping at step {run.progress.step} {why}; resume with resume_from_checkpoint=latest")
     else:

@@ -297,3 +297,13 @@ def test_sft_memory_quick():
     # which the process-lifetime RSS peak also holds: the memory claim is the full-size run's.
     assert res["full"]["step_rise_mib"] >= 0 and res["chunked"]["step_rise_mib"] >= 0
     assert res["peak_rss_ratio"] > 0
+
+
+@pytest.mark.slow
+def test_sft_packing_quick():
+    res = run_benchmark("sft_packing.py")
+    # the demo's SFT rows: one image of 3-4 tiles and its solution, packed about 8 to a sequence
+    assert res["rows"] == 48 and 80 < res["mean_row_tokens"] < 256 and res["rows_per_pack"] > 4
+    assert res["padding_share"]["packed"] == 0 and res["padding_share"]["padded_unsorted"] > 0
+    assert all(v > 0 for v in res["rows_per_s"].values()) and res["ratio"] > 0 and res["ratio_vs_unsorted"] > 0
+    assert res["same_rows"]["ratio"] > 0 and res["same_rows"]["padding_share"] < 0.1

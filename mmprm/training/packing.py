@@ -260,7 +260,7 @@ class _TreeBlocks:
     the keys some query in the block sees, the block's additive mask over those keys)."""
 
     mask: torch.Tensor
-    blocks: list[list[tuple[int, int, torch.Tensor, torch.Tensor]]]
+    blocks: list[list[tuple[int, int, torch.Tensor | slice, torch.Tensor | None]]]
     calls: int = 0  # attention layers that ran by blocks (tests check the path is taken)
 
 
@@ -300,6 +300,7 @@ def _tree_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
                 key[b : b + 1, :, keys],
                 value[b : b + 1, :, keys],
                 attn_mask=sub,
+                is_causal=sub is None,  # a whole sequence of a sequence pack (`document_blocks`)
                 dropout_p=dropout,
                 scale=kwargs.get("scaling"),
             )
@@ -310,7 +311,9 @@ def _tree_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
 
 
 @contextmanager
-def tree_attention(backbone: Any, sees: torch.Tensor, additive: torch.Tensor) -> Iterator[_TreeBlocks | None]:
+def tree_attention(
+    backbone: Any, sees: torch.Tensor, additive: torch.Tensor, blocks: _TreeBlocks | None = None
+) -> Iterator[_TreeBlocks | None]:
     """Within this context, the backbone's text attention runs `additive` (the packed mask) by blocks.
 
     Only for sdpa on CPU, and not under gradient checkpointing (its recomputation runs outside the
@@ -332,7 +335,7 @@ def tree_attention(backbone: Any, sees: torch.Tensor, additive: torch.Tensor) ->
         return
     AttentionInterface.register(TREE_ATTENTION, _tree_sdpa)  # a dict entry: registering again is free
     ALL_MASK_ATTENTION_FUNCTIONS.register(TREE_ATTENTION, sdpa_mask)
-    tree = tree_blocks(sees, additive, TREE_BLOCK)
+    tree = blocks if blocks is not None else tree_blocks(sees, additive, TREE_BLOCK)
     token = _active_tree.set(tree)
     config._attn_implementation = TREE_ATTENTION
     try:
@@ -405,3 +408,167 @@ def plan_packs(rows: Iterable[dict[str, Any]], max_tokens: int, max_open: int = 
     for pack in open_packs.values():
         close(pack)
     return PackPlan(packs, lengths, row_tokens)
+
+
+# ---------------------------------------------------------------- sequence packing (policy SFT)
+# Several whole rows one after another in one sequence, each attending only to itself: no padding
+# between rows, and attention by blocks keeps the cost near that of the rows alone.
+
+# The label that carries no loss, cross_entropy's ignore_index (mmprm.training.data.IGNORE, which
+# imports this module: not imported from there)
+IGNORE = -100
+
+
+def plan_sequence_packs(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Row indices in packs of at most `max_tokens` tokens (best fit, longest rows first).
+
+    Deterministic: the same lengths give the same packs. A row longer than `max_tokens` gets a
+    pack of its own (callers refuse such a budget first: policy_sft's data.pack_tokens).
+    """
+    import bisect
+
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    packs: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (tokens left, pack index), sorted: the tightest fit first
+    for i in order:
+        n = lengths[i]
+        k = bisect.bisect_left(room, (n, -1))
+        if k < len(room):
+            left, p = room.pop(k)
+            packs[p].append(i)
+            bisect.insort(room, (left - n, p))
+        else:
+            packs.append([i])
+            bisect.insort(room, (max_tokens - n, len(packs) - 1))
+    return packs
+
+
+def collate_sequence_packs(packs: Sequence[Sequence[dict[str, Any]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Packs of `tokenize_sft` outputs -> one batch row per pack, right-padded.
+
+    input_ids / labels / attention_mask (B, L) as `collate_sft` gives them (the 2-D mask marks real
+    tokens, not attention), and position_ids (B, L): each row's own 0, 1, ..., and the padding at
+    the end as one more sequence. A row's first label is IGNORE, so no row learns to predict the
+    next one's start; every other label is the row's own (the same tokens carry loss as padded).
+    Image tensors are concatenated in row order, as the models consume them.
+    """
+    width = max(sum(len(t["input_ids"]) for t in pack) for pack in packs)
+    ids = torch.full((len(packs), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(packs), width), IGNORE, dtype=torch.long)
+    real = torch.zeros((len(packs), width), dtype=torch.long)
+    positions = torch.zeros((len(packs), width), dtype=torch.long)
+    extras = []
+    for b, pack in enumerate(packs):
+        start = 0
+        for t in pack:
+            n = len(t["input_ids"])
+            ids[b, start : start + n] = torch.tensor(t["input_ids"])
+            labels[b, start : start + n] = torch.tensor(t["labels"])
+            labels[b, start] = IGNORE
+            real[b, start : start + n] = 1
+            positions[b, start : start + n] = torch.arange(n)
+            start += n
+        positions[b, start:] = torch.arange(width - start)
+        extras.append(_pack_extras([t["extra"] for t in pack], [len(t["input_ids"]) for t in pack]))
+    return {
+        "input_ids": ids,
+        "attention_mask": real,
+        "position_ids": positions,
+        "labels": labels,
+        **collate_model_inputs(extras, width),
+    }
+
+
+def _pack_extras(extras: Sequence[dict[str, torch.Tensor]], lengths: Sequence[int]) -> dict[str, torch.Tensor]:
+    """The processor outputs of a pack's rows as one example's: per-token tensors joined along the
+    tokens (zeros for a row without them, a text-only row), the rest along dim 0."""
+    out: dict[str, torch.Tensor] = {}
+    for key in sorted(set().union(*(e.keys() for e in extras))):
+        have = [e[key] for e in extras if key in e]
+        if key in PER_TOKEN_KEYS:
+            parts = [
+                e[key][:, :n] if key in e else torch.zeros((1, n), dtype=have[0].dtype) for e, n in zip(extras, lengths)
+            ]
+            out[key] = torch.cat(parts, dim=1)
+        else:
+            out[key] = torch.cat(have, dim=0)
+    return out
+
+
+def _base_model(model: Any) -> Any:
+    """The HF model under DDP / DeepSpeed and PEFT wrappers."""
+    from accelerate.utils import extract_model_from_parallel
+
+    model = extract_model_from_parallel(model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@contextmanager
+def sequence_pack_inputs(model: Any, batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+    """Within this context, the model inputs of a `collate_sequence_packs` batch for the model's
+    attention kernel (labels kept); the model runs inside it.
+
+    Positions restart at every row: for the Qwen2-VL family, the M-RoPE positions of the model's
+    own `get_rope_index` over the pack, each row moved back by its start, with the plain positions
+    in front (the 4-row position ids transformers reads packed sequences from). sdpa and eager get
+    a block-diagonal causal (B, 1, L, L) mask (on CPU sdpa attends by blocks, `tree_attention`),
+    flex_attention the same as a block mask. flash_attention_2/3 get one flattened sequence without
+    padding and no mask: transformers' varlen path cuts it where the positions restart.
+    """
+    base = _base_model(model)
+    config = base.config.get_text_config()
+    attn = getattr(config, "_attn_implementation", None) or "sdpa"
+    out = dict(batch)
+    real = out.pop("attention_mask").bool()  # (B, L)
+    rows = out["position_ids"]  # (B, L)
+    decoder = getattr(base, "model", base)
+    rope_index = getattr(decoder, "get_rope_index", None)
+    if rope_index is not None:
+        if "mm_token_type_ids" in out:
+            kwargs = {k: out[k] for k in ("image_grid_thw", "video_grid_thw") if k in out}
+            linear, _ = rope_index(out["input_ids"], mm_token_type_ids=out["mm_token_type_ids"], **kwargs)
+            # a row's positions over the pack are its own plus those of the row's first token
+            # (every M-RoPE axis alike, text or image); the row's first index is (index - position)
+            first = torch.arange(rows.shape[1], device=rows.device) - rows
+            mrope = linear - linear[0].gather(1, first).unsqueeze(0)
+        else:
+            mrope = rows.unsqueeze(0).expand(3, -1, -1)
+        out["position_ids"] = torch.cat([rows.unsqueeze(0), mrope], dim=0)  # (4, B, L)
+    if attn.startswith("flash_attention"):
+        yield flatten_packs(out, real)
+        return
+    doc = (rows == 0).cumsum(-1)  # (B, L): which sequence of its pack a token is in
+    sees = (doc.unsqueeze(-1) == doc.unsqueeze(-2)).tril().unsqueeze(1)  # (B, 1, L, L)
+    if attn not in ("sdpa", "eager", "flex_attention"):
+        raise ValueError(
+            f"sequence packing (data.pack_sequences) runs with sdpa, eager, flex_attention or "
+            f"flash_attention_2, not {attn!r}: set model.attn_implementation or data.pack_sequences=false"
+        )
+    out["attention_mask"] = packed_attention_mask(sees, attn, base.dtype)
+    # the rows' bounds are read on the host: only where the blocks can run (CPU), no sync on a GPU
+    blocks = document_blocks(rows, out["attention_mask"]) if rows.device.type == "cpu" else None
+    with tree_attention(base, sees, out["attention_mask"], blocks):
+        yield out
+
+
+def document_blocks(positions: torch.Tensor, additive: torch.Tensor) -> _TreeBlocks:
+    """The blocks `tree_attention` runs for a sequence-packed batch: each sequence (positions
+    restarting at 0) against its own keys only, causal, with no mask to build or read."""
+    out = []
+    for row in positions.tolist():
+        starts = [t for t, p in enumerate(row) if p == 0] + [len(row)]
+        out.append([(a, b, slice(a, b), None) for a, b in zip(starts, starts[1:])])
+    return _TreeBlocks(additive, out)
+
+
+def flatten_packs(inputs: dict[str, torch.Tensor], real: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A packed batch as one sequence without its padding (`real`, (B, L) bool): flash-attn's varlen
+    layout, where transformers finds the rows from the positions (batch size 1 only)."""
+    out = dict(inputs)
+    keep = real.reshape(-1)
+    for key in ("input_ids", "labels", *PER_TOKEN_KEYS):
+        if key in out:
+            out[key] = out[key].reshape(1, -1)[:, keep]
+    pos = out["position_ids"]  # (B, L), or (4, B, L) with M-RoPE
+    out["position_ids"] = pos.reshape(*pos.shape[:-2], 1, -1)[..., keep]
+    return out
