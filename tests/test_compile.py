@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -233,7 +235,7 @@ def _losses(out) -> list[float]:
 def test_prm_train_with_train_compile_trains_the_eager_run_and_saves_plain_weights(tiny_models, tmp_path):
     train = write_toy_prm_data(tmp_path, 12, 0)
     ev = write_toy_prm_data(tmp_path, 4, 1, name="eval.jsonl")
-    model = tiny_models(FAST)
+    model = tiny_models("qwen2_vl")  # images through the eager tower into compiled layers
     run_recipe("prm_train", *_train_args(model, train, ev, tmp_path / "eager"))
     res = run_recipe("prm_train", *_train_args(model, train, ev, tmp_path / "compiled"), "train.compile=true")
     assert "train.compile: 2 decoder layers compiled" in res.stdout
@@ -241,3 +243,53 @@ def test_prm_train_with_train_compile_trains_the_eager_run_and_saves_plain_weigh
     examples = [{"question": "Q", "images": [], "steps": ["a", "b c"]}]
     scores = [load_prm(tmp_path / run).score(examples) for run in ("eager", "compiled")]
     assert scores[0][0] == pytest.approx(scores[1][0], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_train_compile_is_refused_under_zero3_before_the_model_loads(tiny_models, tmp_path):
+    from ports import free_port
+    from recipe_runs import REPO, recipe_env
+
+    train = write_toy_prm_data(tmp_path, 4, 0, images=False)
+    launcher = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", "launch/accelerate/deepspeed_zero3.yaml", "--num_processes", "1",
+        "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no",
+    ]  # fmt: skip
+    args = _train_args(tiny_models("qwen2"), train, train, tmp_path / "o")
+    cmd = [*launcher, str(REPO / "recipes" / "prm_train.py"), *args, "train.compile=true"]
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=recipe_env(ACCELERATE_USE_CPU="false")
+    )
+    assert res.returncode != 0
+    assert "train.compile: not supported under DeepSpeed ZeRO-3" in res.stdout + res.stderr, res.stderr[-3000:]
+    assert "Loading weights" not in res.stderr
+
+
+@pytest.mark.slow
+def test_policy_sft_with_train_compile_trains_the_eager_run(tiny_models, tmp_path):
+    from mmprm.data.synthetic import cli_synthetic
+
+    assert cli_synthetic(["--out", str(tmp_path / "data"), "--train", "8", "--test", "2", "--seed", "0"]) == 0
+    train, ev = tmp_path / "data" / "train_sft.jsonl", tmp_path / "data" / "test_sft.jsonl"
+    args = [
+        f"model.name_or_path={tiny_models('qwen2_vl')}",
+        f"data.train_file={train}",
+        f"data.eval_file={ev}",
+        "train.max_steps=3",
+        "train.batch_size=4",
+        "train.lr=3e-3",
+        "train.log_every=1",
+        "train.eval_every=3",
+        "train.save_every=3",
+        "train.eval_generations=1",
+        "train.max_new_tokens=4",
+        "data.max_length=256",
+        "train.report_to=none",
+    ]
+    run_recipe("policy_sft", *args, f"output_dir={tmp_path / 'eager'}")
+    res = run_recipe("policy_sft", *args, f"output_dir={tmp_path / 'compiled'}", "train.compile=true")
+    assert "train.compile: 2 decoder layers compiled" in res.stdout
+    assert _losses(tmp_path / "compiled") == pytest.approx(_losses(tmp_path / "eager"), abs=1e-5)
+    state = load_backbone(tmp_path / "compiled")[0].state_dict()  # the saved model, plain keys
+    assert not any("_orig_mod" in k for k in state)
