@@ -293,3 +293,22 @@ def test_policy_sft_with_train_compile_trains_the_eager_run(tiny_models, tmp_pat
     assert _losses(tmp_path / "compiled") == pytest.approx(_losses(tmp_path / "eager"), abs=1e-5)
     state = load_backbone(tmp_path / "compiled")[0].state_dict()  # the saved model, plain keys
     assert not any("_orig_mod" in k for k in state)
+
+
+@pytest.mark.slow
+def test_compile_benchmark_quick():
+    from recipe_runs import REPO
+
+    res = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "compile_training.py"), "--quick"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, res.stdout[-2000:]
+    out = json.loads(lines[0])
+    assert out["eager"]["steps_per_s"] > 0 and out["compiled"]["steps_per_s"] > 0
+    assert out["max_loss_diff"] <= 1e-5
