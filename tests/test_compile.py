@@ -312,3 +312,17 @@ def test_compile_benchmark_quick():
     out = json.loads(lines[0])
     assert out["eager"]["steps_per_s"] > 0 and out["compiled"]["steps_per_s"] > 0
     assert out["max_loss_diff"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_fsdp2_wraps_the_compiled_layers_and_steps_the_eager_gradient(tiny_models, tmp_path):
+    """Compiled before accelerate's FSDP2 preparation (fully_shard per decoder layer): the layers
+    run compiled over sharded parameters and give the eager logits and gradient norm."""
+    from test_fsdp2 import run_fsdp2_step
+
+    eager = run_fsdp2_step(tiny_models, tmp_path / "eager", "frozen", "1.0", "false")
+    compiled = run_fsdp2_step(tiny_models, tmp_path / "compiled", "frozen", "1.0", "true")
+    assert eager["compiled_graphs"] == 0 and compiled["compiled_graphs"] >= 1
+    assert compiled["sharded"] == eager["sharded"] > 0
+    assert compiled["before"] == pytest.approx(eager["before"], rel=1e-5)
+    assert torch.allclose(torch.tensor(compiled["logits"]), torch.tensor(eager["logits"]), atol=1e-5)
