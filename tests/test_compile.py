@@ -326,3 +326,21 @@ def test_fsdp2_wraps_the_compiled_layers_and_steps_the_eager_gradient(tiny_model
     assert compiled["sharded"] == eager["sharded"] > 0
     assert compiled["before"] == pytest.approx(eager["before"], rel=1e-5)
     assert torch.allclose(torch.tensor(compiled["logits"]), torch.tensor(eager["logits"]), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_with_train_compile_trains_the_eager_run(tiny_models, tmp_path):
+    """Compiled before accelerate wraps the model in DDP: 2 gloo processes log the losses of the
+    same run uncompiled (the gradient all-reduce runs on the compiled layers' gradients)."""
+    from recipe_runs import cpu_ddp_launcher
+
+    train = write_toy_prm_data(tmp_path, 16, 0)
+    ev = write_toy_prm_data(tmp_path, 4, 1, name="eval.jsonl")
+    args = _train_args(tiny_models("qwen2_vl"), train, ev, tmp_path / "eager")
+    env = {"ACCELERATE_USE_CPU": "true"}
+    run_recipe("prm_train", *args, launcher=cpu_ddp_launcher(), extra_env=env)
+    args = _train_args(tiny_models("qwen2_vl"), train, ev, tmp_path / "compiled")
+    res = run_recipe("prm_train", *args, "train.compile=true", launcher=cpu_ddp_launcher(), extra_env=env)
+    assert "train.compile: 2 decoder layers compiled" in res.stdout
+    assert json.loads((tmp_path / "compiled" / "config.resolved.json").read_text())["num_processes"] == 2
+    assert _losses(tmp_path / "compiled") == pytest.approx(_losses(tmp_path / "eager"), abs=1e-5)
