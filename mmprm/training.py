@@ -1009,7 +1009,7 @@ class TrainingRun:
             from mmprm.models.compile_layers import compile_decoder_layers
 
             n = compile_decoder_layers(model)
-            self.log(f"train.compile: {n} decoder layers compiled (each new input shape compiles once)")
+            self.log(f"train.compile: {n} decoder layers compiled (the first step traces and compiles them)")
         self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)
         # read after prepare: FSDP2's fully_shard replaces every parameter with a sharded one, and
         # the gradients land on those (the optimizer is remapped to them by accelerate)
