@@ -1006,9 +1006,13 @@ class TrainingRun:
         if train.compile:
             # before prepare: DDP and FSDP2 wrap the compiled layers (FSDP2's hooks run outside the
             # graph); after adapt_backbone, so LoRA layers and gradient checkpointing are traced in
+            from mmprm.config import ConfigError
             from mmprm.models.compile_layers import compile_decoder_layers
 
-            n = compile_decoder_layers(model)
+            try:
+                n = compile_decoder_layers(model)
+            except ValueError as e:
+                raise ConfigError(f"train.{e}") from None
             self.log(f"train.compile: {n} decoder layers compiled (the first step traces and compiles them)")
         self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)
         # read after prepare: FSDP2's fully_shard replaces every parameter with a sharded one, and
