@@ -1,7 +1,7 @@
 """One optimizer step of a tiny PRM under FSDP2 in one gloo process on CPU; prints the gradient
 norm before clipping and the one the optimizer steps with, as JSON.
 
-    python tests/fsdp2_step.py MODEL_DIR OUT_DIR frozen|all [MAX_GRAD_NORM]
+    python tests/fsdp2_step.py MODEL_DIR OUT_DIR frozen|all [MAX_GRAD_NORM] [COMPILE]
 
 accelerate takes FSDP for GPUs only, but torch's `fully_shard` runs on CPU with gloo: the script
 builds the run as `TrainingRun` does, then switches its accelerator state to FSDP2, so
@@ -17,8 +17,9 @@ import sys
 import torch.distributed as dist
 
 
-def main(model_dir: str, out_dir: str, trainable: str, max_grad_norm: str = "1.0") -> None:
+def main(model_dir: str, out_dir: str, trainable: str, max_grad_norm: str = "1.0", compile: str = "false") -> None:
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from torch._dynamo.utils import counters
     from torch.distributed.tensor import DTensor
     from torch.nn.utils import get_total_norm
 
@@ -28,7 +29,14 @@ def main(model_dir: str, out_dir: str, trainable: str, max_grad_norm: str = "1.0
     from mmprm.training.collate import collate_steps
     from mmprm.training.run import TrainConfig, TrainingRun, TrainModelConfig, adapt_backbone, load_trainable_backbone
 
-    train = TrainConfig(max_steps=1, batch_size=1, lr=1e-3, max_grad_norm=float(max_grad_norm), report_to="none")
+    train = TrainConfig(
+        max_steps=1,
+        batch_size=1,
+        lr=1e-3,
+        max_grad_norm=float(max_grad_norm),
+        report_to="none",
+        compile=compile == "true",
+    )
     run = TrainingRun("fsdp2", train, out_dir, None)
     dist.init_process_group("gloo", rank=0, world_size=1)
     state = run.accelerator.state
@@ -62,7 +70,15 @@ def main(model_dir: str, out_dir: str, trainable: str, max_grad_norm: str = "1.0
     inner.register_step_pre_hook(lambda opt, *_: stepped.append(norm(p for g in opt.param_groups for p in g["params"])))
     before = norm(prepared.parameters())
     _, logged = run._optimizer_step(0.0)
-    print(json.dumps({"sharded": sharded, "before": before, "stepped": stepped[0], "logged": float(logged)}))
+    out = {
+        "sharded": sharded,
+        "before": before,
+        "stepped": stepped[0],
+        "logged": float(logged),
+        "logits": logits.tolist(),
+        "compiled_graphs": counters["stats"]["unique_graphs"],  # train.compile: traced under FSDP2
+    }
+    print(json.dumps(out))
     dist.destroy_process_group()
 
 

@@ -638,6 +638,7 @@ def load_prm(
     vllm_kwargs: dict[str, Any] | None = None,
     convention: str | None = None,
     max_batch_tokens: int | None = MAX_BATCH_TOKENS,
+    compile: bool = False,
 ) -> PRMScorer | VLLMPRMScorer:
     """Restore a PRM saved by `save_prm` (or `recipes/prm_train.py`) as a scorer.
 
@@ -650,7 +651,8 @@ def load_prm(
     backend "vllm": a `mmprm.models.vllm_prm.VLLMPRMScorer`, the same scores from a vLLM engine
     (`vllm_kwargs` go to `vllm.LLM`; `device` and `attn_implementation` are vLLM's to choose).
     Scores are float32 whatever `dtype` the model runs in. An HF scorer's forwards hold at most
-    `batch_size` rows and `max_batch_tokens` padded tokens (None: rows only).
+    `batch_size` rows and `max_batch_tokens` padded tokens (None: rows only). `compile` (hf only):
+    `torch.compile` each decoder layer (`mmprm.models.compile_layers`), the same scores.
     """
     from safetensors.torch import load_file
 
@@ -658,6 +660,8 @@ def load_prm(
 
     if backend not in ("hf", "vllm"):
         raise ValueError(f"backend: {backend!r} is not one of ['hf', 'vllm']")
+    if compile and backend != "hf":
+        raise ValueError("compile: applies to backend 'hf' only (vLLM compiles its model itself)")
     path = Path(path)
     if backend == "vllm":
         from mmprm.models.vllm_prm import VLLMPRMScorer
@@ -670,15 +674,25 @@ def load_prm(
         spec = released_spec(convention)
         scorer = _load_released(path, spec, device, batch_size, max_length, dtype, attn_implementation)
         scorer.max_batch_tokens = max_batch_tokens
-        return scorer
+        return _compiled(scorer, compile)
     spec = read_spec(path)
     backbone, processor = load_backbone(path, dtype=dtype, attn_implementation=attn_implementation)
     model = build_prm(backbone, processor, spec)
     if spec.head == "value":
         model.value_head.load_state_dict(load_file(str(path / VALUE_HEAD_FILE)))
-    return PRMScorer(
+    scorer = PRMScorer(
         model, processor, device=device, batch_size=batch_size, max_length=max_length, max_batch_tokens=max_batch_tokens
     )
+    return _compiled(scorer, compile)
+
+
+def _compiled(scorer: PRMScorer, compile: bool) -> PRMScorer:
+    """The scorer, its decoder layers compiled in place when `compile` (`load_prm(compile=True)`)."""
+    if compile:
+        from mmprm.models.compile_layers import compile_decoder_layers
+
+        compile_decoder_layers(scorer.model)
+    return scorer
 
 
 def _load_released(

@@ -108,6 +108,8 @@ class TrainConfig:
             (NCCL's own default, 600, is shorter than a large ZeRO-3 save or data build)
         peak_tflops: the device's peak TFLOP/s that MFU is measured against; null takes the bf16
             figure of a known GPU (`mmprm.mfu.PEAK_BF16_TFLOPS`) and logs MFU as null elsewhere
+        compile: `torch.compile` each decoder layer of the language model
+            (`mmprm.models.compile_layers`); the first steps pay the compile. Not under DeepSpeed ZeRO-3
     """
 
     seed: int = 42
@@ -134,6 +136,7 @@ class TrainConfig:
     prefetch_batches: bool = True
     dist_timeout_s: int = 1800
     peak_tflops: float | None = None
+    compile: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what to do."""
@@ -955,6 +958,14 @@ class TrainingRun:
             check_world_size(self.accelerator, world_size)
         except RuntimeError as e:
             raise ConfigError(str(e)) from None
+        ds = self.accelerator.state.deepspeed_plugin
+        if train.compile and ds is not None and ds.deepspeed_config.get("zero_optimization", {}).get("stage") == 3:
+            # ZeRO-3 gathers each weight in hooks on every submodule, which would cut a layer's graph
+            # at every linear layer; DeepSpeed compiles such a model itself (its `compile` config).
+            raise ConfigError(
+                "train.compile: not supported under DeepSpeed ZeRO-3 (its per-module weight gathering breaks the "
+                "compiled layers apart); set train.compile=false, or use ZeRO-2 or FSDP2 (launch/accelerate/fsdp.yaml)"
+            )
         set_seed(train.seed)
         self.log = self.accelerator.print
         # before loading anything: a fresh start over another run's checkpoints is refused here
@@ -992,6 +1003,17 @@ class TrainingRun:
             # No dataloader goes through prepare(), so DeepSpeed cannot infer these "auto" values itself.
             ds.deepspeed_config["train_micro_batch_size_per_gpu"] = train.batch_size
             ds.deepspeed_config["gradient_clipping"] = train.max_grad_norm
+        if train.compile:
+            # before prepare: DDP and FSDP2 wrap the compiled layers (FSDP2's hooks run outside the
+            # graph); after adapt_backbone, so LoRA layers and gradient checkpointing are traced in
+            from mmprm.config import ConfigError
+            from mmprm.models.compile_layers import compile_decoder_layers
+
+            try:
+                n = compile_decoder_layers(model)
+            except ValueError as e:
+                raise ConfigError(f"train.{e}") from None
+            self.log(f"train.compile: {n} decoder layers compiled (the first step traces and compiles them)")
         self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)
         # read after prepare: FSDP2's fully_shard replaces every parameter with a sharded one, and
         # the gradients land on those (the optimizer is remapped to them by accelerate)
