@@ -106,7 +106,7 @@ def test_reduced_demo_pipeline(tmp_path):
         "annotate={sampling.max_new_tokens: 80, sampling.prefix_temperature: 0.5, engine.concurrency: 32, "
         "search.max_rollouts: 48, search.max_searches: 8, export.edges: step}",
         "prm={train.max_steps: 60, train.save_every: 60, train.lr: 1e-3, data.pack_trees: true, train.batch_size: 4}",
-        "bon={generate.sampling.max_new_tokens: 80, generate.batch_size: 64, report.resamples: 200}",
+        "bon={policy.sampling.max_new_tokens: 80, policy.batch_size: 64, report.resamples: 200}",
         "search_problems=8",
         "search={policy.sampling.max_new_tokens: 40, bon.max_new_tokens: 80, bon.n: [2, 4], "
         "report.resamples: 100, searches: [{method: beam, width: 2, expansions: 2, max_steps: 6, aggregator: min}]}",
@@ -259,7 +259,7 @@ def test_pipeline_on_a_real_chat_template(tmp_path, family):
         "annotate={sampling.max_new_tokens: 100, sampling.prefix_temperature: 0.5, engine.concurrency: 8, "
         "search.max_rollouts: 32, search.max_searches: 4, export.edges: step}",  # as the demo
         "prm={train.max_steps: 4, train.save_every: 4, data.pack_trees: true, train.batch_size: 4}",  # as the demo
-        "bon={generate.sampling.max_new_tokens: 100, generate.batch_size: 16, report.resamples: 50}",
+        "bon={policy.sampling.max_new_tokens: 100, policy.batch_size: 16, report.resamples: 50}",
         "search_problems=4",
         "search={policy.sampling.max_new_tokens: 30, bon.max_new_tokens: 100, bon.n: [2], "
         "report.resamples: 50, searches: [{method: beam, width: 2, expansions: 2, max_steps: 4, aggregator: min}]}",
