@@ -93,7 +93,7 @@ class TaskConfig:
 
 
 @dataclass
-class ModelConfig:
+class DemoModelConfig:
     """The model every stage starts from, and how it is loaded.
 
     Attributes:
@@ -109,7 +109,7 @@ class ModelConfig:
 
 
 @dataclass
-class Config:
+class QuickstartConfig:
     """quickstart settings: the whole pipeline on a tiny model, stage by stage.
 
     Attributes:
@@ -153,7 +153,7 @@ class Config:
     num_layers: int = 2
     tokenizer_corpus: bool = False
     task: TaskConfig = field(default_factory=TaskConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: DemoModelConfig = field(default_factory=DemoModelConfig)
     n: int = 8
     threads: int = 1
     sft_ranks: int = 1
@@ -183,10 +183,10 @@ MODELS = {  # report key -> (training output, Best-of-N output, name in the repo
 # Each stage's settings: the recipe it configures, that recipe's config class, the tiny config the
 # demo starts it from. The outcome model is prm_train again, with `prm` then `orm`.
 STAGES = {
-    "sft": ("policy_sft", "Config", "recipes/configs/tiny/policy_sft.yaml"),
+    "sft": ("policy_sft", "PolicySFTConfig", "recipes/configs/tiny/policy_sft.yaml"),
     "annotate": ("mcts_annotate", "AnnotateConfig", "recipes/configs/tiny/mcts_annotate.yaml"),
-    "prm": ("prm_train", "Config", "recipes/configs/tiny/prm_train.yaml"),
-    "orm": ("prm_train", "Config", "recipes/configs/tiny/prm_train.yaml"),
+    "prm": ("prm_train", "PRMTrainConfig", "recipes/configs/tiny/prm_train.yaml"),
+    "orm": ("prm_train", "PRMTrainConfig", "recipes/configs/tiny/prm_train.yaml"),
     "bon": ("bon_rerank", "BonRerankConfig", "recipes/configs/tiny/bon_rerank.yaml"),
     "search": ("prm_search", "PRMSearchConfig", "recipes/configs/tiny/prm_search.yaml"),
 }
@@ -223,7 +223,7 @@ def stage_config_class(recipe: str, name: str) -> type:
     return getattr(sys.modules[module_name], name)
 
 
-def check_stage_settings(cfg: Config) -> dict[str, list[str]]:
+def check_stage_settings(cfg: QuickstartConfig) -> dict[str, list[str]]:
     """Each stage's settings as its overrides, each checked against the stage recipe's own config.
 
     The stage's tiny config plus its settings go through `load_config` as the recipe loads them,
@@ -267,7 +267,7 @@ class Demo:
         times_lock: held while a lane reads or writes OUTPUT_DIR/stage_times.json
     """
 
-    cfg: Config
+    cfg: QuickstartConfig
     out: Path
     overrides: dict[str, list[str]]
     started: float
@@ -460,8 +460,8 @@ def write_outcome_candidates(cand_file: Path, out_file: Path) -> None:
 
 def setup(argv: list[str]) -> Demo:
     """Read and check every setting (the stages' too), then make OUTPUT_DIR: nothing runs before."""
-    config_path, overrides = parse_cli(argv, Config)
-    cfg = load_config(Config, config_path, overrides)
+    config_path, overrides = parse_cli(argv, QuickstartConfig)
+    cfg = load_config(QuickstartConfig, config_path, overrides)
     if cfg.model.name_or_path:
         require_model_dir(cfg, "model.name_or_path")
     from mmprm.models.loading import resolve_attn_implementation
@@ -481,7 +481,7 @@ def setup(argv: list[str]) -> Demo:
 
 
 # ---- 1. data ---------------------------------------------------------------------------------
-def make_data(cfg: Config, data: Path) -> None:
+def make_data(cfg: QuickstartConfig, data: Path) -> None:
     """The task's four disjoint splits: SFT train (with slips), annotation, and dev + test held out."""
     from mmprm.data.synthetic import (
         SyntheticConfig,
