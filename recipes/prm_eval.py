@@ -458,14 +458,14 @@ def score_examples(cfg: PRMEvalConfig, exs: list[StepExample]) -> list[list[floa
         raise DataError([f"{cfg.data.path}: {e}"]) from None
     except ImageDecodeError as e:  # an image that does not decode; the message names it
         raise DataError([f"{cfg.data.path}: {e}"]) from None
-    except ValueError as e:  # e.g. a prompt longer than scorer.max_length, the example named
+    except ValueError as e:  # e.g. a prompt longer than prm.max_length, the example named
         raise ConfigError(f"scorer: {e}") from None
     finally:
         scorer.close()
 
 
 def score_rows(split: str, exs: list[StepExample], scores: list[list[float]]) -> list[dict[str, Any]]:
-    """One row per example of `split`: its step scores (NaN past scorer.max_length) beside its labels."""
+    """One row per example of `split`: its step scores (NaN past prm.max_length) beside its labels."""
     return [
         {
             "id": ex.id,
@@ -494,7 +494,7 @@ def threshold_of(cfg: PRMEvalConfig, dev_rows: list[dict[str, Any]], objective: 
         try:
             threshold = choose_threshold(usable, objective)
         except ValueError as e:  # truncation can remove the last example of one kind
-            raise SystemExit(f"dev split ({len(usable)} scored examples): {e}; raise scorer.max_length") from None
+            raise SystemExit(f"dev split ({len(usable)} scored examples): {e}; raise prm.max_length") from None
         source = "best first-error F1 on dev" if objective == "first_error_f1" else "best step macro F1 on dev"
         if cfg.data.dev_file:
             split = f"data.dev_file {cfg.data.dev_file} ({len(usable)} examples)"
@@ -518,7 +518,7 @@ def make_report(
     split's at the same threshold (`chosen`: threshold, source, split)."""
     threshold, source, split = chosen
     if not complete(test_rows):
-        raise SystemExit("every example was truncated: raise scorer.max_length")
+        raise SystemExit("every example was truncated: raise prm.max_length")
     soft = any(0.0 < y < 1.0 for r in test_rows for y in r["labels"])
     return {
         "data": cfg.data.path,

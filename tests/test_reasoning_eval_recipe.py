@@ -256,8 +256,8 @@ def test_prm_scorer_gives_each_node_the_prms_score_of_its_step(tmp_path, tiny_mo
         "tree.kind=steps",
         "scorer.kind=prm",
         f"prm.path={prm_dir}",
-        "scorer.batch_size=2",
-        "scorer.device=cpu",
+        "prm.batch_size=2",
+        "prm.device=cpu",
         f"output.dir={out}",
         "output.plots=false",
     ]

@@ -416,7 +416,7 @@ def qwen_math_prm_dir(tmp_path_factory) -> Path:
 def released_prm_run(prm: Path, data: Path, out: Path, *args: str) -> tuple[dict, list[dict]]:
     """prm_eval on ProcessBench with the Qwen2.5-Math-PRM convention; (report, scores.jsonl rows)."""
     overrides = ["data.format=processbench", f"data.path={data}", "data.per_category=null", "data.dev_fraction=0"]
-    overrides += [f"prm.path={prm}", "scorer.convention=qwen2_5_math_prm", f"output.dir={out}", *args]
+    overrides += [f"prm.path={prm}", "prm.convention=qwen2_5_math_prm", f"output.dir={out}", *args]
     assert recipe().main(["--config", str(CONFIG), *overrides]) == 0
     rows = [json.loads(line) for line in (out / "scores.jsonl").read_text().splitlines()]
     return json.loads((out / "report.json").read_text()), rows
@@ -452,15 +452,15 @@ def test_recipe_on_all_of_processbench_with_a_released_prm(qwen_math_prm_dir, tm
 
 @pytest.mark.slow
 def test_recipe_counts_truncated_processbench_examples(qwen_math_prm_dir, tmp_path):
-    """With scorer.max_length cutting some examples, they stay in ProcessBench's denominators."""
+    """With prm.max_length cutting some examples, they stay in ProcessBench's denominators."""
     released = [r for s in SUBSETS for r in json.loads((FIXTURES / "processbench" / f"{s}.json").read_text("utf-8"))]
-    report, rows = released_prm_run(qwen_math_prm_dir, FIXTURES / "processbench", tmp_path, "scorer.max_length=500")
+    report, rows = released_prm_run(qwen_math_prm_dir, FIXTURES / "processbench", tmp_path, "prm.max_length=500")
     cut = [r for r in rows if r["truncated"]]
     assert 0 < len(cut) < len(rows) and report["truncated"] == len(cut)
     assert report["metrics"]["examples"] == len(rows) == len(released)
     assert report["metrics"]["steps"] == sum(len(r["scores"]) for r in rows if not r["truncated"])
     middle = float(np.median([s for r in rows for s in r["scores"] if not math.isnan(s)]))
     report, rows = released_prm_run(
-        qwen_math_prm_dir, FIXTURES / "processbench", tmp_path, "scorer.max_length=500", f"metrics.threshold={middle}"
+        qwen_math_prm_dir, FIXTURES / "processbench", tmp_path, "prm.max_length=500", f"metrics.threshold={middle}"
     )
     assert_processbench_numbers(report, rows, released)
