@@ -26,7 +26,7 @@ On tiny random-init models (nothing is downloaded), with every visible GPU unles
 - one tiny vLLM engine per GPU under torchrun (`mmprm.generation.vllm.pin_local_gpu`):
   each rank's engine on a GPU of its own, each generating;
 - one tiny vLLM engine over 2 GPUs (`tensor_parallel_size=2`), generating;
-- the vLLM scorer (`scoring.backend=vllm`) beside the HF scorer on one GPU in bf16
+- the vLLM scorer (`prm.backend=vllm`) beside the HF scorer on one GPU in bf16
   (`benchmarks/prm_vllm_scoring.py`): both scorers' steps/s, and their scores agree;
 - the memory of one decoder layer shaped as Qwen2.5-VL-7B's language model (hidden 3584, 28
   heads of 128, 4 KV heads, MLP 18944) training on one 4096-token sequence in bf16 with gradient

@@ -15,7 +15,7 @@
 #                    than the budget, so gpu-check skips it by name)
 #   env        (40)  mmprm env: versions, each library imported and used once on the GPU
 #   gpu_check  (150) make gpu-check, shortened (10 steps, 64 rows), --skip vllm_tp,flash_attn
-#   annotate   (45)  a toy policy and 4 toy problems, mcts_annotate.py with model.backend=vllm
+#   annotate   (45)  a toy policy and 4 toy problems, mcts_annotate.py with policy.backend=vllm
 #   score      (35)  benchmarks/prm_vllm_scoring.py --quick: the vLLM and HF scorers agree
 # Logs: WORK/logs/STEP.log (WORK default runs/first_contact). Exit 0 when every step run passed.
 set -uo pipefail
@@ -87,11 +87,11 @@ annotate() {
         "$py" -m mmprm.annotate.simulated --base "$WORK/base" --out "$WORK/policy" \
             --problems-dir "$WORK/problems" --n 4 &&
         "$py" recipes/mcts_annotate.py --config recipes/configs/tiny/mcts_annotate.yaml \
-            model.name_or_path="$WORK/policy" data.problems_file="$WORK/problems/problems.jsonl" \
-            output_dir="$WORK/annotate" model.backend=vllm model.dtype=bfloat16 \
-            model.vllm_max_model_len=1024 model.vllm_gpu_memory_utilization=0.3 \
-            "model.vllm_kwargs={enforce_eager: true}" search.max_searches=4 search.rollouts_per_estimate=4 \
-            sampling.max_new_tokens=64
+            policy.path="$WORK/policy" data.problems_file="$WORK/problems/problems.jsonl" \
+            output_dir="$WORK/annotate" policy.backend=vllm policy.dtype=bfloat16 \
+            policy.vllm.max_model_len=1024 policy.vllm.gpu_memory_utilization=0.3 \
+            "policy.vllm.kwargs={enforce_eager: true}" search.max_searches=4 search.rollouts_per_estimate=4 \
+            policy.sampling.max_new_tokens=64
 }
 
 step install 210 install

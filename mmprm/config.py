@@ -3,6 +3,8 @@
     cfg = load_config(PRMTrainConfig, "recipes/configs/tiny/prm_train.yaml", ["train.lr=1e-5"])
 
 Unknown keys, wrong types and bad values fail before any work starts, naming the file and key.
+A key that moved is still read for one release, with a warning naming its new place: a config
+class lists its moves in a `RENAMED_KEYS` class attribute (`{"old.dotted": "new.dotted"}`).
 Each config dataclass documents its fields in a Google-style `Attributes:` section of its
 docstring; `--help` on any recipe prints every dotted key with its type, default and that line.
 """
@@ -17,6 +19,7 @@ import re
 import sys
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -244,11 +247,16 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         if Path(path).name == RESOLVED_CONFIG:  # a run's record: its facts are not settings
             for key in RUN_RECORD_KEYS:
                 raw.pop(key, None)
+    _move_renamed(cls, raw, source, prefix="")
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: write it as key=value, e.g. train.lr=1e-5")
-        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value != "" else "")
+        one: dict[str, Any] = {}
+        _set_dotted(one, key.strip(), _Leaf(yaml.safe_load(value) if value != "" else ""))
+        _move_renamed(cls, one, f"override {item!r}", prefix="")
+        key, leaf = _leaf(one)
+        _set_dotted(raw, key, leaf.value)
     try:
         return _build(cls, raw, source, prefix="")
     except ConfigError as e:
@@ -275,6 +283,65 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
             raise ConfigError(f"override {key}: {part!r} is a value, not a section")
         node = nxt
     node[parts[-1]] = value
+
+
+def _get_dotted(raw: dict[str, Any], key: str) -> tuple[bool, Any]:
+    node: Any = raw
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _pop_dotted(raw: dict[str, Any], key: str) -> None:
+    *parents, last = key.split(".")
+    node = raw
+    for part in parents:
+        node = node[part]
+    del node[last]
+    if parents and not node:  # a section left empty by the move is no key of the new layout
+        _pop_dotted(raw, ".".join(parents))
+
+
+def _move_renamed(cls: type, raw: dict[str, Any], source: str, prefix: str) -> None:
+    """Move each old key of CLS's `RENAMED_KEYS` (and its sections') found in RAW to its new place,
+    warning with both names; old and new both set is an error. An old key that is a prefix of its
+    new one (`prm` -> `prm.path`) moves only when it holds a value, not the new section."""
+    for old, new in getattr(cls, "RENAMED_KEYS", {}).items():
+        found, value = _get_dotted(raw, old)
+        content = value.value if isinstance(value, _Leaf) else value
+        if not found or (new.startswith(old + ".") and isinstance(content, dict)):
+            continue
+        _pop_dotted(raw, old)
+        if _get_dotted(raw, new)[0]:
+            raise ConfigError(f"{source}: {prefix + old} and {prefix + new} are both set: keep {prefix + new} only")
+        warnings.warn(
+            f"{source}: {prefix + old} is now {prefix + new}; the old key is read for one more release: rename it",
+            FutureWarning,
+            stacklevel=3,
+        )
+        _set_dotted(raw, new, value)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]) and isinstance(raw.get(f.name), dict):
+            _move_renamed(hints[f.name], raw[f.name], source, prefix + f.name + ".")
+
+
+@dataclasses.dataclass
+class _Leaf:
+    """An override's value while its key is moved: the mapping around it is keys, never its content."""
+
+    value: Any
+
+
+def _leaf(one: dict[str, Any]) -> tuple[str, _Leaf]:
+    """(dotted key, value) of the one `_Leaf` in ONE, a mapping that nests it."""
+    ((name, value),) = one.items()
+    if isinstance(value, _Leaf):
+        return name, value
+    key, leaf = _leaf(value)
+    return f"{name}.{key}", leaf
 
 
 def _build(cls: type[T], raw: dict[str, Any], source: str, prefix: str) -> T:

@@ -2,9 +2,9 @@ r"""Best-of-N reranking with a PRM: candidates -> step scores -> every aggregato
 
     # score pre-generated candidates (our candidates format; see `mmprm convert-candidates`)
     python recipes/bon_rerank.py --config recipes/configs/tiny/bon_rerank.yaml
-    # generate N samples per problem from a policy first (generate.backend=hf, or vllm on GPUs)
+    # generate N samples per problem from a policy first (policy.backend=hf, or vllm on GPUs)
     python recipes/bon_rerank.py --config recipes/configs/tiny/bon_rerank.yaml generate.enabled=true \
-        generate.policy=runs/tiny/toy_policy generate.problems_file=runs/tiny/toy_problems/problems.jsonl
+        policy.path=runs/tiny/toy_policy generate.problems_file=runs/tiny/toy_problems/problems.jsonl
     # sharded (one process per GPU or SLURM task; launch/slurm/bon_rerank.sbatch), then merge:
     python recipes/bon_rerank.py --config C.yaml shard.index=0 shard.count=4   # ... 1, 2, 3
     mmprm merge-bon OUTPUT_DIR
@@ -14,10 +14,10 @@ report_settings.json, and - once all shards are in - scored.jsonl, report.json, 
 bon_curve.png. A shard is a contiguous block of the problems, so the merged scores equal an
 unsharded run's (generation is not: each shard samples its own seed).
 
-With `scoring.max_length` set, a candidate whose steps do not all fit is scored on the steps that
+With `prm.max_length` set, a candidate whose steps do not all fit is scored on the steps that
 do and marked `truncated`; such a candidate is ranked last by every PRM aggregator (it never wins
 on a partial score), weighs nothing in the weighted vote, and is counted in report.json/md.
-Raise `scoring.max_length` (or leave it unset) to score every step.
+Raise `prm.max_length` (or leave it unset) to score every step.
 """
 
 from __future__ import annotations
@@ -29,16 +29,14 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from mmprm.chat import ChatConfig, ChatError
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir
-from mmprm.config_sections import ModelLoadConfig, ShardConfig
+from mmprm.config_sections import ModelLoadConfig, PolicyConfig, PRMScorerConfig, ShardConfig
 from mmprm.data.schema import DataError
-from mmprm.generation.base import SamplingConfig
-from mmprm.models.spec import ReleasedConvention
 from mmprm.scoring.aggregators import EdgeRules
 
 
@@ -67,23 +65,15 @@ class BenchmarkConfig:
 
 @dataclass
 class GenerateConfig:
-    """Generate candidates from a policy first (else read candidates_file).
+    """Generate candidates from the policy first (else read candidates_file).
 
     Attributes:
-        enabled: sample N candidates per problem before scoring
-        policy: the policy model directory (required when enabled)
+        enabled: sample N candidates per problem from `policy` before scoring
         problems_file: JSONL of {id, images, question, answer, choices?} (required when enabled,
             unless generate.benchmark names one)
         benchmark: an answer benchmark as the problems (section); its report breaks accuracy down by
             the benchmark's own columns
         n: candidates per problem
-        backend: hf (transformers generate) | vllm
-        batch_size: hf: sequences per generate call (vllm sends 8192 per call and schedules them itself)
-        step_mode: how steps are written and read: tags (SFT'd policy) | blank_lines; unset (null)
-            takes the policy's saved spec (mmprm_policy.json from recipes/policy_sft.py), else tags
-        system_prompt: system prompt sent to the policy; unset takes the saved spec, "" sends none
-        sampling: sampling settings (section)
-        vllm_kwargs: vllm: extra vllm.LLM arguments, e.g. {enforce_eager: true}
         extraction: how each candidate's answer is read and judged: rules (offline: the answer
             parsed from the reply, judged by the benchmark's rule) | llm (the benchmark authors' own
             LLM extraction - MathVista's few-shot GPT extraction, MathVerse's extract-then-judge -
@@ -93,47 +83,37 @@ class GenerateConfig:
     """
 
     enabled: bool = False
-    policy: str = ""
     problems_file: str = ""
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
     n: int = 8
-    backend: Literal["hf", "vllm"] = "hf"
-    batch_size: int = 64
-    step_mode: Literal["tags", "blank_lines"] | None = None
-    system_prompt: str | None = None
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     extraction: Literal["rules", "llm"] = "rules"
     judge: ChatConfig = field(default_factory=ChatConfig)
 
 
 @dataclass
-class ScoringConfig:
-    """How the PRM scores candidates.
+class RerankPRMConfig(PRMScorerConfig):
+    """The PRM that scores the candidates (mmprm.config_sections.PRMScorerConfig).
 
     Attributes:
+        path: PRM directory written by recipes/prm_train.py; required
         batch_size: candidates per forward
-        share_prefix: run the shared image + question prefix once per problem (same scores, faster)
-        max_length: tokens per candidate; trailing steps past it are not scored; null: no truncation
-        device: auto (cuda when available, else cpu), cpu, cuda or cuda:N
-        chunk_problems: problems read, scored and written to the shard file at a time: memory holds
-            one chunk, and a killed run resumes after the last chunk it wrote
-        backend: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
-            same scores, served the way large runs serve reward models)
-        vllm_kwargs: backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
-        convention: a released PRM that mmprm did not write, scored as its authors do:
-            math_shepherd | qwen2_5_math_prm | rlhflow | mm_prm | visualprm (docs/released-prms.md);
-            null: one mmprm trained
     """
 
     batch_size: int = 16
+
+
+@dataclass
+class ScoringConfig:
+    """How the candidates are scored.
+
+    Attributes:
+        share_prefix: run the shared image + question prefix once per problem (same scores, faster)
+        chunk_problems: problems read, scored and written to the shard file at a time: memory holds
+            one chunk, and a killed run resumes after the last chunk it wrote
+    """
+
     share_prefix: bool = True
-    max_length: int | None = None
-    device: str = "auto"
     chunk_problems: int = 256
-    backend: Literal["hf", "vllm"] = "hf"
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
-    convention: ReleasedConvention | None = None
 
     def validate(self) -> None:
         if self.chunk_problems < 1:
@@ -165,17 +145,18 @@ class ReportConfig:
 
 
 @dataclass
-class Config:
+class BonRerankConfig:
     """bon_rerank settings.
 
     Attributes:
-        prm: PRM directory written by recipes/prm_train.py; required
+        prm: the PRM (section); prm.path required
         candidates_file: our candidates JSONL (`mmprm convert-candidates`), or a file that
             candidates_reader reads; unused when generate.enabled
         candidates_reader: null: candidates_file is our candidates JSONL; a name: the Best-of-N
             candidates reader (mmprm.data.readers: mathv, gsm8k, qwen_math, text, or one you
             registered) that reads candidates_file, written as OUTPUT_DIR/candidates.<name>.jsonl first
         model: model loading (section)
+        policy: the policy that generates when generate.enabled (section)
         generate: generation (section)
         scoring: scoring (section)
         report: report (section)
@@ -183,19 +164,30 @@ class Config:
         output_dir: where candidates, scores, report.json/.md and bon_curve.png go
     """
 
-    prm: str = ""
+    prm: RerankPRMConfig = field(default_factory=RerankPRMConfig)
     candidates_file: str | None = None
     candidates_reader: str | None = None
     model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)
     output_dir: str = "runs/bon"
 
+    # Keys read under their old names for one release (mmprm.config), with a warning.
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "prm": "prm.path",
+        **{f"scoring.{k}": f"prm.{k}" for k in ("batch_size", "max_length", "device", "backend", "convention")},
+        "scoring.vllm_kwargs": "prm.vllm.kwargs",
+        "generate.policy": "policy.path",
+        **{f"generate.{k}": f"policy.{k}" for k in ("backend", "batch_size", "step_mode", "system_prompt", "sampling")},
+        "generate.vllm_kwargs": "policy.vllm.kwargs",
+    }
+
     def validate(self) -> None:
-        if not self.prm:
-            raise ValueError("prm: required (a PRM directory from recipes/prm_train.py)")
+        if not self.prm.path:
+            raise ValueError("prm.path: required (a PRM directory from recipes/prm_train.py)")
         from mmprm.models.loading import resolve_attn_implementation
 
         resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
@@ -209,15 +201,15 @@ class Config:
             except UnknownReaderError as e:
                 raise ValueError(f"candidates_reader: {e}") from None
         g = self.generate
-        if g.enabled and not (g.policy and (g.problems_file or g.benchmark.name)):
+        if g.enabled and not (self.policy.path and (g.problems_file or g.benchmark.name)):
             raise ValueError(
-                "generate.policy and generate.problems_file (or generate.benchmark.name): required when "
+                "policy.path and generate.problems_file (or generate.benchmark.name): required when "
                 "generate.enabled=true"
             )
         if g.problems_file and g.benchmark.name:
             raise ValueError("generate.problems_file and generate.benchmark.name: give one, not both")
-        if self.generate.n < 1 or self.generate.batch_size < 1:
-            raise ValueError("generate.n and generate.batch_size: must be >= 1")
+        if self.generate.n < 1:
+            raise ValueError("generate.n: must be >= 1")
         if g.extraction == "llm":
             if g.benchmark.name not in (None, "mathvista", "mathverse"):
                 raise ValueError(
@@ -233,7 +225,7 @@ class Config:
             raise ValueError(f"report.weighted_by: {self.report.weighted_by!r} is not one of {vote_weights}")
 
 
-def generate_candidates(cfg: Config, out_dir: Path) -> Path:
+def generate_candidates(cfg: BonRerankConfig, out_dir: Path) -> Path:
     """Sample N solutions per problem of this shard, verify them, write our candidates file.
 
     Each candidate's `steps` are `prm_steps(parsed steps, parsed answer)`: the PRM sees the answer
@@ -252,8 +244,8 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
     )
     final = out_dir / name
     partial = final.with_name(name + ".partial")
-    run = {"policy": str(Path(g.policy).resolve()), "problems_file": str(problems_file.resolve()), "n": g.n}
-    run["sampling"] = asdict(g.sampling)
+    run = {"policy": str(Path(cfg.policy.path).resolve()), "problems_file": str(problems_file.resolve()), "n": g.n}
+    run["sampling"] = asdict(cfg.policy.sampling)
     if g.extraction != "rules":  # verdicts from another extraction are another run's
         run["extraction"] = f"{g.extraction}:{g.judge.model}"
     store.check_same_run(final.with_name(name + ".run.json"), run, final, partial)
@@ -275,7 +267,8 @@ def generate_candidates(cfg: Config, out_dir: Path) -> Path:
         from mmprm.chat import ChatClient
 
         judge = ChatClient(g.judge, config_key="generate.judge", cache_path=out_dir / "extraction_cache.jsonl")
-    backend = make_backend(cfg)
+    # Each shard samples its own stream; a rerun of the same shard samples the same candidates.
+    backend = cfg.policy.build(cfg.model.attn_implementation, sampling=cfg.policy.sampling_for(cfg.shard.index))
     try:
         sample_into(partial, backend, todo, cfg, len(done), len(problems), judge)
     finally:
@@ -306,7 +299,7 @@ def benchmark_problems(bench: BenchmarkConfig, out_dir: Path) -> Path:
     return path
 
 
-def extraction_label(cfg: Config) -> str:
+def extraction_label(cfg: BonRerankConfig) -> str:
     """Which extraction gave the candidates' verdicts, as the report names it."""
     g = cfg.generate
     if not g.enabled:
@@ -320,7 +313,7 @@ def sample_into(
     partial: Path,
     backend: Any,
     todo: list[Any],
-    cfg: Config,
+    cfg: BonRerankConfig,
     n_done: int,
     n_problems: int,
     judge: Any = None,
@@ -337,7 +330,7 @@ def sample_into(
     from mmprm.steps import parse_solution, prm_steps
 
     g = cfg.generate
-    per_call = problems_per_call(backend, g.n, g.batch_size)
+    per_call = problems_per_call(backend, g.n, cfg.policy.batch_size)
     t0, n_parsed, n_correct = time.time(), 0, 0
     with store.open_append(partial) as f:
         for lo in range(0, len(todo), per_call):
@@ -384,34 +377,6 @@ def llm_verdicts(judge: Any, texts: list[str], problem: Any) -> list[Any]:
         raise ConfigError(f"generate.extraction=llm: {e}") from None
 
 
-def make_backend(cfg: Config):
-    """The generation backend, prompting the policy as its SFT saved it (`mmprm_policy.json`)
-    unless `generate.system_prompt` / `generate.step_mode` say otherwise (then with a warning)."""
-    from mmprm.generation import make_rollout_backend
-    from mmprm.generation.base import worker_seed
-    from mmprm.generation.policy import resolve_prompt_format
-
-    s = cfg.generate.sampling
-    # Each shard samples its own stream; a rerun of the same shard samples the same candidates.
-    sampling = replace(s, seed=worker_seed(s.seed, cfg.shard.index))
-    try:
-        system, step_mode = resolve_prompt_format(
-            cfg.generate.policy, cfg.generate.system_prompt, cfg.generate.step_mode, where="bon_rerank generate"
-        )
-    except ValueError as e:  # a broken mmprm_policy.json
-        raise ConfigError(f"generate.policy: {e}") from None
-    return make_rollout_backend(
-        cfg.generate.policy,
-        sampling,
-        step_mode,
-        system,
-        backend=cfg.generate.backend,
-        batch_size=cfg.generate.batch_size,
-        attn_implementation=cfg.model.attn_implementation,
-        vllm_kwargs=cfg.generate.vllm_kwargs,
-    )
-
-
 def batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
     """Lists of `size` items (the last may be shorter), pulled from `items` as needed."""
     it = iter(items)
@@ -424,7 +389,7 @@ def score_chunk(scorer: Any, problems: list[Any], share_prefix: bool, cand_file:
 
     Steps are what the PRM scores (answer attached); a candidate with no steps is scored on its
     whole text as one step, and one with no text either is left out (its score is 0). Steps past
-    scoring.max_length come back NaN: the scored prefix is kept for inspection, and the candidate
+    prm.max_length come back NaN: the scored prefix is kept for inspection, and the candidate
     is marked so the report ranks it last instead of trusting a partial score.
     """
     from mmprm.steps import StepTokenError
@@ -442,7 +407,7 @@ def score_chunk(scorer: Any, problems: list[Any], share_prefix: bool, cand_file:
                     raise DataError([f"{cand_file}: id={p.id}: candidates[{j}]: {e}"]) from None
         raise
     except ValueError as e:  # the scorer names the candidate, e.g. a prompt longer than max_length
-        raise ConfigError(f"scoring: {e}") from e
+        raise ConfigError(f"prm: {e}") from e
     rows, stats = [], {"candidates": len(examples), "steps": sum(len(x["steps"]) for x in examples)}
     stats["dropped_steps"] = stats["cut"] = 0
     for p, xs in zip(problems, inputs):
@@ -464,11 +429,11 @@ def score_chunk(scorer: Any, problems: list[Any], share_prefix: bool, cand_file:
 def main(argv: list[str]) -> None:
     """Candidates of this shard (generated or read), scored by the PRM, then the report once the
     run is complete."""
-    config_path, overrides = parse_cli(argv, Config)
-    cfg = load_config(Config, config_path, overrides)
+    config_path, overrides = parse_cli(argv, BonRerankConfig)
+    cfg = load_config(BonRerankConfig, config_path, overrides)
     if cfg.generate.enabled:  # generation can take hours: a typo in either path must not wait for it
-        require_model_dir(cfg, "generate.policy")
-        require_model_dir(cfg, "prm", hub=False)
+        require_model_dir(cfg, "policy.path")
+        require_model_dir(cfg, "prm.path", hub=False)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -477,7 +442,7 @@ def main(argv: list[str]) -> None:
     write_report(cfg, out_dir)
 
 
-def shard_candidates(cfg: Config, out_dir: Path) -> tuple[Path, int, int | None, int]:
+def shard_candidates(cfg: BonRerankConfig, out_dir: Path) -> tuple[Path, int, int | None, int]:
     """(candidates file, first row, end row (None: to the end), problems): this shard's block of
     the candidates, generated first when generate.enabled, and checked before any scoring."""
     from mmprm.rerank.candidates import check_candidates, count_rows
@@ -518,12 +483,10 @@ def read_candidates(reader: str, source: Path, out_dir: Path) -> Path:
     return path
 
 
-def score_shard(cfg: Config, out_dir: Path, cand_file: Path, lo: int, hi: int | None, n_problems: int) -> None:
+def score_shard(cfg: BonRerankConfig, out_dir: Path, cand_file: Path, lo: int, hi: int | None, n_problems: int) -> None:
     """The shard's scored file: rows appended chunk by chunk to `<file>.partial` (a killed run
     resumes after the last chunk written), renamed into place once every problem is scored."""
     from mmprm.data import store
-    from mmprm.models.loading import resolve_device
-    from mmprm.models.prm import load_prm
     from mmprm.rerank.candidates import iter_candidates
     from mmprm.rerank.shards import shard_path
 
@@ -531,11 +494,11 @@ def score_shard(cfg: Config, out_dir: Path, cand_file: Path, lo: int, hi: int | 
     partial = final.with_name(final.name + ".partial")
     # A resumed shard must come from the same PRM, candidates and scoring, or its rows would mix two runs.
     run = {
-        "prm": str(Path(cfg.prm).resolve()),
-        "convention": cfg.scoring.convention,
+        "prm": str(Path(cfg.prm.path).resolve()),
+        "convention": cfg.prm.convention,
         "candidates_file": str(cand_file.resolve()),
         "share_prefix": cfg.scoring.share_prefix,
-        "max_length": cfg.scoring.max_length,
+        "max_length": cfg.prm.max_length,
         # The scores do not depend on it, but merge-bon reports every shard under one rule. None for
         # mmprm's own rules, so that a run file without the key reads as them.
         "edge_rules": None if cfg.report.edge_rules == "mmprm" else cfg.report.edge_rules,
@@ -550,18 +513,8 @@ def score_shard(cfg: Config, out_dir: Path, cand_file: Path, lo: int, hi: int | 
     done = store.resume(partial)
     if done:
         print(f"resuming: {len(done)} problems already scored in {partial}")
-    device = resolve_device(cfg.scoring.device)
-    require_model_dir(cfg, "prm", hub=False)
-    scorer = load_prm(
-        cfg.prm,
-        device=device,
-        batch_size=cfg.scoring.batch_size,
-        max_length=cfg.scoring.max_length,
-        attn_implementation=cfg.model.attn_implementation,
-        backend=cfg.scoring.backend,
-        vllm_kwargs=cfg.scoring.vllm_kwargs,
-        convention=cfg.scoring.convention,
-    )
+    require_model_dir(cfg, "prm.path", hub=False)
+    scorer = cfg.prm.build(cfg.model.attn_implementation)
     try:
         todo = (p for p in iter_candidates(cand_file, lo, hi) if p.id not in done)
         dropped, cut = score_into(partial, scorer, todo, cfg.scoring, cand_file, len(done), n_problems)
@@ -571,8 +524,8 @@ def score_shard(cfg: Config, out_dir: Path, cand_file: Path, lo: int, hi: int | 
     os.replace(partial, final)
     if cut:
         print(
-            f"warning: {cut} candidates ({dropped} steps) did not fit scoring.max_length={cfg.scoring.max_length}: "
-            "they are ranked last by every aggregator; raise scoring.max_length to score them fully"
+            f"warning: {cut} candidates ({dropped} steps) did not fit prm.max_length={cfg.prm.max_length}: "
+            "they are ranked last by every aggregator; raise prm.max_length to score them fully"
         )
 
 
@@ -586,7 +539,7 @@ def score_into(
     n_problems: int,
 ) -> tuple[int, int]:
     """Score `todo` chunk by chunk, each chunk's rows appended to `partial` before the next, with
-    progress and an ETA; returns (steps dropped, candidates cut) by scoring.max_length."""
+    progress and an ETA; returns (steps dropped, candidates cut) by prm.max_length."""
     from mmprm.data import store
 
     t0, n_scored, n_steps, dropped, cut = time.time(), 0, 0, 0, 0
@@ -608,7 +561,7 @@ def score_into(
     return dropped, cut
 
 
-def write_report(cfg: Config, out_dir: Path) -> None:
+def write_report(cfg: BonRerankConfig, out_dir: Path) -> None:
     """This shard's report settings; with one shard, the merged scores and the report (report.json,
     report.md, bon_curve.png) now, else after `mmprm merge-bon` once every shard is in."""
     from mmprm.rerank.shards import SETTINGS_FILE, merge_scored, report_from_scored

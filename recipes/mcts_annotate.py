@@ -3,9 +3,9 @@
     # one process (CPU or one GPU)
     python recipes/mcts_annotate.py --config recipes/configs/tiny/mcts_annotate.yaml
     # one worker per GPU (each rank takes problems[i] with i % world == rank, one vLLM engine each)
-    torchrun --nproc_per_node 8 recipes/mcts_annotate.py --config FILE model.backend=vllm
-    accelerate launch --num_processes 8 recipes/mcts_annotate.py --config FILE model.backend=vllm
-    srun --ntasks 16 --gpus-per-task 1 python recipes/mcts_annotate.py --config FILE model.backend=vllm
+    torchrun --nproc_per_node 8 recipes/mcts_annotate.py --config FILE policy.backend=vllm
+    accelerate launch --num_processes 8 recipes/mcts_annotate.py --config FILE policy.backend=vllm
+    srun --ntasks 16 --gpus-per-task 1 python recipes/mcts_annotate.py --config FILE policy.backend=vllm
     # any key can be overridden: search.max_rollouts=500 engine.concurrency=128 data.limit=100
 
 Output in OUTPUT_DIR: `trees.rank{r}-of-{w}.jsonl` (one record per problem with its status,
@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 from tqdm.auto import tqdm
 
@@ -47,44 +47,14 @@ from mmprm.annotate.export import ExportConfig, iter_examples, write_export_repo
 from mmprm.annotate.omega import OmegaConfig
 from mmprm.chat import ChatClient, ChatConfig
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
+from mmprm.config_sections import ModelLoadConfig, PolicyConfig
 from mmprm.data.problems import load_problems, problem_ids
 from mmprm.data.schema import DataError, write_jsonl
-from mmprm.generation import make_rollout_backend
-from mmprm.generation.base import SamplingConfig, worker_seed
-from mmprm.generation.policy import resolve_prompt_format
+from mmprm.generation.base import SamplingConfig
 
 
 @dataclass
-class ModelConfig:
-    """The policy whose rollouts the search samples.
-
-    Attributes:
-        name_or_path: policy: a model directory (e.g. recipes/policy_sft.py's output) or hub id; required
-        backend: hf (transformers generate, CPU or GPU) | vllm (one engine per GPU)
-        dtype: hf: torch dtype name or auto; vllm: its dtype option
-        attn_implementation: hf: sdpa | flash_attention_2 (mmprm[flash], CUDA) | eager | auto; vllm chooses
-            its own kernels
-        system_prompt: system message of every rollout prompt; null: as saved with the policy
-            (mmprm_policy.json), "" sends none
-        hf_batch_size: hf: sequences per generate call
-        vllm_gpu_memory_utilization: vllm: share of GPU memory the engine may take
-        vllm_max_model_len: vllm: context length (prompt + rollout); null takes the model's
-        vllm_kwargs: vllm: more vllm.LLM arguments, e.g. {enforce_eager: true}
-    """
-
-    name_or_path: str = ""
-    backend: Literal["hf", "vllm"] = "hf"
-    dtype: str = "auto"
-    attn_implementation: str = "sdpa"
-    system_prompt: str | None = None
-    hf_batch_size: int = 64
-    vllm_gpu_memory_utilization: float = 0.9
-    vllm_max_model_len: int | None = None
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class DataConfig:
+class AnnotateDataConfig:
     """The problems to annotate.
 
     Attributes:
@@ -103,8 +73,6 @@ class EngineConfig:
     """How rollouts are batched and read.
 
     Attributes:
-        step_mode: tags: an SFT'd policy writing <step> tags | blank_lines: any policy, steps split on blank
-            lines | null: as saved with the policy (mmprm_policy.json), else tags
         concurrency: problems in flight; one backend call carries up to concurrency x k rollouts
         max_consecutive_failures: transient errors in a row that stop the run as an outage
         continuous: vllm only: each search's next probe enters the running engine as soon as its last
@@ -115,7 +83,6 @@ class EngineConfig:
             so a request the engine never reports finished cannot keep the run waiting; null: no limit
     """
 
-    step_mode: Literal["tags", "blank_lines"] | None = None
     concurrency: int = 64
     max_consecutive_failures: int = 16
     continuous: bool | None = None
@@ -140,10 +107,11 @@ class AnnotateConfig:
     """mcts_annotate settings.
 
     Attributes:
-        model: the policy
+        policy: the policy whose rollouts the search samples (section); policy.path required;
+            policy.sampling: MM-PRM's defaults
+        model: model loading (section)
         data: the problems
         search: OmegaPRM search (MM-PRM's defaults)
-        sampling: rollout sampling (MM-PRM's defaults)
         engine: batching
         verify: answer checking
         export: trees -> training rows
@@ -152,10 +120,10 @@ class AnnotateConfig:
         world_size: number of workers; null reads it like rank, else 1
     """
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
+    data: AnnotateDataConfig = field(default_factory=AnnotateDataConfig)
     search: OmegaConfig = field(default_factory=OmegaConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
@@ -163,28 +131,41 @@ class AnnotateConfig:
     rank: int | None = None
     world_size: int | None = None
 
+    # Keys read under their old names for one release (mmprm.config), with a warning.
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "model.name_or_path": "policy.path",
+        "model.backend": "policy.backend",
+        "model.dtype": "policy.dtype",
+        "model.system_prompt": "policy.system_prompt",
+        "model.hf_batch_size": "policy.batch_size",
+        "model.vllm_gpu_memory_utilization": "policy.vllm.gpu_memory_utilization",
+        "model.vllm_max_model_len": "policy.vllm.max_model_len",
+        "model.vllm_kwargs": "policy.vllm.kwargs",
+        "engine.step_mode": "policy.step_mode",
+        "sampling": "policy.sampling",
+    }
+
     def validate(self) -> None:
         from mmprm.models.loading import resolve_attn_implementation
 
-        if self.model.backend == "hf":
+        if self.policy.backend == "hf":
             resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
-        if not self.model.name_or_path:
-            raise ValueError("model.name_or_path is required (the policy that writes rollouts)")
+        if not self.policy.path:
+            raise ValueError("policy.path is required (the policy that writes rollouts)")
         if not self.data.problems_file:
             raise ValueError("data.problems_file is required (JSONL of id, images, question, answer)")
-        if self.engine.concurrency < 1 or self.model.hf_batch_size < 1 or self.engine.max_consecutive_failures < 1:
-            raise ValueError("engine.concurrency, engine.max_consecutive_failures and model.hf_batch_size must be >= 1")
+        if self.engine.concurrency < 1 or self.engine.max_consecutive_failures < 1:
+            raise ValueError("engine.concurrency and engine.max_consecutive_failures must be >= 1")
         if self.engine.request_timeout_s is not None and not self.engine.request_timeout_s > 0:
             raise ValueError(f"engine.request_timeout_s: {self.engine.request_timeout_s} must be > 0 seconds (or null)")
-        if self.engine.continuous and self.model.backend != "vllm":
+        if self.engine.continuous and self.policy.backend != "vllm":
             raise ValueError(
-                f"engine.continuous=true needs model.backend=vllm (the {self.model.backend} backend generates in "
+                f"engine.continuous=true needs policy.backend=vllm (the {self.policy.backend} backend generates in "
                 "rounds): set engine.continuous=false or null"
             )
         if self.verify.judge and not self.verify.judge_chat.model:
             raise ValueError("verify.judge_chat.model: set the judge's model name (and url) when verify.judge=true")
         self.search.validate()
-        self.sampling.validate()
         self.export.validate()
 
 
@@ -196,34 +177,9 @@ def rank_sampling(cfg: AnnotateConfig, rank: int) -> SamplingConfig:
     on any number of ranks. HF generate seeds whole calls, so there each rank takes its own stream
     (`worker_seed`), else two ranks' calls would draw alike.
     """
-    if cfg.model.backend == "vllm":
-        return cfg.sampling
-    return replace(cfg.sampling, seed=worker_seed(cfg.sampling.seed, rank))
-
-
-def make_backend(cfg: AnnotateConfig, rank: int = 0):
-    """One rollout backend per rank, prompting the policy as its SFT saved it (`mmprm_policy.json`)
-    unless the config sets `model.system_prompt` / `engine.step_mode` (then with a warning), and
-    sampling as `rank_sampling` says."""
-    try:
-        system, step_mode = resolve_prompt_format(
-            cfg.model.name_or_path, cfg.model.system_prompt, cfg.engine.step_mode, where="mcts_annotate"
-        )
-    except ValueError as e:  # a broken mmprm_policy.json
-        raise ConfigError(f"model.name_or_path: {e}") from None
-    return make_rollout_backend(
-        cfg.model.name_or_path,
-        rank_sampling(cfg, rank),
-        step_mode,
-        system,
-        backend=cfg.model.backend,
-        batch_size=cfg.model.hf_batch_size,
-        dtype=cfg.model.dtype,
-        attn_implementation=cfg.model.attn_implementation,
-        gpu_memory_utilization=cfg.model.vllm_gpu_memory_utilization,
-        max_model_len=cfg.model.vllm_max_model_len,
-        vllm_kwargs=cfg.model.vllm_kwargs,
-    )
+    if cfg.policy.backend == "vllm":
+        return cfg.policy.sampling
+    return cfg.policy.sampling_for(rank)
 
 
 def main(argv: list[str]) -> int:
@@ -268,7 +224,9 @@ def main(argv: list[str]) -> int:
     )
 
     try:
-        backend = make_backend(cfg, rank)
+        # the policy prompted as its SFT saved it (mmprm_policy.json) unless policy.system_prompt /
+        # policy.step_mode say otherwise, sampling as rank_sampling says
+        backend = cfg.policy.build(cfg.model.attn_implementation, sampling=rank_sampling(cfg, rank))
     except ConfigError as e:
         trees.close()
         print(f"mcts_annotate: {e}", file=sys.stderr)
@@ -300,7 +258,7 @@ def load_inputs(argv: list[str]) -> tuple[AnnotateConfig, int, int, list[Any]]:
     # Only this rank's rows are kept, and only their images opened: 8 ranks do not each hold 100k.
     mine_only = lambda i: (limit is None or i < limit) and i % world == rank  # noqa: E731
     mine = load_problems(cfg.data.problems_file, cfg.data.check_images, check_rows=mine_only, keep_rows=mine_only)
-    require_model_dir(cfg, "model.name_or_path")  # named here, not in a traceback from the loader
+    require_model_dir(cfg, "policy.path")  # named here, not in a traceback from the loader
     return cfg, rank, world, mine
 
 
@@ -327,8 +285,8 @@ def make_engine(cfg: AnnotateConfig, backend: Any, verify: Any) -> AnnotationEng
         backend.step_mode,
         cfg.engine.concurrency,
         cfg.engine.max_consecutive_failures,
-        prefix_temperature=cfg.sampling.prefix_temperature,
-        continuous=cfg.model.backend == "vllm" if cfg.engine.continuous is None else cfg.engine.continuous,
+        prefix_temperature=cfg.policy.sampling.prefix_temperature,
+        continuous=cfg.policy.backend == "vllm" if cfg.engine.continuous is None else cfg.engine.continuous,
         request_timeout_s=cfg.engine.request_timeout_s,
     )
 

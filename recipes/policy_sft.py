@@ -27,6 +27,7 @@ import torch
 from accelerate.utils import gather_object
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_files, require_model_dir
+from mmprm.config_sections import TrainFilesConfig
 from mmprm.data.schema import DataError, load_image
 from mmprm.generation.policy import PolicySpec, save_policy_spec
 from mmprm.models.loading import resolve_attn_implementation
@@ -49,7 +50,7 @@ from mmprm.training.vision_sync import vision_sync
 
 
 @dataclass
-class ModelConfig(TrainModelConfig):
+class SFTModelConfig(TrainModelConfig):
     """The policy to fine-tune (mmprm.training.run.TrainModelConfig), with the system prompt it learns under.
 
     Attributes:
@@ -60,11 +61,10 @@ class ModelConfig(TrainModelConfig):
 
 
 @dataclass
-class DataConfig:
+class SFTDataConfig(TrainFilesConfig):
     """SFT rows (id, images, question, steps, answer); `mmprm convert-sft` writes them.
 
     Attributes:
-        train_file: training rows (JSONL); required
         eval_file: held-out rows for loss, format compliance and accuracy; null skips evaluation
         max_length: tokens per example (prompt + target); longer examples are dropped and counted
         num_proc: tokenization workers; null: the CPUs, at most 16
@@ -76,11 +76,6 @@ class DataConfig:
         pack_tokens: pack_sequences: most tokens in one pack (at least max_length)
     """
 
-    train_file: str = ""
-    eval_file: str | None = None
-    max_length: int = 2048
-    num_proc: int | None = None
-    cache_dir: str | None = None
     pack_sequences: bool = False
     pack_tokens: int = 4096
 
@@ -104,7 +99,7 @@ class SFTTrainConfig(TrainConfig):
 
 
 @dataclass
-class Config:
+class PolicySFTConfig:
     """policy_sft settings.
 
     Attributes:
@@ -116,8 +111,8 @@ class Config:
             starts fresh (refused over checkpoints in output_dir unless train.overwrite_output_dir=true)
     """
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    model: SFTModelConfig = field(default_factory=SFTModelConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
     train: SFTTrainConfig = field(default_factory=SFTTrainConfig)
     output_dir: str = "runs/policy"
     resume_from_checkpoint: str | None = None
@@ -176,7 +171,7 @@ def pack_sequences(collate: SFTCollator, pack_tokens: int, log) -> tuple[PackedS
 
 
 @torch.no_grad()
-def generate_eval(model, processor, data, cfg: Config, accelerator, sync) -> dict[str, float]:
+def generate_eval(model, processor, data, cfg: PolicySFTConfig, accelerator, sync) -> dict[str, float]:
     """Greedy solutions for the first eval rows: format compliance and answer accuracy.
     `sync`: `mmprm.training.vision_sync.vision_sync`."""
     from mmprm.answers import answers_match
@@ -244,13 +239,13 @@ def eval_loss(model, collate: SFTCollator, batch_size, accelerator, sync, chunk_
     return (total / count.clamp_min(1)).item()
 
 
-def build_model(cfg: Config) -> tuple[Any, Any]:
+def build_model(cfg: PolicySFTConfig) -> tuple[Any, Any]:
     """The policy (vision tower frozen, LoRA, gradient checkpointing as configured) and its processor."""
     model, processor = load_trainable_backbone(cfg.model)
     return adapt_backbone(model, cfg.model), processor
 
 
-def load_data(cfg: Config, processor, run: TrainingRun) -> tuple[SFTCollator, SFTCollator | None]:
+def load_data(cfg: PolicySFTConfig, processor, run: TrainingRun) -> tuple[SFTCollator, SFTCollator | None]:
     """The tokenized train and eval rows (eval None without data.eval_file).
 
     Text is tokenized once into an on-disk cache (one rank builds, the others wait on its lock);
@@ -292,7 +287,7 @@ def train_micro_batch(run: TrainingRun, sync, batch: dict, items: list, k: int, 
     return loss_sum.item() / max(1, n_window)
 
 
-def run_eval(run: TrainingRun, processor, collate: SFTCollator, cfg: Config, sync) -> None:
+def run_eval(run: TrainingRun, processor, collate: SFTCollator, cfg: PolicySFTConfig, sync) -> None:
     """Evaluate at the current step: loss and, with train.eval_generations, format compliance and
     accuracy of greedy generations, to metrics.jsonl and the log."""
     row = {
@@ -310,7 +305,7 @@ def run_eval(run: TrainingRun, processor, collate: SFTCollator, cfg: Config, syn
     )
 
 
-def save_final(run: TrainingRun, processor, cfg: Config) -> None:
+def save_final(run: TrainingRun, processor, cfg: PolicySFTConfig) -> None:
     """The trained policy in output_dir (LoRA merged), its processor and the prompt it learned."""
     accelerator = run.accelerator
     accelerator.wait_for_everyone()
@@ -330,8 +325,8 @@ def save_final(run: TrainingRun, processor, cfg: Config) -> None:
 
 def main(argv: list[str]) -> None:
     """Set up (config, run, model, data, optimizer, resume), train, save the policy, leave the run."""
-    config_path, overrides = parse_cli(argv, Config)
-    cfg = load_config(Config, config_path, overrides)
+    config_path, overrides = parse_cli(argv, PolicySFTConfig)
+    cfg = load_config(PolicySFTConfig, config_path, overrides)
     require_model_dir(cfg, "model.name_or_path")
     run = TrainingRun("policy_sft", cfg.train, cfg.output_dir, cfg.resume_from_checkpoint)
     require_files(cfg, "data.train_file", "data.eval_file")  # after the GPU and checkpoint checks, before the model

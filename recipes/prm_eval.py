@@ -10,7 +10,7 @@ Launch (CPU is enough for tiny models; the scorer uses the GPU when there is one
 
     python recipes/prm_eval.py --config recipes/configs/tiny/prm_eval.yaml
     python recipes/prm_eval.py --config recipes/configs/tiny/prm_eval.yaml data.format=reasoneval \
-        data.path=PATH/mr-math_invalid_errors.json scorer.prm_path=runs/tiny/prm   # github:GAIR-NLP/ReasonEval
+        data.path=PATH/mr-math_invalid_errors.json prm.path=runs/tiny/prm   # github:GAIR-NLP/ReasonEval
 
 Input formats (`data.format`):
     steps               our step-labelled JSONL (mmprm.data.schema), images included
@@ -36,13 +36,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
-from mmprm.config_sections import ModelLoadConfig
+from mmprm.config_sections import ModelLoadConfig, PRMScorerConfig
 from mmprm.data.readers import UnknownReaderError, get_reader
 from mmprm.data.schema import DataError, StepExample, write_jsonl
-from mmprm.models.spec import ReleasedConvention
 from mmprm.scoring.metrics import (
     auroc,
     bce,
@@ -58,7 +57,7 @@ from mmprm.scoring.metrics import (
 
 
 @dataclass
-class DataConfig:
+class StepDataConfig:
     """The labelled steps to evaluate on.
 
     Attributes:
@@ -83,35 +82,29 @@ class DataConfig:
 
 
 @dataclass
-class ScorerConfig:
-    """The PRM under evaluation.
+class EvalPRMConfig(PRMScorerConfig):
+    """The PRM under evaluation (mmprm.config_sections.PRMScorerConfig).
 
     Attributes:
-        prm_path: PRM directory written by recipes/prm_train.py; required
+        path: PRM directory written by recipes/prm_train.py; required
         batch_size: examples per forward
         max_length: tokens per example; steps cut by truncation are not scored: their examples stay in the
             first-error metrics (a miss unless the scored steps decide them), not in the step metrics
-        device: auto (cuda when available, else cpu), cpu, cuda or cuda:N
+    """
+
+
+@dataclass
+class ScorerConfig:
+    """How the PRM scores the examples.
+
+    Attributes:
         use_images: show the PRM each example's images
-        backend: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
-            same scores, served the way large runs serve reward models)
-        vllm_kwargs: backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
-        convention: a released PRM that mmprm did not write, scored as its authors do:
-            math_shepherd | qwen2_5_math_prm | rlhflow | mm_prm | visualprm (docs/released-prms.md);
-            null: one mmprm trained
         chunk_examples: examples scored, then saved to output.dir/score_cache.jsonl, at a time: a
             killed run resumes after the last chunk saved, and a rerun with other data or metrics
             settings scores only examples the cache does not hold
     """
 
-    prm_path: str = ""
-    batch_size: int = 8
-    max_length: int | None = None
-    device: str = "auto"
     use_images: bool = True
-    backend: Literal["hf", "vllm"] = "hf"
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
-    convention: ReleasedConvention | None = None
     chunk_examples: int = 256
 
     def validate(self) -> None:
@@ -151,22 +144,32 @@ class PRMEvalConfig:
 
     Attributes:
         data: the data
-        scorer: the PRM
+        prm: the PRM under evaluation (section); prm.path required
+        scorer: how it scores (section)
+        model: model loading (section)
         metrics: thresholding
         output: outputs
     """
 
-    data: DataConfig = field(default_factory=DataConfig)
+    data: StepDataConfig = field(default_factory=StepDataConfig)
+    prm: EvalPRMConfig = field(default_factory=EvalPRMConfig)
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
     model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
     metrics: MetricConfig = field(default_factory=MetricConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
+    # Keys read under their old names for one release (mmprm.config), with a warning.
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "scorer.prm_path": "prm.path",
+        **{f"scorer.{k}": f"prm.{k}" for k in ("batch_size", "max_length", "device", "backend", "convention")},
+        "scorer.vllm_kwargs": "prm.vllm.kwargs",
+    }
+
     def validate(self) -> None:
         if not self.data.path:
             raise ValueError("data.path: required (step-labelled JSONL, or a PRMBench / ReasonEval file)")
-        if not self.scorer.prm_path:
-            raise ValueError("scorer.prm_path: required (a PRM directory from recipes/prm_train.py)")
+        if not self.prm.path:
+            raise ValueError("prm.path: required (a PRM directory from recipes/prm_train.py)")
         try:
             get_reader("step_benchmark", self.data.format)
         except UnknownReaderError as e:
@@ -340,7 +343,7 @@ def main(argv: list[str]) -> int:
     dev, examples, label_kind = load_data(cfg, objective)
 
     # ---- score; truncated steps come back NaN (their examples leave the step metrics only)
-    require_model_dir(cfg, "scorer.prm_path", hub=False)  # named here, not in a traceback from the loader
+    require_model_dir(cfg, "prm.path", hub=False)  # named here, not in a traceback from the loader
     scores = score_examples(cfg, dev + examples)
     dev_rows, test_rows = score_rows("dev", dev, scores[: len(dev)]), score_rows("test", examples, scores[len(dev) :])
     truncated = len(dev_rows) + len(test_rows) - len(complete(dev_rows)) - len(complete(test_rows))
@@ -414,20 +417,7 @@ def check_dev(dev: list[StepExample], objective: str) -> None:
 
 def load_scorer(cfg: PRMEvalConfig) -> Any:
     """The PRM under evaluation behind `mmprm.load_prm` (HF in this process, or a vLLM engine)."""
-    from mmprm import load_prm
-    from mmprm.models.loading import resolve_device
-
-    device = resolve_device(cfg.scorer.device)
-    return load_prm(
-        cfg.scorer.prm_path,
-        device=device,
-        batch_size=cfg.scorer.batch_size,
-        max_length=cfg.scorer.max_length,
-        attn_implementation=cfg.model.attn_implementation,
-        backend=cfg.scorer.backend,
-        vllm_kwargs=cfg.scorer.vllm_kwargs,
-        convention=cfg.scorer.convention,
-    )
+    return cfg.prm.build(cfg.model.attn_implementation)
 
 
 def score_examples(cfg: PRMEvalConfig, exs: list[StepExample]) -> list[list[float]]:
@@ -442,9 +432,9 @@ def score_examples(cfg: PRMEvalConfig, exs: list[StepExample]) -> list[list[floa
     scorer = CachedScorer(
         Path(cfg.output.dir) / "score_cache.jsonl",
         lambda: load_scorer(cfg),
-        prm=cfg.scorer.prm_path,
-        convention=cfg.scorer.convention,
-        max_length=cfg.scorer.max_length,
+        prm=cfg.prm.path,
+        convention=cfg.prm.convention,
+        max_length=cfg.prm.max_length,
     )
     from mmprm.data.schema import ImageDecodeError
     from mmprm.steps import StepTokenError
@@ -466,14 +456,14 @@ def score_examples(cfg: PRMEvalConfig, exs: list[StepExample]) -> list[list[floa
         raise DataError([f"{cfg.data.path}: {e}"]) from None
     except ImageDecodeError as e:  # an image that does not decode; the message names it
         raise DataError([f"{cfg.data.path}: {e}"]) from None
-    except ValueError as e:  # e.g. a prompt longer than scorer.max_length, the example named
+    except ValueError as e:  # e.g. a prompt longer than prm.max_length, the example named
         raise ConfigError(f"scorer: {e}") from None
     finally:
         scorer.close()
 
 
 def score_rows(split: str, exs: list[StepExample], scores: list[list[float]]) -> list[dict[str, Any]]:
-    """One row per example of `split`: its step scores (NaN past scorer.max_length) beside its labels."""
+    """One row per example of `split`: its step scores (NaN past prm.max_length) beside its labels."""
     return [
         {
             "id": ex.id,
@@ -502,7 +492,7 @@ def threshold_of(cfg: PRMEvalConfig, dev_rows: list[dict[str, Any]], objective: 
         try:
             threshold = choose_threshold(usable, objective)
         except ValueError as e:  # truncation can remove the last example of one kind
-            raise SystemExit(f"dev split ({len(usable)} scored examples): {e}; raise scorer.max_length") from None
+            raise SystemExit(f"dev split ({len(usable)} scored examples): {e}; raise prm.max_length") from None
         source = "best first-error F1 on dev" if objective == "first_error_f1" else "best step macro F1 on dev"
         if cfg.data.dev_file:
             split = f"data.dev_file {cfg.data.dev_file} ({len(usable)} examples)"
@@ -526,12 +516,12 @@ def make_report(
     split's at the same threshold (`chosen`: threshold, source, split)."""
     threshold, source, split = chosen
     if not complete(test_rows):
-        raise SystemExit("every example was truncated: raise scorer.max_length")
+        raise SystemExit("every example was truncated: raise prm.max_length")
     soft = any(0.0 < y < 1.0 for r in test_rows for y in r["labels"])
     return {
         "data": cfg.data.path,
         "format": cfg.data.format,
-        "prm": cfg.scorer.prm_path,
+        "prm": cfg.prm.path,
         "threshold": threshold,
         "threshold_source": source,
         "threshold_split": split,

@@ -24,72 +24,52 @@ import math
 import re
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir
-from mmprm.config_sections import ModelLoadConfig, ShardConfig
+from mmprm.config_sections import ModelLoadConfig, PolicyConfig, PRMScorerConfig, ShardConfig, VLLMConfig
 from mmprm.data.schema import DataError
-from mmprm.generation.base import SamplingConfig
-from mmprm.models.spec import ReleasedConvention
 from mmprm.search.core import SearchConfig
 
 
 @dataclass
-class PolicyConfig:
+class SearchVLLMConfig(VLLMConfig):
+    """The policy's vLLM engine, sharing the GPU with the PRM.
+
+    Attributes:
+        gpu_memory_utilization: share of GPU memory the engine may take (leave room for the PRM)
+    """
+
+    gpu_memory_utilization: float | None = 0.5
+
+
+@dataclass
+class SearchPolicyConfig(PolicyConfig):
     """The policy that proposes steps (and samples Best-of-N's solutions).
 
     Attributes:
         path: policy model directory (e.g. recipes/policy_sft.py's output) or hub id; required
-        backend: hf (transformers generate, CPU or GPU) | vllm (one engine per GPU)
-        step_mode: how steps are written and read: tags (SFT'd policy) | blank_lines; unset (null)
-            takes the policy's saved spec (mmprm_policy.json from recipes/policy_sft.py), else tags
-        system_prompt: system prompt sent to the policy; unset (null) takes the saved spec, "" sends none
         batch_size: hf: sequences per generate call (Best-of-N: problems per call = batch_size // max(bon.n);
             vllm sends 8192 sequences per call and schedules them itself)
-        dtype: torch dtype name of the policy (e.g. bfloat16); null keeps the checkpoint's
-        gpu_memory_utilization: vllm: share of GPU memory the engine may take (leave room for the PRM)
-        max_model_len: vllm: context length (prompt + generated); null takes the model's
-        vllm_kwargs: vllm: more vllm.LLM arguments, e.g. {enforce_eager: true}
         sampling: sampling (section); its max_new_tokens caps ONE step of the search (Best-of-N's whole
             solutions: bon.max_new_tokens)
+        vllm: backend=vllm: the engine (section)
     """
 
-    path: str = ""
-    backend: Literal["hf", "vllm"] = "hf"
-    step_mode: Literal["tags", "blank_lines"] | None = None
-    system_prompt: str | None = None
-    batch_size: int = 64
-    dtype: str | None = None
-    gpu_memory_utilization: float = 0.5
-    max_model_len: int | None = None
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    vllm: SearchVLLMConfig = field(default_factory=SearchVLLMConfig)
 
 
 @dataclass
-class ScoringConfig:
-    """How the PRM scores search paths and Best-of-N solutions.
+class SearchPRMConfig(PRMScorerConfig):
+    """The PRM that scores search paths and Best-of-N solutions.
 
     Attributes:
-        batch_size: sequences per PRM forward
-        max_length: tokens per scored sequence; null: no truncation
-        device: auto (cuda when available, else cpu), cpu, cuda or cuda:N
-        backend: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
-            same scores, served the way large runs serve reward models)
-        vllm_kwargs: backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
-        convention: a released PRM that mmprm did not write, scored as its authors do:
-            math_shepherd | qwen2_5_math_prm | rlhflow | mm_prm | visualprm (docs/released-prms.md);
-            null: one mmprm trained
+        path: PRM directory written by recipes/prm_train.py; required
     """
 
     batch_size: int = 16
-    max_length: int | None = None
-    device: str = "auto"
-    backend: Literal["hf", "vllm"] = "hf"
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
-    convention: ReleasedConvention | None = None
 
 
 @dataclass
@@ -125,11 +105,11 @@ class ReportConfig:
 
 
 @dataclass
-class Config:
+class PRMSearchConfig:
     """prm_search settings.
 
     Attributes:
-        prm: PRM directory written by recipes/prm_train.py; required
+        prm: the PRM (section); prm.path required
         problems_file: JSONL of {id, images, question, answer, choices?}; required
         limit: first N problems only (before sharding); null takes all
         searches: search settings, each run on every problem: a list of {method: beam | dvts | best_first,
@@ -139,27 +119,35 @@ class Config:
         model: model loading (section)
         policy: the policy (section)
         bon: Best-of-N baseline (section)
-        scoring: PRM scoring (section)
         report: report (section)
         shard: sharding (section)
     """
 
-    prm: str = ""
+    prm: SearchPRMConfig = field(default_factory=SearchPRMConfig)
     problems_file: str = ""
     limit: int | None = None
     searches: list[SearchConfig] = field(default_factory=lambda: [SearchConfig()])
     batch_problems: int = 8
     output_dir: str = "runs/prm_search"
     model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    policy: SearchPolicyConfig = field(default_factory=SearchPolicyConfig)
     bon: BonConfig = field(default_factory=BonConfig)
-    scoring: ScoringConfig = field(default_factory=ScoringConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)
 
+    # Keys read under their old names for one release (mmprm.config), with a warning.
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "prm": "prm.path",
+        **{f"scoring.{k}": f"prm.{k}" for k in ("batch_size", "max_length", "device", "backend", "convention")},
+        "scoring.vllm_kwargs": "prm.vllm.kwargs",
+        "policy.gpu_memory_utilization": "policy.vllm.gpu_memory_utilization",
+        "policy.max_model_len": "policy.vllm.max_model_len",
+        "policy.vllm_kwargs": "policy.vllm.kwargs",
+    }
+
     def validate(self) -> None:
-        if not (self.policy.path and self.prm and self.problems_file):
-            raise ValueError("policy.path, prm and problems_file: all required")
+        if not (self.policy.path and self.prm.path and self.problems_file):
+            raise ValueError("policy.path, prm.path and problems_file: all required")
         from mmprm.models.loading import resolve_attn_implementation
 
         resolve_attn_implementation(self.model.attn_implementation)  # before any weight loads
@@ -178,38 +166,7 @@ def slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")
 
 
-def make_backend(cfg: Config, max_new_tokens: int):
-    """The policy's rollout backend, prompting it as its SFT saved it (`mmprm_policy.json`)
-    unless `policy.system_prompt` / `policy.step_mode` say otherwise (then with a warning)."""
-    from mmprm.generation import make_rollout_backend
-    from mmprm.generation.base import worker_seed
-    from mmprm.generation.policy import resolve_prompt_format
-
-    s = cfg.policy.sampling
-    # Each shard samples its own stream; a rerun of the same shard samples the same steps.
-    sampling = replace(s, max_new_tokens=max_new_tokens, seed=worker_seed(s.seed, cfg.shard.index))
-    try:
-        system, step_mode = resolve_prompt_format(
-            cfg.policy.path, cfg.policy.system_prompt, cfg.policy.step_mode, where="prm_search policy"
-        )
-    except ValueError as e:  # a broken mmprm_policy.json
-        raise ConfigError(f"policy.path: {e}") from None
-    return make_rollout_backend(
-        cfg.policy.path,
-        sampling,
-        step_mode,
-        system,
-        backend=cfg.policy.backend,
-        batch_size=cfg.policy.batch_size,
-        dtype=cfg.policy.dtype,
-        attn_implementation=cfg.model.attn_implementation,
-        gpu_memory_utilization=cfg.policy.gpu_memory_utilization,
-        max_model_len=cfg.policy.max_model_len,
-        vllm_kwargs=cfg.policy.vllm_kwargs,
-    )
-
-
-def check_runs(cfg: Config, out: Path, n_problems: int) -> None:
+def check_runs(cfg: PRMSearchConfig, out: Path, n_problems: int) -> None:
     """Refuse rows and `.done` markers that another run wrote into output_dir, before any model loads.
 
     Each shard records what its rows depend on beside them (`<rows>.run.json`) and compares it with
@@ -227,9 +184,9 @@ def check_runs(cfg: Config, out: Path, n_problems: int) -> None:
         "system_prompt": cfg.policy.system_prompt,
         "dtype": cfg.policy.dtype,
         "sampling": asdict(cfg.policy.sampling),
-        "prm": where(cfg.prm),
-        "convention": cfg.scoring.convention,
-        "max_length": cfg.scoring.max_length,
+        "prm": where(cfg.prm.path),
+        "convention": cfg.prm.convention,
+        "max_length": cfg.prm.max_length,
         "problems_file": where(cfg.problems_file),
         "problems": n_problems,
     }
@@ -250,7 +207,7 @@ def progress(what: str, done: int, total: int, t0: float, already: int) -> None:
     print(f"{what}: {done}/{total} problems, {time.time() - t0:.0f}s (ETA {eta:.0f}s)", flush=True)
 
 
-def run_searches(cfg: Config, problems: list[Any], proposer: Any, scorer: Any, out: Path) -> None:
+def run_searches(cfg: PRMSearchConfig, problems: list[Any], proposer: Any, scorer: Any, out: Path) -> None:
     """Each search setting over this shard's problems, in lockstep batches: one row per finished
     problem, appended as it finishes, so a rerun resumes where this one stopped."""
     from mmprm.answers import answers_match
@@ -296,7 +253,9 @@ def run_searches(cfg: Config, problems: list[Any], proposer: Any, scorer: Any, o
         store.mark_done(path)
 
 
-def run_best_of_n(cfg: Config, problems: list[Any], backend: Any, step_mode: str, scorer: Any, out: Path) -> None:
+def run_best_of_n(
+    cfg: PRMSearchConfig, problems: list[Any], backend: Any, step_mode: str, scorer: Any, out: Path
+) -> None:
     """Best-of-N at the largest budget with the same policy and PRM: whole solutions sampled,
     every step scored, one row of candidates per problem."""
     from mmprm.answers import answers_match
@@ -328,7 +287,7 @@ def run_best_of_n(cfg: Config, problems: list[Any], backend: Any, step_mode: str
                 rows = []
                 for c in cs:
                     step_probs = next(probs) if c["steps"] else []
-                    kept = [q for q in step_probs if not math.isnan(q)]  # NaN: past scoring.max_length
+                    kept = [q for q in step_probs if not math.isnan(q)]  # NaN: past prm.max_length
                     rows.append(
                         {
                             "steps": c["steps"],
@@ -345,7 +304,7 @@ def run_best_of_n(cfg: Config, problems: list[Any], backend: Any, step_mode: str
     store.mark_done(path)
 
 
-def write_report(cfg: Config, out: Path) -> None:
+def write_report(cfg: PRMSearchConfig, out: Path) -> None:
     """The search-vs-Best-of-N report, once every shard of every setting is in."""
     from mmprm.data import store
     from mmprm.search.core import SearchTree
@@ -388,11 +347,11 @@ def write_report(cfg: Config, out: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    config_path, overrides = parse_cli(argv, Config)
-    cfg = load_config(Config, config_path, overrides)
+    config_path, overrides = parse_cli(argv, PRMSearchConfig)
+    cfg = load_config(PRMSearchConfig, config_path, overrides)
     # The search runs for hours: a typo in either path must fail now, before anything is written.
     require_model_dir(cfg, "policy.path")
-    require_model_dir(cfg, "prm", hub=False)
+    require_model_dir(cfg, "prm.path", hub=False)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     sh = cfg.shard
@@ -412,21 +371,12 @@ def main(argv: list[str]) -> None:
     check_runs(cfg, out, n)
 
     # ---- models: the policy behind a rollout backend, the PRM scorer -------------------------
-    from mmprm.models.loading import resolve_device
-    from mmprm.models.prm import load_prm
     from mmprm.search.policy import BackendProposer
 
-    scorer = load_prm(
-        cfg.prm,
-        device=resolve_device(cfg.scoring.device),
-        batch_size=cfg.scoring.batch_size,
-        max_length=cfg.scoring.max_length,
-        attn_implementation=cfg.model.attn_implementation,
-        backend=cfg.scoring.backend,
-        vllm_kwargs=cfg.scoring.vllm_kwargs,
-        convention=cfg.scoring.convention,
-    )
-    backend = make_backend(cfg, cfg.policy.sampling.max_new_tokens)
+    scorer = cfg.prm.build(cfg.model.attn_implementation)
+    # Each shard samples its own stream; a rerun of the same shard samples the same steps. The
+    # sampling is a copy: Best-of-N raises its max_new_tokens to a whole solution later.
+    backend = cfg.policy.build(cfg.model.attn_implementation, sampling=cfg.policy.sampling_for(cfg.shard.index))
     try:
         step_mode = backend.step_mode  # as resolved from the config and the policy's saved spec
         run_searches(cfg, problems, BackendProposer(backend, step_mode), scorer, out)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from mmprm.config import ConfigError, load_config, parse_cli, require_files, require_model_dir
+from mmprm.config_sections import TrainFilesConfig
 from mmprm.data.schema import DataError
 from mmprm.models.loading import resolve_attn_implementation
 from mmprm.models.prm import PRMSpec, ProcessRewardModel, build_prm, save_prm
@@ -69,7 +70,7 @@ class PRMConfig:
 
 
 @dataclass
-class DataConfig:
+class PRMDataConfig(TrainFilesConfig):
     """Step-labelled training data (JSONL rows of id, question, steps, labels, images).
 
     Attributes:
@@ -83,8 +84,6 @@ class DataConfig:
         hard_threshold: label_mode=hard only: the cut between good and bad steps
         balance: weight positive and negative steps (label >= 0.5 or not) to equal total weight over the
             training data (`balance_weights`); the loss stays a mean over the global batch's step tokens
-        num_proc: tokenization workers; null: the CPUs, at most 16
-        cache_dir: tokenized-data cache (Arrow); null: $MMPRM_CACHE, else ~/.cache/mmprm/tokenized
         prompt_cache_mb: memory per process for the tokenized prompts and image tensors of recently
             seen problems (an MCTS export has several rows per problem; `PRMCollator`); 0: off
         pack_trees: train on one sequence per problem (`mmprm.training.packing`): its prompt and every step
@@ -94,21 +93,16 @@ class DataConfig:
         pack_tokens: pack_trees: most tokens in one pack (at least max_length)
     """
 
-    train_file: str = ""
-    eval_file: str | None = None
-    max_length: int = 2048
     label_mode: LabelMode = "soft"
     hard_threshold: float = 0.5
     balance: bool = False
-    num_proc: int | None = None
-    cache_dir: str | None = None
     prompt_cache_mb: float = 256
     pack_trees: bool = False
     pack_tokens: int = 4096
 
 
 @dataclass
-class Config:
+class PRMTrainConfig:
     """prm_train settings.
 
     Attributes:
@@ -123,7 +117,7 @@ class Config:
 
     model: TrainModelConfig = field(default_factory=TrainModelConfig)
     prm: PRMConfig = field(default_factory=PRMConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: PRMDataConfig = field(default_factory=PRMDataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     output_dir: str = "runs/prm"
     resume_from_checkpoint: str | None = None
@@ -220,7 +214,7 @@ class PRMData:
     balanced: bool = False
 
 
-def build_model(cfg: Config) -> tuple[ProcessRewardModel, Any, PRMSpec]:
+def build_model(cfg: PRMTrainConfig) -> tuple[ProcessRewardModel, Any, PRMSpec]:
     """The PRM on its backbone (vision tower frozen, LoRA, gradient checkpointing as configured),
     its processor and its spec."""
     attn = cfg.model.attn_implementation
@@ -234,7 +228,7 @@ def build_model(cfg: Config) -> tuple[ProcessRewardModel, Any, PRMSpec]:
     return model, processor, spec
 
 
-def load_data(cfg: Config, processor, spec: PRMSpec, run: TrainingRun) -> PRMData:
+def load_data(cfg: PRMTrainConfig, processor, spec: PRMSpec, run: TrainingRun) -> PRMData:
     """Tokenize the train and eval rows, then weigh (data.balance) and pack (data.pack_trees) them.
 
     Text is tokenized once into an on-disk cache (one rank builds, the others wait on its lock);
@@ -372,8 +366,8 @@ def save_final(run: TrainingRun, processor) -> None:
 
 def main(argv: list[str]) -> None:
     """Set up (config, run, model, data, optimizer, resume), train, save the PRM, leave the run."""
-    config_path, overrides = parse_cli(argv, Config)
-    cfg = load_config(Config, config_path, overrides)
+    config_path, overrides = parse_cli(argv, PRMTrainConfig)
+    cfg = load_config(PRMTrainConfig, config_path, overrides)
     require_model_dir(cfg, "model.name_or_path")
     run = TrainingRun("prm_train", cfg.train, cfg.output_dir, cfg.resume_from_checkpoint)
     require_files(cfg, "data.train_file", "data.eval_file")  # after the GPU and checkpoint checks, before the model

@@ -93,7 +93,7 @@ class TaskConfig:
 
 
 @dataclass
-class ModelConfig:
+class DemoModelConfig:
     """The model every stage starts from, and how it is loaded.
 
     Attributes:
@@ -109,7 +109,7 @@ class ModelConfig:
 
 
 @dataclass
-class Config:
+class QuickstartConfig:
     """quickstart settings: the whole pipeline on a tiny model, stage by stage.
 
     Attributes:
@@ -153,7 +153,7 @@ class Config:
     num_layers: int = 2
     tokenizer_corpus: bool = False
     task: TaskConfig = field(default_factory=TaskConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: DemoModelConfig = field(default_factory=DemoModelConfig)
     n: int = 8
     threads: int = 1
     sft_ranks: int = 1
@@ -183,12 +183,12 @@ MODELS = {  # report key -> (training output, Best-of-N output, name in the repo
 # Each stage's settings: the recipe it configures, that recipe's config class, the tiny config the
 # demo starts it from. The outcome model is prm_train again, with `prm` then `orm`.
 STAGES = {
-    "sft": ("policy_sft", "Config", "recipes/configs/tiny/policy_sft.yaml"),
+    "sft": ("policy_sft", "PolicySFTConfig", "recipes/configs/tiny/policy_sft.yaml"),
     "annotate": ("mcts_annotate", "AnnotateConfig", "recipes/configs/tiny/mcts_annotate.yaml"),
-    "prm": ("prm_train", "Config", "recipes/configs/tiny/prm_train.yaml"),
-    "orm": ("prm_train", "Config", "recipes/configs/tiny/prm_train.yaml"),
-    "bon": ("bon_rerank", "Config", "recipes/configs/tiny/bon_rerank.yaml"),
-    "search": ("prm_search", "Config", "recipes/configs/tiny/prm_search.yaml"),
+    "prm": ("prm_train", "PRMTrainConfig", "recipes/configs/tiny/prm_train.yaml"),
+    "orm": ("prm_train", "PRMTrainConfig", "recipes/configs/tiny/prm_train.yaml"),
+    "bon": ("bon_rerank", "BonRerankConfig", "recipes/configs/tiny/bon_rerank.yaml"),
+    "search": ("prm_search", "PRMSearchConfig", "recipes/configs/tiny/prm_search.yaml"),
 }
 
 
@@ -223,7 +223,7 @@ def stage_config_class(recipe: str, name: str) -> type:
     return getattr(sys.modules[module_name], name)
 
 
-def check_stage_settings(cfg: Config) -> dict[str, list[str]]:
+def check_stage_settings(cfg: QuickstartConfig) -> dict[str, list[str]]:
     """Each stage's settings as its overrides, each checked against the stage recipe's own config.
 
     The stage's tiny config plus its settings go through `load_config` as the recipe loads them,
@@ -267,7 +267,7 @@ class Demo:
         times_lock: held while a lane reads or writes OUTPUT_DIR/stage_times.json
     """
 
-    cfg: Config
+    cfg: QuickstartConfig
     out: Path
     overrides: dict[str, list[str]]
     started: float
@@ -460,8 +460,8 @@ def write_outcome_candidates(cand_file: Path, out_file: Path) -> None:
 
 def setup(argv: list[str]) -> Demo:
     """Read and check every setting (the stages' too), then make OUTPUT_DIR: nothing runs before."""
-    config_path, overrides = parse_cli(argv, Config)
-    cfg = load_config(Config, config_path, overrides)
+    config_path, overrides = parse_cli(argv, QuickstartConfig)
+    cfg = load_config(QuickstartConfig, config_path, overrides)
     if cfg.model.name_or_path:
         require_model_dir(cfg, "model.name_or_path")
     from mmprm.models.loading import resolve_attn_implementation
@@ -481,7 +481,7 @@ def setup(argv: list[str]) -> Demo:
 
 
 # ---- 1. data ---------------------------------------------------------------------------------
-def make_data(cfg: Config, data: Path) -> None:
+def make_data(cfg: QuickstartConfig, data: Path) -> None:
     """The task's four disjoint splits: SFT train (with slips), annotation, and dev + test held out."""
     from mmprm.data.synthetic import (
         SyntheticConfig,
@@ -566,10 +566,10 @@ def annotate(demo: Demo, lane: Lane) -> None:
         "recipes/mcts_annotate.py",
         "--config",
         "recipes/configs/tiny/mcts_annotate.yaml",
-        f"model.name_or_path={demo.policy}",
+        f"policy.path={demo.policy}",
         f"data.problems_file={demo.data / 'annotate_problems.jsonl'}",
         f"output_dir={demo.mcts}",
-        f"sampling.seed={demo.cfg.seed}",
+        f"policy.sampling.seed={demo.cfg.seed}",
         demo.attn,
         *demo.overrides["annotate"],
     ]
@@ -642,13 +642,13 @@ def best_of_n(demo: Demo, lane: Lane) -> None:
         "recipes/bon_rerank.py",
         "--config",
         "recipes/configs/tiny/bon_rerank.yaml",
-        f"prm={demo.out / 'prm'}",
+        f"prm.path={demo.out / 'prm'}",
         "candidates_file=null",
         "generate.enabled=true",
-        f"generate.policy={demo.policy}",
+        f"policy.path={demo.policy}",
         f"generate.problems_file={demo.data / 'heldout_problems.jsonl'}",
         f"generate.n={demo.cfg.n}",
-        f"generate.sampling.seed={demo.cfg.seed}",
+        f"policy.sampling.seed={demo.cfg.seed}",
         f"output_dir={demo.bon}",
         f"report.seed={demo.cfg.seed}",
         demo.attn,
@@ -664,13 +664,13 @@ def rescore(demo: Demo, lane: Lane, model: str, cand_file: Path) -> None:
         "recipes/bon_rerank.py",
         "--config",
         "recipes/configs/tiny/bon_rerank.yaml",
-        f"prm={demo.out / MODELS[model][0]}",
+        f"prm.path={demo.out / MODELS[model][0]}",
         f"candidates_file={cand_file}",
         "generate.enabled=false",
         f"output_dir={demo.out / MODELS[model][1]}",
         f"report.seed={demo.cfg.seed}",
         demo.attn,
-        *[o for o in demo.overrides["bon"] if not o.startswith("generate.")],
+        *[o for o in demo.overrides["bon"] if not o.startswith(("generate.", "policy."))],
     )
 
 
@@ -718,7 +718,7 @@ def guided_search(demo: Demo, lane: Lane) -> None:
             "--config",
             "recipes/configs/tiny/prm_search.yaml",
             f"policy.path={demo.policy}",
-            f"prm={demo.out / 'prm'}",
+            f"prm.path={demo.out / 'prm'}",
             f"problems_file={search_problems_file(demo.data, cfg.search_problems)}",
             "limit=null",
             f"policy.sampling.seed={cfg.seed}",

@@ -10,7 +10,7 @@ scores -> accuracy, Think360 width/depth, RPTS and RPTS-filtered accuracy.
     # RPTS-Eval: the model under test writes premise -> conclusion lines (HF here; vllm on GPUs),
     # the RPTS judge protocol scores them
     python recipes/reasoning_eval.py --config recipes/configs/tiny/reasoning_eval.yaml \\
-        answers.source=vllm answers.model=Qwen/Qwen2.5-VL-7B-Instruct scorer.judge.model=JUDGE
+        answers.source=vllm policy.path=Qwen/Qwen2.5-VL-7B-Instruct scorer.judge.model=JUDGE
 
 Stages (each a step of `run`):
     problems  an answer_benchmark reader (mmprm.data.readers): rpts (RPTS-Eval texts JSON),
@@ -21,7 +21,7 @@ Stages (each a step of `run`):
     tree      think360 (an LLM extracts the steps verbatim as a tree), rpts (the answer's own
               ``Image0 + Text1 -> Conclusion0: ...`` lines), steps (the answer's paragraphs, a chain)
     scorer    judge (Think360 yes/no, graded, or the RPTS protocol with its correction pass), prm,
-              mc (rollouts of answers.model from every node), constant
+              mc (rollouts of the policy from every node), constant
     report    report.json, report.md, trees.jsonl (scored trees + judge details), trees/<id>.png
 
 Nothing is silently dropped: problems without an answer, answers whose tree cannot be extracted
@@ -37,19 +37,18 @@ import re
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from mmprm.answers import answers_match, extract_answer
 from mmprm.chat import ChatClient, ChatConfig, ChatError
 from mmprm.config import ConfigError, load_config, parse_cli, to_dict
-from mmprm.config_sections import ModelLoadConfig
+from mmprm.config_sections import ModelLoadConfig, PolicyConfig, PRMScorerConfig
 from mmprm.data.readers import UnknownReaderError, get_reader
 from mmprm.data.schema import read_jsonl, write_jsonl
 from mmprm.data.sft import split_solution
 from mmprm.generation.base import RolloutRequest, SamplingConfig
-from mmprm.models.spec import ReleasedConvention
 from mmprm.treeval import (
     JudgeScorer,
     RPTSJudge,
@@ -99,33 +98,33 @@ class AnswersConfig:
     """Where the answers come from.
 
     Attributes:
-        source: file (a JSONL of responses) | gold (the benchmark's own reasoning) | hf | vllm (the model
-            under test answers)
+        source: file (a JSONL of responses) | gold (the benchmark's own reasoning) | hf | vllm (the
+            policy, the model under test, answers with that backend, whatever policy.backend says)
         path: file: JSONL of {id, response, [correct], [model_answer]}
         response_field: file: the field holding the response text
-        model: hf / vllm: the model under test (also the policy of scorer.kind=mc)
-        system_prompt: hf / vllm: system message of every prompt; null sends none
-        sampling: hf / vllm: sampling settings (section)
-        batch_size: hf: sequences per generate call
-        dtype: hf: torch dtype name or auto; vllm: its dtype option
-        vllm_gpu_memory_utilization: vllm: share of GPU memory the engine may take
-        vllm_max_model_len: vllm: context length; null takes the model's
-        vllm_kwargs: vllm: more vllm.LLM arguments, e.g. {enforce_eager: true}
         tokenizer: count answer tokens with this tokenizer; null: the model's, else approximate
     """
 
     source: Literal["file", "gold", "hf", "vllm"] = "gold"
     path: str = ""
     response_field: str = "response"
-    model: str = ""
-    system_prompt: str | None = None
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.7, max_new_tokens=1024))
-    batch_size: int = 16
-    dtype: str = "auto"
-    vllm_gpu_memory_utilization: float = 0.9
-    vllm_max_model_len: int | None = None
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     tokenizer: str | None = None
+
+
+@dataclass
+class AnswerPolicyConfig(PolicyConfig):
+    """The model under test (answers.source=hf or vllm; also the policy of scorer.kind=mc), sent
+    its prompts as they are: no saved spec is read.
+
+    Attributes:
+        path: the model under test: a model directory or hub id
+        batch_size: hf: sequences per generate call (answers)
+        step_mode: how the mc scorer's rollouts read steps; null: blank_lines
+        system_prompt: system message of every prompt; null sends none
+    """
+
+    batch_size: int = 16
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.7, max_new_tokens=1024))
 
 
 @dataclass
@@ -168,33 +167,18 @@ class ScorerConfig:
     """What scores each node.
 
     Attributes:
-        kind: judge (an LLM judge) | prm (our PRM) | mc (Monte Carlo rollouts of answers.model) | constant
+        kind: judge (an LLM judge) | prm (our PRM) | mc (Monte Carlo rollouts of the policy) | constant
         judge: kind=judge: the judge (section)
         rpts: the RPTS judge protocol's switches (section)
-        prm_path: kind=prm: the PRM directory
-        batch_size: kind=prm: trees scored per forward batch
-        backend: kind=prm: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
-            same scores, served the way large runs serve reward models)
-        vllm_kwargs: kind=prm, backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
-        convention: kind=prm: a released PRM that mmprm did not write, scored as its authors do:
-            math_shepherd | qwen2_5_math_prm | rlhflow | mm_prm | visualprm (docs/released-prms.md);
-            null: one mmprm trained
         mc_rollouts: kind=mc: rollouts per node
         constant: kind=constant: the score of every node
-        device: auto | cpu | cuda
     """
 
     kind: Literal["judge", "prm", "mc", "constant"] = "judge"
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     rpts: RPTSJudgeConfig = field(default_factory=RPTSJudgeConfig)
-    prm_path: str | None = None
-    batch_size: int = 8
-    backend: Literal["hf", "vllm"] = "hf"
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
-    convention: ReleasedConvention | None = None
     mc_rollouts: int = 8
     constant: float = 1.0
-    device: str = "auto"
 
 
 @dataclass
@@ -234,8 +218,10 @@ class ReasoningEvalConfig:
     Attributes:
         problems: the problems (section)
         answers: where the answers come from (section)
+        policy: the model under test, when it answers now or scorer.kind=mc rolls it out (section)
         tree: how answers become trees (section)
         scorer: what scores each node (section)
+        prm: scorer.kind=prm: the PRM (section); batch_size: trees scored per forward batch
         model: model loading (section)
         metrics: tree metrics (section)
         output: where results go (section)
@@ -243,18 +229,32 @@ class ReasoningEvalConfig:
 
     problems: ProblemsConfig = field(default_factory=ProblemsConfig)
     answers: AnswersConfig = field(default_factory=AnswersConfig)
+    policy: AnswerPolicyConfig = field(default_factory=AnswerPolicyConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
+    prm: PRMScorerConfig = field(default_factory=PRMScorerConfig)
     model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+
+    # Keys read under their old names for one release (mmprm.config), with a warning.
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "answers.model": "policy.path",
+        **{f"answers.{k}": f"policy.{k}" for k in ("system_prompt", "sampling", "batch_size", "dtype")},
+        "answers.vllm_gpu_memory_utilization": "policy.vllm.gpu_memory_utilization",
+        "answers.vllm_max_model_len": "policy.vllm.max_model_len",
+        "answers.vllm_kwargs": "policy.vllm.kwargs",
+        "scorer.prm_path": "prm.path",
+        **{f"scorer.{k}": f"prm.{k}" for k in ("batch_size", "backend", "convention", "device")},
+        "scorer.vllm_kwargs": "prm.vllm.kwargs",
+    }
 
     def validate(self) -> None:
         a, t, s = self.answers, self.tree, self.scorer
         if a.source == "file" and not a.path:
             raise ValueError("answers.path: set the JSONL of responses when answers.source=file")
-        if a.source in ("hf", "vllm") and not a.model:
-            raise ValueError(f"answers.model: set the model under test when answers.source={a.source}")
+        if a.source in ("hf", "vllm") and not self.policy.path:
+            raise ValueError(f"policy.path: set the model under test when answers.source={a.source}")
         try:
             get_reader("answer_benchmark", self.problems.format)
         except UnknownReaderError as e:
@@ -267,10 +267,10 @@ class ReasoningEvalConfig:
             raise ValueError("scorer.judge.model: set the judge's model name (and url) when scorer.kind=judge")
         if s.kind == "judge" and s.judge.protocol == "rpts" and t.kind != "rpts":
             raise ValueError("scorer.judge.protocol=rpts judges premise trees: use it with tree.kind=rpts")
-        if s.kind == "prm" and not s.prm_path:
-            raise ValueError("scorer.prm_path: set it to a PRM directory when scorer.kind=prm")
-        if s.kind == "mc" and not a.model:
-            raise ValueError("scorer.kind=mc rolls out answers.model from every node: set answers.model")
+        if s.kind == "prm" and not self.prm.path:
+            raise ValueError("prm.path: set it to a PRM directory when scorer.kind=prm")
+        if s.kind == "mc" and not self.policy.path:
+            raise ValueError("scorer.kind=mc rolls out the policy from every node: set policy.path")
         if len(self.metrics.rpts_lambdas) == 0 or len(self.metrics.rpts_h_fs) == 0:
             raise ValueError("metrics.rpts_lambdas and metrics.rpts_h_fs need at least one value each")
         if a.source == "hf" or s.kind in ("prm", "mc"):
@@ -289,25 +289,6 @@ def load_reasoning_problems(cfg: ProblemsConfig) -> list[dict[str, Any]]:
     rows = get_reader("answer_benchmark", cfg.format)(path, **options)
     out = [{**p, "record": (p.get("meta") or {}).get("record"), "gold": p.get("solution")} for p in rows]
     return out[: cfg.limit] if cfg.limit is not None else out
-
-
-def make_backend(a: AnswersConfig, attn_implementation: str, step_mode: str = "blank_lines") -> Any:
-    """The model under test as a rollout backend (`mmprm.generation`), continuing free text."""
-    from mmprm.generation import make_rollout_backend
-
-    return make_rollout_backend(
-        a.model,
-        a.sampling,
-        step_mode,
-        a.system_prompt,
-        backend="vllm" if a.source == "vllm" else "hf",
-        batch_size=a.batch_size,
-        dtype=a.dtype,
-        attn_implementation=attn_implementation,
-        gpu_memory_utilization=a.vllm_gpu_memory_utilization,
-        max_model_len=a.vllm_max_model_len,
-        vllm_kwargs=a.vllm_kwargs,
-    )
 
 
 def count_tokens(texts: list[str], tokenizer: Any | None) -> tuple[list[int], str]:
@@ -400,11 +381,14 @@ def collect_answers(
                 "benchmark that does (rpts, mathvision) or answers.source=file|hf|vllm"
             )
     if answers_cfg.source in ("hf", "vllm") or cfg.scorer.kind == "mc":
-        backend = make_backend(answers_cfg, cfg.model.attn_implementation)
+        policy = cfg.policy
+        if answers_cfg.source in ("hf", "vllm"):  # the backend the policy answers with
+            policy = replace(cfg.policy, backend=answers_cfg.source)
+        backend = policy.build(cfg.model.attn_implementation, saved_prompt=False)
         proc = getattr(backend, "processor", None)  # vLLM keeps the processor, HF the tokenizer too
         tokenizer = getattr(backend, "tokenizer", None) or getattr(proc, "tokenizer", proc)
     if answers_cfg.source in ("hf", "vllm"):
-        answers = generate_answers(answers_cfg, cfg.tree, backend, problems, by_id, out_dir)
+        answers = generate_answers(cfg.policy.batch_size, cfg.tree, backend, problems, by_id, out_dir)
     if answers_cfg.tokenizer:
         from transformers import AutoTokenizer
 
@@ -432,7 +416,7 @@ def read_answer_file(answers_cfg: AnswersConfig, by_id: dict[str, dict[str, Any]
 
 
 def generate_answers(
-    answers_cfg: AnswersConfig,
+    batch_size: int,
     tree_cfg: TreeConfig,
     backend: Any,
     problems: list[dict[str, Any]],
@@ -451,7 +435,6 @@ def generate_answers(
     }
     todo = [p for p in problems if p["id"] not in answers and all(Path(i).exists() for i in p["images"])]
     no_images = sorted(set(by_id) - set(answers) - {p["id"] for p in todo})
-    batch_size = answers_cfg.batch_size
     for attempt in range(tree_cfg.retries + 1 if tree_cfg.kind == "rpts" else 1):
         # An RPTS answer with no premise lines has no tree: ask the model again (tree.retries).
         if attempt:
@@ -580,24 +563,14 @@ def score_nodes(
         client = chat_clients["judge"] = ChatClient(scorer_cfg.judge, "scorer.judge", out_dir / "chat_cache.jsonl")
         unjudged = judge_trees(client, scorer_cfg, cfg.tree.kind, trees, scored, by_id)
     elif scorer_cfg.kind == "prm":
-        from mmprm import load_prm
         from mmprm.data.score_cache import CachedScorer
-        from mmprm.models.loading import resolve_device
-
-        def load() -> Any:
-            return load_prm(
-                scorer_cfg.prm_path,
-                device=resolve_device(scorer_cfg.device),
-                batch_size=scorer_cfg.batch_size,
-                attn_implementation=cfg.model.attn_implementation,
-                backend=scorer_cfg.backend,
-                vllm_kwargs=scorer_cfg.vllm_kwargs,
-                convention=scorer_cfg.convention,
-            )
 
         # each tree's scores are saved once scored: a killed run resumes, a rerun scores nothing twice
         prm = CachedScorer(
-            out_dir / "score_cache.jsonl", load, prm=scorer_cfg.prm_path, convention=scorer_cfg.convention
+            out_dir / "score_cache.jsonl",
+            lambda: cfg.prm.build(cfg.model.attn_implementation),
+            prm=cfg.prm.path,
+            convention=cfg.prm.convention,
         )
         try:
             for i in scored:

@@ -10,7 +10,7 @@ the MC values of annotation trees, or an LLM judge), then writes:
 Launch (CPU is enough; a PRM scorer uses the GPU when there is one):
 
     python recipes/tree_eval.py --config recipes/configs/tiny/tree_eval.yaml
-    python recipes/tree_eval.py --config recipes/configs/tiny/tree_eval.yaml scorer.kind=prm scorer.prm_path=runs/prm
+    python recipes/tree_eval.py --config recipes/configs/tiny/tree_eval.yaml scorer.kind=prm prm.path=runs/prm
 
 Input formats (`data.format`):
     rpts      RPTS-Eval JSON array or JSONL rows {id, reasoning: ["Text0 + Image0 -> ...", ...],
@@ -32,14 +32,13 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from mmprm.chat import ChatClient, ChatConfig
 from mmprm.config import ConfigError, load_config, parse_cli, require_model_dir, to_dict
-from mmprm.config_sections import ModelLoadConfig
+from mmprm.config_sections import ModelLoadConfig, PRMScorerConfig
 from mmprm.data.readers import UnknownReaderError, get_reader
 from mmprm.data.schema import DataError, atomic_write
-from mmprm.models.spec import ReleasedConvention
 from mmprm.treeval import (
     JudgeScorer,
     Tree,
@@ -59,7 +58,7 @@ from mmprm.treeval.readers import built
 
 
 @dataclass
-class DataConfig:
+class TreeDataConfig:
     """The reasoning trees to read.
 
     Attributes:
@@ -96,32 +95,16 @@ class ScorerConfig:
     """What scores each conclusion node.
 
     Attributes:
-        kind: constant (every node scores scorer.constant) | prm | mc (the tree's MC values) | judge
+        kind: constant (every node scores scorer.constant) | prm (the `prm` section's PRM) | mc (the
+            tree's MC values) | judge
         constant: kind=constant: the score of every node
-        prm_path: kind=prm: PRM directory written by recipes/prm_train.py
-        batch_size: kind=prm: node paths per forward
-        max_length: kind=prm: tokens per node path; null: no truncation
-        device: kind=prm: auto (cuda when available, else cpu), cpu, cuda or cuda:N
         use_images: show the PRM/judge the item's images (missing files are dropped)
-        backend: kind=prm: hf (the PRM in this process) | vllm (a vLLM engine, pip install 'mmprm[vllm]'; the
-            same scores, served the way large runs serve reward models)
-        vllm_kwargs: kind=prm, backend=vllm: more vllm.LLM arguments, e.g. {gpu_memory_utilization: 0.4}
-        convention: kind=prm: a released PRM that mmprm did not write, scored as its authors do:
-            math_shepherd | qwen2_5_math_prm | rlhflow | mm_prm | visualprm (docs/released-prms.md);
-            null: one mmprm trained
         judge: kind=judge: the judge (section)
     """
 
     kind: Literal["constant", "prm", "mc", "judge"] = "constant"
     constant: float = 1.0
-    prm_path: str | None = None
-    batch_size: int = 8
-    max_length: int | None = None
-    device: str = "auto"
     use_images: bool = True
-    backend: Literal["hf", "vllm"] = "hf"
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
-    convention: ReleasedConvention | None = None
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
@@ -164,23 +147,33 @@ class TreeEvalConfig:
     Attributes:
         data: the trees
         scorer: node scores
+        prm: scorer.kind=prm: the PRM (section); batch_size: node paths per forward
+        model: model loading (section)
         metrics: metrics
         output: outputs
     """
 
-    data: DataConfig = field(default_factory=DataConfig)
+    data: TreeDataConfig = field(default_factory=TreeDataConfig)
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
+    prm: PRMScorerConfig = field(default_factory=PRMScorerConfig)
     model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
     metrics: MetricConfig = field(default_factory=MetricConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+
+    # Keys read under their old names for one release (mmprm.config), with a warning.
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "scorer.prm_path": "prm.path",
+        **{f"scorer.{k}": f"prm.{k}" for k in ("batch_size", "max_length", "device", "backend", "convention")},
+        "scorer.vllm_kwargs": "prm.vllm.kwargs",
+    }
 
     def validate(self) -> None:
         try:
             get_reader("tree_format", self.data.format)
         except UnknownReaderError as e:
             raise ValueError(f"data.format: {e}") from None
-        if self.scorer.kind == "prm" and not self.scorer.prm_path:
-            raise ValueError("scorer.prm_path: set it to a PRM directory when scorer.kind=prm")
+        if self.scorer.kind == "prm" and not self.prm.path:
+            raise ValueError("prm.path: set it to a PRM directory when scorer.kind=prm")
         if self.scorer.kind == "prm":
             from mmprm.models.loading import resolve_attn_implementation
 
@@ -195,7 +188,7 @@ class TreeEvalConfig:
             raise ValueError(f"metrics.rpts_lambda: {self.metrics.rpts_lambda} must be in (0, 1]")
 
 
-def iter_items(cfg: DataConfig) -> Iterator[dict[str, Any]]:
+def iter_items(cfg: TreeDataConfig) -> Iterator[dict[str, Any]]:
     """Each item, read one at a time up to data.limit: {"id", "tree", "correct": bool | None,
     "reference": gold answer or None, "where": its file, line and id for messages}."""
     path = Path(cfg.path)
@@ -289,7 +282,7 @@ def main(argv: list[str]) -> int:
         config_path, overrides = parse_cli(argv, TreeEvalConfig)
         cfg = load_config(TreeEvalConfig, config_path, overrides)
         if cfg.scorer.kind == "prm":
-            require_model_dir(cfg, "scorer.prm_path", hub=False)
+            require_model_dir(cfg, "prm.path", hub=False)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -370,29 +363,15 @@ def make_scorer(cfg: TreeEvalConfig, out_dir: Path) -> tuple[Any, JudgeScorer | 
     scorer_cfg = cfg.scorer
     prm = judge = None
     if scorer_cfg.kind == "prm":
-        from mmprm import load_prm
         from mmprm.data.score_cache import CachedScorer
-        from mmprm.models.loading import resolve_device
-
-        def load() -> Any:
-            return load_prm(
-                scorer_cfg.prm_path,
-                device=resolve_device(scorer_cfg.device),
-                batch_size=scorer_cfg.batch_size,
-                max_length=scorer_cfg.max_length,
-                attn_implementation=cfg.model.attn_implementation,
-                backend=scorer_cfg.backend,
-                vllm_kwargs=scorer_cfg.vllm_kwargs,
-                convention=scorer_cfg.convention,
-            )
 
         # each tree's paths are saved once scored: a killed run resumes, a rerun scores nothing twice
         prm = CachedScorer(
             out_dir / "score_cache.jsonl",
-            load,
-            prm=scorer_cfg.prm_path,
-            convention=scorer_cfg.convention,
-            max_length=scorer_cfg.max_length,
+            lambda: cfg.prm.build(cfg.model.attn_implementation),
+            prm=cfg.prm.path,
+            convention=cfg.prm.convention,
+            max_length=cfg.prm.max_length,
         )
     elif scorer_cfg.kind == "judge":
         judge_cfg = scorer_cfg.judge

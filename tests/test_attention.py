@@ -76,9 +76,9 @@ RECIPE_ARGS = {
     "prm_train": [],
     "policy_sft": [],
     "mcts_annotate": [],
-    "bon_rerank": ["prm=nowhere"],
-    "prm_eval": ["data.path=nowhere", "scorer.prm_path=nowhere"],
-    "tree_eval": ["scorer.kind=prm", "scorer.prm_path=nowhere"],
+    "bon_rerank": ["prm.path=nowhere"],
+    "prm_eval": ["data.path=nowhere", "prm.path=nowhere"],
+    "tree_eval": ["scorer.kind=prm", "prm.path=nowhere"],
     "quickstart": ["output_dir=/nonexistent/never-written"],
 }
 

@@ -284,7 +284,7 @@ def test_qwen_math_reference_numbers():
 
 
 def test_a_truncated_candidate_never_wins_on_its_partial_score(tmp_path):
-    # Candidate 0 was cut at scoring.max_length: its two scored steps look great, but its
+    # Candidate 0 was cut at prm.max_length: its two scored steps look great, but its
     # unscored tail is wrong. Read on the prefix, every aggregator would pick it.
     cut = {**cand([0.95, 0.9], "7", False), "truncated": True}
     problems = [

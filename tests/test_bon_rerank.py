@@ -20,6 +20,7 @@ from recipe_runs import REPO, recipe_env, run_recipe
 
 from mmprm.answers import answers_match
 from mmprm.config import ConfigError
+from mmprm.config_sections import PolicyConfig
 from mmprm.data.schema import DataError, read_jsonl
 from mmprm.rerank.candidates import Candidate, ProblemWithCandidates, load_candidates, load_problems_for_generation
 from mmprm.rerank.shards import cli_merge_bon, merge_scored, shard_path, take_shard
@@ -77,7 +78,7 @@ def unsharded(prm_dir, mathv_file, tmp_path_factory) -> Path:
         "bon_rerank",
         "--config",
         str(CONFIG),
-        f"prm={prm_dir}",
+        f"prm.path={prm_dir}",
         f"candidates_file={mathv_file}",
         f"output_dir={out}",
         "report.resamples=200",
@@ -201,7 +202,7 @@ def test_two_shards_merge_to_the_unsharded_output_and_refuse_a_missing_shard(
     args = [
         "--config",
         str(CONFIG),
-        f"prm={prm_dir}",
+        f"prm.path={prm_dir}",
         f"candidates_file={mathv_file}",
         f"output_dir={out}",
         "report.resamples=200",
@@ -236,10 +237,10 @@ def test_more_shards_than_problems_merge_with_empty_shards(unsharded, prm_dir, m
     two.write_text("".join(mathv_file.read_text().splitlines(keepends=True)[:2]))
     mod, out = recipe(), tmp_path / "sharded"
     args = ["--config", str(CONFIG), f"candidates_file={two}", f"output_dir={out}", "report.resamples=50"]
-    mod.main([*args, f"prm={tmp_path / 'no_prm'}", "shard.count=3", "shard.index=0"])
+    mod.main([*args, f"prm.path={tmp_path / 'no_prm'}", "shard.count=3", "shard.index=0"])
     assert shard_path(out, 0, 3).read_text() == ""
     for i in (1, 2):
-        mod.main([*args, f"prm={prm_dir}", "shard.count=3", f"shard.index={i}"])
+        mod.main([*args, f"prm.path={prm_dir}", "shard.count=3", f"shard.index={i}"])
     assert cli_merge_bon([str(out)]) == 0
     single = {r["id"]: r for r in read_jsonl(unsharded / "scored.jsonl")}
     merged = read_jsonl(out / "scored.jsonl")
@@ -252,8 +253,8 @@ def test_merge_bon_refuses_a_shard_scored_by_another_prm(prm_dir, mathv_file, tm
     other = shutil.copytree(prm_dir, tmp_path / "other_prm")  # the same weights, but another PRM to the run
     mod, out = recipe(), tmp_path / "mixed"
     args = ["--config", str(CONFIG), f"candidates_file={mathv_file}", f"output_dir={out}", "shard.count=2"]
-    mod.main([*args, f"prm={prm_dir}", "shard.index=0", "report.resamples=50"])
-    mod.main([*args, f"prm={other}", "shard.index=1", "report.resamples=50"])
+    mod.main([*args, f"prm.path={prm_dir}", "shard.index=0", "report.resamples=50"])
+    mod.main([*args, f"prm.path={other}", "shard.index=1", "report.resamples=50"])
     capsys.readouterr()
     assert cli_merge_bon([str(out)]) == 2
     err = capsys.readouterr().err
@@ -273,12 +274,12 @@ def test_merge_bon_takes_shards_that_sampled_their_own_candidates_alike(tiny_mod
             [
                 "--config",
                 str(CONFIG),
-                f"prm={prm_dir}",
+                f"prm.path={prm_dir}",
                 "generate.enabled=true",
-                f"generate.policy={tiny_models('qwen2_vl')}",
+                f"policy.path={tiny_models('qwen2_vl')}",
                 f"generate.problems_file={tmp_path / 'data' / 'test_problems.jsonl'}",
                 "generate.n=2",
-                "generate.sampling.max_new_tokens=8",
+                "policy.sampling.max_new_tokens=8",
                 "report.resamples=50",
                 f"output_dir={out}",
                 "shard.count=2",
@@ -292,7 +293,7 @@ def test_merge_bon_takes_shards_that_sampled_their_own_candidates_alike(tiny_mod
     run(out, 1)
     assert cli_merge_bon([str(out)]) == 0
     assert [r["id"] for r in read_jsonl(out / "scored.jsonl")] == ["bon-00000", "bon-00001"]
-    run(other, 1, "generate.sampling.seed=7")
+    run(other, 1, "policy.sampling.seed=7")
     for name in ("candidates.shard1-of-2.jsonl", "candidates.shard1-of-2.jsonl.run.json"):
         shutil.copy(other / name, out / name)
     with pytest.raises(ValueError, match=r"candidates.shard1-of-2.jsonl was made with other settings {'sampling'"):
@@ -342,12 +343,12 @@ def test_generate_with_tiny_vlm_policy_writes_candidates_and_report(tiny_models,
         [
             "--config",
             str(CONFIG),
-            f"prm={prm_dir}",
+            f"prm.path={prm_dir}",
             "generate.enabled=true",
-            f"generate.policy={tiny_models('qwen2_vl')}",
+            f"policy.path={tiny_models('qwen2_vl')}",
             f"generate.problems_file={problems_file}",
             "generate.n=4",
-            "generate.sampling.max_new_tokens=16",
+            "policy.sampling.max_new_tokens=16",
             "report.resamples=100",
             f"output_dir={out}",
         ]
@@ -458,7 +459,7 @@ def test_unknown_correctness_is_refused_before_scoring(tmp_path):
         + "\n"
     )
     with pytest.raises(DataError) as e:  # prm does not exist: the check comes first
-        recipe().main([f"prm={tmp_path / 'no_prm'}", f"candidates_file={path}", f"output_dir={tmp_path / 'o'}"])
+        recipe().main([f"prm.path={tmp_path / 'no_prm'}", f"candidates_file={path}", f"output_dir={tmp_path / 'o'}"])
     assert e.value.problems == [
         f"{path}: id=q1: candidates[0].correct: unknown (give the problem's gold `answer` "
         "or each candidate's `correct`)"
@@ -469,12 +470,12 @@ def test_tiny_yaml_parses_and_opens_with_its_launch_command():
     mod = recipe()
     first = CONFIG.read_text().splitlines()[0]
     assert first == "# python recipes/bon_rerank.py --config recipes/configs/tiny/bon_rerank.yaml"
-    cfg = mod.load_config(mod.Config, CONFIG)
-    assert cfg.prm == "runs/tiny/prm" and cfg.candidates_file.startswith("runs/tiny/")
+    cfg = mod.load_config(mod.BonRerankConfig, CONFIG)
+    assert cfg.prm.path == "runs/tiny/prm" and cfg.candidates_file.startswith("runs/tiny/")
     assert cfg.generate.n == 4 and cfg.shard.count == 1
-    assert mod.Config().generate.sampling.max_new_tokens == 4096 and cfg.generate.sampling.max_new_tokens == 128
+    assert mod.BonRerankConfig().policy.sampling.max_new_tokens == 4096 and cfg.policy.sampling.max_new_tokens == 128
     # the prompt format comes from the policy (mmprm_policy.json) unless the config says otherwise
-    assert cfg.generate.step_mode is None and cfg.generate.system_prompt is None
+    assert cfg.policy.step_mode is None and cfg.policy.system_prompt is None
     res = subprocess.run(
         [sys.executable, str(RECIPE), "--config", str(CONFIG), "shard.index=2", "shard.count=2"],
         capture_output=True,
@@ -509,10 +510,10 @@ def test_candidates_cut_by_scoring_max_length_are_ranked_last_and_counted(prm_di
         [
             "--config",
             str(CONFIG),
-            f"prm={prm_dir}",
+            f"prm.path={prm_dir}",
             f"candidates_file={cands}",
             f"output_dir={out}",
-            "scoring.max_length=160",
+            "prm.max_length=160",
             "report.resamples=20",
         ]
     )
@@ -550,7 +551,7 @@ def test_mm_prm_edge_rules_carry_through_shards_and_merge_bon(prm_dir, tmp_path,
     mod = recipe()
 
     def run(out, index, *extra):
-        args = ["--config", str(CONFIG), f"prm={prm_dir}", f"candidates_file={cands}", f"output_dir={out}"]
+        args = ["--config", str(CONFIG), f"prm.path={prm_dir}", f"candidates_file={cands}", f"output_dir={out}"]
         mod.main([*args, "report.resamples=20", "shard.count=2", f"shard.index={index}", *extra])
 
     out = tmp_path / "mm_prm"
@@ -586,7 +587,7 @@ def test_killed_scoring_resumes_after_the_last_written_chunk(unsharded, prm_dir,
     args = [
         "--config",
         str(CONFIG),
-        f"prm={prm_dir}",
+        f"prm.path={prm_dir}",
         f"candidates_file={mathv_file}",
         f"output_dir={out}",
         "report.resamples=200",
@@ -626,10 +627,10 @@ def test_killed_scoring_resumes_after_the_last_written_chunk(unsharded, prm_dir,
     mod.main(args)  # finished: only the report is written again
     assert rescored == []
     with pytest.raises(ConfigError, match=r"scored.shard0-of-1.jsonl was made with other settings .*max_length"):
-        mod.main([*args, "scoring.max_length=64"])
+        mod.main([*args, "prm.max_length=64"])
 
 
-def test_generation_shard_without_problems_starts_no_engine(tiny_models, prm_dir, tmp_path, one_thread):
+def test_generation_shard_without_problems_starts_no_engine(tiny_models, prm_dir, tmp_path, one_thread, monkeypatch):
     """1 problem over 2 shards: shard 0 samples nothing (no backend is made) and writes empty
     candidates and scored files, which merge-bon takes beside shard 1's."""
     from mmprm.data.synthetic import SyntheticConfig, generate, write_split
@@ -639,53 +640,53 @@ def test_generation_shard_without_problems_starts_no_engine(tiny_models, prm_dir
     args = [
         "--config",
         str(CONFIG),
-        f"prm={prm_dir}",
+        f"prm.path={prm_dir}",
         "generate.enabled=true",
-        f"generate.policy={tiny_models('qwen2_vl')}",
+        f"policy.path={tiny_models('qwen2_vl')}",
         f"generate.problems_file={tmp_path / 'data' / 'test_problems.jsonl'}",
         "generate.n=2",
-        "generate.sampling.max_new_tokens=8",
+        "policy.sampling.max_new_tokens=8",
         "report.resamples=50",
         f"output_dir={out}",
         "shard.count=2",
     ]
     mod = recipe()
 
-    def no_backend(cfg):
+    def no_backend(policy, *args, **kwargs):
         raise AssertionError("an empty shard made a backend")
 
-    make_backend, mod.make_backend = mod.make_backend, no_backend
+    monkeypatch.setattr(PolicyConfig, "build", no_backend)
     mod.main([*args, "shard.index=0"])
     assert (out / "candidates.shard0-of-2.jsonl").read_text() == ""
     assert shard_path(out, 0, 2).read_text() == ""
-    mod.make_backend = make_backend
+    monkeypatch.undo()
     mod.main([*args, "shard.index=1"])
     assert cli_merge_bon([str(out)]) == 0
     assert [r["id"] for r in read_jsonl(out / "scored.jsonl")] == ["bon-00000"]
 
 
-def test_killed_generation_resumes_and_keeps_what_was_sampled(tiny_models, prm_dir, tmp_path, one_thread):
+def test_killed_generation_resumes_and_keeps_what_was_sampled(tiny_models, prm_dir, tmp_path, one_thread, monkeypatch):
     from mmprm.data.synthetic import SyntheticConfig, generate, write_split
 
     write_split(generate(SyntheticConfig(num_problems=3, seed=0, id_prefix="bon")), tmp_path / "data", "test")
     args = [
         "--config",
         str(CONFIG),
-        f"prm={prm_dir}",
+        f"prm.path={prm_dir}",
         "generate.enabled=true",
-        f"generate.policy={tiny_models('qwen2_vl')}",
+        f"policy.path={tiny_models('qwen2_vl')}",
         f"generate.problems_file={tmp_path / 'data' / 'test_problems.jsonl'}",
         "generate.n=2",
-        "generate.batch_size=2",  # one problem per backend call
-        "generate.sampling.max_new_tokens=8",
+        "policy.batch_size=2",  # one problem per backend call
+        "policy.sampling.max_new_tokens=8",
         "report.resamples=50",
         f"output_dir={tmp_path / 'gen'}",
     ]
     mod = recipe()
-    make_backend, calls = mod.make_backend, []
+    build, calls = PolicyConfig.build, []
 
-    def backend_killed_on_the_second_call(cfg):
-        backend = make_backend(cfg)
+    def backend_killed_on_the_second_call(policy, *args, **kwargs):
+        backend = build(policy, *args, **kwargs)
         generate_batch = backend.generate
 
         def generate_or_die(requests):
@@ -697,9 +698,10 @@ def test_killed_generation_resumes_and_keeps_what_was_sampled(tiny_models, prm_d
         backend.generate = generate_or_die
         return backend
 
-    mod.make_backend = backend_killed_on_the_second_call
+    monkeypatch.setattr(PolicyConfig, "build", backend_killed_on_the_second_call)
     with pytest.raises(KeyboardInterrupt):
         mod.main(args)
+    monkeypatch.undo()
     first = read_jsonl(tmp_path / "gen" / "candidates.jsonl.partial")
     assert [r["id"] for r in first] == ["bon-00000"]
 

@@ -393,7 +393,7 @@ def test_policy_sft_eval_generation_without_a_pad_token(checkpoint):
     recipe = _load_recipe("policy_sft")
     model, processor = load_backbone(checkpoint("llama3_1_instruct"))
     assert processor.pad_token is None
-    cfg = recipe.Config()
+    cfg = recipe.PolicySFTConfig()
     cfg.train.eval_generations, cfg.train.eval_batch_size, cfg.train.max_new_tokens = 2, 2, 4
     examples = [
         {"id": f"q{i}", "question": q, "images": [], "answer": "12"}

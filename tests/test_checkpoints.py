@@ -80,7 +80,8 @@ def test_a_zero_step_interval_is_refused_when_the_config_loads(recipe, key):
 
     mod = load_recipe(recipe)
     with pytest.raises(ConfigError, match=rf"train\.{key}: 0 is not a step interval"):
-        load_config(mod.Config, REPO / "recipes" / "configs" / "tiny" / f"{recipe}.yaml", [f"train.{key}=0"])
+        cls = mod.PRMTrainConfig if recipe == "prm_train" else mod.PolicySFTConfig
+        load_config(cls, REPO / "recipes" / "configs" / "tiny" / f"{recipe}.yaml", [f"train.{key}=0"])
 
 
 def marker(out, step: int) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,78 @@ def test_require_model_dir_names_the_key(tmp_path, monkeypatch):
     (tmp_path / "runs").mkdir()
     with pytest.raises(ConfigError, match="runs/prm does not exist"):
         require_model_dir(Outer(name_or_path="runs/prm"), "name_or_path")
+
+
+@dataclasses.dataclass
+class Engine:
+    """An engine.
+
+    Attributes:
+        path: where it is
+        kwargs: more
+    """
+
+    path: str | None = None
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Moved:
+    """Keys that moved.
+
+    Attributes:
+        prm: the PRM
+        inner: a section
+        engine: another
+    """
+
+    prm: Engine = dataclasses.field(default_factory=Engine)
+    inner: Inner = dataclasses.field(default_factory=Inner)
+    engine: Engine = dataclasses.field(default_factory=Engine)
+
+    RENAMED_KEYS: typing.ClassVar[dict[str, str]] = {
+        "prm": "prm.path",  # a value that became a section
+        "old.mode": "inner.mode",  # a section that is gone
+        "old.kwargs": "engine.kwargs",
+        "inner.columns": "inner.width",  # within a section
+    }
+
+
+def test_an_old_key_is_read_at_its_new_place_with_a_warning(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("prm: runs/prm\nold:\n  mode: slow\n  kwargs: {a: 1}\ninner:\n  columns: 3\n")
+    new = tmp_path / "new.yaml"
+    new.write_text("prm:\n  path: runs/prm\ninner:\n  mode: slow\n  width: 3\nengine:\n  kwargs: {a: 1}\n")
+    with pytest.warns(FutureWarning) as caught:
+        moved = load_config(Moved, old)
+    assert moved == load_config(Moved, new) == Moved(Engine("runs/prm"), Inner("slow", 3), Engine(kwargs={"a": 1}))
+    said = sorted(str(w.message) for w in caught)
+    assert said == [
+        f"{old}: inner.columns is now inner.width; the old key is read for one more release: rename it",
+        f"{old}: old.kwargs is now engine.kwargs; the old key is read for one more release: rename it",
+        f"{old}: old.mode is now inner.mode; the old key is read for one more release: rename it",
+        f"{old}: prm is now prm.path; the old key is read for one more release: rename it",
+    ]
+
+
+def test_old_and_new_keys_mix_across_the_file_and_the_overrides(tmp_path, recwarn):
+    new = tmp_path / "new.yaml"
+    new.write_text("prm:\n  path: runs/prm\n")
+    with pytest.warns(FutureWarning, match="override 'prm=other': prm is now prm.path"):
+        assert load_config(Moved, new, ["prm=other"]).prm.path == "other"
+    with pytest.warns(FutureWarning, match="override 'old.kwargs={b: 2}': old.kwargs is now engine.kwargs"):
+        assert load_config(Moved, new, ["old.kwargs={b: 2}"]).engine.kwargs == {"b": 2}  # a mapping value moves whole
+    old = tmp_path / "old.yaml"
+    old.write_text("prm: runs/prm\n")
+    with pytest.warns(FutureWarning, match="prm is now prm.path"):
+        assert load_config(Moved, old, ["prm.path=other"]).prm.path == "other"
+    recwarn.clear()
+    assert load_config(Moved, new, ["prm.path=x", "inner.width=2"]).prm.path == "x"  # new keys: no warning
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]
+
+
+def test_an_old_key_beside_its_new_one_is_refused(tmp_path):
+    both = tmp_path / "both.yaml"
+    both.write_text("old:\n  mode: slow\ninner:\n  mode: fast\n")
+    with pytest.raises(ConfigError, match=r"both.yaml: old.mode and inner.mode are both set: keep inner.mode only"):
+        load_config(Moved, both)

@@ -147,11 +147,11 @@ def test_bon_rerank_refuses_llm_extraction_without_an_endpoint_or_for_other_benc
     from mmprm.config import ConfigError, load_config
 
     mod = load_recipe("bon_rerank")
-    base = ["prm=p", "generate.enabled=true", "generate.policy=x", "generate.extraction=llm"]
+    base = ["prm.path=p", "generate.enabled=true", "policy.path=x", "generate.extraction=llm"]
     with pytest.raises((ConfigError, ValueError), match="generate.judge.url and generate.judge.model"):
-        load_config(mod.Config, None, [*base, "generate.benchmark.name=mathverse"])
+        load_config(mod.BonRerankConfig, None, [*base, "generate.benchmark.name=mathverse"])
     with pytest.raises((ConfigError, ValueError), match="mathvision has no LLM extraction"):
-        load_config(mod.Config, None, [*base, "generate.benchmark.name=mathvision", "generate.judge.model=m"])
+        load_config(mod.BonRerankConfig, None, [*base, "generate.benchmark.name=mathvision", "generate.judge.model=m"])
 
 
 @pytest.mark.slow
@@ -176,21 +176,21 @@ def test_bon_rerank_judges_candidates_by_the_llm_and_its_report_says_so(tiny_mod
             [
                 "--config",
                 str(REPO / "recipes" / "configs" / "qwen2_5_vl_7b" / "benchmarks" / "bon_rerank.yaml"),
-                f"prm={prm}",
-                f"generate.policy={tiny_models('qwen2_vl')}",
-                "generate.backend=hf",
+                f"prm.path={prm}",
+                f"policy.path={tiny_models('qwen2_vl')}",
+                "policy.backend=hf",
                 "generate.benchmark.name=mathverse",
                 f"generate.benchmark.source={MATHVERSE_SOURCE}",
                 f"generate.benchmark.image_root={FIX / 'mathverse'}",
                 "generate.benchmark.limit=2",
                 "generate.n=2",
-                "generate.sampling.max_new_tokens=8",
+                "policy.sampling.max_new_tokens=8",
                 "generate.extraction=llm",
                 f"generate.judge.url={server.url}",
                 "generate.judge.model=judge",
                 "generate.judge.concurrency=1",
-                "scoring.max_length=null",
-                "scoring.device=cpu",
+                "prm.max_length=null",
+                "prm.device=cpu",
                 "model.attn_implementation=sdpa",
                 "report.resamples=20",
                 f"output_dir={out}",

@@ -136,7 +136,7 @@ def test_demo_sft_step_is_bit_identical_to_the_old_loss(tmp_path):
     recipe = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = recipe  # dataclasses look their module up
     spec.loader.exec_module(recipe)
-    cfg = recipe.Config()
+    cfg = recipe.PolicySFTConfig()
     args = [
         "--out",
         str(tmp_path),

@@ -35,23 +35,23 @@ def test_shipped_tiny_yaml_parses_with_overrides():
     cfg = load_config(
         mod.AnnotateConfig, YAML, ["search.max_rollouts=64", "engine.concurrency=3", "rank=1", "world_size=2"]
     )
-    assert cfg.model.name_or_path and cfg.data.problems_file and cfg.output_dir
+    assert cfg.policy.path and cfg.data.problems_file and cfg.output_dir
     assert cfg.search.max_rollouts == 64 and cfg.engine.concurrency == 3 and (cfg.rank, cfg.world_size) == (1, 2)
     defaults = mod.AnnotateConfig().search
     assert (defaults.c_puct, defaults.alpha, defaults.beta, defaults.length_scale) == (0.125, 0.5, 0.9, 2000.0)
     assert (defaults.rollouts_per_estimate, defaults.max_searches, defaults.max_rollouts) == (16, 200, 1000)
-    sampling = mod.AnnotateConfig().sampling
+    sampling = mod.AnnotateConfig().policy.sampling
     assert (sampling.temperature, sampling.top_k, sampling.top_p) == (1.0, 50, 0.9)
     # MM-PRM's cap (a rollout cut there is unfinished, never an error label); tiny configs set their own
-    assert sampling.max_new_tokens == 4096 and cfg.sampling.max_new_tokens == 128
+    assert sampling.max_new_tokens == 4096 and cfg.policy.sampling.max_new_tokens == 128
     with pytest.raises(ConfigError, match="search.max_rollouts .* must be >= search.rollouts_per_estimate"):
         load_config(mod.AnnotateConfig, YAML, ["search.max_rollouts=4"])
     with pytest.raises(ConfigError, match="unknown key"):
         load_config(mod.AnnotateConfig, YAML, ["search.cpuct=1"])
     assert mod.AnnotateConfig().engine.continuous is None  # null: on for vllm, off for hf
-    assert load_config(mod.AnnotateConfig, YAML, ["model.backend=vllm", "engine.continuous=true"]).engine.continuous
-    with pytest.raises(ConfigError, match="engine.continuous=true needs model.backend=vllm"):
-        load_config(mod.AnnotateConfig, YAML, ["model.backend=hf", "engine.continuous=true"])
+    assert load_config(mod.AnnotateConfig, YAML, ["policy.backend=vllm", "engine.continuous=true"]).engine.continuous
+    with pytest.raises(ConfigError, match="engine.continuous=true needs policy.backend=vllm"):
+        load_config(mod.AnnotateConfig, YAML, ["policy.backend=hf", "engine.continuous=true"])
     assert mod.AnnotateConfig().engine.request_timeout_s == 1800.0
     with pytest.raises(ConfigError, match=r"engine.request_timeout_s: 0(\.0)? must be > 0 seconds"):
         load_config(mod.AnnotateConfig, YAML, ["engine.request_timeout_s=0"])
@@ -63,8 +63,8 @@ def test_bad_inputs_fail_before_any_model_loads(tmp_path, capsys):
     bad.write_text('{"id": "1", "question": "Q"}\n')
     assert mod.main(["--config", str(YAML), f"data.problems_file={bad}", f"output_dir={tmp_path}/o"]) == 2
     assert f"{bad}:1: id=1: answer: missing" in capsys.readouterr().err
-    assert mod.main(["--config", str(YAML), "model.name_or_path="]) == 2
-    assert "model.name_or_path is required" in capsys.readouterr().err
+    assert mod.main(["--config", str(YAML), "policy.path="]) == 2
+    assert "policy.path is required" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
@@ -77,7 +77,7 @@ def test_a_problem_draws_the_same_rollouts_on_one_rank_or_two(tmp_path):
     from mmprm.data.problems import Problem
 
     mod = recipe_module()
-    cfg = load_config(mod.AnnotateConfig, YAML, ["model.backend=vllm", "engine.concurrency=2"])
+    cfg = load_config(mod.AnnotateConfig, YAML, ["policy.backend=vllm", "engine.concurrency=2"])
     sims = random_problems(6, seed=5)
     problems = [Problem(pid, "q", GOLD) for pid in sims]
 
@@ -126,7 +126,7 @@ def test_tiny_vlm_end_to_end_kill_resume_and_prm_train_accepts_the_output(tmp_pa
     args = [
         "--config",
         str(YAML),
-        f"model.name_or_path={policy}",
+        f"policy.path={policy}",
         f"data.problems_file={problems}",
         f"output_dir={out}",
         "engine.concurrency=2",
@@ -246,7 +246,7 @@ def test_a_second_worker_on_the_same_output_dir_and_rank_stops_at_once(tmp_path,
                 str(YAML),
                 f"data.problems_file={problems}",
                 f"output_dir={out}",
-                f"model.name_or_path={policy}",
+                f"policy.path={policy}",
             ]
         )
     finally:

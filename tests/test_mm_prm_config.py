@@ -40,7 +40,7 @@ def test_policy_sft_holds_the_papers_values():
 
 def test_mcts_annotate_holds_the_papers_and_mm_prm_scripts_values():
     cfg = load("mcts_annotate")
-    s, p = cfg.search, cfg.sampling
+    s, p = cfg.search, cfg.policy.sampling
     # paper
     assert (s.c_puct, s.max_searches, s.max_rollouts) == (0.125, 200, 1000)
     assert (p.temperature, p.top_k, p.top_p) == (1.0, 50, 0.9)
@@ -52,7 +52,7 @@ def test_mcts_annotate_holds_the_papers_and_mm_prm_scripts_values():
     assert (e.edges, e.negative_threshold, e.negatives, e.balance, e.min_words) == ("node", 0.0, "cut", 1.0, 10)
     assert e.format == "mm_prm"  # traverse.py's "\n\n" joins, plain answer step and word count
     # the SFT'd policy is what the search samples
-    assert cfg.model.name_or_path == load("policy_sft").output_dir
+    assert cfg.policy.path == load("policy_sft").output_dir
 
 
 def test_prm_train_holds_the_papers_values_and_starts_from_the_sft_policy():
@@ -88,9 +88,9 @@ def test_bon_rerank_scores_under_mm_prm_edge_rules_with_the_trained_prm():
     cfg = load("bon_rerank")
     # eval/prm/extract_calculate.py: an empty candidate scores 0, p = 0 and 1 give -/+9999
     assert cfg.report.edge_rules == "mm_prm"
-    assert cfg.prm == load("prm_train").output_dir and cfg.generate.policy == load("policy_sft").output_dir
-    assert cfg.scoring.convention is None and cfg.scoring.max_length == load("prm_train").data.max_length
-    assert cfg.generate.n == 16 and cfg.generate.step_mode == "tags"
+    assert cfg.prm.path == load("prm_train").output_dir and cfg.policy.path == load("policy_sft").output_dir
+    assert cfg.prm.convention is None and cfg.prm.max_length == load("prm_train").data.max_length
+    assert cfg.generate.n == 16 and cfg.policy.step_mode == "tags"
 
 
 def test_the_docs_table_covers_the_paper_settings():

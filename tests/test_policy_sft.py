@@ -408,27 +408,27 @@ def test_annotation_and_generation_prompt_the_policy_exactly_as_sft_trained_it(t
 
     mcts = _recipe_module("mcts_annotate")
     cfg = load_config(
-        mcts.AnnotateConfig, REPO / "recipes" / "configs" / "tiny" / "mcts_annotate.yaml", [f"model.name_or_path={out}"]
+        mcts.AnnotateConfig, REPO / "recipes" / "configs" / "tiny" / "mcts_annotate.yaml", [f"policy.path={out}"]
     )
-    assert cfg.model.system_prompt is None and cfg.engine.step_mode is None  # nothing said in the config
-    backend = mcts.make_backend(cfg)
+    assert cfg.policy.system_prompt is None and cfg.policy.step_mode is None  # nothing said in the config
+    backend = cfg.policy.build(sampling=mcts.rank_sampling(cfg, 0))  # as mcts_annotate builds it
     assert backend.step_mode == "tags" and backend.system == system
     assert sent_ids(backend) == sft_prompt
 
     bon = _recipe_module("bon_rerank")
     cfg = load_config(
-        bon.Config,
+        bon.BonRerankConfig,
         REPO / "recipes" / "configs" / "tiny" / "bon_rerank.yaml",
-        ["generate.enabled=true", f"generate.policy={out}", f"generate.problems_file={train}"],
+        ["generate.enabled=true", f"policy.path={out}", f"generate.problems_file={train}"],
     )
-    backend = bon.make_backend(cfg)
+    backend = cfg.policy.build(sampling=cfg.policy.sampling_for(cfg.shard.index))  # as bon_rerank builds it
     assert backend.step_mode == "tags" and sent_ids(backend) == sft_prompt
 
     # A config that does say something wins, with a warning naming the saved value.
     cfg = load_config(
         mcts.AnnotateConfig,
         REPO / "recipes" / "configs" / "tiny" / "mcts_annotate.yaml",
-        [f"model.name_or_path={out}", "model.system_prompt=Be brief."],
+        [f"policy.path={out}", "policy.system_prompt=Be brief."],
     )
     with pytest.warns(UserWarning, match="overrides 'You are a careful tile counter"):
-        assert mcts.make_backend(cfg).system == "Be brief."
+        assert cfg.policy.build(sampling=mcts.rank_sampling(cfg, 0)).system == "Be brief."

@@ -121,7 +121,7 @@ def test_cli_on_prmbench_slice_with_dev_threshold(prm_dirs, tmp_path):
             f"data.path={PRMBENCH}",
             "data.per_category=2",
             "data.dev_fraction=0.3",
-            f"scorer.prm_path={prm_dirs('qwen2')}",
+            f"prm.path={prm_dirs('qwen2')}",
             f"output.dir={tmp_path}",
         ],
         cwd=REPO,
@@ -158,7 +158,7 @@ def test_reasoneval_with_given_threshold(prm_dirs, tmp_path):
             "data.limit=10",
             "data.dev_fraction=0",
             "metrics.threshold=0.5",
-            f"scorer.prm_path={prm_dirs('qwen2')}",
+            f"prm.path={prm_dirs('qwen2')}",
             f"output.dir={tmp_path}",
         ]
     )
@@ -188,7 +188,7 @@ def test_multimodal_step_file_with_dev_file_and_soft_labels(prm_dirs, tmp_path):
             f"data.dev_file={dev_file}",
             "data.dev_fraction=0",
             "data.per_category=null",
-            f"scorer.prm_path={prm_dirs('qwen2_vl', 'value')}",
+            f"prm.path={prm_dirs('qwen2_vl', 'value')}",
             f"output.dir={out}",
         ]
     )
@@ -216,7 +216,7 @@ def test_bad_inputs_fail_early_with_clear_errors(tmp_path):
             str(CONFIG),
             f"data.path={missing}",
             "data.format=steps",
-            f"scorer.prm_path={tmp_path}",
+            f"prm.path={tmp_path}",
         ],
         cwd=REPO,
         capture_output=True,
@@ -242,7 +242,7 @@ def test_bad_inputs_fail_early_with_clear_errors(tmp_path):
             str(CONFIG),
             f"data.path={bad}",
             "data.format=steps",
-            f"scorer.prm_path={tmp_path}",
+            f"prm.path={tmp_path}",
         ],
         cwd=REPO,
         capture_output=True,
@@ -266,7 +266,7 @@ def test_text_the_prm_reads_as_structure_is_named_by_file_and_id(prm_dirs, tmp_p
     data = tmp_path / "steps.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = ["--config", str(CONFIG), f"data.path={data}", "data.format=steps", "data.dev_fraction=0"]
-    args += ["data.per_category=null", f"scorer.prm_path={prm_dirs('qwen2')}", f"output.dir={tmp_path / 'out'}"]
+    args += ["data.per_category=null", f"prm.path={prm_dirs('qwen2')}", f"output.dir={tmp_path / 'out'}"]
     proc = subprocess.run([sys.executable, str(RECIPE), *args], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"{data}: examples[1] (id=leaky): steps[0] contains the special token {eos!r}" in proc.stderr
@@ -283,7 +283,7 @@ def test_a_killed_run_resumes_and_a_rerun_scores_only_what_is_new(prm_dirs, tmp_
         "data.per_category=2",
         "data.dev_fraction=0.3",
         "scorer.chunk_examples=4",
-        f"scorer.prm_path={prm_dirs('qwen2')}",
+        f"prm.path={prm_dirs('qwen2')}",
         f"output.dir={out}",
     ]
     assert recipe().main(args) == 0
@@ -313,6 +313,6 @@ def test_a_killed_run_resumes_and_a_rerun_scores_only_what_is_new(prm_dirs, tmp_
 
     # another PRM's scores must not mix with these
     with pytest.raises(ConfigError, match=r"score_cache\.jsonl was made with other settings .*'prm'"):
-        recipe().main([*args, f"scorer.prm_path={prm_dirs('qwen2', 'value')}"])
+        recipe().main([*args, f"prm.path={prm_dirs('qwen2', 'value')}"])
     with pytest.raises(ConfigError, match=r"scorer\.chunk_examples: 0 must be >= 1"):
         recipe().main([*args, "scorer.chunk_examples=0"])

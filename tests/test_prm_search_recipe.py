@@ -59,10 +59,10 @@ def test_missing_model_directory_and_bad_kernel_are_named_before_loading(tmp_pat
     (model / "config.json").write_text("{}")
     out = tmp_path / "out"
     for overrides, message in (
-        (["policy.path=/nonexistent/policy", f"prm={model}"], "policy.path: /nonexistent/policy does not exist"),
-        ([f"policy.path={model}", "prm=/nonexistent/prm"], "prm: /nonexistent/prm does not exist"),
+        (["policy.path=/nonexistent/policy", f"prm.path={model}"], "policy.path: /nonexistent/policy does not exist"),
+        ([f"policy.path={model}", "prm.path=/nonexistent/prm"], "prm.path: /nonexistent/prm does not exist"),
         (
-            [f"policy.path={model}", f"prm={model}", "model.attn_implementation=flash"],
+            [f"policy.path={model}", f"prm.path={model}", "model.attn_implementation=flash"],
             "model.attn_implementation: 'flash' is not one of",
         ),
     ):
@@ -93,17 +93,20 @@ def test_backend_takes_the_policy_prompt_format_and_a_shard_seed_stream(tiny_mod
     spec.loader.exec_module(recipe)
     policy = shutil.copytree(tiny_models("qwen2_vl"), tmp_path / "policy")
     save_policy_spec(policy, PolicySpec(system_prompt="Solve it in short steps.", step_mode="blank_lines"))
-    base = [f"policy.path={policy}", f"prm={tmp_path}", "shard.index=1", "shard.count=2"]
+    base = [f"policy.path={policy}", f"prm.path={tmp_path}", "shard.index=1", "shard.count=2"]
 
-    cfg = load_config(recipe.Config, YAML, base)
-    backend = recipe.make_backend(cfg, 16)
+    def make_backend(cfg):  # as main builds it: the shard's own seed stream
+        return cfg.policy.build(cfg.model.attn_implementation, sampling=cfg.policy.sampling_for(1, max_new_tokens=16))
+
+    cfg = load_config(recipe.PRMSearchConfig, YAML, base)
+    backend = make_backend(cfg)
     assert (backend.system, backend.step_mode) == ("Solve it in short steps.", "blank_lines")  # saved with the policy
     assert backend.sampling.seed == worker_seed(cfg.policy.sampling.seed, 1) != cfg.policy.sampling.seed + 1
     assert backend.sampling.max_new_tokens == 16
     # the config wins, with a warning naming the saved value; "" sends no system turn
-    cfg = load_config(recipe.Config, YAML, [*base, "policy.step_mode=tags", "policy.system_prompt=''"])
+    cfg = load_config(recipe.PRMSearchConfig, YAML, [*base, "policy.step_mode=tags", "policy.system_prompt=''"])
     with pytest.warns(UserWarning) as caught:
-        backend = recipe.make_backend(cfg, 16)
+        backend = make_backend(cfg)
     warned = " ".join(str(w.message) for w in caught)
     assert "step_mode='tags' overrides 'blank_lines'" in warned and "system_prompt='' overrides" in warned
     assert (backend.system, backend.step_mode) == (None, "tags")
@@ -121,13 +124,13 @@ def test_check_runs_names_the_setting_another_run_used(tmp_path):
     sys.modules[spec.name] = recipe
     spec.loader.exec_module(recipe)
     out = tmp_path / "out"
-    base = [f"policy.path={tmp_path / 'policy'}", f"prm={tmp_path / 'prm'}", "bon.enabled=true", "shard.count=2"]
+    base = [f"policy.path={tmp_path / 'policy'}", f"prm.path={tmp_path / 'prm'}", "bon.enabled=true", "shard.count=2"]
 
     def check(*extra, index=0):
-        recipe.check_runs(load_config(recipe.Config, YAML, [*base, f"shard.index={index}", *extra]), out, 6)
+        recipe.check_runs(load_config(recipe.PRMSearchConfig, YAML, [*base, f"shard.index={index}", *extra]), out, 6)
 
     check()
-    beam = out / recipe.slug(load_config(recipe.Config, YAML, base).searches[0].label())
+    beam = out / recipe.slug(load_config(recipe.PRMSearchConfig, YAML, base).searches[0].label())
     (beam / "results.shard0-of-2.jsonl").write_text('{"id": "a"}\n')
     check()  # the same settings resume
     with pytest.raises(ConfigError, match=r"results.shard0-of-2.jsonl was made with other settings {'policy'"):
@@ -148,7 +151,7 @@ def test_kill_resume_shards_and_report(inputs, tmp_path):
         "--config",
         str(YAML),
         f"policy.path={policy}",
-        f"prm={prm}",
+        f"prm.path={prm}",
         f"problems_file={problems}",
         f"output_dir={out}",
         "batch_problems=1",
@@ -244,17 +247,17 @@ def test_another_prm_on_the_same_output_dir_is_refused_by_name(inputs, tmp_path)
         )
 
     out = tmp_path / "out"
-    assert launch(out, f"prm={prm}").returncode == 0
+    assert launch(out, f"prm.path={prm}").returncode == 0
     rows = out / "beam_W2xM2" / "results.shard0-of-1.jsonl"
     before = rows.read_text(), (out / "report.json").read_text()
-    res = launch(out, f"prm={other}")
+    res = launch(out, f"prm.path={other}")
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "results.shard0-of-1.jsonl was made with other settings {'prm'" in res.stderr and str(other) in res.stderr
     assert (rows.read_text(), (out / "report.json").read_text()) == before
 
     sharded = tmp_path / "sharded"
-    assert launch(sharded, f"prm={prm}", "shard.index=0", "shard.count=2").returncode == 0
-    res = launch(sharded, f"prm={other}", "shard.index=1", "shard.count=2")
+    assert launch(sharded, f"prm.path={prm}", "shard.index=0", "shard.count=2").returncode == 0
+    res = launch(sharded, f"prm.path={other}", "shard.index=1", "shard.count=2")
     assert res.returncode == 2 and "results.shard0-of-2.jsonl was made with other settings {'prm'" in res.stderr
     assert not (sharded / "beam_W2xM2" / "results.shard1-of-2.jsonl").exists()
 
@@ -276,10 +279,10 @@ def test_paths_cut_by_the_prm_max_length_are_counted_not_fatal(inputs, tmp_path)
             "--config",
             str(YAML),
             f"policy.path={policy}",
-            f"prm={prm}",
+            f"prm.path={prm}",
             f"problems_file={problems}",
             f"output_dir={out}",
-            f"scoring.max_length={max_length}",
+            f"prm.max_length={max_length}",
             "bon.n=[3,4]",
             "report.resamples=50",
             "report.trees=0",
@@ -298,4 +301,4 @@ def test_paths_cut_by_the_prm_max_length_are_counted_not_fatal(inputs, tmp_path)
     assert report["methods"]["beam W2xM2"]["cut_nodes"] == cut
     assert report["settings"]["bon_truncated_candidates"] == len(truncated)
     assert {"Best-of-N (PRM min) N=3", "Best-of-N (PRM min) N=4"} <= set(report["methods"])
-    assert "Cut by the PRM's `scoring.max_length`" in (out / "report.md").read_text()
+    assert "Cut by the PRM's `prm.max_length`" in (out / "report.md").read_text()

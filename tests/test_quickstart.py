@@ -103,10 +103,10 @@ def test_reduced_demo_pipeline(tmp_path):
         "n=4",
         "sft={train.max_steps: 300, train.lr: 3e-3, train.warmup_steps: 20, "
         "model.freeze_vision_tower: false, train.eval_every: 300, train.save_every: 300, train.eval_generations: 16, train.max_new_tokens: 80}",
-        "annotate={sampling.max_new_tokens: 80, sampling.prefix_temperature: 0.5, engine.concurrency: 32, "
+        "annotate={policy.sampling.max_new_tokens: 80, policy.sampling.prefix_temperature: 0.5, engine.concurrency: 32, "
         "search.max_rollouts: 48, search.max_searches: 8, export.edges: step}",
         "prm={train.max_steps: 60, train.save_every: 60, train.lr: 1e-3, data.pack_trees: true, train.batch_size: 4}",
-        "bon={generate.sampling.max_new_tokens: 80, generate.batch_size: 64, report.resamples: 200}",
+        "bon={policy.sampling.max_new_tokens: 80, policy.batch_size: 64, report.resamples: 200}",
         "search_problems=8",
         "search={policy.sampling.max_new_tokens: 40, bon.max_new_tokens: 80, bon.n: [2, 4], "
         "report.resamples: 100, searches: [{method: beam, width: 2, expansions: 2, max_steps: 6, aggregator: min}]}",
@@ -150,7 +150,7 @@ def test_reduced_demo_pipeline(tmp_path):
     trees = read_jsonl(out / "mcts" / "trees.jsonl")
     assert sorted(t["id"] for t in trees) == sorted(f"ann-{i:05d}" for i in range(24))
     # the probes' rollouts sampled at the demo's prefix temperature, the root's at 1.0
-    sampling = json.loads((out / "mcts" / "config.json").read_text())["sampling"]
+    sampling = json.loads((out / "mcts" / "config.json").read_text())["policy"]["sampling"]
     assert sampling["prefix_temperature"] == 0.5 and sampling["temperature"] == 1.0
     # annotation ran as two ranks side by side (annotate_ranks=2), each on its half, then merged
     for rank in (0, 1):
@@ -256,10 +256,10 @@ def test_pipeline_on_a_real_chat_template(tmp_path, family):
         "n=2",
         "sft={train.max_steps: 300, train.lr: 3e-3, train.warmup_steps: 10, "
         "model.freeze_vision_tower: false, train.eval_every: 300, train.save_every: 300, train.eval_generations: 8, train.max_new_tokens: 100}",
-        "annotate={sampling.max_new_tokens: 100, sampling.prefix_temperature: 0.5, engine.concurrency: 8, "
+        "annotate={policy.sampling.max_new_tokens: 100, policy.sampling.prefix_temperature: 0.5, engine.concurrency: 8, "
         "search.max_rollouts: 32, search.max_searches: 4, export.edges: step}",  # as the demo
         "prm={train.max_steps: 4, train.save_every: 4, data.pack_trees: true, train.batch_size: 4}",  # as the demo
-        "bon={generate.sampling.max_new_tokens: 100, generate.batch_size: 16, report.resamples: 50}",
+        "bon={policy.sampling.max_new_tokens: 100, policy.batch_size: 16, report.resamples: 50}",
         "search_problems=4",
         "search={policy.sampling.max_new_tokens: 30, bon.max_new_tokens: 100, bon.n: [2], "
         "report.resamples: 50, searches: [{method: beam, width: 2, expansions: 2, max_steps: 4, aggregator: min}]}",

@@ -170,7 +170,9 @@ def test_help_runs_as_a_script_without_a_config():
         [sys.executable, "recipes/tree_eval.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr
-    assert "scorer.prm_path: str | null = null" in done.stdout and "kind=prm: PRM directory" in done.stdout
+    assert (
+        "prm.path: str | null = null" in done.stdout and "PRM directory written by recipes/prm_train.py" in done.stdout
+    )
 
 
 def test_a_missing_model_directory_names_its_key_before_any_loading(tmp_path):
@@ -183,13 +185,13 @@ def test_a_missing_model_directory_names_its_key_before_any_loading(tmp_path):
         )
     assert not any(tmp_path.iterdir())  # nothing written
     # before hours of generation, not after
-    with pytest.raises(ConfigError, match=r"^generate\.policy: /nonexistent/policy does not exist"):
+    with pytest.raises(ConfigError, match=r"^policy\.path: /nonexistent/policy does not exist"):
         recipe_module("bon_rerank").main(
             [
                 "--config",
                 str(CONFIGS / "tiny" / "bon_rerank.yaml"),
                 "generate.enabled=true",
-                "generate.policy=/nonexistent/policy",
+                "policy.path=/nonexistent/policy",
                 f"output_dir={tmp_path / 'bon'}",
             ]
         )
@@ -250,3 +252,68 @@ def test_readme_gpu_commands_name_real_configs_that_take_their_overrides():
         recipe, path = config.groups()
         overrides = [w for w in shlex.split(cmd.split(path, 1)[1]) if "=" in w and not w.startswith("-")]
         load_config(config_class(recipe), str(REPO / path), overrides)
+
+
+def _renamed_keys() -> list[tuple[str, str, str]]:
+    """(recipe, old key, new key) of every key a recipe still reads under its old name."""
+    out = []
+    for name in RECIPES:
+        cls = config_class(name)
+        out += [(name, old, new) for old, new in getattr(cls, "RENAMED_KEYS", {}).items()]
+    return out
+
+
+def _value_for(cls: type, key: str):
+    """A value of the type at dotted KEY of CLS, unlike its default where the type allows."""
+    import typing
+
+    tp = cls
+    for part in key.split("."):
+        tp = typing.get_type_hints(tp)[part]
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, __import__("types").UnionType):
+        tp = args[0]
+    if typing.get_origin(tp) is typing.Literal:
+        return typing.get_args(tp)[-1]
+    if dataclasses.is_dataclass(tp):
+        return {"seed": 7}  # a section: the sampling one
+    return {str: "renamed/x", int: 3, float: 0.25, bool: True, dict: {"enforce_eager": True}}[
+        typing.get_origin(tp) or tp
+    ]
+
+
+RENAMED = _renamed_keys()
+
+
+@pytest.mark.parametrize(("name", "old", "new"), RENAMED, ids=[f"{n}:{o}" for n, o, _ in RENAMED])
+def test_an_old_key_still_loads_with_a_warning_naming_the_new_one(name, old, new):
+    """Keys that moved to the shared `policy` / `prm` sections are read under their old names for
+    one release: the same config, and a FutureWarning that names the new key."""
+    import yaml
+
+    cls = config_class(name)
+    value = _value_for(cls, new)
+    text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+    path = CONFIGS / "tiny" / f"{name}.yaml"
+    with pytest.warns(FutureWarning, match=rf"{re.escape(old)} is now {re.escape(new)}; the old key is read"):
+        via_old = load_config(cls, path, [f"{old}={text}"])
+    via_new = load_config(cls, path, [f"{new}={text}"])
+    assert via_old == via_new != load_config(cls, path)  # the same config, the value set where it now lives
+
+
+def test_an_old_layout_yaml_loads_as_the_shipped_one(tmp_path):
+    """bon_rerank's tiny YAML as written before the `policy` / `prm` sections: the same config."""
+    old = tmp_path / "bon_rerank.yaml"
+    old.write_text(
+        "prm: runs/tiny/prm\ncandidates_file: runs/tiny/bon_candidates/candidates.jsonl\ngenerate:\n"
+        "  enabled: false\n  policy: runs/tiny/toy_policy\n  problems_file: runs/tiny/toy_problems/problems.jsonl\n"
+        "  n: 4\n  backend: hf\n  batch_size: 32\n  step_mode: null\n  sampling:\n    temperature: 1.0\n"
+        "    top_k: 50\n    top_p: 0.9\n    max_new_tokens: 128\n    seed: 0\nscoring:\n  batch_size: 16\n"
+        "  share_prefix: true\n  max_length: null\n  device: auto\nreport:\n  n_subsets: 32\n  resamples: 1000\n"
+        "  seed: 0\n  weighted_by: min\n  title: 'Best-of-N, tiny PRM on the toy policy'\nshard:\n  index: 0\n"
+        "  count: 1\noutput_dir: runs/tiny/bon\n"
+    )
+    cls = config_class("bon_rerank")
+    with pytest.warns(FutureWarning) as caught:
+        assert load_config(cls, old) == load_config(cls, CONFIGS / "tiny" / "bon_rerank.yaml")
+    assert f"{old}: generate.policy is now policy.path" in "\n".join(str(w.message) for w in caught)

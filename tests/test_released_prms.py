@@ -182,8 +182,8 @@ def test_bon_rerank_scores_candidates_with_a_released_prm(qwen_math_prm, tmp_pat
         [
             "--config",
             str(REPO / "recipes" / "configs" / "tiny" / "bon_rerank.yaml"),
-            f"prm={path}",
-            "scoring.convention=qwen2_5_math_prm",
+            f"prm.path={path}",
+            "prm.convention=qwen2_5_math_prm",
             f"candidates_file={tmp_path / 'c.jsonl'}",
             f"output_dir={tmp_path / 'out'}",
             "report.resamples=10",

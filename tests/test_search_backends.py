@@ -172,7 +172,7 @@ def test_vllm_prompt_length_check_refuses_what_vllm_refuses():
     message = str(err.value)
     assert err.value.index == 3 and message.startswith("problem p7: ")
     assert "1 image(s), 2 step(s) so far) is 1024 tokens" in message and "max_model_len 1024" in message
-    for fix in ("model.vllm_max_model_len", "shorten the question", "max_pixels"):
+    for fix in ("policy.vllm.max_model_len", "shorten the question", "max_pixels"):
         assert fix in message
     root = RolloutRequest("p8", "Q", [], [], 4)
     check_prompt_length(0, root, 768, 1024, 256)  # a whole solution of 256 tokens fits

@@ -314,7 +314,7 @@ def test_dev_fraction_default_is_the_documented_one():
     text = (REPO / "docs" / "formats.md").read_text(encoding="utf-8")
     stated = re.search(r"`data\.dev_fraction` defaults to `([0-9.]+)`", text)
     assert stated, "docs/formats.md no longer states the data.dev_fraction default"
-    assert float(stated.group(1)) == recipe().DataConfig().dev_fraction
+    assert float(stated.group(1)) == recipe().StepDataConfig().dev_fraction
 
 
 def test_prm_eval_matches_visualprocessbench_eval():
@@ -356,7 +356,7 @@ def prm_dir(tiny_models, tmp_path_factory):
 
 def run_recipe(prm: Path, out: Path, *args: str) -> tuple[dict, list[dict], list[dict]]:
     """Run prm_eval; (report, dev rows, test rows) of what it wrote."""
-    overrides = ["data.per_category=null", f"scorer.prm_path={prm}", f"output.dir={out}", *args]
+    overrides = ["data.per_category=null", f"prm.path={prm}", f"output.dir={out}", *args]
     assert recipe().main(["--config", str(CONFIG), *overrides]) == 0
     report = json.loads((out / "report.json").read_text())
     rows = [json.loads(line) for line in (out / "scores.jsonl").read_text().splitlines()]
@@ -416,7 +416,7 @@ def qwen_math_prm_dir(tmp_path_factory) -> Path:
 def released_prm_run(prm: Path, data: Path, out: Path, *args: str) -> tuple[dict, list[dict]]:
     """prm_eval on ProcessBench with the Qwen2.5-Math-PRM convention; (report, scores.jsonl rows)."""
     overrides = ["data.format=processbench", f"data.path={data}", "data.per_category=null", "data.dev_fraction=0"]
-    overrides += [f"scorer.prm_path={prm}", "scorer.convention=qwen2_5_math_prm", f"output.dir={out}", *args]
+    overrides += [f"prm.path={prm}", "prm.convention=qwen2_5_math_prm", f"output.dir={out}", *args]
     assert recipe().main(["--config", str(CONFIG), *overrides]) == 0
     rows = [json.loads(line) for line in (out / "scores.jsonl").read_text().splitlines()]
     return json.loads((out / "report.json").read_text()), rows
@@ -452,15 +452,15 @@ def test_recipe_on_all_of_processbench_with_a_released_prm(qwen_math_prm_dir, tm
 
 @pytest.mark.slow
 def test_recipe_counts_truncated_processbench_examples(qwen_math_prm_dir, tmp_path):
-    """With scorer.max_length cutting some examples, they stay in ProcessBench's denominators."""
+    """With prm.max_length cutting some examples, they stay in ProcessBench's denominators."""
     released = [r for s in SUBSETS for r in json.loads((FIXTURES / "processbench" / f"{s}.json").read_text("utf-8"))]
-    report, rows = released_prm_run(qwen_math_prm_dir, FIXTURES / "processbench", tmp_path, "scorer.max_length=500")
+    report, rows = released_prm_run(qwen_math_prm_dir, FIXTURES / "processbench", tmp_path, "prm.max_length=500")
     cut = [r for r in rows if r["truncated"]]
     assert 0 < len(cut) < len(rows) and report["truncated"] == len(cut)
     assert report["metrics"]["examples"] == len(rows) == len(released)
     assert report["metrics"]["steps"] == sum(len(r["scores"]) for r in rows if not r["truncated"])
     middle = float(np.median([s for r in rows for s in r["scores"] if not math.isnan(s)]))
     report, rows = released_prm_run(
-        qwen_math_prm_dir, FIXTURES / "processbench", tmp_path, "scorer.max_length=500", f"metrics.threshold={middle}"
+        qwen_math_prm_dir, FIXTURES / "processbench", tmp_path, "prm.max_length=500", f"metrics.threshold={middle}"
     )
     assert_processbench_numbers(report, rows, released)

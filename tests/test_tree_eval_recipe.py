@@ -189,7 +189,7 @@ def test_bad_rows_are_named_and_reading_stops_at_the_limit(tmp_path):
 
 def test_bad_config_is_reported(tmp_path, capsys):
     assert recipe().main(["--config", str(CONFIG), "scorer.kind=prm", f"output.dir={tmp_path}"]) == 2
-    assert "scorer.prm_path" in capsys.readouterr().err
+    assert "prm.path" in capsys.readouterr().err
     assert recipe().main(["--config", str(CONFIG), "scorer.kind=mc", f"output.dir={tmp_path}"]) == 2
 
 
@@ -202,13 +202,13 @@ def test_recipe_with_tiny_prm(tmp_path):
 
     backbone, processor = load_backbone(build_tiny_model("qwen2", tmp_path / "backbone"))
     save_prm(build_prm(backbone, processor, PRMSpec()), processor, tmp_path / "prm")
-    report = run(tmp_path / "out", "scorer.kind=prm", f"scorer.prm_path={tmp_path / 'prm'}", "data.limit=6")
+    report = run(tmp_path / "out", "scorer.kind=prm", f"prm.path={tmp_path / 'prm'}", "data.limit=6")
     s = report["summary"]
     assert s["items"] == 6 and 0.0 < s["rpts"] < 1.0 and 0.0 <= s["width_soft"] <= 1.0
     assert (tmp_path / "out" / "tree_0.png").exists()
     # the scores were saved per tree: a rerun over more trees scores only the new ones
     cache = tmp_path / "out" / "score_cache.jsonl"
     saved = len(cache.read_text().splitlines())
-    more = run(tmp_path / "out", "scorer.kind=prm", f"scorer.prm_path={tmp_path / 'prm'}", "data.limit=8")
+    more = run(tmp_path / "out", "scorer.kind=prm", f"prm.path={tmp_path / 'prm'}", "data.limit=8")
     assert more["items"][:6] == report["items"] and len(more["items"]) == 8
     assert len(cache.read_text().splitlines()) > saved

@@ -1,9 +1,9 @@
 """vLLM tier (`make test-vllm`): the recipes' real entry points with `backend=vllm`, as a user runs
 them, next to the same command with `backend=hf` on the same toy policy.
 
-- `recipes/mcts_annotate.py model.backend=vllm`, text and multimodal: every problem gets a record,
+- `recipes/mcts_annotate.py policy.backend=vllm`, text and multimodal: every problem gets a record,
   the records and the exported PRM rows have the HF run's schema.
-- `recipes/bon_rerank.py generate.backend=vllm` (multimodal): N parsed candidates per problem,
+- `recipes/bon_rerank.py policy.backend=vllm` (multimodal): N parsed candidates per problem,
   scored and reported; the candidates file has the HF run's schema.
 Each run starts its own engine in a subprocess (about a minute on CPU), as the recipe does.
 """
@@ -69,19 +69,19 @@ def test_mcts_annotate_with_vllm_writes_the_hf_runs_records(vllm_toy_policy, tmp
     common = [
         "--config",
         str(CONFIGS / "mcts_annotate.yaml"),
-        f"model.name_or_path={policy}",
+        f"policy.path={policy}",
         f"data.problems_file={problems}",
-        "model.dtype=float32",
+        "policy.dtype=float32",
         "search.rollouts_per_estimate=8",
         "search.max_searches=6",
         "search.max_rollouts=48",
-        "sampling.max_new_tokens=64",
+        "policy.sampling.max_new_tokens=64",
     ]
     outs = {}
     for backend in ("vllm", "hf"):
         out = tmp_path / backend
-        extra = ["model.vllm_kwargs.enforce_eager=true", "model.vllm_max_model_len=1024"] if backend == "vllm" else []
-        res = run("mcts_annotate.py", *common, f"model.backend={backend}", f"output_dir={out}", *extra)
+        extra = ["policy.vllm.kwargs.enforce_eager=true", "policy.vllm.max_model_len=1024"] if backend == "vllm" else []
+        res = run("mcts_annotate.py", *common, f"policy.backend={backend}", f"output_dir={out}", *extra)
         assert "4 to annotate" in res.stderr
         outs[backend] = out
     trees = {b: sorted(read_jsonl(o / "trees.jsonl"), key=lambda r: r["id"]) for b, o in outs.items()}
@@ -111,23 +111,23 @@ def test_bon_generation_with_vllm_writes_the_hf_runs_candidates(vllm_toy_policy,
     common = [
         "--config",
         str(CONFIGS / "bon_rerank.yaml"),
-        f"prm={prm}",
+        f"prm.path={prm}",
         "generate.enabled=true",
-        f"generate.policy={policy}",
+        f"policy.path={policy}",
         f"generate.problems_file={problems}",
         "generate.n=4",
-        "generate.sampling.max_new_tokens=64",
+        "policy.sampling.max_new_tokens=64",
         "report.resamples=50",
     ]
     outs = {}
     for backend in ("vllm", "hf"):
         out = tmp_path / backend
         extra = (
-            ["generate.vllm_kwargs={enforce_eager: true, dtype: float32, max_model_len: 1024}"]
+            ["policy.vllm.kwargs={enforce_eager: true, dtype: float32, max_model_len: 1024}"]
             if backend == "vllm"
             else []
         )
-        run("bon_rerank.py", *common, f"generate.backend={backend}", f"output_dir={out}", *extra)
+        run("bon_rerank.py", *common, f"policy.backend={backend}", f"output_dir={out}", *extra)
         outs[backend] = out
     cands = {b: read_jsonl(o / "candidates.jsonl") for b, o in outs.items()}
     for _backend, problems_out in cands.items():

@@ -4,7 +4,7 @@ equal the HF scorer's, side by side on the same PRM directory and the same examp
 Tiny random-init PRMs at vLLM's head_dim (Qwen2 text, Qwen2-VL and InternVL with images), both
 heads (token pair; value head with a bias off zero), float32: every step score within 1e-4, and a
 candidate cut by max_length is cut at the same step (NaN after it) on both. Then the Best-of-N
-recipe end to end with `scoring.backend=vllm` on real MATH-V candidates against the same run on HF.
+recipe end to end with `prm.backend=vllm` on real MATH-V candidates against the same run on HF.
 """
 
 from __future__ import annotations
@@ -150,12 +150,12 @@ def test_bon_rerank_with_the_vllm_scorer_writes_the_hf_runs_scores(vllm_prms, re
         args = [
             "--config",
             str(REPO / "recipes" / "configs" / "tiny" / "bon_rerank.yaml"),
-            f"prm={prm}",
+            f"prm.path={prm}",
             f"candidates_file={candidates}",
             f"output_dir={out}",
-            f"scoring.max_length={max_length}",  # cut on both backends alike
-            f"scoring.backend={backend}",
-            "scoring.vllm_kwargs={enforce_eager: true, dtype: float32, max_model_len: 1024}",
+            f"prm.max_length={max_length}",  # cut on both backends alike
+            f"prm.backend={backend}",
+            "prm.vllm.kwargs={enforce_eager: true, dtype: float32, max_model_len: 1024}",
             "report.resamples=50",
         ]
         res = subprocess.run(

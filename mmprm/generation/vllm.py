@@ -185,9 +185,9 @@ def check_prompt_length(index: int, req: RolloutRequest, length: int, max_model_
             index,
             f"problem {req.problem_id}: its prompt (question, {len(req.images)} image(s), {len(req.prefix_steps)} "
             f"step(s) so far) is {length} tokens, and vLLM's max_model_len {max_model_len} {what} (solutions cut "
-            "there would count as wrong): raise max_model_len (model.vllm_max_model_len in mcts_annotate, "
-            "policy.max_model_len in prm_search), shorten the question, or give the images fewer pixels "
-            "(vllm_kwargs: {mm_processor_kwargs: {max_pixels: N}} on Qwen2-VL / Qwen2.5-VL)",
+            "there would count as wrong): raise max_model_len (policy.vllm.max_model_len), shorten the question, "
+            "or give the images fewer pixels (policy.vllm.kwargs: {mm_processor_kwargs: {max_pixels: N}} on "
+            "Qwen2-VL / Qwen2.5-VL)",
         )
 
 

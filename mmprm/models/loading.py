@@ -40,8 +40,8 @@ from transformers import (
     Qwen2VLProcessor,
 )
 
-from mmprm.config_sections import AttnImplementation
 from mmprm.models.sharding import full_shape
+from mmprm.models.spec import AttnImplementation
 from mmprm.steps import STEP_TOKEN
 
 __all__ = [

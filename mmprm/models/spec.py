@@ -72,6 +72,8 @@ class PRMSpec:
 
 
 HEADS = ("token_pair", "value", "classifier")
+# The attention kernels a model loads with (`mmprm.models.loading.resolve_attn_implementation`).
+AttnImplementation = Literal["sdpa", "flash_attention_2", "flex_attention", "eager", "auto"]
 ReleasedConvention = Literal["math_shepherd", "qwen2_5_math_prm", "rlhflow", "mm_prm", "visualprm"]
 
 # The system message of InternVL's "internvl2_5" conversation template, which InternVL chat models

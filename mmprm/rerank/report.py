@@ -5,7 +5,7 @@ Input, per problem, a list of candidates, each a dict::
     {"step_probs": [0.9, 0.4, 0.8],   # PRM probability per step
      "answer": "12" | None,           # extracted final answer
      "correct": True,                 # answer verified against the gold answer
-     "truncated": False}              # optional: scored steps are only a prefix (scoring.max_length)
+     "truncated": False}              # optional: scored steps are only a prefix (prm.max_length)
 
 A truncated candidate's aggregate would read a middle step as `last` and fewer steps for `min`,
 so it must not win on a partial score: PRM aggregators rank it last, below an empty candidate
@@ -321,7 +321,7 @@ def _markdown(report: dict[str, Any], title: str) -> str:
     if report.get("truncated_candidates"):
         lines += [
             f"{report['truncated_candidates']} of {report['settings']['candidates']} candidates were truncated "
-            "(steps past scoring.max_length unscored): "
+            "(steps past prm.max_length unscored): "
             f"{report['settings']['truncated_rule']}, so none wins on a partial score.",
             "",
         ]

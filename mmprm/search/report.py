@@ -230,7 +230,7 @@ def _markdown(report: dict[str, Any], title: str) -> str:
     if cut or truncated:
         lines += [
             "",
-            "Cut by the PRM's `scoring.max_length` (their last steps unscored; raise it to score them): "
+            "Cut by the PRM's `prm.max_length` (their last steps unscored; raise it to score them): "
             + "; ".join(
                 [f"{name}: {n} search nodes, never kept or chosen" for name, n in cut.items()]
                 + ([f"Best-of-N: {truncated} candidates, ranked last by the PRM"] if truncated else [])

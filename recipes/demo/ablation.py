@@ -68,11 +68,12 @@ def write_outcome_prefix_scores(
     candidate index, one probability per step). `evaluate` reads it; the demo writes it in a lane
     of its own, so the report does not wait for it (the slowest part of the evaluation); there its
     progress bar is off, since it would cut into the other lane's lines."""
+    from mmprm.config_sections import PRMScorerConfig
     from mmprm.data.schema import read_jsonl, write_jsonl
-    from mmprm.models.prm import load_prm
 
+    scorer = PRMScorerConfig(path=str(prm_dir), device="cpu", batch_size=32)  # the demo runs on CPU cores
     scores = _prefix_scores(
-        load_prm(prm_dir, batch_size=32, attn_implementation=attn_implementation),
+        scorer.build(attn_implementation),
         read_jsonl(candidates_file),
         progress,
     )
