@@ -184,6 +184,9 @@ class PRMScorerConfig:
         device: hf: auto (cuda when available, else cpu), cpu, cuda or cuda:N
         batch_size: sequences per forward
         max_length: tokens per scored sequence; steps past it are not scored (NaN); null: no truncation
+        max_batch_tokens: hf: padded tokens per forward (rows of several questions share one, longest
+            first, up to batch_size rows); null: batch_size rows whatever their length
+        compile: hf: torch.compile each decoder layer (`mmprm.models.compile_layers`); the same scores
         vllm: backend=vllm: the engine (section)
     """
 
@@ -193,11 +196,17 @@ class PRMScorerConfig:
     device: str = "auto"
     batch_size: int = 8
     max_length: int | None = None
+    max_batch_tokens: int | None = 65536  # mmprm.models.prm.MAX_BATCH_TOKENS, without importing torch
+    compile: bool = False
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def validate(self) -> None:
         if self.batch_size < 1:
             raise ValueError(f"prm.batch_size: {self.batch_size} must be >= 1")
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
+            raise ValueError(f"prm.max_batch_tokens: {self.max_batch_tokens} must be >= 1 (null: no token budget)")
+        if self.compile and self.backend != "hf":
+            raise ValueError("prm.compile: applies to backend hf only (vLLM compiles its model itself)")
 
     def build(self, attn_implementation: AttnImplementation = "sdpa") -> Any:
         """The PRM scorer (`mmprm.models.prm.load_prm`): HF in this process or a vLLM engine.
@@ -218,6 +227,8 @@ class PRMScorerConfig:
             device=resolve_device(self.device),
             batch_size=self.batch_size,
             max_length=self.max_length,
+            max_batch_tokens=self.max_batch_tokens,
+            compile=self.compile,
             attn_implementation=attn_implementation,
             backend=self.backend,
             vllm_kwargs={**engine, **self.vllm.kwargs},

@@ -209,6 +209,21 @@ def test_load_prm_compiles_on_request_and_refuses_it_for_vllm(tiny_models, tmp_p
         load_prm(saved, backend="vllm", compile=True)
 
 
+def test_the_prm_section_builds_with_compile_and_the_token_budget(tiny_models, tmp_path):
+    """`prm.compile` and `prm.max_batch_tokens` reach the scorer every recipe builds."""
+    from mmprm.config_sections import PRMScorerConfig
+    from mmprm.models.prm import MAX_BATCH_TOKENS
+
+    backbone, processor = load_backbone(tiny_models("qwen2"))
+    saved = save_prm(build_prm(backbone, processor, PRMSpec()), processor, tmp_path / "prm")
+    assert PRMScorerConfig().max_batch_tokens == MAX_BATCH_TOKENS
+    scorer = PRMScorerConfig(path=str(saved), device="cpu", compile=True, max_batch_tokens=333).build()
+    assert scorer.max_batch_tokens == 333
+    assert all(layer._compiled_call_impl is not None for layer in decoder_layers(scorer.model))
+    with pytest.raises(ValueError, match="prm.compile: applies to backend hf only"):
+        PRMScorerConfig(path=str(saved), backend="vllm", compile=True).validate()
+
+
 def _train_args(model, train, ev, out, steps: int = 3) -> list[str]:
     return [
         f"model.name_or_path={model}",
