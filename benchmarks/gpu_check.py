@@ -338,7 +338,14 @@ def scoring_verdict(bench: dict[str, Any]) -> dict[str, Any]:
 def scoring_throughput(device: str, timeout: int) -> dict[str, Any]:
     """`benchmarks/prm_scoring_throughput.py` on one GPU (`scoring_benchmark_args`), judged by
     `scoring_verdict`."""
-    cmd = [sys.executable, str(REPO / "benchmarks" / "prm_scoring_throughput.py"), *scoring_benchmark_args(device)]
+    bench = run_json_benchmark("prm_scoring_throughput.py", scoring_benchmark_args(device), timeout)
+    return bench if "error" in bench else scoring_verdict(bench)
+
+
+def run_json_benchmark(script: str, args: list[str], timeout: int) -> dict[str, Any]:
+    """The last JSON line of `benchmarks/SCRIPT ARGS` on the first visible GPU, or {"ok": False,
+    "error": ...} when it fails, prints none or runs past TIMEOUT seconds."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / script), *args]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
     try:
         res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False, env=env)
@@ -347,7 +354,7 @@ def scoring_throughput(device: str, timeout: int) -> dict[str, Any]:
     lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
     if res.returncode != 0 or not lines:
         return {"ok": False, "error": (res.stdout + res.stderr)[-1500:]}
-    return scoring_verdict(json.loads(lines[-1]))
+    return json.loads(lines[-1])
 
 
 def vllm_scorer(timeout: int) -> dict[str, Any]:
@@ -357,17 +364,8 @@ def vllm_scorer(timeout: int) -> dict[str, Any]:
 
     if importlib.util.find_spec("vllm") is None:
         return cannot_run("vllm_scorer", "vllm is not installed (pip install 'mmprm[vllm]')")
-    cmd = [sys.executable, str(REPO / "benchmarks" / "prm_vllm_scoring.py"), "--device", "cuda", "--dtype", "bfloat16"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-    try:
-        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False, env=env)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"timed out after {timeout}s"}
-    lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
-    if res.returncode != 0 or not lines:
-        return {"ok": False, "error": (res.stdout + res.stderr)[-1500:]}
-    bench = json.loads(lines[-1])
-    return {**bench, "ok": bench["max_abs_score_diff"] <= 2e-2}
+    bench = run_json_benchmark("prm_vllm_scoring.py", ["--device", "cuda", "--dtype", "bfloat16"], timeout)
+    return bench if "error" in bench else {**bench, "ok": bench["max_abs_score_diff"] <= 2e-2}
 
 
 def flash_attn_check(device: str) -> dict[str, Any]:
