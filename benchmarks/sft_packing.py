@@ -66,7 +66,7 @@ def demo_data(work: Path, rows: int) -> tuple[Path, Path]:
     from mmprm.models.tiny import build_tiny_model, corpus_text
 
     quickstart = recipe("quickstart")
-    cfg = load_config(quickstart.Config, REPO / "recipes" / "configs" / "tiny" / "quickstart.yaml")
+    cfg = load_config(quickstart.QuickstartConfig, REPO / "recipes" / "configs" / "tiny" / "quickstart.yaml")
     quickstart.make_data(cfg, work / "data")
     train = work / "data" / "train_sft.jsonl"
     lines = train.read_text().splitlines()[:rows]

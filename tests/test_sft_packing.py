@@ -211,7 +211,7 @@ def test_recipe_refuses_a_pack_smaller_than_a_row():
 
     from mmprm.config import load_config
 
-    Config = load_recipe("policy_sft").Config
+    Config = load_recipe("policy_sft").PolicySFTConfig
     overrides = ["model.name_or_path=m", "data.train_file=t.jsonl", "data.pack_sequences=true", "data.pack_tokens=100"]
     with pytest.raises(Exception, match="data.pack_tokens=100 is below data.max_length=2048"):
         load_config(Config, None, overrides)
