@@ -108,3 +108,22 @@ def load_demo(name: str) -> ModuleType:
     if recipes not in sys.path:
         sys.path.append(recipes)
     return importlib.import_module(f"demo.{name}")
+
+
+def short_train_args(model, train, ev, out, steps: int) -> list[str]:
+    """Overrides of a short training run (prm_train or policy_sft): STEPS steps of 4 rows, every step
+    logged, evaluated and saved at the end."""
+    return [
+        f"model.name_or_path={model}",
+        f"data.train_file={train}",
+        f"data.eval_file={ev}",
+        f"output_dir={out}",
+        f"train.max_steps={steps}",
+        "train.lr=1e-3",
+        "train.batch_size=4",
+        "train.log_every=1",
+        f"train.eval_every={steps}",
+        f"train.save_every={steps}",
+        "data.max_length=256",
+        "train.report_to=none",
+    ]

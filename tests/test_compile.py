@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 from PIL import Image
-from recipe_runs import run_recipe
+from recipe_runs import run_recipe, short_train_args
 from toy_data import write_toy_prm_data
 
 from mmprm.models.compile_layers import compile_decoder_layers, decoder_layers
@@ -225,20 +225,7 @@ def test_the_prm_section_builds_with_compile_and_the_token_budget(tiny_models, t
 
 
 def _train_args(model, train, ev, out, steps: int = 3) -> list[str]:
-    return [
-        f"model.name_or_path={model}",
-        f"data.train_file={train}",
-        f"data.eval_file={ev}",
-        f"output_dir={out}",
-        f"train.max_steps={steps}",
-        "train.lr=1e-3",
-        "train.batch_size=4",
-        "train.log_every=1",
-        f"train.eval_every={steps}",
-        f"train.save_every={steps}",
-        "data.max_length=256",
-        "train.report_to=none",
-    ]
+    return short_train_args(model, train, ev, out, steps)
 
 
 def _losses(out) -> list[float]:

@@ -11,7 +11,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate import Accelerator
-from recipe_runs import REPO, check_train_rows, cpu_ddp_launcher, load_recipe, read_metrics, run_recipe
+from recipe_runs import (
+    REPO,
+    check_train_rows,
+    cpu_ddp_launcher,
+    load_recipe,
+    read_metrics,
+    run_recipe,
+    short_train_args,
+)
 from safetensors.torch import load_file
 from toy_data import write_toy_prm_data, write_uneven_tree_data
 
@@ -27,20 +35,7 @@ def toy(tmp_path_factory):
 
 
 def common(model, train, ev, out, steps=12):
-    return [
-        f"model.name_or_path={model}",
-        f"data.train_file={train}",
-        f"data.eval_file={ev}",
-        f"output_dir={out}",
-        f"train.max_steps={steps}",
-        "train.lr=1e-3",
-        "train.batch_size=4",
-        "train.log_every=1",
-        f"train.eval_every={steps}",
-        f"train.save_every={steps}",
-        "data.max_length=256",
-        "train.report_to=none",
-    ]
+    return short_train_args(model, train, ev, out, steps)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2"])
