@@ -364,3 +364,19 @@ def test_whole_solutions_go_to_vllm_in_large_calls_and_to_hf_in_its_batches():
 
     assert problems_per_call(Engine(), 16, 64) == 512 and problems_per_call(Rows(), 16, 64) == 4
     assert problems_per_call(Rows(), 128, 64) == 1
+
+
+def test_hf_workers_sample_their_own_streams(toy_policy):
+    """worker_seed puts workers 2**40 apart; torch's CPU generator keeps 32 bits of a seed, so
+    before torch_cpu_seed two annotation ranks drew the same numbers."""
+    from mmprm.generation.base import RolloutRequest, SamplingConfig, worker_seed
+    from mmprm.generation.hf import HFBackend
+
+    def sample(worker: int) -> list[str]:
+        sampling = SamplingConfig(max_new_tokens=24, temperature=1.0, top_p=1.0, seed=worker_seed(0, worker))
+        backend = HFBackend.from_pretrained(toy_policy, sampling, device="cpu", batch_size=8)
+        return backend.generate([RolloutRequest("p0", QUESTION, [], [], n=8)])[0]
+
+    first = sample(0)
+    assert sample(0) == first  # a worker's own stream is reproducible
+    assert sample(1) != first and sample(2) != sample(1)

@@ -135,6 +135,21 @@ def worker_seed(base: int, worker: int) -> int:
     return base + worker * STREAM_SEED_STRIDE
 
 
+def torch_cpu_seed(seed: int) -> int:
+    """SEED as torch's CPU generator can tell it apart: it keeps a seed's low 32 bits only, so
+    `worker_seed` streams (workers 2**40 apart) would all draw worker 0's numbers. A seed below
+    2**32 is kept as it is; a larger one is hashed to 32 bits (two of them collide with odds
+    about 2**-32).
+
+    >>> torch_cpu_seed(7), torch_cpu_seed(worker_seed(7, 1)) == 7
+    (7, False)
+    """
+    if 0 <= seed < 1 << 32:
+        return seed
+    digest = hashlib.blake2b(seed.to_bytes(16, "big", signed=True), digest_size=4).digest()
+    return int.from_bytes(digest, "big")
+
+
 def request_seeds(base: int, call: int, ns: Sequence[int]) -> list[int]:
     """Per-request sampling seeds for one backend call, spaced so no two samples share a seed.
 

@@ -26,6 +26,7 @@ from mmprm.generation.base import (
     request_prompt,
     request_stops,
     stop_strings,
+    torch_cpu_seed,
 )
 from mmprm.steps import needs_special_tokens
 
@@ -211,7 +212,7 @@ class HFBackend:
                 enc = self.tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=special)
             enc = enc.to(self.model.device)
             # One seed per chunk: reruns of the same work sample the same rollouts.
-            torch.manual_seed(self.sampling.seed + 1_000_003 * self.stats.calls + lo)
+            torch.manual_seed(torch_cpu_seed(self.sampling.seed + 1_000_003 * self.stats.calls + lo))
             gen = self.model.generate(
                 **enc,
                 # Sampling happens in InverseCDFSampler; the checkpoint's own sampling defaults
