@@ -320,3 +320,28 @@ def test_flex_attention_on_an_architecture_without_it_is_refused_naming_the_key(
 
     with pytest.raises(ConfigError, match="model.attn_implementation=flex_attention: .*Qwen2VL.*set model.attn"):
         load_backbone(tiny_models("qwen2_vl"), attn_implementation="flex_attention")
+
+
+def test_compiled_layers_do_not_recompile_for_each_new_pack(tiny_models, monkeypatch):
+    """The blocked attention is a Python loop over a pack's blocks: traced into a compiled decoder
+    layer (`train.compile` with `data.pack_trees`), every pack of a new length or block count
+    recompiled the layer, each a minute of inductor on CPU, until dynamo's recompile limit."""
+    from torch._dynamo.utils import counters
+
+    from mmprm.models.compile_layers import compile_decoder_layers
+
+    model, processor = _prm(tiny_models, "qwen2")
+    made = _count_tree_blocks(monkeypatch)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        compile_decoder_layers(model, backend="aot_eager")
+        questions = ["Add.", "Add the two tiles, then the third one.", "Add " + "each tile of the grid, " * 6]
+        for question in questions:  # three packs of three lengths, so three block counts
+            batch = collate_packed([pack_rows(_rows(processor, "qwen2", question))], _pad(processor))
+            soft_bce_value(model(**_inputs(batch)), batch["targets"], batch["step_weights"]).backward()
+        assert len({len(m.blocks[0]) for m in made}) == 3 and all(m.calls for m in made)
+        # a graph before the attention and one after it, traced once with dynamic shapes
+        assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+    finally:
+        torch._dynamo.reset()

@@ -281,6 +281,9 @@ def tree_blocks(sees: torch.Tensor, additive: torch.Tensor, block: int = TREE_BL
     return _TreeBlocks(additive, out)
 
 
+# Eager under `torch.compile` (a graph break in a compiled decoder layer): traced, the loop over a
+# pack's blocks would recompile the layer for every pack of a new length or block count.
+@torch.compiler.disable
 def _tree_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs):
     """transformers attention function: by blocks for the active tree mask, else plain sdpa."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
