@@ -160,6 +160,7 @@ def _sft_steps(model, processor, arch: str) -> list[tuple[float, dict]]:
     return out
 
 
+@pytest.mark.slow  # the default tier compiles the PRM step only (test_prm_training_step_...): the same layers
 @pytest.mark.parametrize(("arch", "backend"), ARCH_PARAMS)
 def test_sft_step_loss_and_gradients_equal_eager(tiny_models, arch, backend):
     model, processor = load_backbone(tiny_models(arch))
@@ -180,6 +181,7 @@ def _examples(arch: str) -> list[dict]:
     return [*same, {"question": "Another question", "images": [], "steps": ["y", "z"]}]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("arch", "backend"), [p for p in ARCH_PARAMS if p.values[0] in (FAST, "qwen2_vl")])
 @pytest.mark.parametrize("sharing", ["trees", "prompt_cache"])
 def test_compiled_scorer_gives_the_eager_scores(tiny_models, tmp_path, arch, backend, sharing, monkeypatch):

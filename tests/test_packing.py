@@ -322,6 +322,7 @@ def test_flex_attention_on_an_architecture_without_it_is_refused_naming_the_key(
         load_backbone(tiny_models("qwen2_vl"), attn_implementation="flex_attention")
 
 
+@pytest.mark.slow
 def test_compiled_layers_do_not_recompile_for_each_new_pack(tiny_models, monkeypatch):
     """The blocked attention is a Python loop over a pack's blocks: traced into a compiled decoder
     layer (`train.compile` with `data.pack_trees`), every pack of a new length or block count
