@@ -138,6 +138,7 @@ def test_scorer_batches_mixed_problems_and_keeps_order(tiny_models):
         assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in zip(a, b))
 
 
+@pytest.mark.slow  # scores many groups to watch memory: about 25 s each
 @pytest.mark.parametrize("share_prefix", [True, False])
 def test_scorer_holds_inputs_one_group_at_a_time(tiny_models, tmp_path, monkeypatch, share_prefix):
     """Tokenized inputs (their pixel values included) are dropped once scored: at 100k problems x

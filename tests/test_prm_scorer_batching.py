@@ -191,6 +191,7 @@ def test_scorer_refuses_a_batch_it_cannot_run(tiny_models):
         PRMScorer(model, processor, max_batch_tokens=0)
 
 
+@pytest.mark.slow  # scores many groups to watch memory: about 25 s each
 def test_prefetch_holds_a_few_groups_ahead_not_all(tiny_models, tmp_path, monkeypatch):
     """The background thread runs at most `2 x batch_size` groups ahead of the model: inputs (pixel
     values included) held at once stay a few groups', however many the call scores."""
