@@ -10,10 +10,10 @@ Stages (each one the real recipe, run as a user would run it, with a tiny config
   3. policy    recipes/policy_sft.py: learn to solve in tagged steps (`sft_ranks` DDP processes)
   4. annotate  recipes/mcts_annotate.py: OmegaPRM MCTS labels the policy's own steps (HF backend),
                as `annotate_ranks` processes side by side, each on its share of the problems
-  5. prm       recipes/prm_train.py, three times on the same rollouts: the PRM with soft MC labels,
-               the PRM with hard labels (MC > 0 -> 1), and an outcome model (one label per solution,
-               from its final answer, read at its last token)
-  6. bon       recipes/bon_rerank.py: N samples per held-out problem, scored by each of the three
+  5. prm       recipes/prm_train.py on the same rollouts: the PRM with soft MC labels, an outcome
+               model (one label per solution, from its final answer, read at its last token), and
+               with `hard_prm=true` the PRM with hard labels (MC > 0 -> 1)
+  6. bon       recipes/bon_rerank.py: N samples per held-out problem, scored by each reward model
   7. search    recipes/prm_search.py: PRM-guided beam search with the soft PRM against Best-of-N
                with the same PRM at matched generated tokens (the first `search_problems` test problems)
   8. report    OUTPUT_DIR/report.md + report.json + bon_curve.png + search_vs_bon.png: the aggregator
@@ -135,9 +135,11 @@ class QuickstartConfig:
             `sft.train.lr=2e-3` sets one, `sft={...}` replaces them all. Checked against
             recipes/policy_sft.py's config before any stage runs, passed to it as key=value overrides
         annotate: settings of the mcts_annotate stage (as `sft`)
-        prm: settings of prm_train, shared by the soft PRM, the hard PRM and the outcome model (as `sft`)
+        prm: settings of prm_train, shared by every reward model (as `sft`)
         orm: settings of the outcome model only, after `prm` (its rows share only their prompt, so
             tree packing may cost it more than it saves)
+        hard_prm: also train the PRM on hard labels (MC > 0 -> 1) and report it beside the soft one:
+            MM-PRM's label ablation, at the cost of a third reward model's training
         bon: settings of the bon_rerank stage (as `sft`)
         search_problems: test problems (the first ones) that PRM-guided search and its Best-of-N baseline
             run on at equal generated tokens; 0 skips the search stage
@@ -162,6 +164,7 @@ class QuickstartConfig:
     annotate: dict[str, Any] = field(default_factory=dict)
     prm: dict[str, Any] = field(default_factory=dict)
     orm: dict[str, Any] = field(default_factory=dict)
+    hard_prm: bool = False
     bon: dict[str, Any] = field(default_factory=dict)
     search_problems: int = 150
     search: dict[str, Any] = field(default_factory=dict)
@@ -178,6 +181,11 @@ MODELS = {  # report key -> (training output, Best-of-N output, name in the repo
     "hard": ("prm_hard", "bon_hard", "PRM, hard labels (MC > 0 -> 1)"),
     "outcome": ("orm", "bon_orm", "outcome model (final answer only)"),
 }
+
+
+def reward_models(cfg: QuickstartConfig) -> dict[str, tuple[str, str, str]]:
+    """The MODELS this run trains and reports: the hard-label PRM only with `hard_prm`."""
+    return {m: v for m, v in MODELS.items() if m != "hard" or cfg.hard_prm}
 
 
 # Each stage's settings: the recipe it configures, that recipe's config class, the tiny config the
@@ -583,8 +591,8 @@ def annotate(demo: Demo, lane: Lane) -> None:
     )
 
 
-# ---- 5. three reward models on the same rollouts (initialised from the policy, as MM-PRM does
-# from its base): soft MC labels, hard labels, and outcome labels only ----------------------------
+# ---- 5. reward models on the same rollouts (initialised from the policy, as MM-PRM does from its
+# base): soft MC labels, outcome labels only, and with `hard_prm` hard labels ---------------------
 def train_reward_model(demo: Demo, lane: Lane, train_file: Path, model_out: Path, *extra: str) -> None:
     """recipes/prm_train.py from the policy on TRAIN_FILE, with the `prm` settings, then EXTRA."""
     run(
@@ -635,7 +643,7 @@ def outcome_model(demo: Demo, lane: Lane) -> None:
     stage(demo, lane, "orm", demo.out / "orm" / "mmprm_prm.json", train)
 
 
-# ---- 6. Best-of-N on held-out problems: one set of candidates, three scorers -------------------
+# ---- 6. Best-of-N on held-out problems: one set of candidates, each reward model's scores -------
 def best_of_n(demo: Demo, lane: Lane) -> None:
     """recipes/bon_rerank.py: N candidates per held-out problem, scored by the soft PRM (`bon` settings)."""
     args = [
@@ -732,13 +740,41 @@ def guided_search(demo: Demo, lane: Lane) -> None:
 
 
 def reward_models_and_sampling(demo: Demo) -> None:
-    """Stages 5-7 in two lanes, one per core, each about 2 reward models' training long.
+    """Stages 5-7 in two lanes, one per core. Each lane waits only for what it reads; a failed lane
+    sets its events so that the other one does not hang."""
+    if demo.cfg.hard_prm:
+        three_reward_models_in_lanes(demo)
+    else:
+        two_reward_models_in_lanes(demo)
 
-    Lane 1: the soft PRM, the hard PRM, then the hard PRM's rescoring of the candidates. Lane 2:
-    the outcome model, then (once the soft PRM is there) the Best-of-N candidates, the search, the
-    outcome model's rescoring. Each waits only for what it reads; a failed lane sets its events so
-    that the other one does not hang.
-    """
+
+def two_reward_models_in_lanes(demo: Demo) -> None:
+    """Lane 1: the soft PRM, then the search. Lane 2: the outcome model, then (once the soft PRM is
+    there) the Best-of-N candidates and the outcome model's rescoring of them. The outcome model
+    trains longest and the search is the longest evaluation: they go in different lanes."""
+    soft_ready = threading.Event()
+
+    def lane_soft_and_search(lane: Lane) -> None:
+        try:
+            soft_prm(demo, lane)
+        finally:
+            soft_ready.set()
+        guided_search(demo, lane)
+
+    def lane_outcome_and_candidates(lane: Lane) -> None:
+        outcome_model(demo, lane)
+        soft_ready.wait()
+        if (demo.out / "prm" / "mmprm_prm.json").exists():  # else lane 1 failed and says why
+            best_of_n(demo, lane)
+            rescore_outcome(demo, lane)
+
+    in_lanes(demo.out, lane_soft_and_search, lane_outcome_and_candidates)
+
+
+def three_reward_models_in_lanes(demo: Demo) -> None:
+    """Each lane about two reward models' training long. Lane 1: the soft PRM, the hard PRM, then
+    the hard PRM's rescoring of the candidates. Lane 2: the outcome model, then (once the soft PRM
+    is there) the Best-of-N candidates, the search, the outcome model's rescoring."""
     soft_ready, candidates_ready = threading.Event(), threading.Event()
     bon_report = demo.bon / "report.json"
 
@@ -780,7 +816,7 @@ def report(demo: Demo) -> None:
         out,
         demo.data,
         demo.policy,
-        MODELS,
+        reward_models(cfg),
         n_resamples=1000,
         seed=cfg.seed,
         attn_implementation=cfg.model.attn_implementation,

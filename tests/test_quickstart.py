@@ -1,6 +1,6 @@
 """The demo pipeline, reduced: every stage is the real recipe; each output is checked, and the
-report compares the soft-label PRM, the hard-label PRM and the outcome model on the same candidates,
-with the aggregator chosen on dev and every step checked against exact labels."""
+report compares the soft-label PRM, the outcome model and (with `hard_prm`) the hard-label PRM on
+the same candidates, with the aggregator chosen on dev and every step checked against exact labels."""
 
 import importlib.util
 import json
@@ -101,6 +101,7 @@ def test_reduced_demo_pipeline(tmp_path):
         "task.dev=16",
         "task.test=24",
         "n=4",
+        "hard_prm=true",  # the label ablation's lanes; the template tests below run the default two models
         "sft={train.max_steps: 300, train.lr: 3e-3, train.warmup_steps: 20, "
         "model.freeze_vision_tower: false, train.eval_every: 300, train.save_every: 300, train.eval_generations: 16, train.max_new_tokens: 80}",
         "annotate={policy.sampling.max_new_tokens: 80, policy.sampling.prefix_temperature: 0.5, engine.concurrency: 32, "
@@ -227,7 +228,7 @@ def test_pipeline_on_a_real_chat_template(tmp_path, family):
     Qwen2-VL's real template adds a default system prompt; LLaVA-1.5's tokenizer prepends BOS, pads
     on the left and its template writes "ASSISTANT:" then a space before the answer; InternVL3 wraps
     each image in <img>...</img> context tokens. SFT, annotation,
-    the three reward models, Best-of-N and search must all agree with the template they are given.
+    the reward models, Best-of-N and search must all agree with the template they are given.
     """
     sys.path.insert(0, str(Path(__file__).parent))
     from template_families import FAMILIES, FIXTURES, build_family_checkpoint
@@ -269,8 +270,10 @@ def test_pipeline_on_a_real_chat_template(tmp_path, family):
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"==> [model] starting from {base}" in res.stdout and not (out / "tiny_model").exists()
-    for stage in ("policy", "annotate", "prm", "prm_hard", "orm", "bon", "bon_hard", "bon_orm", "search", "report"):
+    for stage in ("policy", "annotate", "prm", "orm", "bon", "bon_orm", "search", "report"):
         assert f"==> [{stage}]" in res.stdout, stage
+    # without `hard_prm` the hard-label PRM is neither trained nor reported
+    assert "==> [prm_hard]" not in res.stdout and not (out / "prm_hard").exists()
     # the two PRMs trained tree-packed on this template's tokenization, the outcome model by row
     assert "tree packing:" in (out / "logs" / "prm.log").read_text()
     assert "tree packing:" not in (out / "logs" / "orm.log").read_text()

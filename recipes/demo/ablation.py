@@ -1,7 +1,8 @@
 """Reward-model ablation on synthetic Best-of-N candidates, where every step has an exact label.
 
-`recipes/quickstart.py` trains three reward models on the same MCTS rollouts (PRM with soft MC
-labels, PRM with hard labels, outcome model) and scores one set of held-out candidates with each.
+`recipes/quickstart.py` trains its reward models on the same MCTS rollouts (PRM with soft MC
+labels, outcome model, and with `hard_prm` the PRM with hard labels) and scores one set of held-out
+candidates with each.
 This module reads those scored files into every number of the report (`demo.report` writes it):
 
 * step level, on the test split, against `mmprm.data.synthetic.check_steps`: AUROC within

@@ -104,7 +104,12 @@ def _facts(results: dict, task: dict, policy_eval: dict | None, cpu: float, run_
         f"- Step level (test split, {results['test_steps']} steps of {results['test_candidates_with_steps']} "
         f"candidates, {results['test_share_correct_steps']:.1%} right): the soft-label PRM's step AUROC within the same "
         f"problem and step is {st['soft']['auroc_same_problem_step']:.3f} (pooled {st['soft']['auroc_pooled']:.3f}); "
-        f"hard labels {st['hard']['auroc_same_problem_step']:.3f} ({st['hard']['auroc_pooled']:.3f}); the outcome "
+        + (
+            f"hard labels {st['hard']['auroc_same_problem_step']:.3f} ({st['hard']['auroc_pooled']:.3f}); "
+            if "hard" in st
+            else ""
+        )
+        + "the outcome "
         f"model read on each prefix {st[OUTCOME]['auroc_same_problem_step']:.3f} ({st[OUTCOME]['auroc_pooled']:.3f}); "
         f"an untrained head on the policy {st['untrained']['auroc_same_problem_step']:.3f} "
         f"({st['untrained']['auroc_pooled']:.3f}).",
@@ -145,7 +150,8 @@ def _markdown(
         "",
         f"Seed {config['seed']}. Held-out problems: {results['splits']['dev']} dev (choose the aggregator and the "
         f"first-error threshold) and {results['splits']['test']} test (every number below); {n} candidates per problem "
-        "from the policy, scored by three reward models trained on the same MCTS rollouts:",
+        f"from the policy, scored by {NUMBERS.get(len(results['models']), len(results['models']))} reward models "
+        "trained on the same MCTS rollouts:",
         "",
         *(f"- **{name}**" for name in results["models"].values()),
         "",
@@ -234,10 +240,16 @@ def headline_fact(results: dict) -> str:
         f"against a single sample {single['b']:.3f}: {single['diff']:+.3f}, 95% paired interval {_ci(single['ci95'])} "
         f"(over a single sample at {at_ns}; {'non-decreasing' if rising else 'not monotone'} in N). "
         f"PRM-weighted vote {vote['a']:.3f} against majority vote {vote['b']:.3f}: {vote['diff']:+.3f} "
-        f"{_ci(vote['ci95'])}. Against the outcome model {ref['b']:.3f}: {ref['diff']:+.3f} {_ci(ref['ci95'])}. "
-        f"Aggregator chosen on dev for the hard PRM: `{results['bon']['hard']['best_on_dev']}`."
+        f"{_ci(vote['ci95'])}. Against the outcome model {ref['b']:.3f}: {ref['diff']:+.3f} {_ci(ref['ci95'])}."
+        + (
+            f" Aggregator chosen on dev for the hard PRM: `{results['bon']['hard']['best_on_dev']}`."
+            if "hard" in results["bon"]
+            else ""
+        )
     )
 
+
+NUMBERS = {2: "two", 3: "three"}  # reward models a run reports, in words
 
 # What `spread_fact` compares, in the headline's order: key -> what it is.
 HEADLINE = {
@@ -303,7 +315,7 @@ def baseline_fact(results: dict) -> str:
     elif best >= rnd:
         verdict = "ahead of random picks, behind majority vote"
     else:
-        verdict = "behind both: reranking by any of the three reward models is worse than a random pick here"
+        verdict = "behind both: reranking by any of the reward models is worse than a random pick here"
     return (
         f"- Against the baselines at N={n}: the best reward-model row, {results['models'][m]} `{a}`, "
         f"{best:.3f}; random pick {rnd:.3f}, majority vote {maj:.3f} - {verdict}."
