@@ -77,3 +77,45 @@ def test_readme_is_short():
     assert lines <= README_MAX_LINES, (
         f"README.md has {lines} lines (at most {README_MAX_LINES}): move detail to a page under docs/ and link it"
     )
+
+
+def _readme_demo_rows() -> dict[str, list[float]]:
+    """The README's demo results table: row label -> its N=2, 4, 8 cells."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    table = text[text.index("| selection | N=2 | N=4 | N=8 |") :].split("\n\n")[0].splitlines()[2:]
+    rows = {}
+    for line in table:
+        label, *cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[label] = [float(c.strip("*")) for c in cells]
+    return rows
+
+
+def test_readme_demo_table_is_the_published_report():
+    """Every number of the README's demo table is the published report's (docs/demo/report.json),
+    so a republished demo cannot leave the README behind."""
+    import json
+
+    report = json.loads((REPO / "docs" / "demo" / "report.json").read_text())
+    base, bon = report["baselines"], report["bon"]
+    ns = ["2", "4", "8"]
+    rows = _readme_demo_rows()
+    expected = {
+        "single sample": base["random"],
+        "majority vote": base["majority"],
+        "PRM-weighted vote": base["weighted_vote"],
+        "outcome model": bon["outcome"]["test"]["last"],
+        "oracle": base["oracle"],
+    }
+    seen = set()
+    for label, cells in rows.items():
+        if m := re.match(r"PRM, (soft|hard) .*?`(\w+)`", label):
+            model, aggregator = m.groups()
+            source = bon[model]["test"][aggregator]
+            assert ("chosen on dev" in label) == (aggregator == bon[model]["best_on_dev"]), label
+        else:
+            key = next(k for k in expected if label.startswith(k))
+            source, _ = expected[key], seen.add(key)
+        assert cells == [round(source[n]["mean"], 3) for n in ns], label
+    assert seen == set(expected)
+    # the reward models the table shows are the ones the report has
+    assert set(report["models"]) == {"soft", "outcome"} | ({"hard"} if any("hard" in r for r in rows) else set())
