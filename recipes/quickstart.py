@@ -613,13 +613,17 @@ def train_reward_model(demo: Demo, lane: Lane, train_file: Path, model_out: Path
     )
 
 
-def soft_prm(demo: Demo, lane: Lane) -> None:
-    """The PRM on the MC values as soft labels."""
+def soft_prm(demo: Demo, lane: Lane, ended: threading.Event) -> None:
+    """The PRM on the MC values as soft labels; sets ENDED when it is done or has failed, so that
+    the other lane, which waits for it, never hangs."""
 
     def train() -> None:
         train_reward_model(demo, lane, demo.mcts / "prm_data.jsonl", demo.out / "prm", "data.label_mode=soft")
 
-    stage(demo, lane, "prm", demo.out / "prm" / "mmprm_prm.json", train)
+    try:
+        stage(demo, lane, "prm", demo.out / "prm" / "mmprm_prm.json", train)
+    finally:
+        ended.set()
 
 
 def hard_prm(demo: Demo, lane: Lane) -> None:
@@ -755,10 +759,7 @@ def two_reward_models_in_lanes(demo: Demo) -> None:
     soft_ready = threading.Event()
 
     def lane_soft_and_search(lane: Lane) -> None:
-        try:
-            soft_prm(demo, lane)
-        finally:
-            soft_ready.set()
+        soft_prm(demo, lane, soft_ready)
         guided_search(demo, lane)
 
     def lane_outcome_and_candidates(lane: Lane) -> None:
@@ -779,10 +780,7 @@ def three_reward_models_in_lanes(demo: Demo) -> None:
     bon_report = demo.bon / "report.json"
 
     def lane_prms(lane: Lane) -> None:
-        try:
-            soft_prm(demo, lane)
-        finally:
-            soft_ready.set()
+        soft_prm(demo, lane, soft_ready)
         hard_prm(demo, lane)
         candidates_ready.wait()
         if bon_report.exists():  # else lane 2 failed and says why

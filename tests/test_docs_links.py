@@ -114,7 +114,8 @@ def test_readme_demo_table_is_the_published_report():
             assert ("chosen on dev" in label) == (aggregator == bon[model]["best_on_dev"]), label
         else:
             key = next(k for k in expected if label.startswith(k))
-            source, _ = expected[key], seen.add(key)
+            source = expected[key]
+            seen.add(key)
         assert cells == [round(source[n]["mean"], 3) for n in ns], label
     assert seen == set(expected)
     # the reward models the table shows are the ones the report has

@@ -274,7 +274,7 @@ def test_pipeline_on_a_real_chat_template(tmp_path, family):
         assert f"==> [{stage}]" in res.stdout, stage
     # without `hard_prm` the hard-label PRM is neither trained nor reported
     assert "==> [prm_hard]" not in res.stdout and not (out / "prm_hard").exists()
-    # the two PRMs trained tree-packed on this template's tokenization, the outcome model by row
+    # the PRM trained tree-packed on this template's tokenization, the outcome model by row
     assert "tree packing:" in (out / "logs" / "prm.log").read_text()
     assert "tree packing:" not in (out / "logs" / "orm.log").read_text()
 

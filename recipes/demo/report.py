@@ -22,6 +22,7 @@ from mmprm.data.synthetic import AFTER, ERROR_KINDS
 # The published runs of `make demo` with seeds 0, 1 and 2 (`headline_numbers` of each report):
 # every report says where its own run falls among them.
 PUBLISHED_SEEDS = Path(__file__).with_name("published_seeds.json")
+NUMBERS = {2: "two", 3: "three"}  # reward models a run reports, in words
 
 
 def write_report(
@@ -109,8 +110,8 @@ def _facts(results: dict, task: dict, policy_eval: dict | None, cpu: float, run_
             if "hard" in st
             else ""
         )
-        + "the outcome "
-        f"model read on each prefix {st[OUTCOME]['auroc_same_problem_step']:.3f} ({st[OUTCOME]['auroc_pooled']:.3f}); "
+        + f"the outcome model read on each prefix {st[OUTCOME]['auroc_same_problem_step']:.3f} "
+        f"({st[OUTCOME]['auroc_pooled']:.3f}); "
         f"an untrained head on the policy {st['untrained']['auroc_same_problem_step']:.3f} "
         f"({st['untrained']['auroc_pooled']:.3f}).",
         f"- The policy is imperfect: one sample is right {rnd['1']['mean']:.1%} of the time; "
@@ -248,8 +249,6 @@ def headline_fact(results: dict) -> str:
         )
     )
 
-
-NUMBERS = {2: "two", 3: "three"}  # reward models a run reports, in words
 
 # What `spread_fact` compares, in the headline's order: key -> what it is.
 HEADLINE = {
