@@ -341,7 +341,7 @@ def write_report(cfg: PRMSearchConfig, out: Path) -> None:
     for m in report["matched"]:
         print(
             f"{m['search']} ({m['search_tokens']:.0f} tok) vs {m['bon']} ({m['bon_tokens']:.0f} tok): "
-            f"{m['search_acc']:.3f} vs {m['bon_acc']:.3f}, diff {m['diff']:+.3f} {m['ci95']}"
+            f"{m['search_acc']:.3f} vs {m['bon_acc']:.3f}, diff {m['diff']:+.3f} [{m['ci95'][0]:+.3f}, {m['ci95'][1]:+.3f}]"
         )
     print(f"wrote {md} and {out / 'search_vs_bon.png'}")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -203,6 +204,8 @@ def test_kill_resume_shards_and_report(inputs, tmp_path):
     # a rerun after completion searches nothing and duplicates nothing
     res = run(base)
     assert "6 problems already done, 0 to search" in res.stdout and len(lines(beam)) == 6
+    # the summary line a user reads: the interval rounded as the difference is
+    assert re.search(r"dvts W2xM2 .* diff [+-]\d\.\d{3} \[[+-]\d\.\d{3}, [+-]\d\.\d{3}\]$", res.stdout, re.M)
 
     # two shards into another folder: the first leaves no report, the second writes it
     sharded = [a if not a.startswith("output_dir=") else f"output_dir={tmp_path / 'sharded'}" for a in base]
