@@ -133,3 +133,120 @@ def test_training_recipes_refuse_an_unknown_dtype_before_loading(recipe):
     config = REPO / "recipes" / "configs" / "tiny" / f"{recipe}.yaml"
     with pytest.raises(ConfigError, match=r"model\.dtype: 'bf16' is not one of \['float32', 'bfloat16', 'float16'\]"):
         recipe_main(recipe)(["--config", str(config), "model.dtype=bf16"])
+
+
+# ---- grouped-query sdpa on CPU (mmprm.models.attention) ----------------------------------------
+@pytest.fixture
+def transformers_sdpa(monkeypatch):
+    """A context in which "sdpa" is transformers' own function again (repeated key/value heads)."""
+    from contextlib import contextmanager
+
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    @contextmanager
+    def use():
+        with monkeypatch.context() as m:
+            m.setitem(AttentionInterface._global_mapping, "sdpa", sdpa_attention_forward)
+            yield
+
+    return use
+
+
+@pytest.fixture
+def repeats(monkeypatch):
+    """Counts transformers' `repeat_kv` calls (the copy the grouped kernel avoids)."""
+    from transformers.integrations import sdpa_attention
+
+    calls = []
+    real = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: calls.append(n) or real(x, n))
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "internvl", "qwen2"])
+def test_grouped_query_sdpa_generates_bitwise_what_repeated_heads_do(
+    tiny_models, tmp_path, arch, transformers_sdpa, repeats
+):
+    """Left-padded greedy logits at every token and sampled rollouts (with an image for the VLMs):
+    bitwise equal, with no head copied. Fails where "sdpa" repeats the heads (transformers' function: `repeats` fills)."""
+    from PIL import Image
+
+    from mmprm.generation.base import RolloutRequest, SamplingConfig
+    from mmprm.generation.hf import HFBackend
+
+    model, processor = load_backbone(tiny_models(arch))
+    images = []
+    if arch != "qwen2":
+        Image.new("RGB", (56, 56), (200, 30, 30)).save(tmp_path / "tile.png")
+        images = [str(tmp_path / "tile.png")]
+    assert model.config.get_text_config().num_key_value_heads < model.config.get_text_config().num_attention_heads
+    tokenizer = getattr(processor, "tokenizer", processor)
+    tokenizer.padding_side = "left"
+    enc = tokenizer(["What is 2 + 3?", "Add 4 and 5, then 6, then 7."], padding=True, return_tensors="pt")
+    assert (enc["attention_mask"] == 0).any()  # a padded row: transformers' path would repeat
+
+    def run():
+        with torch.no_grad():
+            gen = model.generate(
+                **enc, max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                pad_token_id=tokenizer.pad_token_id,
+            )  # fmt: skip
+        backend = HFBackend(model, processor, SamplingConfig(max_new_tokens=16, seed=3), batch_size=8)
+        requests = [
+            RolloutRequest("p0", "Add the tiles.", images, ["2 + 3 = 5."], 3),  # rows of two lengths: padded
+            RolloutRequest("p1", "Add the tiles.", images, [], 2),
+        ]
+        return gen.sequences, torch.stack(gen.logits), backend.generate(requests)
+
+    ours = run()
+    assert repeats == []
+    with transformers_sdpa():
+        theirs = run()
+    assert repeats  # transformers' path did copy the heads
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1]) and ours[2] == theirs[2]
+
+
+def test_grouped_query_sdpa_leaves_training_as_transformers_runs_it(tiny_models, transformers_sdpa, repeats):
+    """With autograd the repeated heads run as before: the same loss and gradients, bitwise."""
+    model, processor = load_backbone(tiny_models("qwen2"))
+    tokenizer = getattr(processor, "tokenizer", processor)
+    tokenizer.padding_side = "right"
+    enc = tokenizer(["What is 2 + 3?", "Add 4 and 5, then 6, then 7."], padding=True, return_tensors="pt")
+
+    def grads():
+        model.zero_grad()
+        model(**enc, labels=enc["input_ids"]).loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    ours = grads()
+    assert repeats  # the training path repeats the heads, as transformers does
+    with transformers_sdpa():
+        theirs = grads()
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_tree_packed_scores_are_bitwise_those_of_repeated_heads(
+    tiny_models, tmp_path, transformers_sdpa, repeats, monkeypatch
+):
+    """The PRM scorer's tree-packed attention (`_tree_sdpa`) without autograd takes the grouped
+    kernel, and scores what the repeated heads score, bitwise."""
+    from mmprm import load_prm
+    from mmprm.models import attention
+    from mmprm.models.prm import PRMSpec, build_prm, save_prm
+
+    backbone, processor = load_backbone(tiny_models("qwen2_vl"))
+    save_prm(build_prm(backbone, processor, PRMSpec()), processor, tmp_path / "prm")
+    prm = load_prm(tmp_path / "prm")
+    examples = [
+        {"question": "What is 2 + 3?", "steps": ["2 + 3 = 5.", "The answer is 5."]},
+        {"question": "What is 2 + 3?", "steps": ["2 + 3 = 5.", "So 6."]},
+        {"question": "Add 4 and 5.", "steps": ["4 + 5 = 9."]},
+    ]
+    ours = prm.score(examples)
+    assert repeats == []
+    with monkeypatch.context() as m:
+        m.setattr(attention, "_HAS_ENABLE_GQA", False)  # as on torch 2.4: repeated heads everywhere
+        with transformers_sdpa():
+            theirs = prm.score(examples)
+    assert repeats and ours == theirs

@@ -280,6 +280,14 @@ def test_hf_sampling_quick():
         assert res[setting]["ratio"] > 0
 
 
+def test_gqa_attention_quick():
+    res = run_benchmark("gqa_attention.py")
+    # the script fails unless both sides made the same tokens from the same logits
+    assert res["rollouts"]["bitwise_equal"] and res["rollouts"]["padded"]
+    assert res["decode_attention_7b"]["bitwise_equal"]
+    assert res["rollouts"]["ratio"] > 0 and res["decode_attention_7b"]["ratio"] > 0
+
+
 def test_prm_packing_quick():
     res = run_benchmark("prm_packing.py")
     # an OmegaPRM-shaped tree per problem: the gold path and two wrong branches per step

@@ -40,6 +40,7 @@ from transformers import (
     Qwen2VLProcessor,
 )
 
+from mmprm.models.attention import use_grouped_query_sdpa
 from mmprm.models.sharding import full_shape
 from mmprm.models.spec import AttnImplementation
 from mmprm.steps import STEP_TOKEN
@@ -349,6 +350,7 @@ def load_backbone(
         text-only models (`AutoModel` when bare); the processor as `load_processor` returns it.
     """
     kwargs: dict[str, Any] = {"attn_implementation": resolve_attn_implementation(attn_implementation, attn_key)}
+    use_grouped_query_sdpa()  # sdpa without repeated key/value heads where nothing changes (its docstring)
     if dtype is not None:
         kwargs["dtype"] = dtype
     if bare:

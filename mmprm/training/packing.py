@@ -286,14 +286,20 @@ def tree_blocks(sees: torch.Tensor, additive: torch.Tensor, block: int = TREE_BL
 @torch.compiler.disable
 def _tree_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs):
     """transformers attention function: by blocks for the active tree mask, else plain sdpa."""
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from mmprm.models.attention import grouped_query_sdpa, grouped_query_sdpa_applies
 
     tree = _active_tree.get()
     if tree is None or attention_mask is not tree.mask:  # another mask (a vision tower, a row batch)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return grouped_query_sdpa(module, query, key, value, attention_mask, **kwargs)
     tree.calls += 1
-    n_rep = query.shape[1] // key.shape[1]  # grouped-query attention: one key head serves n_rep queries
-    key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
+    # Grouped-query attention: one key head serves n_rep queries; scoring (no autograd) runs the
+    # grouped kernel on the heads as they are, training the repeated heads (mmprm.models.attention).
+    grouped = grouped_query_sdpa_applies(query, key, value, attention_mask)
+    if not grouped:
+        n_rep = query.shape[1] // key.shape[1]
+        key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
     dropout = kwargs.get("dropout", 0.0)
     rows = []
     for b, blocks in enumerate(tree.blocks):
@@ -306,6 +312,7 @@ def _tree_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
                 is_causal=sub is None,  # a whole sequence of a sequence pack (`document_blocks`)
                 dropout_p=dropout,
                 scale=kwargs.get("scaling"),
+                **({"enable_gqa": True} if grouped else {}),
             )
             for q0, q1, keys, sub in blocks
         ]
