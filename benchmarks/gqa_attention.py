@@ -32,6 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hf_sampling import demo_rollout_batch  # noqa: E402  (beside this script)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,29 +69,15 @@ def rollouts(args: argparse.Namespace, work: Path) -> dict:
     import torch
     from transformers import AttentionInterface
 
-    from mmprm.data.synthetic import SyntheticConfig, generate
-    from mmprm.generation.base import rollout_prompt
     from mmprm.generation.hf import InverseCDFSampler
-    from mmprm.models import build_tiny_model, load_backbone
 
-    model, processor = load_backbone(
-        build_tiny_model("qwen2_vl", work / "model", seed=0, hidden_size=128, num_layers=4)
-    )
-    model.eval()
-    tokenizer = processor.tokenizer
-    tokenizer.padding_side = "left"
-    problems = generate(SyntheticConfig(num_problems=args.rows, seed=0, ops=("+",), max_ops=4, marks=True))
     # Prefixes of 0-3 steps, as the annotation's rollouts continue partial solutions: rows of
     # different lengths, so the batch is padded and carries a mask.
-    texts = [
-        rollout_prompt(processor, p.question, 1, [f"step {k}" for k in range(i % 4)], "tags")
-        for i, p in enumerate(problems)
-    ]
-    enc = processor(text=texts, images=[[p.image] for p in problems], padding=True, return_tensors="pt")
+    model, processor, enc = demo_rollout_batch(work, args.rows, prefixes=True)
     common = {
         "max_new_tokens": args.tokens,
         "min_new_tokens": args.tokens,
-        "pad_token_id": tokenizer.pad_token_id,
+        "pad_token_id": processor.tokenizer.pad_token_id,
         "do_sample": False,
         "output_logits": True,
         "return_dict_in_generate": True,
