@@ -164,7 +164,7 @@ def repeats(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "internvl", "qwen2"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2"])
 def test_grouped_query_sdpa_generates_bitwise_what_repeated_heads_do(
     tiny_models, tmp_path, arch, transformers_sdpa, repeats
 ):
