@@ -295,6 +295,16 @@ class Demo:
         return self.out / "mcts"
 
     @property
+    def prm(self) -> Path:
+        """The soft PRM: what Best-of-N and the search score with."""
+        return self.out / "prm"
+
+    @property
+    def prm_done(self) -> Path:
+        """The file the soft PRM's stage writes last: there once the PRM is saved whole."""
+        return self.prm / "mmprm_prm.json"
+
+    @property
     def bon(self) -> Path:
         return self.out / "bon"
 
@@ -618,10 +628,10 @@ def soft_prm(demo: Demo, lane: Lane, ended: threading.Event) -> None:
     the other lane, which waits for it, never hangs."""
 
     def train() -> None:
-        train_reward_model(demo, lane, demo.mcts / "prm_data.jsonl", demo.out / "prm", "data.label_mode=soft")
+        train_reward_model(demo, lane, demo.mcts / "prm_data.jsonl", demo.prm, "data.label_mode=soft")
 
     try:
-        stage(demo, lane, "prm", demo.out / "prm" / "mmprm_prm.json", train)
+        stage(demo, lane, "prm", demo.prm_done, train)
     finally:
         ended.set()
 
@@ -654,7 +664,7 @@ def best_of_n(demo: Demo, lane: Lane) -> None:
         "recipes/bon_rerank.py",
         "--config",
         "recipes/configs/tiny/bon_rerank.yaml",
-        f"prm.path={demo.out / 'prm'}",
+        f"prm.path={demo.prm}",
         "candidates_file=null",
         "generate.enabled=true",
         f"policy.path={demo.policy}",
@@ -730,7 +740,7 @@ def guided_search(demo: Demo, lane: Lane) -> None:
             "--config",
             "recipes/configs/tiny/prm_search.yaml",
             f"policy.path={demo.policy}",
-            f"prm.path={demo.out / 'prm'}",
+            f"prm.path={demo.prm}",
             f"problems_file={search_problems_file(demo.data, cfg.search_problems)}",
             "limit=null",
             f"policy.sampling.seed={cfg.seed}",
@@ -765,7 +775,7 @@ def two_reward_models_in_lanes(demo: Demo) -> None:
     def lane_outcome_and_candidates(lane: Lane) -> None:
         outcome_model(demo, lane)
         soft_ready.wait()
-        if (demo.out / "prm" / "mmprm_prm.json").exists():  # else lane 1 failed and says why
+        if demo.prm_done.exists():  # else lane 1 failed and says why
             best_of_n(demo, lane)
             rescore_outcome(demo, lane)
 
@@ -790,7 +800,7 @@ def three_reward_models_in_lanes(demo: Demo) -> None:
         try:
             outcome_model(demo, lane)
             soft_ready.wait()
-            if (demo.out / "prm" / "mmprm_prm.json").exists():  # else lane 1 failed and says why
+            if demo.prm_done.exists():  # else lane 1 failed and says why
                 best_of_n(demo, lane)
         finally:
             candidates_ready.set()
