@@ -4,7 +4,7 @@ needed: on CPU, outside autograd.
     from mmprm.models.attention import use_grouped_query_sdpa
     use_grouped_query_sdpa()   # load_backbone does it; every "sdpa" model in the process then runs it
 
-Grouped-query attention (Qwen2-VL, Qwen2.5-VL, InternVL's Qwen2 and InternLM2: fewer key/value heads
+Grouped-query attention (Qwen2-VL, Qwen2.5-VL, InternVL's language models: fewer key/value heads
 than query heads) with a mask, which every left-padded batch has, makes transformers repeat each
 key/value head once per query group (`repeat_kv`) before calling sdpa: CUDA's fused kernels take no
 mask with grouped heads. While decoding, that copies the whole KV cache at every token, in every
