@@ -288,6 +288,13 @@ def test_gqa_attention_quick():
     assert res["rollouts"]["ratio"] > 0 and res["decode_attention_7b"]["ratio"] > 0
 
 
+def test_shared_prefill_quick():
+    res = run_benchmark("shared_prefill.py")
+    for size in ("demo", "448px"):
+        # the script fails unless a prompt prefilled once sampled the rollouts of its rows apart
+        assert res[f"{size}_4_tokens"]["rollouts_equal"] and res[f"{size}_4_tokens"]["ratio"] > 0
+
+
 def test_prm_packing_quick():
     res = run_benchmark("prm_packing.py")
     # an OmegaPRM-shaped tree per problem: the gold path and two wrong branches per step

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -610,6 +611,41 @@ def test_hf_backend_samples_each_request_at_its_own_temperature(tiny_dirs):
     assert len(set(out_cold)) == 1 and len(set(out_hot)) > 1
     (alone,) = backend.generate([RolloutRequest("a", "What is 2 + 3?", [], ["It is"], 1, temperature=1e-4)])
     assert alone == out_cold[:1]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "internvl", "llava", "qwen2"])
+def test_hf_backend_prefills_a_prompt_once_and_samples_its_rows_as_if_apart(tiny_models, tmp_path, arch):
+    """A request's n rows run one prefill row (its image encoded once), yet sample bitwise what the
+    same prompt sent as n one-row requests samples, each prefilled on its own. Chunks of 5 rows split
+    the second request across two `generate` calls; the first request's rows are padded."""
+    from mmprm.generation.hf import HFBackend
+    from mmprm.models.loading import load_backbone
+
+    model, processor = load_backbone(tiny_models(arch))
+    prefill_rows = []
+
+    def record(_module, _args, kwargs):
+        if kwargs["input_ids"].shape[1] > 1:  # the prompt, not one decoded token
+            prefill_rows.append(kwargs["input_ids"].shape[0])
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    images = []
+    if arch != "qwen2":
+        Image.new("RGB", (56, 56), (200, 30, 30)).save(tmp_path / "tile.png")
+        images = [str(tmp_path / "tile.png")]
+    deep = RolloutRequest("p0", "Add the tiles.", images, ["2 + 3 = 5."], 3)
+    root = RolloutRequest("p1", "Add the tiles.", images, [], 4)
+
+    def sample(requests):
+        backend = HFBackend(model, processor, SamplingConfig(max_new_tokens=16, seed=3), batch_size=5)
+        return [text for texts in backend.generate(requests) for text in texts]
+
+    shared = sample([deep, root])
+    assert prefill_rows == [2, 1]  # [p0 x3, p1 x2], then [p1 x2]
+    prefill_rows.clear()
+    apart = sample([replace(deep, n=1)] * 3 + [replace(root, n=1)] * 4)
+    assert prefill_rows == [5, 2]
+    assert shared == apart and len(set(shared)) > 1
 
 
 def test_hf_backend_continues_the_assistant_message(tiny_dirs):

@@ -5,12 +5,15 @@
 
 The prompt continues the partial assistant message (`rollout_prompt`), never a user turn that
 restates the steps. All requests of a call are flattened into `n` rows each and generated in
-chunks of `batch_size` rows, so the engine's large batches keep the device busy.
+chunks of `batch_size` rows, so the engine's large batches keep the device busy; a request's
+prompt (and its images) is encoded and prefilled once for its rows in a chunk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -95,6 +98,70 @@ class InverseCDFSampler:
         # right=True: a token of probability 0 (a flat stretch of the CDF) is never drawn.
         token = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)
         return torch.full_like(scores, float("-inf")).scatter_(-1, token, 0.0)
+
+
+def _select_rows(kwargs: dict[str, Any], row_keys: set[str], rows: torch.Tensor, n_rows: int) -> dict[str, Any]:
+    """KWARGS with its per-row tensors cut to ROWS: those named in ROW_KEYS and `position_ids`
+    (batch dimension 1 when 3D, as M-RoPE's), where that dimension has all N_ROWS (a shape of 1
+    broadcasts). The rest (images, the cache, `cache_position`) as is."""
+    out = dict(kwargs)
+    for key in row_keys | {"position_ids"}:
+        value = kwargs.get(key)
+        dim = 1 if key == "position_ids" and value is not None and value.ndim == 3 else 0
+        if value is not None and value.shape[dim] == n_rows:
+            out[key] = value.index_select(dim, rows.to(value.device))
+    return out
+
+
+@contextlib.contextmanager
+def prompt_prefilled_once(model: Any, row_prompt: torch.Tensor, row_keys: set[str]) -> Iterator[None]:
+    """Within it, `model.generate` runs each distinct prompt's prefill once and decodes every row.
+
+    Give `generate` one row per sequence to sample for the tensors named in ROW_KEYS (input ids,
+    attention mask, token types), but the images of the distinct prompts only, once each in order.
+    `row_prompt[r]` is row r's prompt among the distinct ones: rows of a prompt are neighbours,
+    numbered in order, as in [0, 0, 1, 1, 1, 2]. The prefill, and the position ids computed before
+    it, run on the first row of each prompt with those images; their logits, KV cache and M-RoPE
+    offsets are then copied to every row of the prompt. Why: n rollouts of a prompt would otherwise
+    run the vision tower and the prompt's prefill n times. Each row's numbers are those of an
+    unshared prefill (no row's computation reads another's; tests/test_mcts_engine.py checks the
+    rollouts bitwise on every tiny preset; `benchmarks/shared_prefill.py` measures the saving).
+
+    Wraps two of `GenerationMixin`'s methods on this instance (`_prefill`,
+    `_prepare_position_ids_for_generation`), restored on exit.
+    """
+    firsts = torch.ones_like(row_prompt, dtype=torch.bool)
+    firsts[1:] = row_prompt[1:] != row_prompt[:-1]
+    first_rows, n_rows = firsts.nonzero().squeeze(1), len(row_prompt)
+    prefill, positions = model._prefill, model._prepare_position_ids_for_generation
+
+    def spread_rope_offsets() -> None:
+        # M-RoPE models (Qwen2-VL, Qwen2.5-VL) keep each row's text position offset for decoding.
+        base = model.base_model
+        deltas = getattr(base, "rope_deltas", None)
+        if isinstance(deltas, torch.Tensor) and deltas.shape[0] == len(first_rows):
+            base.rope_deltas = deltas[row_prompt.to(deltas.device)]
+
+    def prompt_positions(inputs_tensor: torch.Tensor, model_kwargs: dict[str, Any]) -> torch.Tensor:
+        kept = _select_rows({**model_kwargs, "input_ids": inputs_tensor}, row_keys | {"input_ids"}, first_rows, n_rows)
+        out = positions(kept.pop("input_ids"), kept)
+        spread_rope_offsets()
+        return _select_rows({"position_ids": out}, set(), row_prompt, len(first_rows))["position_ids"]
+
+    def shared_prefill(input_ids: torch.Tensor, generation_config: Any, model_kwargs: dict[str, Any], **kw: Any):
+        kept = _select_rows({**model_kwargs, "input_ids": input_ids}, row_keys | {"input_ids"}, first_rows, n_rows)
+        out = prefill(kept.pop("input_ids"), generation_config, kept, **kw)
+        spread = row_prompt.to(out.logits.device)
+        out.logits = out.logits[spread]
+        out.past_key_values.batch_select_indices(spread)
+        spread_rope_offsets()
+        return out
+
+    model._prefill, model._prepare_position_ids_for_generation = shared_prefill, prompt_positions
+    try:
+        yield
+    finally:
+        del model._prefill, model._prepare_position_ids_for_generation
 
 
 class HFBackend:
@@ -198,35 +265,45 @@ class HFBackend:
                 self.sampling.repetition_penalty,
                 self.tokenizer.pad_token_id,
             )
-            texts = [t for _, t, _ in chunk]
+            # A request's rows are neighbours (the sort above is stable): its prompt is encoded and
+            # prefilled once (`prompt_prefilled_once`), its rows sampled apart.
+            row_prompt, once = [], []
+            for k, row in enumerate(chunk):
+                if k == 0 or row[0] != chunk[k - 1][0]:
+                    once.append(row)
+                row_prompt.append(len(once) - 1)
+            texts = [t for _, t, _ in once]
             special = needs_special_tokens(self.tokenizer, texts[0])  # one template: same for every row
-            if self.multimodal and any(imgs for _, _, imgs in chunk):
+            if self.multimodal and any(imgs for _, _, imgs in once):
                 enc = self.processor(
                     text=texts,
-                    images=[imgs for _, _, imgs in chunk],
+                    images=[imgs for _, _, imgs in once],
                     padding=True,
                     return_tensors="pt",
                     add_special_tokens=special,
                 )
             else:
                 enc = self.tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=special)
-            enc = enc.to(self.model.device)
+            row_index = torch.tensor(row_prompt)
+            row_keys = {k for k, v in enc.items() if isinstance(v, torch.Tensor) and v.shape == enc["input_ids"].shape}
+            inputs = {k: (v[row_index] if k in row_keys else v).to(self.model.device) for k, v in enc.items()}
             # One seed per chunk: reruns of the same work sample the same rollouts.
             torch.manual_seed(torch_cpu_seed(self.sampling.seed + 1_000_003 * self.stats.calls + lo))
-            gen = self.model.generate(
-                **enc,
-                # Sampling happens in InverseCDFSampler; the checkpoint's own sampling defaults
-                # (generation_config.json) are turned off so that they do not apply twice.
-                do_sample=False,
-                temperature=None,
-                top_k=None,
-                top_p=None,
-                logits_processor=[sampler],
-                max_new_tokens=self.sampling.max_new_tokens,
-                pad_token_id=self.tokenizer.pad_token_id,
-                stop_strings=request_stops(self.step_mode, requests) or None,
-                tokenizer=self.tokenizer,
-            )
+            with prompt_prefilled_once(self.model, row_index, row_keys):
+                gen = self.model.generate(
+                    **inputs,
+                    # Sampling happens in InverseCDFSampler; the checkpoint's own sampling defaults
+                    # (generation_config.json) are turned off so that they do not apply twice.
+                    do_sample=False,
+                    temperature=None,
+                    top_k=None,
+                    top_p=None,
+                    logits_processor=[sampler],
+                    max_new_tokens=self.sampling.max_new_tokens,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    stop_strings=request_stops(self.step_mode, requests) or None,
+                    tokenizer=self.tokenizer,
+                )
             new = gen[:, enc["input_ids"].shape[1] :].tolist()  # (rows, new tokens)
             for (i, _, _), ids in zip(chunk, new):
                 stops = stop_strings(self.step_mode) + (requests[i].stop or [])
