@@ -285,7 +285,12 @@ class HFBackend:
             else:
                 enc = self.tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=special)
             row_index = torch.tensor(row_prompt)
-            row_keys = {k for k, v in enc.items() if isinstance(v, torch.Tensor) and v.shape == enc["input_ids"].shape}
+            # Token-aligned (ids, mask, token types), not images: integer tensors of the ids' shape.
+            row_keys = {
+                k
+                for k, v in enc.items()
+                if isinstance(v, torch.Tensor) and v.shape == enc["input_ids"].shape and not v.is_floating_point()
+            }
             inputs = {k: (v[row_index] if k in row_keys else v).to(self.model.device) for k, v in enc.items()}
             # One seed per chunk: reruns of the same work sample the same rollouts.
             torch.manual_seed(torch_cpu_seed(self.sampling.seed + 1_000_003 * self.stats.calls + lo))
