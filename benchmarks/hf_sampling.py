@@ -45,20 +45,27 @@ def main() -> None:
         print(json.dumps(measure(args, Path(tmp))))
 
 
-def demo_rollout_batch(work: Path, rows: int, prefixes: bool = False) -> tuple:
-    """(model, processor, encoded batch): the demo's model (a tiny Qwen2-VL, hidden 128, 4 layers,
-    random init, saved in WORK) and ROWS rollout prompts of the demo's task, left-padded. With
-    `prefixes`, row i continues a partial solution of i % 4 steps, as the annotation's rollouts do."""
+def demo_model_and_problems(work: Path, problems: int) -> tuple:
+    """(model, processor, problems): the demo's model (a tiny Qwen2-VL, hidden 128, 4 layers,
+    random init, saved in WORK) and PROBLEMS problems of the demo's task."""
     from mmprm.data.synthetic import SyntheticConfig, generate
-    from mmprm.generation.base import rollout_prompt
     from mmprm.models import build_tiny_model, load_backbone
 
     model, processor = load_backbone(
         build_tiny_model("qwen2_vl", work / "model", seed=0, hidden_size=128, num_layers=4)
     )
+    return model, processor, generate(SyntheticConfig(num_problems=problems, seed=0, ops=("+",), max_ops=4, marks=True))
+
+
+def demo_rollout_batch(work: Path, rows: int, prefixes: bool = False) -> tuple:
+    """(model, processor, encoded batch): the demo's model (`demo_model_and_problems`) and ROWS
+    rollout prompts of the demo's task, left-padded. With `prefixes`, row i continues a partial
+    solution of i % 4 steps, as the annotation's rollouts do."""
+    from mmprm.generation.base import rollout_prompt
+
+    model, processor, problems = demo_model_and_problems(work, rows)
     model.eval()
     processor.tokenizer.padding_side = "left"
-    problems = generate(SyntheticConfig(num_problems=rows, seed=0, ops=("+",), max_ops=4, marks=True))
     steps = [[f"step {k}" for k in range(i % 4)] if prefixes else [] for i in range(rows)]
     texts = [rollout_prompt(processor, p.question, 1, s, "tags") for p, s in zip(problems, steps)]
     enc = processor(text=texts, images=[[p.image] for p in problems], padding=True, return_tensors="pt")

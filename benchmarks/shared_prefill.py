@@ -28,6 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hf_sampling import demo_model_and_problems  # noqa: E402  (beside this script)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,15 +52,10 @@ def main() -> None:
 def measure(args: argparse.Namespace, work: Path) -> dict:
     from dataclasses import replace
 
-    from mmprm.data.synthetic import SyntheticConfig, generate
     from mmprm.generation.base import RolloutRequest, SamplingConfig
     from mmprm.generation.hf import HFBackend
-    from mmprm.models import build_tiny_model, load_backbone
 
-    model, processor = load_backbone(
-        build_tiny_model("qwen2_vl", work / "model", seed=0, hidden_size=128, num_layers=4)
-    )
-    problems = generate(SyntheticConfig(num_problems=args.prompts, seed=0, ops=("+",), max_ops=4, marks=True))
+    model, processor, problems = demo_model_and_problems(work, args.prompts)
     out = {"benchmark": "shared_prefill", "prompts": args.prompts, "rows_per_prompt": args.n}
     for size in ("demo", "448px"):
         requests = []

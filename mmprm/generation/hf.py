@@ -142,15 +142,18 @@ def prompt_prefilled_once(model: Any, row_prompt: torch.Tensor, row_keys: set[st
         if isinstance(deltas, torch.Tensor) and deltas.shape[0] == len(first_rows):
             base.rope_deltas = deltas[row_prompt.to(deltas.device)]
 
+    def first_row_of_each(input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> tuple[torch.Tensor, dict]:
+        kept = _select_rows({**model_kwargs, "input_ids": input_ids}, row_keys | {"input_ids"}, first_rows, n_rows)
+        return kept.pop("input_ids"), kept
+
     def prompt_positions(inputs_tensor: torch.Tensor, model_kwargs: dict[str, Any]) -> torch.Tensor:
-        kept = _select_rows({**model_kwargs, "input_ids": inputs_tensor}, row_keys | {"input_ids"}, first_rows, n_rows)
-        out = positions(kept.pop("input_ids"), kept)
+        out = positions(*first_row_of_each(inputs_tensor, model_kwargs))
         spread_rope_offsets()
         return _select_rows({"position_ids": out}, set(), row_prompt, len(first_rows))["position_ids"]
 
     def shared_prefill(input_ids: torch.Tensor, generation_config: Any, model_kwargs: dict[str, Any], **kw: Any):
-        kept = _select_rows({**model_kwargs, "input_ids": input_ids}, row_keys | {"input_ids"}, first_rows, n_rows)
-        out = prefill(kept.pop("input_ids"), generation_config, kept, **kw)
+        ids, kept = first_row_of_each(input_ids, model_kwargs)
+        out = prefill(ids, generation_config, kept, **kw)
         spread = row_prompt.to(out.logits.device)
         out.logits = out.logits[spread]
         out.past_key_values.batch_select_indices(spread)
