@@ -123,6 +123,50 @@ def test_attention_by_blocks_gives_the_gradients_of_the_full_mask(tiny_models, m
         assert torch.allclose(by_blocks[name], g, atol=1e-6, rtol=1e-4), name
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attention_by_blocks_backward_gives_autograds_gradients_to_the_bit(tiny_models, arch, monkeypatch):
+    """The blocks' backward written out (`_AttentionByBlocks`) adds each block's gradients in the
+    order autograd adds them through the slices: the same loss and gradients, bit for bit."""
+    model, processor = _prm(tiny_models, arch)
+    batch = collate_packed(
+        [pack_rows(_rows(processor, arch)), pack_rows(_rows(processor, arch, "Add tiles 1 and 2."))],
+        _pad(processor),
+    )
+    _count_tree_blocks(monkeypatch, block=4)
+    applied = []
+    apply = packing._AttentionByBlocks.apply
+    monkeypatch.setattr(packing._AttentionByBlocks, "apply", lambda *a: applied.append(1) or apply(*a))
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = soft_bce_value(model(**_inputs(batch)), batch["targets"], batch["step_weights"])
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = loss_and_grads()
+    assert len(applied) == model.backbone.config.get_text_config().num_hidden_layers
+    monkeypatch.setattr(packing, "_blocks_backward_applies", lambda *a: False)  # autograd through the blocks
+    loss_autograd, grads_autograd = loss_and_grads()
+    assert len(applied) == model.backbone.config.get_text_config().num_hidden_layers
+    assert torch.equal(loss, loss_autograd)
+    assert grads.keys() == grads_autograd.keys()
+    for name, g in grads_autograd.items():
+        assert torch.equal(grads[name], g), name
+
+
+def test_attention_by_blocks_backward_is_not_taken_without_autograd_or_under_autocast(tiny_models, monkeypatch):
+    model, processor = _prm(tiny_models, "qwen2_vl")
+    batch = collate_packed([pack_rows(_rows(processor, "qwen2_vl"))], _pad(processor))
+    applied = []
+    apply = packing._AttentionByBlocks.apply
+    monkeypatch.setattr(packing._AttentionByBlocks, "apply", lambda *a: applied.append(1) or apply(*a))
+    with torch.no_grad():
+        model(**_inputs(batch))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(**_inputs(batch))
+    assert applied == []
+
+
 def test_attention_by_blocks_stays_out_of_gradient_checkpointing(tiny_models, monkeypatch):
     """Checkpointing recomputes outside the context; by blocks it would save other tensors than it
     recomputes, and the checkpoint refuses that. The full mask runs instead, and training works."""

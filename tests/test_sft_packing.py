@@ -89,6 +89,26 @@ def test_packed_loss_and_gradients_equal_padding(tiny_models, synthetic, arch):
     assert any("vision" in k or "visual" in k for k in rows[2])  # the image rows reach the tower
 
 
+def test_packed_gradients_by_sequence_are_autograds_to_the_bit(tiny_models, synthetic, monkeypatch):
+    """The sequences of a pack attend alone (slices of the keys, causal): the blocks' backward
+    written out gives the gradients of autograd through the blocks, bit for bit."""
+    model, processor = load_backbone(tiny_models("qwen2_vl"))
+    model.train()
+    items = sft_items(processor, synthetic, rows=3, text_rows=1)
+    packed = collate_sequence_packs([[items[0], items[2]], [items[1]]], processor.tokenizer.pad_token_id or 0)
+    applied = []
+    apply = packing._AttentionByBlocks.apply
+    monkeypatch.setattr(packing._AttentionByBlocks, "apply", lambda *a: applied.append(1) or apply(*a))
+    written_out = loss_and_grads(model, packed, FULL, packed=True)
+    assert len(applied) == model.config.get_text_config().num_hidden_layers
+    monkeypatch.setattr(packing, "_blocks_backward_applies", lambda *a: False)
+    autograd = loss_and_grads(model, packed, FULL, packed=True)
+    assert torch.equal(written_out[0], autograd[0])
+    assert written_out[2].keys() == autograd[2].keys()
+    for name, grad in autograd[2].items():
+        assert torch.equal(written_out[2][name], grad), name
+
+
 @pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
 def test_flattened_layout_of_flash_attention_equals_padding(tiny_models, synthetic, arch):
     """flash-attn's layout (one sequence, no mask, positions restarting per row), run with sdpa:

@@ -301,23 +301,98 @@ def _tree_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
         n_rep = query.shape[1] // key.shape[1]
         key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
     dropout = kwargs.get("dropout", 0.0)
-    rows = []
-    for b, blocks in enumerate(tree.blocks):
-        parts = [
-            torch.nn.functional.scaled_dot_product_attention(
-                query[b : b + 1, :, q0:q1],
-                key[b : b + 1, :, keys],
-                value[b : b + 1, :, keys],
-                attn_mask=sub,
-                is_causal=sub is None,  # a whole sequence of a sequence pack (`document_blocks`)
-                dropout_p=dropout,
-                scale=kwargs.get("scaling"),
-                **({"enable_gqa": True} if grouped else {}),
-            )
-            for q0, q1, keys, sub in blocks
-        ]
-        rows.append(torch.cat(parts, dim=2))
-    return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None  # (B, L, heads, head_dim)
+    scale = kwargs.get("scaling")
+    if _blocks_backward_applies(query, key, value, tree.blocks, dropout, grouped):
+        out = _AttentionByBlocks.apply(query, key, value, tree.blocks, scale)
+    else:
+        rows = []
+        for b, blocks in enumerate(tree.blocks):
+            parts = [
+                torch.nn.functional.scaled_dot_product_attention(
+                    query[b : b + 1, :, q0:q1],
+                    key[b : b + 1, :, keys],
+                    value[b : b + 1, :, keys],
+                    attn_mask=sub,
+                    is_causal=sub is None,  # a whole sequence of a sequence pack (`document_blocks`)
+                    dropout_p=dropout,
+                    scale=scale,
+                    **({"enable_gqa": True} if grouped else {}),
+                )
+                for q0, q1, keys, sub in blocks
+            ]
+            rows.append(torch.cat(parts, dim=2))
+        out = torch.cat(rows, dim=0)
+    return out.transpose(1, 2).contiguous(), None  # (B, L, heads, head_dim)
+
+
+def _blocks_backward_applies(query, key, value, blocks, dropout: float, grouped: bool) -> bool:
+    """Whether `_AttentionByBlocks` runs the blocks: under autograd, without dropout or autocast,
+    where sdpa would pick its CPU flash kernel (the one it calls). The blocks differ only in length,
+    never empty (a padding token sees itself), so the first block's inputs decide for all."""
+    if grouped or dropout or not torch.is_grad_enabled():
+        return False
+    if not (query.requires_grad or key.requires_grad or value.requires_grad):
+        return False
+    if torch.is_autocast_enabled(query.device.type) or not hasattr(torch, "_fused_sdp_choice"):
+        return False
+    from torch.nn.attention import SDPBackend
+
+    q0, q1, keys, sub = blocks[0][0]
+    n_keys = keys.stop - keys.start if isinstance(keys, slice) else len(keys)
+    q, k, v = query[:1, :, q0:q1], key[:1, :, :n_keys], value[:1, :, :n_keys]
+    choice = torch._fused_sdp_choice(q, k, v, sub, dropout, sub is None, scale=None)
+    return choice == SDPBackend.FLASH_ATTENTION.value
+
+
+class _AttentionByBlocks(torch.autograd.Function):
+    """sdpa by query blocks (`_tree_sdpa`), with the backward of the blocks written out.
+
+    Through autograd, every block's slice of the queries and gather of the keys and values gets a
+    gradient as large as the whole tensor, zeros but for the block's part, and autograd sums those
+    for each block and layer. Here each block's gradients are added into one tensor per input, in
+    the order autograd adds them (the last block first), so the gradients are the same numbers to
+    the bit, without the whole-size tensors. The kernels are those sdpa runs on CPU (its flash
+    kernel and that kernel's backward)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, blocks, scale):
+        kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        saved, rows = [], []
+        for b, row in enumerate(blocks):
+            parts = []
+            for q0, q1, keys, sub in row:
+                q, k, v = query[b : b + 1, :, q0:q1], key[b : b + 1, :, keys], value[b : b + 1, :, keys]
+                out, logsumexp = kernel(q, k, v, 0.0, sub is None, attn_mask=sub, scale=scale)
+                saved.extend((q, k, v, out, logsumexp))
+                parts.append(out)
+            rows.append(torch.cat(parts, dim=2))
+        ctx.save_for_backward(*saved)
+        ctx.blocks, ctx.scale = blocks, scale
+        ctx.shapes = query.shape, key.shape
+        return torch.cat(rows, dim=0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        query_shape, key_shape = ctx.shapes
+        d_query = grad.new_zeros(query_shape)
+        d_key, d_value = grad.new_zeros(key_shape), grad.new_zeros(key_shape)
+        saved = ctx.saved_tensors
+        order = [(b, block) for b, row in enumerate(ctx.blocks) for block in row]
+        for i in reversed(range(len(order))):
+            b, (q0, q1, keys, sub) = order[i]
+            q, k, v, out, logsumexp = saved[5 * i : 5 * i + 5]
+            g = grad[b : b + 1, :, q0:q1]
+            gq, gk, gv = kernel(g, q, k, v, out, logsumexp, 0.0, sub is None, attn_mask=sub, scale=ctx.scale)
+            d_query[b : b + 1, :, q0:q1] += gq
+            if isinstance(keys, slice):
+                d_key[b : b + 1, :, keys] += gk
+                d_value[b : b + 1, :, keys] += gv
+            else:
+                d_key[b].index_add_(1, keys, gk[0])
+                d_value[b].index_add_(1, keys, gv[0])
+        return d_query, d_key, d_value, None, None
 
 
 @contextmanager
