@@ -726,6 +726,22 @@ def rescore_outcome(demo: Demo, lane: Lane) -> None:
     stage(demo, lane, "bon_orm", demo.out / "bon_orm" / "report.json", run_it)
 
 
+def untrained_scores(demo: Demo, lane: Lane) -> None:
+    """The step scores of the test candidates by a PRM head left at its seeded init on the policy:
+    the report's floor, scored in this lane so the report need not wait."""
+
+    from demo.ablation import UNTRAINED_SCORES, write_untrained_step_scores
+
+    def run_it() -> None:
+        # In-process and seeded: the other lane runs its stages as subprocesses meanwhile, so
+        # nothing else in this process draws from torch's generator.
+        write_untrained_step_scores(
+            demo.policy, demo.bon / "candidates.jsonl", demo.bon / UNTRAINED_SCORES, demo.cfg.model.attn_implementation
+        )
+
+    stage(demo, lane, "untrained", demo.bon / UNTRAINED_SCORES, run_it)
+
+
 # ---- 7. PRM-guided search vs Best-of-N at the same generated tokens (soft PRM) -----------------
 def guided_search(demo: Demo, lane: Lane) -> None:
     """recipes/prm_search.py on the first `search_problems` test problems (`search` settings)."""
@@ -763,23 +779,34 @@ def reward_models_and_sampling(demo: Demo) -> None:
 
 
 def two_reward_models_in_lanes(demo: Demo) -> None:
-    """Lane 1: the soft PRM, then the search. Lane 2: the outcome model, then (once the soft PRM is
-    there) the Best-of-N candidates and the outcome model's rescoring of them. The outcome model
-    trains longest and the search is the longest evaluation: they go in different lanes."""
-    soft_ready = threading.Event()
+    """Lane 1: the soft PRM, the Best-of-N candidates it scores, the untrained head's scores of
+    them, then (once the outcome model is there) the outcome model's rescoring. Lane 2: the outcome
+    model, then (once the soft PRM is there) the search. The outcome model trains longest (by row,
+    where the soft PRM trains on tree packs) and the search is the longest evaluation, so each lane
+    holds one of them; each lane waits only for the model it reads."""
+    soft_ready, outcome_ready = threading.Event(), threading.Event()
+    outcome_done = demo.out / MODELS["outcome"][0] / "mmprm_prm.json"
 
-    def lane_soft_and_search(lane: Lane) -> None:
+    def lane_soft_and_candidates(lane: Lane) -> None:
         soft_prm(demo, lane, soft_ready)
-        guided_search(demo, lane)
-
-    def lane_outcome_and_candidates(lane: Lane) -> None:
-        outcome_model(demo, lane)
-        soft_ready.wait()
-        if demo.prm_done.exists():  # else lane 1 failed and says why
-            best_of_n(demo, lane)
+        if not demo.prm_done.exists():
+            return
+        best_of_n(demo, lane)
+        untrained_scores(demo, lane)
+        outcome_ready.wait()
+        if outcome_done.exists():  # else lane 2 failed and says why
             rescore_outcome(demo, lane)
 
-    in_lanes(demo.out, lane_soft_and_search, lane_outcome_and_candidates)
+    def lane_outcome_and_search(lane: Lane) -> None:
+        try:
+            outcome_model(demo, lane)
+        finally:
+            outcome_ready.set()
+        soft_ready.wait()
+        if demo.prm_done.exists():  # else lane 1 failed and says why
+            guided_search(demo, lane)
+
+    in_lanes(demo.out, lane_soft_and_candidates, lane_outcome_and_search)
 
 
 def three_reward_models_in_lanes(demo: Demo) -> None:

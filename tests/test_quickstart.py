@@ -270,8 +270,10 @@ def test_pipeline_on_a_real_chat_template(tmp_path, family):
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"==> [model] starting from {base}" in res.stdout and not (out / "tiny_model").exists()
-    for stage in ("policy", "annotate", "prm", "orm", "bon", "bon_orm", "search", "report"):
+    for stage in ("policy", "annotate", "prm", "orm", "bon", "untrained", "bon_orm", "search", "report"):
         assert f"==> [{stage}]" in res.stdout, stage
+    # the untrained head's scores came from their lane, and the report read them
+    assert (out / "bon" / "untrained_step_scores.jsonl").stat().st_size > 0
     # without `hard_prm` the hard-label PRM is neither trained nor reported
     assert "==> [prm_hard]" not in res.stdout and not (out / "prm_hard").exists()
     # the PRM trained tree-packed on this template's tokenization, the outcome model by row

@@ -19,8 +19,9 @@ The outcome model reads a whole solution as one step; its per-step scores (for t
 are its scores of each prefix, read the same way.
 
 Files read under OUTPUT_DIR: data/heldout_problems.jsonl, bon/candidates.jsonl,
-{bon dir}/scored.jsonl per model and the outcome model's prefix scores (`PREFIX_SCORES` in its
-Best-of-N folder, written first when missing).
+{bon dir}/scored.jsonl per model, the outcome model's prefix scores (`PREFIX_SCORES` in its
+Best-of-N folder) and the untrained head's step scores (`UNTRAINED_SCORES` in bon/), each written
+first when missing.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ SPLITS = ("dev", "test")
 REPORTED = ("min", "average", "last")  # plus each model's dev-chosen aggregator
 OUTCOME = "outcome"
 PREFIX_SCORES = "prefix_scores.jsonl"  # in the outcome model's Best-of-N folder
+UNTRAINED_SCORES = "untrained_step_scores.jsonl"  # in the Best-of-N folder
 
 
 def _split_of(problem_id: str) -> str | None:
@@ -78,6 +80,20 @@ def write_outcome_prefix_scores(
         read_jsonl(candidates_file),
         progress,
     )
+    write_jsonl(out_file, [{"id": i, "candidate": j, "probs": probs} for (i, j), probs in scores.items()])
+
+
+def write_untrained_step_scores(policy: Path, candidates_file: Path, out_file: Path, attn_implementation: str) -> None:
+    """The untrained head's step scores of the test candidates (`_untrained_step_scores`) into
+    `out_file` (JSONL: id, candidate index, one probability per step). `evaluate` reads it; the demo
+    writes it in a lane, so the report does not wait for it."""
+    from mmprm.data.schema import read_jsonl, write_jsonl
+
+    rows = read_jsonl(candidates_file)
+    test_keys = [
+        (r["id"], j) for r in rows if _split_of(r["id"]) == "test" for j, c in enumerate(r["candidates"]) if c["steps"]
+    ]
+    scores = _untrained_step_scores(policy, rows, test_keys, attn_implementation)
     write_jsonl(out_file, [{"id": i, "candidate": j, "probs": probs} for (i, j), probs in scores.items()])
 
 
@@ -147,7 +163,10 @@ def evaluate(
     ids = {s: [r["id"] for r in rows if _split_of(r["id"]) == s] for s in SPLITS}
     verdicts, labels, keys = _exact_labels(problems, rows)
     step_scores = _model_step_scores(out, models, scored, labels, attn_implementation)
-    untrained_scores = _untrained_step_scores(policy, rows, keys["test"], attn_implementation)
+    untrained_file, candidates_file = out / "bon" / UNTRAINED_SCORES, out / "bon" / "candidates.jsonl"
+    if not untrained_file.exists() or untrained_file.stat().st_mtime < candidates_file.stat().st_mtime:
+        write_untrained_step_scores(policy, candidates_file, untrained_file, attn_implementation)
+    untrained_scores = {(r["id"], r["candidate"]): r["probs"] for r in read_jsonl(untrained_file)}
     step, by_kind = _step_results(models, step_scores, untrained_scores, verdicts, labels, keys)
 
     # Best-of-N: one curve per model and split; aggregators chosen on dev, read on test.
