@@ -16,10 +16,13 @@ go wrong there (a changed number) and carry on as written, with soft labels. Bat
 2 packs (a pack is a problem's rows: about as many rows per batch). The sides alternate for
 `--rounds` rounds of `--batches` batches; each keeps its fastest round. A third side runs the
 same packs with the one masked kernel over the whole pack instead of attention by blocks of the
-tree (`mmprm.training.packing.tree_attention`, what packed training does on CPU).
+tree (`mmprm.training.packing.tree_attention`, what packed training does on CPU). A fourth runs
+the blocks with autograd through their slices of the queries and keys, the backward before
+`_AttentionByBlocks` wrote it out; its gradients are checked equal to the bit on the first batch.
 
 Prints ONE JSON line: rows per second of each side, the ratio (packed / rows), the ratio of
-attention by blocks to the full mask, and the share of row tokens a packed batch still runs.
+attention by blocks to the full mask and to autograd through the blocks, and the share of row
+tokens a packed batch still runs.
 """
 
 from __future__ import annotations
@@ -140,6 +143,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         "rows": (by_row, BatchStream(data.column("length"), 16, 0, True)),
         "packed": (packed, BatchStream(plan.lengths, 2, 0, True)),
         "packed_full_mask": (packed, BatchStream(plan.lengths, 2, 0, True)),
+        "packed_autograd_blocks": (packed, BatchStream(plan.lengths, 2, 0, True)),
     }
 
     @contextlib.contextmanager
@@ -151,9 +155,20 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         finally:
             packing.tree_attention = tree_attention
 
+    @contextlib.contextmanager
+    def autograd_blocks():
+        """Attention by blocks, its backward by autograd through the blocks' slices and gathers."""
+        applies = packing._blocks_backward_applies
+        packing._blocks_backward_applies = lambda *args: False
+        try:
+            yield
+        finally:
+            packing._blocks_backward_applies = applies
+
     def train_step(name, collate, indices) -> tuple[int, int]:
         batch, items = collate(indices)
-        with full_mask() if name == "packed_full_mask" else contextlib.nullcontext():
+        context = {"packed_full_mask": full_mask, "packed_autograd_blocks": autograd_blocks}.get(name)
+        with context() if context else contextlib.nullcontext():
             logits = model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))
         loss = soft_bce_value(logits, batch["targets"], batch.get("step_weights"))
         loss.backward()
@@ -161,6 +176,21 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return len(items), run_tokens(batch)
 
+    def grads_of(name, indices) -> dict[str, torch.Tensor]:
+        collate = sides[name][0]
+        batch, _ = collate(indices)
+        context = {"packed_full_mask": full_mask, "packed_autograd_blocks": autograd_blocks}.get(name)
+        with context() if context else contextlib.nullcontext():
+            logits = model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))
+        soft_bce_value(logits, batch["targets"], batch.get("step_weights")).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        optimizer.zero_grad(set_to_none=True)
+        return grads
+
+    first = sides["packed"][1].next()
+    written, through = grads_of("packed", first), grads_of("packed_autograd_blocks", first)
+    if written.keys() != through.keys() or not all(torch.equal(written[n], through[n]) for n in written):
+        raise SystemExit("prm_packing: the written-out backward of the blocks differs from autograd's")
     for name, (collate, stream) in sides.items():  # warm-up: the prompt cache, first-call allocations
         train_step(name, collate, stream.next())
     best = {name: 0.0 for name in sides}
@@ -184,6 +214,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         "rows_per_s": {name: round(v, 1) for name, v in best.items()},
         "ratio": round(best["packed"] / best["rows"], 2),
         "ratio_blocks_vs_full_mask": round(best["packed"] / best["packed_full_mask"], 2),
+        "ratio_written_backward_vs_autograd": round(best["packed"] / best["packed_autograd_blocks"], 2),
+        "gradients_equal": True,  # checked above, on the first packed batch
     }
 
 

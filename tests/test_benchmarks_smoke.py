@@ -301,6 +301,8 @@ def test_prm_packing_quick():
     assert res["rows_per_problem"] > 5 and 0.2 < res["packed_token_share"] < 0.8
     assert res["rows_per_s"]["rows"] > 0 and res["rows_per_s"]["packed"] > 0 and res["ratio"] > 0
     assert res["rows_per_s"]["packed_full_mask"] > 0 and res["ratio_blocks_vs_full_mask"] > 0
+    # the script fails unless the written-out backward of the blocks gave autograd's gradients
+    assert res["gradients_equal"] and res["ratio_written_backward_vs_autograd"] > 0
 
 
 @pytest.mark.slow
