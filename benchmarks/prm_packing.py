@@ -165,24 +165,22 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         finally:
             packing._blocks_backward_applies = applies
 
-    def train_step(name, collate, indices) -> tuple[int, int]:
-        batch, items = collate(indices)
+    def backward(name, batch) -> None:
+        """The loss of BATCH on side NAME's attention, and its gradients."""
         context = {"packed_full_mask": full_mask, "packed_autograd_blocks": autograd_blocks}.get(name)
         with context() if context else contextlib.nullcontext():
             logits = model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))
-        loss = soft_bce_value(logits, batch["targets"], batch.get("step_weights"))
-        loss.backward()
+        soft_bce_value(logits, batch["targets"], batch.get("step_weights")).backward()
+
+    def train_step(name, collate, indices) -> tuple[int, int]:
+        batch, items = collate(indices)
+        backward(name, batch)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return len(items), run_tokens(batch)
 
     def grads_of(name, indices) -> dict[str, torch.Tensor]:
-        collate = sides[name][0]
-        batch, _ = collate(indices)
-        context = {"packed_full_mask": full_mask, "packed_autograd_blocks": autograd_blocks}.get(name)
-        with context() if context else contextlib.nullcontext():
-            logits = model(batch["input_ids"], batch["attention_mask"], batch["step_mask"], **model_input_keys(batch))
-        soft_bce_value(logits, batch["targets"], batch.get("step_weights")).backward()
+        backward(name, sides[name][0](indices)[0])
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         optimizer.zero_grad(set_to_none=True)
         return grads

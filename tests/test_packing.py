@@ -123,6 +123,13 @@ def test_attention_by_blocks_gives_the_gradients_of_the_full_mask(tiny_models, m
         assert torch.allclose(by_blocks[name], g, atol=1e-6, rtol=1e-4), name
 
 
+def _count_written_backward(monkeypatch) -> list:
+    """One entry per attention layer that ran `_AttentionByBlocks`."""
+    applied, apply = [], packing._AttentionByBlocks.apply
+    monkeypatch.setattr(packing._AttentionByBlocks, "apply", lambda *a: applied.append(1) or apply(*a))
+    return applied
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_attention_by_blocks_backward_gives_autograds_gradients_to_the_bit(tiny_models, arch, monkeypatch):
     """The blocks' backward written out (`_AttentionByBlocks`) adds each block's gradients in the
@@ -133,9 +140,7 @@ def test_attention_by_blocks_backward_gives_autograds_gradients_to_the_bit(tiny_
         _pad(processor),
     )
     _count_tree_blocks(monkeypatch, block=4)
-    applied = []
-    apply = packing._AttentionByBlocks.apply
-    monkeypatch.setattr(packing._AttentionByBlocks, "apply", lambda *a: applied.append(1) or apply(*a))
+    applied = _count_written_backward(monkeypatch)
 
     def loss_and_grads():
         model.zero_grad()
@@ -157,9 +162,7 @@ def test_attention_by_blocks_backward_gives_autograds_gradients_to_the_bit(tiny_
 def test_attention_by_blocks_backward_is_not_taken_without_autograd_or_under_autocast(tiny_models, monkeypatch):
     model, processor = _prm(tiny_models, "qwen2_vl")
     batch = collate_packed([pack_rows(_rows(processor, "qwen2_vl"))], _pad(processor))
-    applied = []
-    apply = packing._AttentionByBlocks.apply
-    monkeypatch.setattr(packing._AttentionByBlocks, "apply", lambda *a: applied.append(1) or apply(*a))
+    applied = _count_written_backward(monkeypatch)
     with torch.no_grad():
         model(**_inputs(batch))
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -90,10 +90,7 @@ def write_untrained_step_scores(policy: Path, candidates_file: Path, out_file: P
     from mmprm.data.schema import read_jsonl, write_jsonl
 
     rows = read_jsonl(candidates_file)
-    test_keys = [
-        (r["id"], j) for r in rows if _split_of(r["id"]) == "test" for j, c in enumerate(r["candidates"]) if c["steps"]
-    ]
-    scores = _untrained_step_scores(policy, rows, test_keys, attn_implementation)
+    scores = _untrained_step_scores(policy, rows, _keys_with_steps(rows, "test"), attn_implementation)
     write_jsonl(out_file, [{"id": i, "candidate": j, "probs": probs} for (i, j), probs in scores.items()])
 
 
@@ -208,8 +205,15 @@ def _exact_labels(problems: Mapping[str, dict], rows: Sequence[dict]) -> tuple[d
             if c["steps"]:
                 verdicts[(r["id"], j)] = step_verdicts(p["meta"]["tiles"], c["steps"], c["answer"], p["answer"])
     labels = {k: [1.0 if v == RIGHT else 0.0 for v in vs] for k, vs in verdicts.items()}
-    keys = {s: [k for k in labels if _split_of(k[0]) == s] for s in SPLITS}
-    return verdicts, labels, keys
+    return verdicts, labels, {s: _keys_with_steps(rows, s) for s in SPLITS}
+
+
+def _keys_with_steps(rows: Sequence[dict], split: str) -> list[tuple[str, int]]:
+    """(problem id, candidate index) of SPLIT's candidates with steps, in file order: the ones
+    with exact labels."""
+    return [
+        (r["id"], j) for r in rows if _split_of(r["id"]) == split for j, c in enumerate(r["candidates"]) if c["steps"]
+    ]
 
 
 def _model_step_scores(
