@@ -1,7 +1,12 @@
 #!/bin/bash
-# First contact with a GPU machine: install, report, check, annotate, score; each step time-boxed,
-# all of it within BUDGET seconds (default 470, under 8 minutes). Ends with ONE JSON line: each
-# step's status (ok, failed, timeout, no_time, blocked, not_run, dry_run), exit code and seconds.
+# First contact with a GPU node of YOUR OWN cluster, one that reaches PyPI: install, report, check,
+# annotate, score; each step time-boxed, all of it within BUDGET seconds (default 470, under 8
+# minutes). For a lent machine with no package registry (the device tool's), run
+# gpu_lease_check.sh instead: it installs nothing from a registry.
+#
+# Results in one place, OUT (default runs/first_contact): summary.json (each step's status, rc,
+# seconds, limit and its own JSON line), logs/STEP.log; the summary is also the ONE JSON line this
+# prints. Status: ok, failed, timeout, no_time, blocked, not_run, dry_run.
 #
 # Usage, from a fresh clone on a bare one-GPU machine with pip access:
 #   bash benchmarks/gpu_first_contact.sh
@@ -17,17 +22,19 @@
 #   gpu_check  (150) make gpu-check, shortened (10 steps, 64 rows), --skip vllm_tp,flash_attn
 #   annotate   (45)  a toy policy and 4 toy problems, mcts_annotate.py with policy.backend=vllm
 #   score      (35)  benchmarks/prm_vllm_scoring.py --quick: the vLLM and HF scorers agree
-# Logs: WORK/logs/STEP.log (WORK default runs/first_contact). Exit 0 when every step run passed.
+# Exit 0 when every step run passed.
+# the step functions run through `step` (timeboxed.sh), which shellcheck cannot follow
+# shellcheck disable=SC2317
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2
 BUDGET=${BUDGET:-470}
-WORK=${WORK:-runs/first_contact}
+OUT=${OUT:-runs/first_contact}
 VENV=${VENV:-.venv-gpu}
 TORCH_GPU=${TORCH_GPU:-torch==2.14.0}
-DRY_RUN=${DRY_RUN:-0}
 STEPS=${STEPS:-install env gpu_check annotate score}
-mkdir -p "$WORK/logs"
+WORK=$OUT/work
+export VENV TORCH_GPU WORK
 
 if [[ -n ${PYTHON:-} ]]; then
     py=$PYTHON
@@ -35,45 +42,11 @@ if [[ -n ${PYTHON:-} ]]; then
 else
     py=$VENV/bin/python
 fi
+export py
 
-start=$(date +%s)
-steps_json=()
-all_ok=1
-install_failed=0
-
-# step NAME LIMIT CMD...: run CMD under `timeout`, within what is left of the budget; record it.
-step() {
-    local name=$1 limit=$2
-    shift 2
-    local status rc=null seconds=0 left
-    left=$((BUDGET - ($(date +%s) - start)))
-    ((limit > left)) && limit=$left
-    if [[ " $STEPS " != *" $name "* ]]; then
-        status=not_run
-    elif ((DRY_RUN)); then
-        status=dry_run
-    elif ((install_failed)); then
-        status=blocked
-    elif ((limit < 5)); then
-        status=no_time
-    else
-        local t0
-        t0=$(date +%s.%N)
-        timeout --kill-after=10 "$limit" "$@" > "$WORK/logs/$name.log" 2>&1
-        rc=$?
-        seconds=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
-        case $rc in
-            0) status=ok ;;
-            124 | 137) status=timeout ;;
-            *) status=failed ;;
-        esac
-    fi
-    case $status in ok | not_run | dry_run) ;; *) all_ok=0 ;; esac
-    if [[ $name == install && $status != ok && $status != not_run && $status != dry_run ]]; then
-        install_failed=1
-    fi
-    steps_json+=("{\"name\": \"$name\", \"status\": \"$status\", \"rc\": $rc, \"seconds\": $seconds, \"limit_s\": $limit}")
-}
+# shellcheck source=benchmarks/timeboxed.sh
+source benchmarks/timeboxed.sh
+steps_begin "$OUT/logs" "$OUT/summary.json" "$BUDGET" gpu_first_contact
 
 install() {
     python3 -m venv "$VENV" &&
@@ -94,15 +67,10 @@ annotate() {
             policy.sampling.max_new_tokens=64
 }
 
-step install 210 install
+step install 210 install || steps_block "the install failed (logs/install.log)"
 step env 40 "$py" -m mmprm.cli env
 step gpu_check 150 make gpu-check PYTHON="$py" \
     GPU_CHECK_ARGS="--steps 10 --rows 64 --timeout 100 --probe-tokens 2048 --skip vllm_tp,flash_attn"
 step annotate 45 annotate
 step score 35 "$py" benchmarks/prm_vllm_scoring.py --quick --device cuda --dtype bfloat16
-
-total=$(($(date +%s) - start))
-joined=$(printf '%s, ' "${steps_json[@]}")
-ok=$([[ $all_ok == 1 ]] && echo true || echo false)
-echo "{\"script\": \"gpu_first_contact\", \"ok\": $ok, \"seconds\": $total, \"budget_s\": $BUDGET, \"steps\": [${joined%, }]}"
-((all_ok)) || exit 1
+steps_end
