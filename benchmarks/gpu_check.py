@@ -2,6 +2,7 @@
 
     make gpu-check                                   # every visible GPU, under 10 minutes on 8
     python benchmarks/gpu_check.py --processes 1     # one GPU
+    python benchmarks/gpu_check.py --only zero3,scorer  # one group of checks (the rest not run)
 
 On tiny random-init models (nothing is downloaded), with every visible GPU unless told otherwise:
 
@@ -88,6 +89,16 @@ def parse_skip(values: list[str]) -> set[str]:
     unknown = sorted(names - set(CHECKS))
     if unknown:
         raise ValueError(f"--skip {','.join(unknown)}: no such check (the checks: {', '.join(CHECKS)})")
+    return names
+
+
+def parse_only(values: list[str]) -> set[str]:
+    """The checks to run, from --only (repeated, or comma separated): every other check is skipped as
+    if named with --skip. ValueError on an unknown name."""
+    names = {n.strip() for v in values for n in v.split(",") if n.strip()}
+    unknown = sorted(names - set(CHECKS))
+    if unknown:
+        raise ValueError(f"--only {','.join(unknown)}: no such check (the checks: {', '.join(CHECKS)})")
     return names
 
 
@@ -547,6 +558,14 @@ def main(argv: list[str]) -> int:
         metavar="NAME[,NAME]",
         help=f"do not run these checks, and do not count them as failed (one of: {', '.join(CHECKS)})",
     )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME[,NAME]",
+        help="run only these checks (a group), the others as if skipped: so that a timeout of one group "
+        "loses that group's JSON line only (benchmarks/gpu_lease_check.sh runs the check so)",
+    )
     parser.add_argument("--vllm-worker", default=None, help=argparse.SUPPRESS)  # a torchrun rank of the vLLM check
     parser.add_argument("--vllm-tp-worker", default=None, help=argparse.SUPPRESS)  # the TP=2 engine
     args = parser.parse_args(argv)
@@ -558,6 +577,7 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         skip = parse_skip(args.skip)
+        only = parse_only(args.only)
     except ValueError as e:
         print(f"gpu-check: {e}", file=sys.stderr)
         return 2
@@ -579,6 +599,8 @@ def main(argv: list[str]) -> int:
         return 2
     from mmprm.models.tiny import build_tiny_model
 
+    if only:
+        skip |= set(CHECKS) - only
     t_start = time.time()
     if args.processes is None:
         args.processes = max(1, torch.cuda.device_count())
@@ -592,6 +614,7 @@ def main(argv: list[str]) -> int:
         "cuda": torch.version.cuda,
         "deepspeed": deepspeed.__version__,
         "steps": args.steps,
+        "only": sorted(only),
         "skipped_by_user": sorted(skip),
     }
 
@@ -606,7 +629,9 @@ def main(argv: list[str]) -> int:
     flash = run("flash_attn", flash_attn_check, device)
     attn = "flash_attention_2" if flash and flash["ok"] else "sdpa"
     result["attn_implementation"] = attn
-    model = build_tiny_model("qwen2_5_vl", root / "model", seed=0, hidden_size=args.hidden_size, num_layers=4)
+    if {"zero2", "zero3", "zero3_packed"} - skip:
+        build_tiny_model("qwen2_5_vl", root / "model", seed=0, hidden_size=args.hidden_size, num_layers=4)
+    model = root / "model"
     train_file = write_step_data(root / "data", args.rows, 0, "train")
     eval_file = write_step_data(root / "data", 32, 1, "eval")
     tree_file = write_tree_data(root / "data", max(8, args.rows // 3), 2)

@@ -178,6 +178,24 @@ def test_gpu_check_lists_its_checks_and_refuses_an_unknown_skip():
     assert bad.returncode == 2 and "--skip vlm: no such check" in bad.stderr and bad.stdout == ""
 
 
+def test_gpu_check_runs_one_group_with_only():
+    """--only runs a group (benchmarks/gpu_lease_check.sh runs the check so: a timeout loses one
+    group's JSON line); every other check counts as skipped, and an unknown name is refused."""
+    gpu_check = load_gpu_check()
+    assert gpu_check.parse_only(["zero3,scorer"]) == {"zero3", "scorer"}
+    with pytest.raises(ValueError, match=r"--only nope: no such check"):
+        gpu_check.parse_only(["nope"])
+    skip = set(gpu_check.CHECKS) - {"zero3", "scorer"}
+    assert gpu_check.verdict({"zero3": {"ok": True}, "scorer": {"ok": False}}, skip) == ["scorer"]
+    bad = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--only", "zero9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "--only zero9: no such check" in bad.stderr
+
+
 @pytest.mark.slow
 def test_gpu_check_logic_on_cpu():
     """The same script end to end on CPU (small model, few steps): every path a GPU run takes."""
